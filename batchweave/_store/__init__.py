@@ -1,0 +1,1 @@
+"""Object-store layer: the interface, its backends and wrappers. Knows nothing of manifests."""

@@ -1,0 +1,177 @@
+"""The object-store seam: one small interface every backend implements.
+
+The rest of BatchWeave talks to storage only through :class:`ObjectStore`. It knows nothing of
+manifests or TGBs; the commit protocol knows nothing of boto3. Conditional creation is a typed
+:class:`PutMode`, never a boolean, and backends must implement it natively (an atomic primitive
+of the store), never as check-then-set.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from batchweave._errors import InvalidKey
+
+__all__ = [
+    "Bounded",
+    "ByteRange",
+    "ObjectMeta",
+    "ObjectStore",
+    "Offset",
+    "PutMode",
+    "Suffix",
+    "validate_key",
+]
+
+
+class PutMode(enum.Enum):
+    """How :meth:`ObjectStore.put` treats an existing object under the key."""
+
+    OVERWRITE = "overwrite"
+    """Replace whatever is there (plain PUT)."""
+
+    CREATE = "create"
+    """Create only if absent (``If-None-Match: *``); raise ``ObjectExists`` otherwise."""
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """What a store knows about one object without reading it."""
+
+    key: str
+    size: int
+    last_modified: float
+    """Seconds since the epoch (UTC)."""
+    etag: str | None = None
+
+
+@dataclass(frozen=True)
+class Bounded:
+    """Bytes ``[start, end)`` of an object. ``end`` past the object's size is clamped."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.end < self.start:
+            raise ValueError(f"invalid byte range [{self.start}, {self.end})")
+
+
+@dataclass(frozen=True)
+class Offset:
+    """Bytes from ``start`` to the end of the object."""
+
+    start: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            raise ValueError(f"invalid range offset {self.start}")
+
+
+@dataclass(frozen=True)
+class Suffix:
+    """The last ``length`` bytes of the object (all of it if shorter)."""
+
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.length <= 0:
+            raise ValueError(f"suffix length must be positive, got {self.length}")
+
+
+ByteRange = Bounded | Offset | Suffix
+
+
+def resolve_range(rng: ByteRange, size: int) -> tuple[int, int]:
+    """Return the absolute ``[start, end)`` that ``rng`` selects in an object of ``size`` bytes."""
+    if isinstance(rng, Bounded):
+        return min(rng.start, size), min(rng.end, size)
+    if isinstance(rng, Offset):
+        return min(rng.start, size), size
+    return max(0, size - rng.length), size
+
+
+_FORBIDDEN_CHARS = ("\x00", "\\")
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative object key, else raise :class:`InvalidKey`.
+
+    Keys are ``/``-separated relative paths. Empty keys, absolute keys, ``.``/``..`` segments,
+    empty segments, NUL bytes and backslashes are refused on every backend, so a key that works
+    on one backend works on all and can never escape a ``file://`` root.
+    """
+    if not isinstance(key, str) or not key:
+        raise InvalidKey(f"object key must be a non-empty string, got {key!r}")
+    for ch in _FORBIDDEN_CHARS:
+        if ch in key:
+            raise InvalidKey(f"object key {key!r} contains a forbidden character {ch!r}")
+    if key.startswith("/"):
+        raise InvalidKey(f"object key {key!r} is absolute; keys are relative to the store root")
+    for part in key.split("/"):
+        if part in ("", ".", ".."):
+            raise InvalidKey(
+                f"object key {key!r} has an empty, '.' or '..' segment; use plain relative paths"
+            )
+    return key
+
+
+class ObjectStore(abc.ABC):
+    """A flat key -> bytes store with atomic create-if-absent.
+
+    Implementations must be safe to call from many threads at once. Errors are always leaves of
+    :class:`batchweave.StoreError`; backend exceptions never leak.
+    """
+
+    url: str
+    """The store's URL, without credentials (safe to log)."""
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        """Write ``data`` under ``key``. With ``PutMode.CREATE``, raise ``ObjectExists`` if taken.
+
+        Readers see either the whole new object or none of it.
+        """
+
+    def put_if_absent(self, key: str, data: bytes | memoryview) -> None:
+        """Create ``key`` only if no object exists there; raise ``ObjectExists`` otherwise."""
+        self.put(key, data, mode=PutMode.CREATE)
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """Return the whole object; raise ``ObjectNotFound`` if absent."""
+
+    @abc.abstractmethod
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        """Return the bytes ``rng`` selects, clamped to the object; ``ObjectNotFound`` if absent."""
+
+    @abc.abstractmethod
+    def head(self, key: str) -> ObjectMeta:
+        """Return the object's metadata; raise ``ObjectNotFound`` if absent."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        """Yield objects whose key starts with ``prefix``, in lexicographic key order.
+
+        Only keys strictly greater than ``start_after`` are yielded. Pages are fetched lazily, so
+        stopping early costs only the pages read.
+        """
+
+    @abc.abstractmethod
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """Delete every key; keys that do not exist are ignored (deletion is idempotent)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
+        """Release connections or handles. The store must not be used afterwards."""
+
+    def __enter__(self) -> ObjectStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
