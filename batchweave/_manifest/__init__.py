@@ -1,0 +1,1 @@
+"""Versioned manifests: the models, their encoding, segments and the commit protocol."""

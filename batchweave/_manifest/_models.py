@@ -1,0 +1,157 @@
+"""What a manifest version persists: pydantic models, JSON encoded, with an explicit format.
+
+A manifest version is the complete state of a namespace: its identity (mesh, namespace id), the
+ordered TGB list (``base_step``, immutable segment references, an inline tail), every producer's
+committed state, and whether the stream is sealed. Step ``s`` is the ``s``-th TGB descriptor of
+that list; steps are assigned at commit and never change.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from batchweave._mesh import Mesh
+
+__all__ = [
+    "MANIFEST_FORMAT",
+    "SEGMENT_FORMAT",
+    "Manifest",
+    "ProducerState",
+    "Segment",
+    "SegmentRef",
+    "TgbDescriptor",
+    "TgbObjectRef",
+]
+
+MANIFEST_FORMAT = 1
+"""Manifest format this library writes and the newest it reads."""
+
+SEGMENT_FORMAT = 1
+"""Segment format this library writes and the newest it reads."""
+
+_STRICT = ConfigDict(frozen=True, extra="forbid")
+
+
+class TgbObjectRef(BaseModel):
+    """One immutable object holding a contiguous run of a TGB's slices."""
+
+    model_config = _STRICT
+
+    key: str
+    """Object key relative to the namespace root, e.g. ``data/prep-0/3/17-<uuid>.tgb``."""
+    size: int = Field(ge=0)
+    first_slice: int = Field(default=0, ge=0)
+    """Index (``d * cp + c``) of the first slice this object holds."""
+    slice_count: int = Field(ge=1)
+    footer_offset: int = Field(ge=0)
+    footer_length: int = Field(ge=1)
+    footer_checksum: int = Field(ge=0)
+    """Checksum of the footer bytes, checked when the footer is fetched by exact range."""
+
+
+class TgbDescriptor(BaseModel):
+    """Everything a consumer needs to read one TGB, and who produced it."""
+
+    model_config = _STRICT
+
+    producer_id: str
+    epoch: int = Field(ge=0)
+    offset: int = Field(ge=0)
+    """The producer's source offset for this TGB; strictly increasing per producer."""
+    objects: tuple[TgbObjectRef, ...] = Field(min_length=1)
+    bytes: int = Field(ge=0)
+    """Total stored bytes over all objects."""
+    samples: int | None = Field(default=None, ge=0)
+    """Total sample count over all slices, when the producer knows it."""
+
+
+class SegmentRef(BaseModel):
+    """A manifest's pointer to an immutable segment object holding a run of descriptors."""
+
+    model_config = _STRICT
+
+    key: str
+    first_step: int = Field(ge=0)
+    count: int = Field(ge=1)
+    bytes: int = Field(ge=0)
+    checksum: int = Field(ge=0)
+
+    @property
+    def end_step(self) -> int:
+        """One past the last step in the segment."""
+        return self.first_step + self.count
+
+
+class Segment(BaseModel):
+    """The body of a segment object: ``count`` descriptors starting at ``first_step``."""
+
+    model_config = _STRICT
+
+    format: int = SEGMENT_FORMAT
+    namespace_id: str
+    first_step: int = Field(ge=0)
+    tgbs: tuple[TgbDescriptor, ...] = Field(min_length=1)
+
+
+class ProducerState(BaseModel):
+    """A producer's committed state: the basis of fencing and exactly-once resume."""
+
+    model_config = _STRICT
+
+    epoch: int = Field(ge=0)
+    """Bumped by a commit each time the producer starts; a lower epoch is fenced."""
+    offset: int | None = Field(default=None, ge=0)
+    """Highest source offset committed by this producer (``None``: nothing yet)."""
+    last_version: int = Field(ge=0)
+    """Manifest version of this producer's last successful commit."""
+    last_commit_at: float = 0.0
+    """Wall-clock time (seconds since the epoch) of that commit; used to count active producers."""
+
+
+class Manifest(BaseModel):
+    """One immutable manifest version: the complete state of a namespace."""
+
+    model_config = _STRICT
+
+    format: int = MANIFEST_FORMAT
+    namespace_id: str
+    mesh: Mesh
+    version: int = Field(ge=0)
+    parent: int | None = Field(default=None, ge=0)
+    commit_id: str
+    """Random id of the attempt that wrote this version; resolves ambiguous writes."""
+    created_at: float = 0.0
+    base_step: int = Field(default=0, ge=0)
+    """Steps below this were reclaimed and can no longer be read."""
+    segments: tuple[SegmentRef, ...] = ()
+    """Immutable runs of descriptors, contiguous and in step order, ending where the tail starts."""
+    tail: tuple[TgbDescriptor, ...] = ()
+    """Descriptors not yet moved into a segment, for steps ``tail_start .. next_step - 1``."""
+    tail_start: int = Field(default=0, ge=0)
+    producers: dict[str, ProducerState] = Field(default_factory=dict)
+    sealed: bool = False
+    """Set by a final commit: consumers stop cleanly after ``next_step``."""
+
+    @property
+    def next_step(self) -> int:
+        """The step the next committed TGB will get (= number of steps ever committed)."""
+        return self.tail_start + len(self.tail)
+
+    @model_validator(mode="after")
+    def _check_step_layout(self) -> Manifest:
+        expected = self.segments[0].first_step if self.segments else self.tail_start
+        for ref in self.segments:
+            if ref.first_step != expected:
+                raise ValueError(
+                    f"segment {ref.key!r} starts at step {ref.first_step}, expected {expected}"
+                )
+            expected = ref.end_step
+        if self.tail_start != expected:
+            raise ValueError(f"tail starts at step {self.tail_start}, expected {expected}")
+        first_listed = self.segments[0].first_step if self.segments else self.tail_start
+        if self.base_step > self.next_step or (self.base_step < first_listed):
+            raise ValueError(
+                f"base_step {self.base_step} outside the listed steps "
+                f"[{first_listed}, {self.next_step}]"
+            )
+        return self
