@@ -3,15 +3,53 @@
 Every policy answers one question, :meth:`CommitPolicy.ready`, and learns from every attempt via
 :meth:`CommitPolicy.record`. The producer's commit loop is the same for all of them, so benchmarks
 swap policies by name (:func:`make_policy`).
+
+``dac`` is BatchWeave's Decentralized Adaptive Commit (``docs/dac.md``): a post-attempt gap derived
+in closed form from a conflict budget and a duty budget. The others are the paper's baselines:
+``naive`` (attempt whenever a TGB is pending), ``fixed10``/``fixed100`` (every 10/100 TGBs),
+``incr`` (every ``k`` TGBs, ``k`` starting at 10 and growing by one per conflict) and ``aimd``
+(interval grows by an addend on success and halves on conflict).
 """
 
 from __future__ import annotations
 
 import abc
+import math
+import random
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
-__all__ = ["AttemptOutcome", "CommitPolicy", "make_policy", "policy_names"]
+__all__ = [
+    "AimdPolicy",
+    "AttemptOutcome",
+    "CommitPolicy",
+    "DacPolicy",
+    "Fixed100Policy",
+    "Fixed10Policy",
+    "FixedCountPolicy",
+    "IncrPolicy",
+    "NaivePolicy",
+    "UniformSource",
+    "conflict_probability",
+    "dac_gap",
+    "duty",
+    "make_policy",
+    "policy_names",
+]
+
+DEFAULT_CONFLICT_BUDGET = 0.1
+"""``eps``: at most one attempt in ten is expected to lose its conditional PUT."""
+
+DEFAULT_DUTY_BUDGET = 0.1
+"""``delta``: at most a tenth of a producer's wall time is spent inside a fragile window.
+
+The paper calls this the overhead budget. It bounds the manifest request rate of a producer that
+has no competition (``N = 1``, where the conflict bound is ``<= 0``) to one attempt per ``10 W``,
+so a lone producer neither hammers the store with manifest PUTs nor piles up one manifest object
+per TGB, while keeping TGBs visible within about ``10 W`` (half a second for a 50 ms window). With
+``eps = 0.1`` the two bounds cross near ``N = 1 + k / delta ~ 2``: from three producers on the
+conflict budget decides and the duty budget is slack.
+"""
 
 
 @dataclass(frozen=True)
@@ -40,7 +78,9 @@ class CommitPolicy(abc.ABC):
         ``pending`` is the number of uploaded, uncommitted TGBs (>= 1 when asked);
         ``since_last_attempt`` is the time in seconds since the previous attempt ended
         (``inf`` before the first). ``flush()``/``close()`` bypass the TGB-count condition but
-        still respect the policy's time gap.
+        still respect the policy's time gap. For a fixed ``pending`` the answer never turns from
+        True to False as time passes, and the only time threshold is :attr:`gap`: a loop that
+        re-asks at each new TGB and once ``since_last_attempt`` reaches ``gap`` misses nothing.
         """
 
     @abc.abstractmethod
@@ -53,7 +93,24 @@ class CommitPolicy(abc.ABC):
         return 0.0
 
 
+class UniformSource(Protocol):
+    """A random source for jitter; :class:`random.Random` is one. Injected to make tests exact."""
+
+    def uniform(self, a: float, b: float) -> float:
+        """A number drawn uniformly from ``[a, b]``."""
+        ...
+
+
 _REGISTRY: dict[str, type[CommitPolicy]] = {}
+
+_P = TypeVar("_P", bound=type[CommitPolicy])
+
+
+def _register(cls: _P) -> _P:
+    if cls.name in _REGISTRY:
+        raise RuntimeError(f"commit policy name {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
 
 
 def policy_names() -> list[str]:
@@ -61,12 +118,307 @@ def policy_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_policy(name: str, **options: float) -> CommitPolicy:
-    """Build the policy registered under ``name`` (``dac``, ``naive``, ``fixed10``, ...)."""
+def make_policy(name: str, **options: Any) -> CommitPolicy:
+    """Build the policy registered under ``name`` (``dac``, ``naive``, ``fixed10``, ...).
+
+    ``options`` go to the policy's constructor, e.g. ``make_policy("dac", conflict_budget=0.05)``.
+    """
     try:
         cls = _REGISTRY[name]
     except KeyError:
         raise ValueError(
             f"unknown commit policy {name!r}; choose one of {', '.join(policy_names())}"
         ) from None
-    return cls(**options)
+    try:
+        return cls(**options)
+    except TypeError as exc:
+        raise ValueError(f"bad options {sorted(options)} for commit policy {name!r}: {exc}") from exc
+
+
+# --- DAC model -------------------------------------------------------------------------------
+
+
+def _check_window(window: float) -> None:
+    if not (math.isfinite(window) and window >= 0):
+        raise ValueError(f"fragile window must be a finite number of seconds >= 0, got {window!r}")
+
+
+def _check_producers(producers: int) -> None:
+    if producers < 1:
+        raise ValueError(f"active producer count must be >= 1, got {producers!r}")
+
+
+def _check_budgets(conflict_budget: float, duty_budget: float) -> None:
+    if not 0 < conflict_budget < 1:
+        raise ValueError(
+            f"conflict_budget must be in (0, 1) (a probability per attempt), got {conflict_budget!r}"
+        )
+    if not 0 < duty_budget <= 1:
+        raise ValueError(
+            f"duty_budget must be in (0, 1] (a fraction of wall time), got {duty_budget!r}"
+        )
+
+
+def conflict_probability(window: float, gap: float, producers: int) -> float:
+    """``p(g) = 1 - exp(-(N-1) W / (W+g))``: the chance that an attempt loses its conditional PUT.
+
+    Models each of the other ``N-1`` producers' attempt starts as a Poisson process of rate
+    ``1/(W+g)``; an attempt conflicts if any of them lands in its fragile window ``W``.
+    """
+    _check_window(window)
+    _check_producers(producers)
+    if gap < 0:
+        raise ValueError(f"gap must be >= 0 seconds, got {gap!r}")
+    if window == 0:
+        return 0.0
+    return -math.expm1(-(producers - 1) * window / (window + gap))
+
+
+def duty(window: float, gap: float) -> float:
+    """``d(g) = W / (W+g)``: the fraction of a producer's time spent inside fragile windows."""
+    _check_window(window)
+    if gap < 0:
+        raise ValueError(f"gap must be >= 0 seconds, got {gap!r}")
+    if window == 0:
+        return 0.0
+    return window / (window + gap)
+
+
+def dac_gap(
+    window: float,
+    producers: int,
+    conflict_budget: float = DEFAULT_CONFLICT_BUDGET,
+    duty_budget: float = DEFAULT_DUTY_BUDGET,
+) -> float:
+    """The smallest gap ``g*`` with ``p(g) <= eps`` and ``d(g) <= delta`` (no jitter).
+
+    With ``k = -ln(1-eps)``: ``p <= eps`` iff ``g >= W((N-1)/k - 1)``, ``d <= delta`` iff
+    ``g >= W(1/delta - 1)``; ``g* = max(0, both)``. Both ``p`` and ``d`` fall as ``g`` grows, so
+    the larger bound is the smallest feasible gap: the freshest cadence inside both budgets.
+    """
+    _check_window(window)
+    _check_producers(producers)
+    _check_budgets(conflict_budget, duty_budget)
+    k = -math.log1p(-conflict_budget)
+    conflict_bound = window * ((producers - 1) / k - 1)
+    duty_bound = window * (1 / duty_budget - 1)
+    return max(0.0, conflict_bound, duty_bound)
+
+
+@_register
+class DacPolicy(CommitPolicy):
+    """Decentralized Adaptive Commit: wait ``g = g*(1+u)`` after every attempt.
+
+    ``W`` is an exponential moving average of measured fragile windows (``W <- (1-a)W + a w``),
+    ``N`` the active producer count of the latest committed manifest; ``g*`` is :func:`dac_gap`
+    and ``u ~ Uniform(-jitter, jitter)`` keeps producers from falling into lock step. The gap is
+    recomputed after every attempt, so growing manifests (larger ``W``) and joining producers
+    (larger ``N``) widen it with no messages between producers.
+    """
+
+    name: ClassVar[str] = "dac"
+
+    def __init__(
+        self,
+        conflict_budget: float = DEFAULT_CONFLICT_BUDGET,
+        duty_budget: float = DEFAULT_DUTY_BUDGET,
+        ema_alpha: float = 0.2,
+        jitter: float = 0.2,
+        initial_window: float | None = None,
+        rng: UniformSource | None = None,
+        seed: int | None = None,
+    ) -> None:
+        _check_budgets(conflict_budget, duty_budget)
+        if not 0 < ema_alpha <= 1:
+            raise ValueError(f"ema_alpha must be in (0, 1], got {ema_alpha!r}")
+        if not 0 <= jitter < 1:
+            raise ValueError(
+                f"jitter must be in [0, 1) so the gap stays positive, got {jitter!r}"
+            )
+        if initial_window is not None:
+            _check_window(initial_window)
+        if rng is not None and seed is not None:
+            raise ValueError("pass either rng or seed to DacPolicy, not both")
+        self.conflict_budget = conflict_budget
+        self.duty_budget = duty_budget
+        self.ema_alpha = ema_alpha
+        self.jitter = jitter
+        self._rng: UniformSource = rng if rng is not None else random.Random(seed)
+        self._window = initial_window
+        self._producers = 1
+        self._target = 0.0
+        self._gap = 0.0
+
+    @property
+    def window(self) -> float | None:
+        """The EMA of the fragile window in seconds (None before the first measurement)."""
+        return self._window
+
+    @property
+    def producers(self) -> int:
+        """The active producer count ``N`` from the latest attempt."""
+        return self._producers
+
+    @property
+    def target_gap(self) -> float:
+        """``g*``, the gap before jitter."""
+        return self._target
+
+    @property
+    def gap(self) -> float:
+        """``g = g*(1+u)``, the gap the next attempt waits for."""
+        return self._gap
+
+    def ready(self, pending: int, since_last_attempt: float) -> bool:
+        return pending >= 1 and since_last_attempt >= self._gap
+
+    def record(self, outcome: AttemptOutcome) -> None:
+        _check_window(outcome.fragile_window)
+        _check_producers(outcome.active_producers)
+        if self._window is None:
+            self._window = outcome.fragile_window
+        else:
+            a = self.ema_alpha
+            self._window = (1 - a) * self._window + a * outcome.fragile_window
+        self._producers = outcome.active_producers
+        self._target = dac_gap(
+            self._window, self._producers, self.conflict_budget, self.duty_budget
+        )
+        u = self._rng.uniform(-self.jitter, self.jitter) if self.jitter else 0.0
+        self._gap = self._target * (1 + u)
+
+    def __repr__(self) -> str:
+        return (
+            f"DacPolicy(conflict_budget={self.conflict_budget}, duty_budget={self.duty_budget}, "
+            f"window={self._window}, producers={self._producers}, gap={self._gap:.6g})"
+        )
+
+
+# --- baselines -------------------------------------------------------------------------------
+
+
+@_register
+class NaivePolicy(CommitPolicy):
+    """Attempt whenever at least one TGB is pending, back to back (the paper's Naive)."""
+
+    name: ClassVar[str] = "naive"
+
+    def ready(self, pending: int, since_last_attempt: float) -> bool:
+        return pending >= 1
+
+    def record(self, outcome: AttemptOutcome) -> None:
+        pass
+
+
+class _IntervalPolicy(CommitPolicy):
+    """Attempt once ``interval`` TGBs are pending; subclasses decide how the interval moves."""
+
+    def __init__(self, interval: float) -> None:
+        if not (math.isfinite(interval) and interval >= 1):
+            raise ValueError(
+                f"{self.name}: the commit interval must be a finite number of TGBs >= 1, "
+                f"got {interval!r}"
+            )
+        self._interval = float(interval)
+
+    @property
+    def interval(self) -> float:
+        """TGBs that must be pending before the next attempt."""
+        return self._interval
+
+    def ready(self, pending: int, since_last_attempt: float) -> bool:
+        return pending >= self._interval
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(interval={self._interval:g})"
+
+
+class FixedCountPolicy(_IntervalPolicy):
+    """Attempt every ``every`` TGBs, never adapting (the paper's FIXED10/FIXED100)."""
+
+    name: ClassVar[str] = "fixed"
+
+    def __init__(self, every: int) -> None:
+        super().__init__(every)
+
+    def record(self, outcome: AttemptOutcome) -> None:
+        pass
+
+
+@_register
+class Fixed10Policy(FixedCountPolicy):
+    """Attempt every 10 TGBs."""
+
+    name: ClassVar[str] = "fixed10"
+
+    def __init__(self, every: int = 10) -> None:
+        super().__init__(every)
+
+
+@_register
+class Fixed100Policy(FixedCountPolicy):
+    """Attempt every 100 TGBs."""
+
+    name: ClassVar[str] = "fixed100"
+
+    def __init__(self, every: int = 100) -> None:
+        super().__init__(every)
+
+
+@_register
+class IncrPolicy(_IntervalPolicy):
+    """Attempt every ``k`` TGBs; ``k`` starts at ``initial`` and grows by ``step`` per conflict.
+
+    The paper's INCR: it only ever backs off, so it never recovers freshness once contention
+    passes.
+    """
+
+    name: ClassVar[str] = "incr"
+
+    def __init__(self, initial: int = 10, step: int = 1) -> None:
+        super().__init__(initial)
+        if step < 0:
+            raise ValueError(f"incr: step must be >= 0 TGBs, got {step!r}")
+        self.step = step
+
+    def record(self, outcome: AttemptOutcome) -> None:
+        if not outcome.committed:
+            self._interval += self.step
+
+
+@_register
+class AimdPolicy(_IntervalPolicy):
+    """The paper's AIMD: interval (in TGBs) ``+addend`` on success, ``*decrease`` on conflict.
+
+    Exactly as the paper states it ("increase the interval by a fixed addend on success, halve it
+    on conflict"), floored at ``minimum`` TGBs. Defaults: start at 10 TGBs like INCR, addend 1,
+    decrease 0.5, minimum 1.
+    """
+
+    name: ClassVar[str] = "aimd"
+
+    def __init__(
+        self,
+        initial: float = 10.0,
+        addend: float = 1.0,
+        decrease: float = 0.5,
+        minimum: float = 1.0,
+    ) -> None:
+        super().__init__(initial)
+        if not addend >= 0:
+            raise ValueError(f"aimd: addend must be >= 0 TGBs, got {addend!r}")
+        if not 0 < decrease < 1:
+            raise ValueError(f"aimd: decrease must be in (0, 1), got {decrease!r}")
+        if not (math.isfinite(minimum) and 1 <= minimum <= initial):
+            raise ValueError(
+                f"aimd: minimum must be in [1, initial={initial!r}] TGBs, got {minimum!r}"
+            )
+        self.addend = addend
+        self.decrease = decrease
+        self.minimum = minimum
+
+    def record(self, outcome: AttemptOutcome) -> None:
+        if outcome.committed:
+            self._interval += self.addend
+        else:
+            self._interval = max(self.minimum, self._interval * self.decrease)

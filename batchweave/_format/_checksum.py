@@ -1,0 +1,66 @@
+"""Checksums for stored bytes: CRC-32C by default, XXH64 as a faster 64-bit option.
+
+One place decides which algorithms exist and how they are computed, so TGB slices, TGB footers
+and (later) manifests all agree. Values are plain unsigned integers: CRC-32C fits in 32 bits,
+XXH64 (seed 0) in 64.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal, get_args
+
+import google_crc32c
+import xxhash
+
+__all__ = [
+    "CHECKSUM_ALGOS",
+    "DEFAULT_CHECKSUM_ALGO",
+    "ChecksumAlgo",
+    "checksum",
+    "checksum_bits",
+]
+
+ChecksumAlgo = Literal["crc32c", "xxhash64"]
+"""Name of a checksum algorithm, as stored in footers and manifests."""
+
+CHECKSUM_ALGOS: Final[tuple[ChecksumAlgo, ...]] = get_args(ChecksumAlgo)
+DEFAULT_CHECKSUM_ALGO: Final[ChecksumAlgo] = "crc32c"
+
+_BITS: Final[dict[ChecksumAlgo, int]] = {"crc32c": 32, "xxhash64": 64}
+
+# google-crc32c's C extension accepts only ``bytes``; other buffers are fed in chunks so checking
+# a large memoryview never doubles peak memory.
+_CHUNK: Final = 1 << 20
+
+
+def _crc32c(data: bytes | bytearray | memoryview) -> int:
+    if isinstance(data, bytes):
+        return int(google_crc32c.value(data))
+    view = memoryview(data).cast("B")
+    crc = 0
+    for start in range(0, len(view), _CHUNK):
+        crc = int(google_crc32c.extend(crc, bytes(view[start : start + _CHUNK])))
+    return crc
+
+
+def checksum(data: bytes | bytearray | memoryview, algo: ChecksumAlgo = "crc32c") -> int:
+    """Return the checksum of ``data`` under ``algo`` as an unsigned integer.
+
+    ``crc32c`` is CRC-32C (Castagnoli, as in iSCSI, ext4 and GCS object hashes); ``xxhash64`` is
+    XXH64 with seed 0. Both detect every single-byte error.
+    """
+    if algo == "crc32c":
+        return _crc32c(data)
+    if algo == "xxhash64":
+        return int(xxhash.xxh64_intdigest(data))
+    raise ValueError(f"unknown checksum algorithm {algo!r}; expected one of {CHECKSUM_ALGOS}")
+
+
+def checksum_bits(algo: ChecksumAlgo) -> int:
+    """Width in bits of ``algo``'s values (32 or 64); a stored value must fit in it."""
+    try:
+        return _BITS[algo]
+    except KeyError:
+        raise ValueError(
+            f"unknown checksum algorithm {algo!r}; expected one of {CHECKSUM_ALGOS}"
+        ) from None

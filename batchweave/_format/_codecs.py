@@ -1,0 +1,339 @@
+"""Slice codecs: how one slice's Python value becomes bytes and back.
+
+Three codecs, chosen by name and recorded in the TGB footer:
+
+- ``"raw"``: ``bytes``-like in, ``bytes`` out, unchanged.
+- ``"arrow"``: a ``pyarrow.RecordBatch`` or ``pyarrow.Table`` as an Arrow IPC stream; decodes to a
+  ``pyarrow.Table`` whose buffers point into the slice bytes (zero-copy).
+- ``"tensors"``: a ``dict[str, numpy.ndarray]`` in a small self-describing layout (see
+  ``docs/format.md``); decodes with ``np.frombuffer`` on the slice bytes, so no array data is
+  copied. Arrays decoded from an immutable ``bytes`` buffer are read-only; copy one
+  (``arr.copy()``) to modify it.
+
+Compression (``"zstd"``) is applied by the container on top of a codec's bytes; codecs never see
+it. Decoders distrust their input: every length and offset is checked against the buffer before
+anything is allocated or viewed, and errors are :class:`batchweave.FormatError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import pyarrow as pa
+import zstandard
+
+from batchweave._errors import FormatError
+
+__all__ = [
+    "CODECS",
+    "COMPRESSIONS",
+    "TENSOR_ALIGNMENT",
+    "TENSOR_DTYPES",
+    "Buffer",
+    "Codec",
+    "compress",
+    "decompress",
+    "get_codec",
+]
+
+Buffer = bytes | bytearray | memoryview
+"""Any contiguous byte buffer a codec accepts or produces."""
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A named pair of encode/decode functions plus the slice's default sample count."""
+
+    name: str
+    encode: Callable[[Any], Buffer]
+    """Value -> bytes. Raises ``TypeError``/``ValueError`` for values the codec cannot store."""
+    decode: Callable[[bytes | memoryview], Any]
+    """Bytes -> value, without copying where the codec allows. Raises ``FormatError``."""
+    sample_count: Callable[[Any], int]
+    """Number of samples in a value, used when the caller does not give one."""
+
+
+# --------------------------------------------------------------------------------------------
+# raw
+
+
+def _raw_encode(value: Any) -> Buffer:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return value
+    raise TypeError(
+        f"codec 'raw' stores bytes, bytearray or memoryview, got {type(value).__name__}; "
+        "use codec 'arrow' or 'tensors' for structured data"
+    )
+
+
+def _raw_decode(buf: bytes | memoryview) -> bytes:
+    return buf if isinstance(buf, bytes) else bytes(buf)
+
+
+# --------------------------------------------------------------------------------------------
+# arrow
+
+
+def _arrow_encode(value: Any) -> Buffer:
+    if isinstance(value, pa.RecordBatch):
+        write = "write_batch"
+    elif isinstance(value, pa.Table):
+        write = "write_table"
+    else:
+        raise TypeError(
+            f"codec 'arrow' stores a pyarrow.RecordBatch or pyarrow.Table, got "
+            f"{type(value).__name__}"
+        )
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, value.schema) as writer:
+        getattr(writer, write)(value)
+    return memoryview(sink.getvalue())
+
+
+def _arrow_decode(buf: bytes | memoryview) -> Any:
+    try:
+        table = pa.ipc.open_stream(pa.py_buffer(buf)).read_all()
+        table.validate()
+    except (pa.ArrowException, ValueError, OSError) as exc:
+        raise FormatError(f"invalid Arrow IPC stream: {exc}") from exc
+    return table
+
+
+def _arrow_sample_count(value: Any) -> int:
+    return int(value.num_rows)
+
+
+# --------------------------------------------------------------------------------------------
+# tensors
+
+TENSOR_ALIGNMENT: Final = 64
+"""Every tensor's data starts at a multiple of this many bytes from the slice start."""
+
+TENSOR_DTYPES: Final[dict[str, np.dtype[Any]]] = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in (
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    )
+}
+"""Stored dtype name -> the little-endian numpy dtype it denotes."""
+
+_DTYPE_NAMES: Final[dict[tuple[str, int], str]] = {
+    (dt.kind, dt.itemsize): name for name, dt in TENSOR_DTYPES.items()
+}
+
+_TENSOR_PREFIX: Final = 8  # u64 little-endian header length
+_MAX_TENSOR_HEADER: Final = 1 << 28
+
+
+def _align(n: int) -> int:
+    return -(-n // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
+
+
+def _dtype_name(name: str, arr: np.ndarray[Any, Any]) -> str:
+    dt = arr.dtype
+    stored = _DTYPE_NAMES.get((dt.kind, dt.itemsize))
+    if stored is None or dt.fields is not None or dt.subdtype is not None:
+        raise TypeError(
+            f"codec 'tensors' cannot store tensor {name!r} of dtype {dt}: only fixed-size "
+            f"numeric and bool dtypes are supported ({', '.join(TENSOR_DTYPES)}); encode "
+            "strings or objects with codec 'arrow'"
+        )
+    return stored
+
+
+def _tensors_encode(value: Any) -> Buffer:
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"codec 'tensors' stores a dict of str -> numpy.ndarray, got {type(value).__name__}"
+        )
+    entries: list[dict[str, Any]] = []
+    arrays: list[np.ndarray[Any, Any]] = []
+    for name, raw in value.items():
+        if not isinstance(name, str):
+            raise TypeError(f"codec 'tensors' needs str tensor names, got {name!r}")
+        if not isinstance(raw, np.ndarray):
+            raise TypeError(
+                f"codec 'tensors': tensor {name!r} is a {type(raw).__name__}, not a numpy.ndarray"
+            )
+        dtype_name = _dtype_name(name, raw)
+        arr = np.ascontiguousarray(raw, dtype=TENSOR_DTYPES[dtype_name])
+        entries.append({"name": name, "dtype": dtype_name, "shape": list(arr.shape)})
+        arrays.append(arr)
+
+    # Offsets depend on the header length, which depends on the offsets' digits: iterate to the
+    # fixed point (two rounds at most in practice, since offsets only grow).
+    header_len = 0
+    while True:
+        pos = _align(_TENSOR_PREFIX + header_len)
+        for entry, arr in zip(entries, arrays, strict=True):
+            entry["offset"] = pos
+            pos = _align(pos + arr.nbytes)
+        header = json.dumps({"tensors": entries}, separators=(",", ":")).encode()
+        if len(header) <= header_len:
+            break
+        header_len = len(header)
+    header = header.ljust(header_len, b" ")
+
+    last = entries[-1]["offset"] + arrays[-1].nbytes if arrays else _TENSOR_PREFIX + header_len
+    out = bytearray(last)
+    out[:_TENSOR_PREFIX] = header_len.to_bytes(_TENSOR_PREFIX, "little")
+    out[_TENSOR_PREFIX : _TENSOR_PREFIX + header_len] = header
+    for entry, arr in zip(entries, arrays, strict=True):
+        start = entry["offset"]
+        out[start : start + arr.nbytes] = arr.reshape(-1).view(np.uint8)
+    return out
+
+
+def _bad_tensors(msg: str) -> FormatError:
+    return FormatError(f"invalid tensor slice: {msg}")
+
+
+def _tensors_decode(buf: bytes | memoryview) -> dict[str, np.ndarray[Any, Any]]:
+    size = len(buf)
+    if size < _TENSOR_PREFIX:
+        raise _bad_tensors(f"{size} bytes is shorter than the {_TENSOR_PREFIX}-byte prefix")
+    header_len = int.from_bytes(buf[:_TENSOR_PREFIX], "little")
+    if header_len > min(size - _TENSOR_PREFIX, _MAX_TENSOR_HEADER):
+        raise _bad_tensors(f"header length {header_len} exceeds the {size}-byte slice")
+    try:
+        header = json.loads(bytes(buf[_TENSOR_PREFIX : _TENSOR_PREFIX + header_len]))
+        specs = header["tensors"]
+        if not isinstance(specs, list):
+            raise TypeError("'tensors' is not a list")
+    except (ValueError, TypeError, KeyError) as exc:
+        raise _bad_tensors(f"unreadable header: {exc}") from exc
+
+    data_start = _TENSOR_PREFIX + header_len
+    out: dict[str, np.ndarray[Any, Any]] = {}
+    spans: list[tuple[int, int, str]] = []
+    for spec in specs:
+        name, dtype, shape, offset = _tensor_spec(spec)
+        if name in out:
+            raise _bad_tensors(f"tensor {name!r} appears twice")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offset < data_start or offset + nbytes > size:
+            raise _bad_tensors(
+                f"tensor {name!r} spans bytes [{offset}, {offset + nbytes}) outside the data "
+                f"region [{data_start}, {size})"
+            )
+        if nbytes:
+            spans.append((offset, offset + nbytes, name))
+        count = nbytes // dtype.itemsize
+        out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+    spans.sort()
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
+        if start < end:
+            raise _bad_tensors(f"tensors {first!r} and {second!r} overlap")
+    return out
+
+
+def _tensor_spec(spec: Any) -> tuple[str, np.dtype[Any], tuple[int, ...], int]:
+    if not isinstance(spec, dict) or set(spec) != {"name", "dtype", "shape", "offset"}:
+        raise _bad_tensors(f"malformed tensor entry {spec!r:.200}")
+    name, dtype_name, shape, offset = spec["name"], spec["dtype"], spec["shape"], spec["offset"]
+    if not isinstance(name, str):
+        raise _bad_tensors(f"tensor name {name!r:.100} is not a string")
+    dtype = TENSOR_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
+        raise _bad_tensors(f"tensor {name!r} has unknown dtype {dtype_name!r:.100}")
+    if not (
+        isinstance(shape, list)
+        and all(type(d) is int and d >= 0 for d in shape)
+        and type(offset) is int
+    ):
+        raise _bad_tensors(f"tensor {name!r} has a malformed shape or offset")
+    return name, dtype, tuple(shape), offset
+
+
+def _tensors_sample_count(value: Any) -> int:
+    for arr in value.values():
+        return int(arr.shape[0]) if arr.ndim else 1
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# registry and compression
+
+
+def _one(_value: Any) -> int:
+    return 1
+
+
+CODECS: Final[dict[str, Codec]] = {
+    c.name: c
+    for c in (
+        Codec("raw", _raw_encode, _raw_decode, _one),
+        Codec("arrow", _arrow_encode, _arrow_decode, _arrow_sample_count),
+        Codec("tensors", _tensors_encode, _tensors_decode, _tensors_sample_count),
+    )
+}
+"""Every codec this library reads and writes, by the name stored in footers."""
+
+COMPRESSIONS: Final = ("zstd",)
+"""Compression names a footer may record (``None`` means uncompressed)."""
+
+_ZSTD_LEVEL: Final = 3
+
+
+def get_codec(name: str) -> Codec:
+    """Return the codec called ``name``; ``ValueError`` naming the known codecs otherwise."""
+    try:
+        return CODECS[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown codec {name!r}; this library knows {', '.join(map(repr, CODECS))}"
+        ) from None
+
+
+def compress(data: Buffer, compression: str) -> bytes:
+    """Compress an encoded slice; the frame records its content size."""
+    if compression != "zstd":
+        raise ValueError(f"unknown compression {compression!r}; expected None or 'zstd'")
+    return zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_content_size=True).compress(data)
+
+
+def decompress(data: bytes | memoryview, compression: str, uncompressed_length: int) -> bytes:
+    """Decompress one slice, never producing (or allocating) more than ``uncompressed_length``.
+
+    The frame's own content size is checked against the footer-recorded length before
+    decompressing, so a lying frame header cannot trigger a huge allocation.
+    """
+    if compression != "zstd":
+        raise FormatError(f"unknown compression {compression!r}")
+    try:
+        frame_size = zstandard.frame_content_size(data)
+        if frame_size not in (-1, uncompressed_length):
+            raise FormatError(
+                f"zstd frame claims {frame_size} bytes but the footer records "
+                f"{uncompressed_length}"
+            )
+        # Every writer sets the content size; 0 needs special care because python-zstandard
+        # treats max_output_size=0 as "unlimited".
+        out = zstandard.ZstdDecompressor().decompress(
+            data, max_output_size=max(uncompressed_length, 1)
+        )
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"corrupt zstd data: {exc}") from exc
+    if len(out) != uncompressed_length:
+        raise FormatError(
+            f"zstd data decompressed to {len(out)} bytes, footer records {uncompressed_length}"
+        )
+    return bytes(out)
