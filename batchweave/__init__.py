@@ -5,6 +5,7 @@ versioned manifests with conditional PUTs; each training rank's consumer range-r
 slice, in a global step order every rank agrees on. See ``docs/`` for concepts and formats.
 """
 
+from batchweave._consumer import Consumer, ConsumerStats
 from batchweave._errors import (
     AccessDenied,
     AmbiguousWriteError,
@@ -20,17 +21,42 @@ from batchweave._errors import (
     NamespaceError,
     NamespaceMismatch,
     NamespaceNotFound,
+    NamespaceSealed,
     ObjectExists,
     ObjectNotFound,
     OffsetOrderError,
     ProducerError,
     ProducerFenced,
+    StepReclaimed,
     StoreError,
     StoreUnavailable,
     TransientStoreError,
     UnsupportedFormatVersion,
 )
+from batchweave._format import (
+    EncodedTgb,
+    SliceEntry,
+    TgbBuilder,
+    TgbFooter,
+    decode_slice,
+    encode_tgb,
+    parse_footer,
+    parse_footer_exact,
+    read_footer,
+    read_slice,
+    slice_range,
+)
 from batchweave._mesh import Mesh
+from batchweave._policy import (
+    AttemptOutcome,
+    CommitPolicy,
+    DacPolicy,
+    dac_gap,
+    make_policy,
+    policy_names,
+)
+from batchweave._producer import Producer, ProducerStats
+from batchweave._projection import RankCoordinates, coordinates_for_rank, coordinates_from_env
 from batchweave._store._base import (
     Bounded,
     ByteRange,
@@ -40,21 +66,34 @@ from batchweave._store._base import (
     PutMode,
     Suffix,
 )
+from batchweave._store._file import FileStore
 from batchweave._store._memory import MemoryStore
+from batchweave._store._open import open_store
+from batchweave._store._s3 import S3Store
+from batchweave._store._wrappers import CountingStore, FaultInjectingStore, StoreCounts
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccessDenied",
     "AmbiguousWriteError",
+    "AttemptOutcome",
     "BatchWeaveError",
     "Bounded",
     "ByteRange",
     "ChecksumMismatch",
+    "CommitPolicy",
     "ConcurrentWriteConflict",
     "ConditionalWritesUnsupported",
+    "Consumer",
     "ConsumerError",
+    "ConsumerStats",
     "ConsumerTimeout",
+    "CountingStore",
+    "DacPolicy",
+    "EncodedTgb",
+    "FaultInjectingStore",
+    "FileStore",
     "FormatError",
     "InvalidKey",
     "InvalidStoreURL",
@@ -63,19 +102,42 @@ __all__ = [
     "NamespaceError",
     "NamespaceMismatch",
     "NamespaceNotFound",
+    "NamespaceSealed",
     "ObjectExists",
     "ObjectMeta",
     "ObjectNotFound",
     "ObjectStore",
     "Offset",
     "OffsetOrderError",
+    "Producer",
     "ProducerError",
     "ProducerFenced",
+    "ProducerStats",
     "PutMode",
+    "RankCoordinates",
+    "S3Store",
+    "SliceEntry",
+    "StepReclaimed",
+    "StoreCounts",
     "StoreError",
     "StoreUnavailable",
     "Suffix",
+    "TgbBuilder",
+    "TgbFooter",
     "TransientStoreError",
     "UnsupportedFormatVersion",
+    "coordinates_for_rank",
+    "coordinates_from_env",
+    "dac_gap",
+    "decode_slice",
+    "encode_tgb",
+    "make_policy",
+    "open_store",
+    "parse_footer",
+    "parse_footer_exact",
+    "policy_names",
+    "read_footer",
+    "read_slice",
+    "slice_range",
     "__version__",
 ]

@@ -23,7 +23,9 @@ working for callers that do not know BatchWeave.
     │   └── UnsupportedFormatVersion   written by a newer BatchWeave: upgrade to read it
     ├── NamespaceError                 the namespace does not fit this client
     │   ├── NamespaceNotFound          (FileNotFoundError) nothing committed under the prefix
-    │   └── NamespaceMismatch          other mesh, other namespace id, or a foreign prefix
+    │   ├── NamespaceMismatch          other mesh, other namespace id, or a foreign prefix
+    │   ├── NamespaceSealed            the stream was sealed: no more TGBs can be committed
+    │   └── StepReclaimed              (IndexError) the step is below the reclamation boundary
     ├── ProducerError
     │   ├── ProducerFenced             a newer incarnation of this producer id has started
     │   └── OffsetOrderError           (ValueError) offsets must strictly increase
@@ -48,11 +50,13 @@ __all__ = [
     "NamespaceError",
     "NamespaceMismatch",
     "NamespaceNotFound",
+    "NamespaceSealed",
     "ObjectExists",
     "ObjectNotFound",
     "OffsetOrderError",
     "ProducerError",
     "ProducerFenced",
+    "StepReclaimed",
     "StoreError",
     "StoreUnavailable",
     "TransientStoreError",
@@ -141,6 +145,14 @@ class NamespaceNotFound(NamespaceError, FileNotFoundError):
 
 class NamespaceMismatch(NamespaceError):
     """The namespace has another mesh or id than requested, or the prefix holds something else."""
+
+
+class NamespaceSealed(NamespaceError):
+    """The namespace was sealed by a final commit; it accepts no more TGBs."""
+
+
+class StepReclaimed(NamespaceError, IndexError):
+    """The step lies below the manifest's ``base_step``: its TGB was reclaimed."""
 
 
 class ProducerError(BatchWeaveError):

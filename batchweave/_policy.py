@@ -132,7 +132,9 @@ def make_policy(name: str, **options: Any) -> CommitPolicy:
     try:
         return cls(**options)
     except TypeError as exc:
-        raise ValueError(f"bad options {sorted(options)} for commit policy {name!r}: {exc}") from exc
+        raise ValueError(
+            f"bad options {sorted(options)} for commit policy {name!r}: {exc}"
+        ) from exc
 
 
 # --- DAC model -------------------------------------------------------------------------------
@@ -151,7 +153,8 @@ def _check_producers(producers: int) -> None:
 def _check_budgets(conflict_budget: float, duty_budget: float) -> None:
     if not 0 < conflict_budget < 1:
         raise ValueError(
-            f"conflict_budget must be in (0, 1) (a probability per attempt), got {conflict_budget!r}"
+            "conflict_budget must be in (0, 1) (a probability per attempt), "
+            f"got {conflict_budget!r}"
         )
     if not 0 < duty_budget <= 1:
         raise ValueError(
@@ -232,9 +235,7 @@ class DacPolicy(CommitPolicy):
         if not 0 < ema_alpha <= 1:
             raise ValueError(f"ema_alpha must be in (0, 1], got {ema_alpha!r}")
         if not 0 <= jitter < 1:
-            raise ValueError(
-                f"jitter must be in [0, 1) so the gap stays positive, got {jitter!r}"
-            )
+            raise ValueError(f"jitter must be in [0, 1) so the gap stays positive, got {jitter!r}")
         if initial_window is not None:
             _check_window(initial_window)
         if rng is not None and seed is not None:

@@ -17,11 +17,12 @@ anything is allocated or viewed, and errors are :class:`batchweave.FormatError`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -38,8 +39,11 @@ __all__ = [
     "Codec",
     "compress",
     "decompress",
+    "first_overlap",
     "get_codec",
 ]
+
+_T = TypeVar("_T")
 
 Buffer = bytes | bytearray | memoryview
 """Any contiguous byte buffer a codec accepts or produces."""
@@ -174,7 +178,7 @@ def _tensors_encode(value: Any) -> Buffer:
                 f"codec 'tensors': tensor {name!r} is a {type(raw).__name__}, not a numpy.ndarray"
             )
         dtype_name = _dtype_name(name, raw)
-        arr = np.ascontiguousarray(raw, dtype=TENSOR_DTYPES[dtype_name])
+        arr = np.asarray(raw, dtype=TENSOR_DTYPES[dtype_name], order="C")
         entries.append({"name": name, "dtype": dtype_name, "shape": list(arr.shape)})
         arrays.append(arr)
 
@@ -193,13 +197,13 @@ def _tensors_encode(value: Any) -> Buffer:
     header = header.ljust(header_len, b" ")
 
     last = entries[-1]["offset"] + arrays[-1].nbytes if arrays else _TENSOR_PREFIX + header_len
-    out = bytearray(last)
-    out[:_TENSOR_PREFIX] = header_len.to_bytes(_TENSOR_PREFIX, "little")
-    out[_TENSOR_PREFIX : _TENSOR_PREFIX + header_len] = header
+    out = np.zeros(last, dtype=np.uint8)
+    prefix = header_len.to_bytes(_TENSOR_PREFIX, "little") + header
+    out[: len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
     for entry, arr in zip(entries, arrays, strict=True):
         start = entry["offset"]
         out[start : start + arr.nbytes] = arr.reshape(-1).view(np.uint8)
-    return out
+    return out.data
 
 
 def _bad_tensors(msg: str) -> FormatError:
@@ -238,11 +242,19 @@ def _tensors_decode(buf: bytes | memoryview) -> dict[str, np.ndarray[Any, Any]]:
             spans.append((offset, offset + nbytes, name))
         count = nbytes // dtype.itemsize
         out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
-    spans.sort()
-    for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
-        if start < end:
-            raise _bad_tensors(f"tensors {first!r} and {second!r} overlap")
+    overlap = first_overlap(spans)
+    if overlap is not None:
+        raise _bad_tensors(f"tensors {overlap[0]!r} and {overlap[1]!r} overlap")
     return out
+
+
+def first_overlap(spans: list[tuple[int, int, _T]]) -> tuple[_T, _T] | None:
+    """Return the labels of two overlapping non-empty ``(start, end, label)`` spans, if any."""
+    ordered = sorted(spans, key=lambda span: (span[0], span[1]))
+    for (_, end, first), (start, _, second) in itertools.pairwise(ordered):
+        if start < end:
+            return first, second
+    return None
 
 
 def _tensor_spec(spec: Any) -> tuple[str, np.dtype[Any], tuple[int, ...], int]:
@@ -322,8 +334,7 @@ def decompress(data: bytes | memoryview, compression: str, uncompressed_length: 
         frame_size = zstandard.frame_content_size(data)
         if frame_size not in (-1, uncompressed_length):
             raise FormatError(
-                f"zstd frame claims {frame_size} bytes but the footer records "
-                f"{uncompressed_length}"
+                f"zstd frame claims {frame_size} bytes but the footer records {uncompressed_length}"
             )
         # Every writer sets the content size; 0 needs special care because python-zstandard
         # treats max_output_size=0 as "unlimited".

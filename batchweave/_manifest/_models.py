@@ -71,10 +71,13 @@ class SegmentRef(BaseModel):
     model_config = _STRICT
 
     key: str
+    """Object key relative to the namespace, ``_segments/{first_step:020d}-{uuid}.seg``."""
     first_step: int = Field(ge=0)
     count: int = Field(ge=1)
     bytes: int = Field(ge=0)
+    """Size of the whole segment object; a reader refuses an object of another size."""
     checksum: int = Field(ge=0)
+    """CRC-32C of the segment's JSON body (as in its header line); guards against replacement."""
 
     @property
     def end_step(self) -> int:

@@ -1,0 +1,850 @@
+"""The per-rank consumer: each training rank reads exactly its own slice of every step.
+
+A :class:`Consumer` follows a namespace's manifest, projects every logical step onto the TGB
+slices its rank owns (:mod:`batchweave._projection`), fetches them with one range read per object
+(after one cached footer read per TGB object) and yields ``(step, data)`` strictly in step order
+while a bounded window of later steps is already being read. See ``docs/consumer.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Final
+
+from batchweave._errors import (
+    ChecksumMismatch,
+    ConsumerError,
+    ConsumerTimeout,
+    FormatError,
+    NamespaceMismatch,
+    NamespaceNotFound,
+    ObjectNotFound,
+    StepReclaimed,
+    StoreUnavailable,
+    TransientStoreError,
+)
+from batchweave._format._checksum import checksum
+from batchweave._format._tgb import TRAILER_SIZE, TgbFooter, decode_slice, parse_footer
+from batchweave._manifest._log import ManifestLog
+from batchweave._manifest._models import Manifest, TgbDescriptor, TgbObjectRef
+from batchweave._mesh import Mesh
+from batchweave._prefetch import SingleFlightCache, gather
+from batchweave._projection import (
+    DEFAULT_RANK_ORDER,
+    Projection,
+    SliceLocation,
+    coordinates_from_env,
+)
+from batchweave._store._base import Bounded, ObjectStore
+
+__all__ = ["STATE_FORMAT", "Consumer", "ConsumerStats"]
+
+_log = logging.getLogger("batchweave.consumer")
+
+STATE_FORMAT: Final = 1
+"""Version of the dict :meth:`Consumer.state_dict` returns."""
+
+_MIB: Final = 1 << 20
+_RETRYABLE: Final = (TransientStoreError, StoreUnavailable)
+# The trailer starts with the footer length, a little-endian u64 (docs/format.md).
+_U64: Final = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class ConsumerStats:
+    """A snapshot of what a consumer has done so far (see :attr:`Consumer.stats`)."""
+
+    steps: int
+    """Steps delivered."""
+    bytes_delivered: int
+    """Stored bytes of the slices delivered: what the rank needed to read."""
+    bytes_read: int
+    """Bytes returned by range reads: footers, slices and parts, including retried reads."""
+    requests: int
+    """Range reads issued (footers, slices, parts), including failed attempts."""
+    footer_reads: int
+    """Footers fetched from the store (one exact range read each)."""
+    footer_cache_hits: int
+    """Footer lookups answered by the cache."""
+    retries: int
+    """Transient read or poll failures that were retried."""
+    manifest_refreshes: int
+    """Checks for a newer manifest version."""
+    stall_seconds: float
+    """Time the caller spent blocked in ``next()``: waiting for data or for producers."""
+    time_to_first_batch: float | None
+    """Seconds from construction to the first delivered step (``None`` before it)."""
+    prefetch_depth: int
+    """Steps currently allowed in flight ahead of the caller (ramps up to ``prefetch``)."""
+    in_flight: int
+    """Steps being read (or read and waiting) ahead of the caller right now."""
+
+    @property
+    def read_amplification(self) -> float:
+        """``bytes_read / bytes_delivered``; 1.0 means nothing but the rank's slices was read."""
+        return self.bytes_read / self.bytes_delivered if self.bytes_delivered else math.nan
+
+
+class _Counters:
+    """Thread-safe running totals behind :class:`ConsumerStats`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.steps = 0
+        self.bytes_delivered = 0
+        self.bytes_read = 0
+        self.requests = 0
+        self.footer_reads = 0
+        self.footer_cache_hits = 0
+        self.retries = 0
+        self.manifest_refreshes = 0
+        self.stall_seconds = 0.0
+        self.time_to_first_batch: float | None = None
+
+    def add(self, **deltas: float) -> None:
+        with self.lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def first_batch(self, seconds: float) -> None:
+        with self.lock:
+            if self.time_to_first_batch is None:
+                self.time_to_first_batch = seconds
+
+
+class _Budget:
+    """The retries one step may still spend, shared by all of its reads."""
+
+    def __init__(self, retries: int) -> None:
+        self.limit = retries
+        self._left = retries
+        self._lock = threading.Lock()
+
+    def spend(self) -> int | None:
+        """Take one retry; return how many were used so far, or ``None`` if none is left."""
+        with self._lock:
+            if self._left <= 0:
+                return None
+            self._left -= 1
+            return self.limit - self._left
+
+
+@dataclass
+class _Pending:
+    step: int
+    location: SliceLocation
+    future: Future[tuple[Any, int]]
+
+
+class Consumer:
+    """Reads one training rank's slices of a namespace, step by step, in the global order.
+
+    ``mesh`` is the *consumer's* mesh (the training job's DP and CP degrees); it may differ from
+    the mesh the namespace was written with (see ``docs/consumer.md``, "Resharding"). The rank's
+    coordinates are ``dp_rank``/``cp_rank``, or derived from ``RANK``/``WORLD_SIZE`` with the
+    job's ``tp`` and ``pp`` degrees laid out by ``rank_order`` (fastest-varying first); TP and PP
+    peers read the same slice.
+
+    Iterating yields ``(step, data)`` for logical steps ``start_step, start_step + 1, ...``:
+    ``data`` is the decoded slice (``bytes``, ``pyarrow.Table`` or ``dict`` of numpy arrays), or a
+    list of ``stored_cp / cp`` decoded chunks when the consumer's ``cp`` is smaller than the
+    stored one. At the head of the stream the consumer polls for new manifest versions (backoff
+    from ``poll_interval`` to ``max_poll_interval``); iteration ends after the last complete step
+    of a sealed namespace; with ``timeout`` set, waiting longer than that for one step raises
+    :class:`ConsumerTimeout`.
+
+    Up to ``prefetch`` steps are read ahead on a pool of ``max_workers`` threads, starting with
+    one and adding one per ``ramp_every`` delivered steps. Reads of at least ``split_threshold``
+    bytes are split into ``part_size`` range reads filling one preallocated buffer. Transient
+    store errors are retried with exponential backoff (``retry_backoff`` doubling up to
+    ``max_retry_backoff``), at most ``retry_budget`` times per step. ``clock`` and ``sleep`` are
+    injectable so tests need no real waiting.
+
+    Implements torch's ``Stateful`` protocol (:meth:`state_dict`, :meth:`load_state_dict`).
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        namespace: str,
+        *,
+        mesh: Mesh,
+        dp_rank: int | None = None,
+        cp_rank: int | None = None,
+        tp: int = 1,
+        pp: int = 1,
+        rank_order: str = DEFAULT_RANK_ORDER,
+        environ: Mapping[str, str] | None = None,
+        start_step: int = 0,
+        prefetch: int = 4,
+        ramp_every: int = 2,
+        max_workers: int = 8,
+        split_threshold: int = 8 * _MIB,
+        part_size: int = 4 * _MIB,
+        footer_cache: int = 256,
+        poll_interval: float = 0.05,
+        max_poll_interval: float = 2.0,
+        timeout: float | None = None,
+        retry_budget: int = 8,
+        retry_backoff: float = 0.05,
+        max_retry_backoff: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        _check_at_least(0, prefetch=prefetch, retry_budget=retry_budget, start_step=start_step)
+        _check_at_least(
+            1,
+            ramp_every=ramp_every,
+            max_workers=max_workers,
+            split_threshold=split_threshold,
+            part_size=part_size,
+            footer_cache=footer_cache,
+        )
+        if not 0 < poll_interval <= max_poll_interval:
+            raise ValueError(
+                f"need 0 < poll_interval <= max_poll_interval, got {poll_interval} and "
+                f"{max_poll_interval}"
+            )
+        if retry_backoff < 0 or max_retry_backoff < retry_backoff:
+            raise ValueError(
+                f"need 0 <= retry_backoff <= max_retry_backoff, got {retry_backoff} and "
+                f"{max_retry_backoff}"
+            )
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+        self.mesh = mesh
+        self.dp_rank, self.cp_rank = _resolve_coordinates(
+            mesh, dp_rank, cp_rank, tp=tp, pp=pp, order=rank_order, environ=environ
+        )
+        self._store = store
+        self._log = ManifestLog(store, namespace)
+        self.namespace = namespace
+        self.prefetch = prefetch
+        self.ramp_every = ramp_every
+        self.max_workers = max_workers
+        self.split_threshold = split_threshold
+        self.part_size = part_size
+        self.poll_interval = poll_interval
+        self.max_poll_interval = max_poll_interval
+        self.timeout = timeout
+        self.retry_budget = retry_budget
+        self.retry_backoff = retry_backoff
+        self.max_retry_backoff = max_retry_backoff
+        self._clock = clock
+        self._sleep = sleep
+        self._footers: SingleFlightCache[str, TgbFooter] = SingleFlightCache(footer_cache)
+        self._counters = _Counters()
+        self._created_at = clock()
+
+        self._manifest: Manifest | None = None
+        self._projection: Projection | None = None
+        self._anchor_step = 0
+        self._anchor_replica = 0
+        self._next_step = start_step
+        self._window: deque[_Pending] = deque()
+        self._pool: ThreadPoolExecutor | None = None
+        self._depth = min(1, prefetch)
+        self._delivered_since_ramp = 0
+        self._poll_delay = poll_interval
+        self._last_refresh = -math.inf
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (
+            f"Consumer({self._store.url!r}, {self.namespace!r}, mesh=({self.mesh}), "
+            f"dp_rank={self.dp_rank}, cp_rank={self.cp_rank}, step={self._next_step})"
+        )
+
+    # -- public surface ----------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """The next logical step :meth:`__next__` will deliver."""
+        return self._next_step
+
+    @property
+    def namespace_id(self) -> str | None:
+        """The namespace's id once it has been opened, else ``None``."""
+        return None if self._manifest is None else self._manifest.namespace_id
+
+    @property
+    def manifest_version(self) -> int | None:
+        """Version of the newest manifest this consumer has read (``None`` before opening)."""
+        return None if self._manifest is None else self._manifest.version
+
+    def resume_tgb_step(self) -> int:
+        """The first manifest (TGB) step that resuming from :meth:`state_dict` would read.
+
+        This is what a checkpoint's watermark must keep readable (``batchweave.checkpoint_hook``
+        records it). Opens the namespace if needed (one manifest read); 0 if it does not exist.
+        """
+        if self._projection is None:
+            try:
+                self._ensure_open(wait=False)
+            except NamespaceNotFound:
+                return 0
+        assert self._projection is not None
+        return self._projection.tgb_span(self._next_step)[0]
+
+    @property
+    def stats(self) -> ConsumerStats:
+        """Counters so far: bytes read and delivered, requests, retries, stall time, ..."""
+        c = self._counters
+        with c.lock:
+            return ConsumerStats(
+                steps=c.steps,
+                bytes_delivered=c.bytes_delivered,
+                bytes_read=c.bytes_read,
+                requests=c.requests,
+                footer_reads=c.footer_reads,
+                footer_cache_hits=c.footer_cache_hits,
+                retries=c.retries,
+                manifest_refreshes=c.manifest_refreshes,
+                stall_seconds=c.stall_seconds,
+                time_to_first_batch=c.time_to_first_batch,
+                prefetch_depth=self._depth,
+                in_flight=len(self._window),
+            )
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        if self._closed:
+            raise ConsumerError(f"{self!r} is closed")
+        started = self._clock()
+        try:
+            return self._next()
+        finally:
+            self._counters.add(stall_seconds=self._clock() - started)
+
+    def close(self) -> None:
+        """Stop prefetching and release the read threads. Idempotent."""
+        self._closed = True
+        self._drop_window()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The resume point: the next step to deliver, plus what it must be checked against.
+
+        Taken right after the iterator yielded step ``s``, it holds ``s + 1``: prefetched but
+        undelivered steps never count. Plain ints and strings only, so any checkpointer can store
+        it. ``namespace_id`` is empty if the namespace was never opened (nothing was delivered).
+        """
+        return {
+            "format": STATE_FORMAT,
+            "namespace": self.namespace,
+            "namespace_id": self.namespace_id or "",
+            "step": self._next_step,
+            "dp": self.mesh.dp,
+            "cp": self.mesh.cp,
+            "dp_rank": self.dp_rank,
+            "cp_rank": self.cp_rank,
+            "anchor_step": self._anchor_step,
+            "anchor_replica": self._anchor_replica,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next step delivered is ``state["step"]``.
+
+        The namespace is opened (one manifest read) to check the state belongs to it
+        (:class:`NamespaceMismatch` otherwise) and that the step was not reclaimed
+        (:class:`StepReclaimed`). A state saved with another data-parallel degree is re-anchored
+        so the data continues exactly where it stopped (see ``docs/consumer.md``); prefetched
+        steps are discarded.
+        """
+        parsed = _parse_state(state)
+        step, old_dp = parsed["step"], parsed["dp"]
+        if parsed["namespace_id"]:
+            self._ensure_open(wait=False)
+            assert self._manifest is not None
+            if parsed["namespace_id"] != self._manifest.namespace_id:
+                raise NamespaceMismatch(
+                    f"consumer state belongs to namespace {parsed['namespace']!r} (id "
+                    f"{parsed['namespace_id']}), but this consumer reads {self._where} (id "
+                    f"{self._manifest.namespace_id}); load the state into a consumer of the "
+                    "namespace it was taken from"
+                )
+        if old_dp == self.mesh.dp:
+            anchor_step, anchor_replica = parsed["anchor_step"], parsed["anchor_replica"]
+        else:
+            anchor_step = step
+            anchor_replica = parsed["anchor_replica"] + (step - parsed["anchor_step"]) * old_dp
+            _log.info(
+                "%s: state from dp=%d resumed with dp=%d at step %d: re-anchored at replica "
+                "slice %d",
+                self._where,
+                old_dp,
+                self.mesh.dp,
+                step,
+                anchor_replica,
+            )
+        self._drop_window()
+        self._anchor_step, self._anchor_replica = anchor_step, anchor_replica
+        self._next_step = step
+        self._depth = min(1, self.prefetch)
+        self._delivered_since_ramp = 0
+        if self._manifest is not None:
+            self._projection = self._make_projection(self._manifest)
+            self._check_not_reclaimed(step)
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def _next(self) -> tuple[int, Any]:
+        self._ensure_open(wait=True)
+        step = self._next_step
+        self._check_not_reclaimed(step)
+        self._top_up(max(1, self._depth))
+        if not self._window:
+            if not self._await_step(step):
+                raise StopIteration
+            self._top_up(max(1, self._depth))
+        pending = self._window[0]
+        assert pending.step == step
+        try:
+            data, nbytes = pending.future.result()
+        except BaseException:
+            self._drop_window()  # the step is retried from scratch by the next call
+            raise
+        self._window.popleft()
+        self._next_step = step + 1
+        self._counters.add(steps=1, bytes_delivered=nbytes)
+        self._counters.first_batch(self._clock() - self._created_at)
+        self._ramp()
+        self._top_up(self._depth)
+        return step, data
+
+    def _ramp(self) -> None:
+        if self._depth >= self.prefetch:
+            return
+        self._delivered_since_ramp += 1
+        if self._delivered_since_ramp >= self.ramp_every:
+            self._delivered_since_ramp = 0
+            self._depth += 1
+
+    def _top_up(self, depth: int) -> None:
+        """Schedule steps until ``depth`` are in flight or the visible steps run out."""
+        assert self._manifest is not None
+        assert self._projection is not None
+        limit = self._next_step + depth
+        nxt = self._window[-1].step + 1 if self._window else self._next_step
+        if nxt >= limit:
+            return
+        end = self._projection.end_step(self._manifest.next_step)
+        if (
+            nxt >= end
+            and not self._manifest.sealed
+            and self._clock() - self._last_refresh >= self._poll_delay
+        ):
+            try:
+                self._refresh()
+            except _RETRYABLE as exc:
+                self._counters.add(retries=1)
+                _log.debug("%s: manifest refresh failed, will retry: %s", self._where, exc)
+            end = self._projection.end_step(self._manifest.next_step)
+        while nxt < min(limit, end):
+            self._schedule(nxt)
+            nxt += 1
+
+    def _await_step(self, step: int) -> bool:
+        """Block until ``step`` is complete (True) or the sealed stream ended before it (False).
+
+        Polls the manifest no more often than the current poll delay, which doubles while
+        nothing new arrives (up to ``max_poll_interval``) and resets when a version does.
+        """
+        assert self._manifest is not None
+        assert self._projection is not None
+        started = self._clock()
+        failures = 0
+        while True:
+            if step < self._projection.end_step(self._manifest.next_step):
+                return True
+            if self._manifest.sealed:
+                _log.info("%s: sealed stream ends before step %d", self._where, step)
+                return False
+            since = self._clock() - self._last_refresh
+            if since < self._poll_delay:
+                self._sleep_or_time_out(
+                    started, self._poll_delay - since, lambda: self._timeout_error(step)
+                )
+            try:
+                self._refresh()
+                failures = 0
+            except _RETRYABLE as exc:
+                failures += 1
+                self._counters.add(retries=1)
+                if failures > self.retry_budget:
+                    raise ConsumerError(
+                        f"{self._where}: cannot read the manifest while waiting for step {step}: "
+                        f"{failures} consecutive failures, last: {exc}"
+                    ) from exc
+
+    def _sleep_or_time_out(
+        self, started: float, delay: float, error: Callable[[], ConsumerError]
+    ) -> None:
+        if self.timeout is not None:
+            remaining = self.timeout - (self._clock() - started)
+            if remaining <= 0:
+                raise error()
+            delay = min(delay, remaining)
+        self._sleep(delay)
+
+    def _timeout_error(self, step: int) -> ConsumerTimeout:
+        assert self._manifest is not None
+        assert self._projection is not None
+        first, end = self._projection.tgb_span(step)
+        m = self._manifest
+        return ConsumerTimeout(
+            f"{self._where}: step {step} (TGB steps {first}..{end - 1}) did not become visible "
+            f"within {self.timeout} s; manifest version {m.version} holds TGB steps "
+            f"{m.base_step}..{m.next_step - 1}. Are the producers running?"
+        )
+
+    def _refresh(self) -> None:
+        """Look for a newer manifest version (one GET when up to date), adapting the backoff."""
+        assert self._manifest is not None
+        self._counters.add(manifest_refreshes=1)
+        self._last_refresh = self._clock()
+        latest = self._log.latest(self._manifest)
+        if latest.version != self._manifest.version:
+            self._manifest = latest
+            self._poll_delay = self.poll_interval
+        else:
+            self._poll_delay = min(2 * self._poll_delay, self.max_poll_interval)
+
+    # -- opening -----------------------------------------------------------------------------
+
+    @property
+    def _where(self) -> str:
+        return f"namespace {self.namespace!r} in {self._store.url}"
+
+    def _ensure_open(self, *, wait: bool) -> None:
+        if self._manifest is not None:
+            return
+        started = self._clock()
+        failures = 0
+        while True:
+            try:
+                manifest = self._log.latest()
+                break
+            except NamespaceNotFound:
+                if not wait:
+                    raise
+            except _RETRYABLE as exc:
+                failures += 1
+                self._counters.add(retries=1)
+                if failures > self.retry_budget:
+                    raise ConsumerError(
+                        f"{self._where}: cannot read the manifest: {failures} consecutive "
+                        f"failures, last: {exc}"
+                    ) from exc
+            self._sleep_or_time_out(
+                started,
+                self._poll_delay,
+                lambda: ConsumerTimeout(
+                    f"{self._where} was not created within {self.timeout} s while waiting for "
+                    f"step {self._next_step}; start a producer or check the namespace name"
+                ),
+            )
+            self._poll_delay = min(2 * self._poll_delay, self.max_poll_interval)
+        self._poll_delay = self.poll_interval
+        self._projection = self._make_projection(manifest)
+        self._manifest = manifest
+
+    def _make_projection(self, manifest: Manifest) -> Projection:
+        try:
+            projection = Projection(
+                stored=manifest.mesh,
+                consumer=self.mesh,
+                anchor_step=self._anchor_step,
+                anchor_replica=self._anchor_replica,
+            )
+        except ValueError as exc:
+            raise NamespaceMismatch(f"{self._where}: {exc}") from exc
+        if self._next_step < projection.anchor_step:
+            raise ConsumerError(
+                f"{self._where}: step {self._next_step} precedes the resume anchor step "
+                f"{projection.anchor_step}"
+            )
+        return projection
+
+    def _check_not_reclaimed(self, step: int) -> None:
+        assert self._manifest is not None
+        assert self._projection is not None
+        first, _ = self._projection.tgb_span(step)
+        if first < self._manifest.base_step:
+            raise StepReclaimed(
+                f"{self._where}: step {step} needs TGB step {first}, but steps below "
+                f"{self._manifest.base_step} were reclaimed (manifest version "
+                f"{self._manifest.version}); resume from a later checkpoint"
+            )
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _schedule(self, step: int) -> None:
+        assert self._manifest is not None
+        assert self._projection is not None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=self.max_workers, thread_name_prefix="batchweave-consumer"
+            )
+        location = self._projection.locate(step, self.dp_rank, self.cp_rank)
+        future = self._pool.submit(self._fetch_step, step, location, self._manifest)
+        self._window.append(_Pending(step, location, future))
+
+    def _drop_window(self) -> None:
+        while self._window:
+            self._window.popleft().future.cancel()
+
+    def _fetch_step(self, step: int, loc: SliceLocation, manifest: Manifest) -> tuple[Any, int]:
+        """Read and decode this rank's slices of ``step``; return ``(data, stored bytes)``."""
+        budget = _Budget(self.retry_budget)
+        what = f"step {step} (TGB step {loc.tgb_step})"
+        desc = self._retrying(budget, what, lambda: self._descriptor(manifest, step, loc))
+        groups = _group_by_object(desc, loc, what)
+        results = gather(
+            self._pool,
+            [
+                functools.partial(self._read_object_slices, step, loc, ref, idx, budget)
+                for ref, idx in groups
+            ],
+        )
+        values = [value for values, _ in results for value in values]
+        nbytes = sum(n for _, n in results)
+        return (values if len(loc.slices) > 1 else values[0]), nbytes
+
+    def _descriptor(self, manifest: Manifest, step: int, loc: SliceLocation) -> TgbDescriptor:
+        try:
+            return self._log.descriptor(manifest, loc.tgb_step)
+        except StepReclaimed as exc:
+            raise StepReclaimed(f"step {step}: {exc}") from exc
+
+    def _read_object_slices(
+        self,
+        step: int,
+        loc: SliceLocation,
+        ref: TgbObjectRef,
+        indices: list[int],
+        budget: _Budget,
+    ) -> tuple[list[Any], int]:
+        key = self._log.key(ref.key)
+        what = f"step {step} (TGB step {loc.tgb_step}), object {key!r}"
+        try:
+            footer, hit = self._footers.get(
+                key,
+                lambda: self._retrying(budget, f"{what}, footer", lambda: self._footer(key, ref)),
+            )
+        except FormatError as exc:
+            raise type(exc)(f"{what}, footer: {exc}") from exc
+        self._counters.add(footer_cache_hits=1 if hit else 0)
+        if len(footer.slices) != ref.slice_count:
+            raise FormatError(
+                f"{what}: the manifest records {ref.slice_count} slices in the object, its footer "
+                f"{len(footer.slices)}; manifest and object disagree"
+            )
+        entries = [footer.slices[i - ref.first_slice] for i in indices]
+        runs: list[list[int]] = [[indices[0]]]
+        for prev, cur, i in zip(entries, entries[1:], indices[1:], strict=False):
+            if cur.offset == prev.offset + prev.length:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        values: list[Any] = []
+        nbytes = 0
+        for run in runs:
+            first = footer.slices[run[0] - ref.first_slice]
+            last = footer.slices[run[-1] - ref.first_slice]
+            start, end = first.offset, last.offset + last.length
+            where = f"{what}, slice{'s' if len(run) > 1 else ''} {', '.join(map(str, run))}"
+            buf = self._read_range(key, start, end, where, budget)
+            view = memoryview(buf)
+            for i in run:
+                entry = footer.slices[i - ref.first_slice]
+                raw = view[entry.offset - start : entry.offset - start + entry.length]
+                values.append(self._decode(raw, footer, i - ref.first_slice, key, what, i))
+            nbytes += end - start
+        return values, nbytes
+
+    def _decode(
+        self, raw: memoryview, footer: TgbFooter, local: int, key: str, what: str, index: int
+    ) -> Any:
+        try:
+            return decode_slice(raw, footer, local, key=key)
+        except FormatError as exc:
+            raise type(exc)(f"{what}, slice {index}: {exc}") from exc
+
+    def _footer(self, key: str, ref: TgbObjectRef) -> TgbFooter:
+        """Fetch ``ref``'s footer and trailer with one exact range read and verify both."""
+        want = ref.footer_length + TRAILER_SIZE
+        buf = self._get(key, Bounded(ref.footer_offset, ref.footer_offset + want))
+        self._counters.add(footer_reads=1)
+        if len(buf) != want:
+            raise FormatError(
+                f"object {key!r} is truncated: expected footer and trailer at bytes "
+                f"[{ref.footer_offset}, {ref.footer_offset + want}), got {len(buf)} bytes"
+            )
+        footer = parse_footer(buf, key=key)  # verifies the trailer's checksum over the footer
+        (footer_length,) = _U64.unpack_from(buf, len(buf) - TRAILER_SIZE)
+        if footer_length != ref.footer_length or footer.payload_length != ref.footer_offset:
+            raise FormatError(
+                f"object {key!r}: the manifest locates its footer at [{ref.footer_offset}, "
+                f"+{ref.footer_length}), the object at [{footer.payload_length}, "
+                f"+{footer_length}); manifest and object disagree"
+            )
+        computed = checksum(buf[: ref.footer_length], footer.checksum_algo)
+        if computed != ref.footer_checksum:
+            raise ChecksumMismatch(
+                f"object {key!r}: its footer's {footer.checksum_algo} checksum is {computed:#x}, "
+                f"the manifest recorded {ref.footer_checksum:#x}; the object was replaced or "
+                "damaged after it was committed"
+            )
+        return footer
+
+    def _read_range(self, key: str, start: int, end: int, where: str, budget: _Budget) -> Any:
+        """Bytes ``[start, end)`` of ``key``: one range read, or parallel parts when large."""
+        length = end - start
+        if length == 0:
+            return b""
+        if length < self.split_threshold or length <= self.part_size:
+            return self._retrying(budget, where, lambda: self._get_exact(key, start, end))
+        buf = bytearray(length)
+        view = memoryview(buf)
+
+        def part(lo: int, hi: int) -> None:
+            data = self._retrying(budget, where, lambda: self._get_exact(key, lo, hi))
+            view[lo - start : hi - start] = data
+
+        bounds = range(start, end, self.part_size)
+        gather(
+            self._pool, [functools.partial(part, a, min(a + self.part_size, end)) for a in bounds]
+        )
+        return buf
+
+    def _get_exact(self, key: str, start: int, end: int) -> bytes:
+        data = self._get(key, Bounded(start, end))
+        if len(data) != end - start:
+            raise FormatError(
+                f"object {key!r} is truncated: bytes [{start}, {end}) requested, "
+                f"{len(data)} returned"
+            )
+        return data
+
+    def _get(self, key: str, rng: Bounded) -> bytes:
+        self._counters.add(requests=1)
+        data = self._store.get_range(key, rng)
+        self._counters.add(bytes_read=len(data))
+        return data
+
+    def _retrying(self, budget: _Budget, what: str, fn: Callable[[], Any]) -> Any:
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except _RETRYABLE as exc:
+                used = budget.spend()
+                if used is None:
+                    raise ConsumerError(
+                        f"{what}: read failed and the step's retry budget ({budget.limit}) is "
+                        f"spent; last error: {exc}"
+                    ) from exc
+                self._counters.add(retries=1)
+                delay = min(self.max_retry_backoff, self.retry_backoff * (2**attempt))
+                _log.debug("%s: %s; retry %d in %.3f s", what, exc, used, delay)
+                attempt += 1
+                self._sleep(delay)
+            except ObjectNotFound as exc:
+                raise ConsumerError(
+                    f"{what}: the object is gone: it was reclaimed (this consumer fell behind "
+                    "the checkpoint watermarks) or deleted by hand; resume from a later checkpoint"
+                ) from exc
+
+
+def _group_by_object(
+    desc: TgbDescriptor, loc: SliceLocation, what: str
+) -> list[tuple[TgbObjectRef, list[int]]]:
+    """Split ``loc.slices`` by the object holding each, keeping their order."""
+    groups: list[tuple[TgbObjectRef, list[int]]] = []
+    for index in loc.slices:
+        ref = next(
+            (r for r in desc.objects if r.first_slice <= index < r.first_slice + r.slice_count),
+            None,
+        )
+        if ref is None:
+            raise FormatError(f"{what}: no object of the TGB holds slice {index}")
+        if groups and groups[-1][0] is ref:
+            groups[-1][1].append(index)
+        else:
+            groups.append((ref, [index]))
+    return groups
+
+
+def _check_at_least(minimum: int, **values: int) -> None:
+    for name, value in values.items():
+        if value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _resolve_coordinates(
+    mesh: Mesh,
+    dp_rank: int | None,
+    cp_rank: int | None,
+    *,
+    tp: int,
+    pp: int,
+    order: str,
+    environ: Mapping[str, str] | None,
+) -> tuple[int, int]:
+    if dp_rank is None and cp_rank is None:
+        coords = coordinates_from_env(mesh, tp=tp, pp=pp, order=order, environ=environ)
+        return coords.dp_rank, coords.cp_rank
+    if cp_rank is None and mesh.cp == 1:
+        cp_rank = 0
+    if dp_rank is None or cp_rank is None:
+        raise ValueError(
+            f"give both dp_rank and cp_rank for mesh ({mesh}), or neither to derive them from "
+            "RANK and WORLD_SIZE"
+        )
+    mesh.slice_index(dp_rank, cp_rank)  # range check with a clear message
+    return dp_rank, cp_rank
+
+
+_STATE_INTS: Final = ("format", "step", "dp", "cp", "dp_rank", "cp_rank", "anchor_step")
+
+
+def _parse_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        parsed: dict[str, Any] = {name: int(state[name]) for name in _STATE_INTS}
+        parsed["anchor_replica"] = int(state["anchor_replica"])
+        parsed["namespace"] = str(state.get("namespace", ""))
+        parsed["namespace_id"] = str(state["namespace_id"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConsumerError(
+            f"not a BatchWeave consumer state ({exc!r}); pass what Consumer.state_dict() returned"
+        ) from exc
+    if parsed["format"] != STATE_FORMAT:
+        raise ConsumerError(
+            f"consumer state format {parsed['format']} is not {STATE_FORMAT}; it was written by "
+            "another BatchWeave version"
+        )
+    if min(parsed["step"], parsed["dp"], parsed["cp"], parsed["anchor_replica"]) < 0 or (
+        parsed["step"] < parsed["anchor_step"] or min(parsed["dp"], parsed["cp"]) < 1
+    ):
+        raise ConsumerError(f"consumer state is inconsistent: {dict(state)!r}")
+    return parsed

@@ -1,0 +1,586 @@
+"""The TGB container: one immutable object holding every slice of a transactional global batch.
+
+Layout (byte-exact description in ``docs/format.md``)::
+
+    [slice 0][slice 1]...[slice n-1][footer JSON][trailer: 32 bytes]
+
+Slices are stored in ``(d, c)`` order (index ``d * cp + c``), each encoded by the object's codec
+and optionally zstd-compressed. The footer (a :class:`TgbFooter` as JSON) indexes them; the
+fixed-size trailer locates and checksums the footer and ends with a magic number. A reader that
+knows nothing fetches the tail with one suffix read; a reader that knows the footer's location
+(recorded in the manifest) fetches it with one exact range read; after that every slice costs
+exactly one range read.
+
+Every stored byte is covered: each slice by its own checksum (over the stored, possibly
+compressed, bytes), the footer and the trailer's fields by the footer checksum, and the magic by
+an exact comparison. Corruption therefore surfaces as :class:`batchweave.FormatError` or
+:class:`batchweave.ChecksumMismatch`, never as wrong data.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from batchweave._errors import ChecksumMismatch, FormatError, UnsupportedFormatVersion
+from batchweave._format._checksum import (
+    DEFAULT_CHECKSUM_ALGO,
+    ChecksumAlgo,
+    checksum,
+    checksum_bits,
+)
+from batchweave._format._codecs import (
+    CODECS,
+    COMPRESSIONS,
+    Buffer,
+    compress,
+    decompress,
+    first_overlap,
+    get_codec,
+)
+from batchweave._mesh import Mesh
+from batchweave._store._base import Bounded, ObjectStore, Suffix
+
+__all__ = [
+    "FOOTER_READ_GUESS",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "MAX_FOOTER_LENGTH",
+    "TRAILER_SIZE",
+    "EncodedTgb",
+    "SliceEntry",
+    "SliceIndex",
+    "TgbBuilder",
+    "TgbFooter",
+    "decode_slice",
+    "encode_tgb",
+    "parse_footer",
+    "parse_footer_exact",
+    "read_footer",
+    "read_slice",
+    "slice_range",
+]
+
+FORMAT_VERSION: Final = 1
+"""The newest TGB format version this library writes and reads."""
+
+MAGIC: Final = b"BWTGB\x00\x01\n"
+"""Last 8 bytes of every TGB object, in every format version."""
+
+TRAILER_SIZE: Final = 32
+"""Size of the fixed trailer; its layout is the same in every format version."""
+
+MAX_FOOTER_LENGTH: Final = 256 << 20
+"""Footers longer than this are refused before anything is allocated for them."""
+
+FOOTER_READ_GUESS: Final = 64 << 10
+"""Suffix length fetched when the footer's location is unknown; holds most footers entirely."""
+
+# footer_length u64, format_version u16, checksum algo id u8, 5 reserved zero bytes,
+# footer checksum u64, magic 8 bytes; little-endian.
+_TRAILER: Final = struct.Struct("<QHB5sQ8s")
+_CHECKED_TRAILER_BYTES: Final = 16  # footer checksum covers footer + trailer[0:16]
+_ALGO_IDS: Final[dict[ChecksumAlgo, int]] = {"crc32c": 1, "xxhash64": 2}
+_ALGO_BY_ID: Final[dict[int, ChecksumAlgo]] = {v: k for k, v in _ALGO_IDS.items()}
+_RESERVED: Final = bytes(5)
+
+assert _TRAILER.size == TRAILER_SIZE
+
+SliceIndex = int | tuple[int, int]
+"""A slice's flat index ``d * cp + c`` or its ``(dp_rank, cp_rank)`` coordinates."""
+
+
+class SliceEntry(BaseModel):
+    """Where one slice lives in its TGB object and how to verify it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    offset: int = Field(ge=0)
+    """Byte offset of the stored slice from the start of the object."""
+    length: int = Field(ge=0)
+    """Stored (possibly compressed) length in bytes: the size of its range read."""
+    uncompressed_length: int = Field(ge=0)
+    """Length after decompression; equals ``length`` when the object is uncompressed."""
+    checksum: int = Field(ge=0, lt=1 << 64)
+    """Checksum of the stored bytes under the footer's ``checksum_algo``."""
+    sample_count: int = Field(ge=0)
+    """Number of samples in the slice (codec default or the producer's value)."""
+
+
+class TgbFooter(BaseModel):
+    """The index at the end of a TGB object: everything needed to find and decode any slice."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format_version: int = Field(ge=1)
+    mesh: Mesh
+    codec: str
+    """Name of the codec every slice is encoded with: ``raw``, ``arrow`` or ``tensors``."""
+    compression: str | None = None
+    """``"zstd"`` if each slice's codec bytes are zstd-compressed, else ``None``."""
+    checksum_algo: ChecksumAlgo
+    payload_length: int = Field(ge=0)
+    """Bytes before the footer; every slice lies within ``[0, payload_length)``."""
+    slices: tuple[SliceEntry, ...]
+    """One entry per slice in ``(d, c)`` order: index ``d * mesh.cp + c``."""
+    metadata: dict[str, str] = Field(default_factory=dict)
+    """Producer-supplied metadata; BatchWeave does not interpret it."""
+
+    def index(self, index: SliceIndex) -> int:
+        """Return the flat index of ``index``, checking it against the mesh."""
+        if isinstance(index, tuple):
+            return self.mesh.slice_index(*index)
+        if not 0 <= index < self.mesh.slices:
+            raise IndexError(f"slice index {index} is outside 0..{self.mesh.slices - 1}")
+        return index
+
+    def coords(self, index: int) -> tuple[int, int]:
+        """Return ``(dp_rank, cp_rank)`` of flat slice ``index``."""
+        return divmod(index, self.mesh.cp)
+
+    def entry(self, index: SliceIndex) -> SliceEntry:
+        """Return the entry of slice ``index`` (flat or ``(d, c)``)."""
+        return self.slices[self.index(index)]
+
+
+@dataclass(frozen=True)
+class EncodedTgb:
+    """A complete TGB object ready to upload, plus what the manifest records about it.
+
+    ``footer_offset`` and ``footer_length`` locate the footer JSON; :func:`read_footer` given both
+    fetches footer and trailer (``footer_length + TRAILER_SIZE`` bytes) in one exact range read.
+    """
+
+    data: bytes
+    footer: TgbFooter
+    footer_offset: int
+    footer_length: int
+
+    @property
+    def size(self) -> int:
+        """Total object size in bytes."""
+        return len(self.data)
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+
+
+@dataclass(frozen=True)
+class _StoredSlice:
+    data: Buffer
+    uncompressed_length: int
+    checksum: int
+    sample_count: int
+
+
+class TgbBuilder:
+    """Assembles a TGB slice by slice, in any order; :meth:`build` needs every slice set.
+
+    Each slice is encoded, compressed and checksummed as soon as it is set, so an unsuitable
+    payload fails at the call that supplied it.
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        *,
+        codec: str = "raw",
+        compression: str | None = None,
+        checksum_algo: ChecksumAlgo = DEFAULT_CHECKSUM_ALGO,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        self._codec = get_codec(codec)
+        if compression is not None and compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {compression!r}; expected None or 'zstd'")
+        checksum_bits(checksum_algo)  # validates the name
+        meta = dict(metadata or {})
+        for k, v in meta.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise TypeError(f"TGB metadata must map str to str, got {k!r}: {v!r}")
+        self.mesh = mesh
+        self.codec = codec
+        self.compression = compression
+        self.checksum_algo: ChecksumAlgo = checksum_algo
+        self.metadata = meta
+        self._slices: list[_StoredSlice | None] = [None] * mesh.slices
+
+    def set_slice(
+        self, dp_rank: int, cp_rank: int, payload: Any, sample_count: int | None = None
+    ) -> None:
+        """Encode ``payload`` as slice ``(dp_rank, cp_rank)``; each slice may be set once."""
+        self._set(self.mesh.slice_index(dp_rank, cp_rank), payload, sample_count)
+
+    def _set(self, index: int, payload: Any, sample_count: int | None) -> None:
+        if self._slices[index] is not None:
+            d, c = divmod(index, self.mesh.cp)
+            raise ValueError(f"slice ({d}, {c}) was already set")
+        if sample_count is None:
+            sample_count = self._codec.sample_count(payload)
+        elif sample_count < 0:
+            raise ValueError(f"sample_count must be >= 0, got {sample_count}")
+        encoded = self._codec.encode(payload)
+        raw_length = len(memoryview(encoded).cast("B"))
+        stored = encoded if self.compression is None else compress(encoded, self.compression)
+        self._slices[index] = _StoredSlice(
+            data=stored,
+            uncompressed_length=raw_length,
+            checksum=checksum(stored, self.checksum_algo),
+            sample_count=sample_count,
+        )
+
+    def build(self) -> EncodedTgb:
+        """Lay out the payloads, footer and trailer; raise ``ValueError`` if slices are missing."""
+        missing = [divmod(i, self.mesh.cp) for i, s in enumerate(self._slices) if s is None]
+        if missing:
+            shown = ", ".join(f"({d}, {c})" for d, c in missing[:8])
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise ValueError(
+                f"cannot build a TGB for mesh {self.mesh}: slices {shown}{more} were never set"
+            )
+        stored = [s for s in self._slices if s is not None]
+        entries: list[SliceEntry] = []
+        offset = 0
+        for s in stored:
+            length = len(memoryview(s.data).cast("B"))
+            entries.append(
+                SliceEntry(
+                    offset=offset,
+                    length=length,
+                    uncompressed_length=s.uncompressed_length,
+                    checksum=s.checksum,
+                    sample_count=s.sample_count,
+                )
+            )
+            offset += length
+        footer = TgbFooter(
+            format_version=FORMAT_VERSION,
+            mesh=self.mesh,
+            codec=self.codec,
+            compression=self.compression,
+            checksum_algo=self.checksum_algo,
+            payload_length=offset,
+            slices=tuple(entries),
+            metadata=self.metadata,
+        )
+        footer_bytes = footer.model_dump_json().encode()
+        if len(footer_bytes) > MAX_FOOTER_LENGTH:
+            raise ValueError(
+                f"the footer for mesh {self.mesh} would be {len(footer_bytes)} bytes, over the "
+                f"{MAX_FOOTER_LENGTH}-byte limit; use a smaller mesh or less metadata"
+            )
+        trailer = _pack_trailer(footer_bytes, FORMAT_VERSION, self.checksum_algo)
+        data = b"".join([*(s.data for s in stored), footer_bytes, trailer])
+        return EncodedTgb(
+            data=data, footer=footer, footer_offset=offset, footer_length=len(footer_bytes)
+        )
+
+
+def encode_tgb(
+    slices: Sequence[Any],
+    mesh: Mesh,
+    *,
+    codec: str = "raw",
+    compression: str | None = None,
+    checksum_algo: ChecksumAlgo = DEFAULT_CHECKSUM_ALGO,
+    sample_counts: Sequence[int | None] | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> EncodedTgb:
+    """Encode ``mesh.slices`` payloads, given in ``(d, c)`` order, into one TGB object.
+
+    ``sample_counts`` overrides the codec's per-slice default (raw: 1, arrow: ``num_rows``,
+    tensors: length of the first array's first axis).
+    """
+    if len(slices) != mesh.slices:
+        raise ValueError(
+            f"a TGB for mesh {mesh} needs {mesh.slices} slices in (d, c) order, got {len(slices)}"
+        )
+    if sample_counts is not None and len(sample_counts) != len(slices):
+        raise ValueError(
+            f"got {len(sample_counts)} sample counts for {len(slices)} slices; give one per slice"
+        )
+    builder = TgbBuilder(
+        mesh, codec=codec, compression=compression, checksum_algo=checksum_algo, metadata=metadata
+    )
+    for i, payload in enumerate(slices):
+        builder._set(i, payload, None if sample_counts is None else sample_counts[i])
+    return builder.build()
+
+
+def _pack_trailer(
+    footer_bytes: bytes, version: int, algo: ChecksumAlgo, *, reserved: bytes = _RESERVED
+) -> bytes:
+    head = _TRAILER.pack(len(footer_bytes), version, _ALGO_IDS[algo], reserved, 0, MAGIC)
+    checked = head[:_CHECKED_TRAILER_BYTES]
+    digest = checksum(footer_bytes + checked, algo)
+    return _TRAILER.pack(len(footer_bytes), version, _ALGO_IDS[algo], reserved, digest, MAGIC)
+
+
+# --------------------------------------------------------------------------------------------
+# reading the footer
+
+
+@dataclass(frozen=True)
+class _Trailer:
+    footer_length: int
+    version: int
+    algo_id: int
+    reserved: bytes
+    footer_checksum: int
+    raw: bytes
+
+
+def _unpack_trailer(buf: bytes | memoryview, key: str) -> _Trailer:
+    """Check size and magic of the trailer at the end of ``buf`` and unpack it."""
+    if len(buf) < TRAILER_SIZE:
+        what = "is empty" if len(buf) == 0 else f"is only {len(buf)} bytes"
+        raise FormatError(
+            f"object {key!r} is not a BatchWeave TGB: it {what}, shorter than the "
+            f"{TRAILER_SIZE}-byte trailer (truncated or foreign object)"
+        )
+    raw = bytes(buf[len(buf) - TRAILER_SIZE :])
+    footer_length, version, algo_id, reserved, footer_checksum, magic = _TRAILER.unpack(raw)
+    if magic != MAGIC:
+        raise FormatError(
+            f"object {key!r} is not a BatchWeave TGB (bad magic {magic!r} at its end, expected "
+            f"{MAGIC!r}): a foreign, truncated or damaged object"
+        )
+    if footer_length > MAX_FOOTER_LENGTH:
+        raise FormatError(
+            f"object {key!r}: trailer claims a {footer_length}-byte footer, over the "
+            f"{MAX_FOOTER_LENGTH}-byte limit; the object is damaged"
+        )
+    if algo_id not in _ALGO_BY_ID:
+        _check_version(version, key)
+        raise FormatError(
+            f"object {key!r}: trailer names unknown checksum algorithm id {algo_id}; "
+            "the object is damaged"
+        )
+    return _Trailer(footer_length, version, algo_id, reserved, footer_checksum, raw)
+
+
+def _check_version(version: int, key: str) -> None:
+    if version > FORMAT_VERSION:
+        raise UnsupportedFormatVersion(
+            f"object {key!r} was written by a newer BatchWeave (format {version}, this library "
+            f"reads up to {FORMAT_VERSION}): upgrade batchweave"
+        )
+    if version < 1:
+        raise FormatError(f"object {key!r} has invalid format version {version}")
+
+
+def parse_footer(buf: bytes | memoryview, *, key: str) -> TgbFooter:
+    """Parse the footer from a buffer that ends with a TGB's footer and trailer.
+
+    ``buf`` may hold more of the object before the footer (for example a suffix read). ``key``
+    names the object in errors. Raises ``FormatError`` (foreign, truncated or damaged objects),
+    ``ChecksumMismatch`` or ``UnsupportedFormatVersion``.
+    """
+    trailer = _unpack_trailer(buf, key)
+    return _parse_with_trailer(buf, trailer, key)
+
+
+def _parse_with_trailer(buf: bytes | memoryview, trailer: _Trailer, key: str) -> TgbFooter:
+    end = len(buf) - TRAILER_SIZE
+    if trailer.footer_length > end:
+        raise FormatError(
+            f"object {key!r} is truncated: its trailer claims a {trailer.footer_length}-byte "
+            f"footer but only {end} bytes precede the trailer"
+        )
+    footer_bytes = bytes(buf[end - trailer.footer_length : end])
+    algo = _ALGO_BY_ID[trailer.algo_id]
+    computed = checksum(footer_bytes + trailer.raw[:_CHECKED_TRAILER_BYTES], algo)
+    if computed != trailer.footer_checksum:
+        raise ChecksumMismatch(
+            f"footer of object {key!r} is corrupt: stored {algo} checksum "
+            f"{trailer.footer_checksum:#x}, computed {computed:#x}; the object was damaged in "
+            "storage or transit, rewrite it"
+        )
+    _check_version(trailer.version, key)
+    if trailer.reserved != _RESERVED:
+        raise FormatError(f"object {key!r}: reserved trailer bytes are not zero")
+    footer = _footer_from_json(footer_bytes, key)
+    if footer.format_version != trailer.version or footer.checksum_algo != algo:
+        raise FormatError(
+            f"object {key!r}: footer (format {footer.format_version}, {footer.checksum_algo}) "
+            f"disagrees with its trailer (format {trailer.version}, {algo})"
+        )
+    return footer
+
+
+def parse_footer_exact(buf: bytes | memoryview, *, key: str) -> TgbFooter:
+    """Parse exactly the footer JSON bytes (no trailer), e.g. a range the manifest recorded.
+
+    Without the trailer the footer checksum cannot be verified, only the footer's structure;
+    prefer :func:`read_footer`, which fetches the trailer in the same request.
+    """
+    if len(buf) > MAX_FOOTER_LENGTH:
+        raise FormatError(
+            f"object {key!r}: a {len(buf)}-byte footer is over the {MAX_FOOTER_LENGTH}-byte limit"
+        )
+    return _footer_from_json(bytes(buf), key)
+
+
+def _footer_from_json(footer_bytes: bytes, key: str) -> TgbFooter:
+    try:
+        doc = json.loads(footer_bytes)
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"object {key!r}: footer is not valid JSON ({exc})") from exc
+    version = doc.get("format_version") if isinstance(doc, dict) else None
+    if isinstance(version, int):
+        _check_version(version, key)
+    try:
+        footer = TgbFooter.model_validate(doc)
+    except ValidationError as exc:
+        raise FormatError(f"object {key!r}: invalid TGB footer: {exc}") from exc
+    _check_footer(footer, key)
+    return footer
+
+
+def _check_footer(footer: TgbFooter, key: str) -> None:
+    """Reject footers whose values are individually valid but inconsistent or unknown."""
+
+    def bad(msg: str) -> FormatError:
+        return FormatError(f"object {key!r}: invalid TGB footer: {msg}")
+
+    if footer.codec not in CODECS:
+        raise FormatError(
+            f"object {key!r} uses codec {footer.codec!r}, which this library does not know "
+            f"(known: {', '.join(CODECS)}): upgrade batchweave"
+        )
+    if footer.compression is not None and footer.compression not in COMPRESSIONS:
+        raise FormatError(
+            f"object {key!r} uses compression {footer.compression!r}, which this library does "
+            f"not know (known: {', '.join(COMPRESSIONS)}): upgrade batchweave"
+        )
+    if len(footer.slices) != footer.mesh.slices:
+        raise bad(f"{len(footer.slices)} slices for mesh {footer.mesh} ({footer.mesh.slices})")
+    limit = 1 << checksum_bits(footer.checksum_algo)
+    spans: list[tuple[int, int, int]] = []
+    for i, entry in enumerate(footer.slices):
+        end = entry.offset + entry.length
+        if end > footer.payload_length:
+            raise bad(
+                f"slice {footer.coords(i)} spans [{entry.offset}, {end}), past the "
+                f"{footer.payload_length}-byte payload region"
+            )
+        if footer.compression is None and entry.uncompressed_length != entry.length:
+            raise bad(f"slice {footer.coords(i)} is uncompressed but lengths differ")
+        if entry.checksum >= limit:
+            raise bad(f"slice {footer.coords(i)} checksum does not fit {footer.checksum_algo}")
+        if entry.length:
+            spans.append((entry.offset, end, i))
+    overlap = first_overlap(spans)
+    if overlap is not None:
+        a, b = overlap
+        raise bad(f"slices {footer.coords(a)} and {footer.coords(b)} overlap")
+
+
+def read_footer(
+    store: ObjectStore,
+    key: str,
+    *,
+    footer_offset: int | None = None,
+    footer_length: int | None = None,
+) -> TgbFooter:
+    """Fetch and verify the footer of TGB object ``key``.
+
+    With ``footer_offset`` and ``footer_length`` (from :class:`EncodedTgb`, as recorded in the
+    manifest): exactly one bounded range read of footer plus trailer. Without: one suffix read of
+    :data:`FOOTER_READ_GUESS` bytes, and a second suffix read only if the footer is larger.
+    """
+    if (footer_offset is None) != (footer_length is None):
+        raise ValueError("give both footer_offset and footer_length, or neither")
+    if footer_offset is not None and footer_length is not None:
+        want = footer_length + TRAILER_SIZE
+        buf = store.get_range(key, Bounded(footer_offset, footer_offset + want))
+        if len(buf) < want:
+            raise FormatError(
+                f"object {key!r} is truncated: expected footer and trailer at bytes "
+                f"[{footer_offset}, {footer_offset + want}) but the object ends at "
+                f"{footer_offset + len(buf)}"
+            )
+        trailer = _unpack_trailer(buf, key)
+        if trailer.footer_length != footer_length:
+            raise FormatError(
+                f"object {key!r}: the manifest records a {footer_length}-byte footer but the "
+                f"object's trailer says {trailer.footer_length}; manifest and object disagree"
+            )
+        footer = _parse_with_trailer(buf, trailer, key)
+        if footer.payload_length != footer_offset:
+            raise FormatError(
+                f"object {key!r}: the manifest records the footer at offset {footer_offset} but "
+                f"the footer says it follows {footer.payload_length} payload bytes"
+            )
+        return footer
+
+    buf = store.get_range(key, Suffix(FOOTER_READ_GUESS))
+    whole_object = len(buf) < FOOTER_READ_GUESS
+    trailer = _unpack_trailer(buf, key)
+    want = trailer.footer_length + TRAILER_SIZE
+    if want > len(buf) and not whole_object:
+        buf = store.get_range(key, Suffix(want))
+        whole_object = len(buf) < want
+    footer = _parse_with_trailer(buf, trailer, key)
+    if whole_object and footer.payload_length + want != len(buf):
+        raise FormatError(
+            f"object {key!r} is {len(buf)} bytes but its footer describes "
+            f"{footer.payload_length + want}: truncated or damaged"
+        )
+    return footer
+
+
+# --------------------------------------------------------------------------------------------
+# reading slices
+
+
+def slice_range(footer: TgbFooter, index: SliceIndex) -> Bounded:
+    """The byte range of slice ``index`` in its object: the one read a rank issues."""
+    entry = footer.entry(index)
+    return Bounded(entry.offset, entry.offset + entry.length)
+
+
+def decode_slice(raw: bytes | memoryview, footer: TgbFooter, index: SliceIndex, *, key: str) -> Any:
+    """Verify, decompress and decode the stored bytes of slice ``index``.
+
+    Returns what the codec produces: ``bytes`` (raw), ``pyarrow.Table`` (arrow) or
+    ``dict[str, numpy.ndarray]`` (tensors, read-only views of ``raw`` or of the decompressed
+    bytes). Raises ``ChecksumMismatch`` naming the object, the slice and both checksums.
+    """
+    i = footer.index(index)
+    d, c = footer.coords(i)
+    entry = footer.slices[i]
+    where = f"slice ({d}, {c}) of object {key!r}"
+    if len(raw) != entry.length:
+        raise FormatError(
+            f"{where}: got {len(raw)} bytes, the footer records {entry.length} (truncated "
+            "object or a footer from another object)"
+        )
+    computed = checksum(raw, footer.checksum_algo)
+    if computed != entry.checksum:
+        raise ChecksumMismatch(
+            f"{where} is corrupt: stored {footer.checksum_algo} checksum {entry.checksum:#x}, "
+            f"computed {computed:#x}; the object was damaged in storage or transit, rewrite it"
+        )
+    try:
+        body: bytes | memoryview = raw
+        if footer.compression is not None:
+            body = decompress(raw, footer.compression, entry.uncompressed_length)
+        return CODECS[footer.codec].decode(body)
+    except FormatError as exc:
+        raise type(exc)(f"{where}: {exc}") from exc
+
+
+def read_slice(store: ObjectStore, key: str, footer: TgbFooter, index: SliceIndex) -> Any:
+    """Fetch slice ``index`` of object ``key`` with exactly one range read and decode it.
+
+    An empty stored slice (possible only for an uncompressed empty raw payload) needs no read.
+    """
+    rng = slice_range(footer, index)
+    raw = store.get_range(key, rng) if rng.end > rng.start else b""
+    return decode_slice(raw, footer, index, key=key)

@@ -1,0 +1,176 @@
+"""Bytes of manifest and segment objects: a one-line envelope, then the JSON body.
+
+An encoded object is::
+
+    batchweave-manifest crc32c=1a2b3c4d length=1234\\n
+    {"format":1,"namespace_id":...}
+
+The header line names what the object is (``batchweave-manifest`` or ``batchweave-segment``), the
+CRC-32C of the body (8 lowercase hex digits) and the body's length in bytes; the body is the
+pydantic model's JSON. The checksum covers the exact body bytes, so no JSON canonicalization is
+needed to verify it, and ``tail -n +2`` of an object is plain JSON for ``jq``. The schema version is
+the body's ``format`` field; the envelope itself is versioned by its magic word.
+
+Decoding never trusts the bytes: it bounds the size before parsing anything, checks the header,
+the length (truncation), the checksum, then the format version (a newer one is
+:class:`~batchweave.UnsupportedFormatVersion`, "upgrade batchweave") and only then validates the
+schema, translating pydantic errors into :class:`~batchweave.FormatError` naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Final, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from batchweave._errors import ChecksumMismatch, FormatError, UnsupportedFormatVersion
+from batchweave._format._checksum import checksum
+from batchweave._manifest._models import MANIFEST_FORMAT, SEGMENT_FORMAT, Manifest, Segment
+
+__all__ = [
+    "MAX_MANIFEST_BYTES",
+    "MAX_SEGMENT_BYTES",
+    "body_checksum",
+    "decode_manifest",
+    "decode_object",
+    "decode_segment",
+    "encode_manifest",
+    "encode_object",
+    "encode_segment",
+]
+
+MAX_MANIFEST_BYTES: Final = 64 << 20
+"""Largest manifest object accepted. Real manifests are kilobytes; more means corruption."""
+
+MAX_SEGMENT_BYTES: Final = 512 << 20
+"""Largest segment object accepted (a full merged segment is a few megabytes)."""
+
+_MANIFEST_MAGIC: Final = "batchweave-manifest"
+_SEGMENT_MAGIC: Final = "batchweave-segment"
+_MAX_HEADER: Final = 128
+_HEADER_RE: Final = re.compile(rb"([a-z-]+) crc32c=([0-9a-f]{8}) length=(0|[1-9][0-9]{0,12})")
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def body_checksum(body: bytes) -> int:
+    """CRC-32C of an object's JSON body, as written in its header (and in a ``SegmentRef``)."""
+    return checksum(body, "crc32c")
+
+
+def _encode(magic: str, model: BaseModel) -> bytes:
+    body = model.model_dump_json().encode()
+    header = f"{magic} crc32c={body_checksum(body):08x} length={len(body)}\n".encode()
+    return header + body
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    """Serialize ``manifest`` into the bytes of a ``.manifest`` object."""
+    return _encode(_MANIFEST_MAGIC, manifest)
+
+
+def encode_segment(segment: Segment) -> bytes:
+    """Serialize ``segment`` into the bytes of a ``.seg`` object."""
+    return _encode(_SEGMENT_MAGIC, segment)
+
+
+def _split_envelope(data: bytes, *, key: str, magic: str, limit: int) -> tuple[int, bytes]:
+    """Check the envelope of ``data`` and return ``(header checksum, body)``.
+
+    Raises :class:`FormatError` for oversized, foreign or truncated bytes and
+    :class:`ChecksumMismatch` when the body does not match the header's checksum.
+    """
+    what = magic.removeprefix("batchweave-")
+    if len(data) > limit:
+        raise FormatError(
+            f"{key}: {len(data)} bytes is far larger than any {what} ({limit} bytes at most); "
+            "the object is corrupt or not a BatchWeave object"
+        )
+    newline = data.find(b"\n", 0, _MAX_HEADER)
+    match = _HEADER_RE.fullmatch(data[:newline]) if newline >= 0 else None
+    if match is None:
+        raise FormatError(
+            f"{key}: not a BatchWeave {what} (no '{magic} crc32c=... length=...' header line); "
+            "the prefix may hold other data"
+        )
+    if match.group(1).decode() != magic:
+        raise FormatError(f"{key}: expected a {what}, found a {match.group(1).decode()!r} object")
+    stored = int(match.group(2), 16)
+    length = int(match.group(3))
+    body = data[newline + 1 :]
+    if len(body) != length:
+        state = "truncated" if len(body) < length else "longer than its header says"
+        raise FormatError(
+            f"{key}: {what} is {state}: header says {length} body bytes, found {len(body)}"
+        )
+    computed = body_checksum(body)
+    if computed != stored:
+        raise ChecksumMismatch(
+            f"{key}: {what} checksum mismatch: stored crc32c {stored:08x}, "
+            f"computed {computed:08x}; the object is corrupt"
+        )
+    return stored, body
+
+
+def _validate(body: bytes, model: type[_M], *, key: str, what: str, supported: int) -> _M:
+    try:
+        obj = model.model_validate_json(body)
+    except ValidationError as exc:
+        peeked = _peek_format(body)
+        if isinstance(peeked, int) and peeked > supported:
+            raise _unsupported(key, what, peeked, supported) from None
+        summary = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+            for err in exc.errors()[:5]
+        )
+        raise FormatError(f"{key}: invalid {what}: {summary}") from exc
+    fmt: int = getattr(obj, "format", supported)
+    if fmt > supported:
+        raise _unsupported(key, what, fmt, supported)
+    if fmt < 1:
+        raise FormatError(f"{key}: invalid {what} format {fmt}")
+    return obj
+
+
+def _peek_format(body: bytes) -> object:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    return obj.get("format") if isinstance(obj, dict) else None
+
+
+def _unsupported(key: str, what: str, fmt: int, supported: int) -> UnsupportedFormatVersion:
+    return UnsupportedFormatVersion(
+        f"{key}: {what} format {fmt} was written by a newer BatchWeave; this version reads "
+        f"formats up to {supported}: upgrade batchweave"
+    )
+
+
+def decode_manifest(data: bytes, *, key: str) -> Manifest:
+    """Parse and verify the bytes of the manifest object ``key`` (used in error messages)."""
+    _, body = _split_envelope(data, key=key, magic=_MANIFEST_MAGIC, limit=MAX_MANIFEST_BYTES)
+    return _validate(body, Manifest, key=key, what="manifest", supported=MANIFEST_FORMAT)
+
+
+def decode_segment(data: bytes, *, key: str) -> tuple[Segment, int]:
+    """Parse and verify the segment object ``key``; return it with its body checksum."""
+    stored, body = _split_envelope(data, key=key, magic=_SEGMENT_MAGIC, limit=MAX_SEGMENT_BYTES)
+    segment = _validate(body, Segment, key=key, what="segment", supported=SEGMENT_FORMAT)
+    return segment, stored
+
+
+def encode_object(magic: str, model: BaseModel) -> bytes:
+    """Serialize another persisted model (e.g. a watermark) in the same checksummed envelope."""
+    return _encode(magic, model)
+
+
+def decode_object(
+    data: bytes, model: type[_M], *, key: str, magic: str, limit: int, supported: int
+) -> _M:
+    """Parse and verify an object written by :func:`encode_object` with the same ``magic``."""
+    _, body = _split_envelope(data, key=key, magic=magic, limit=limit)
+    what = magic.removeprefix("batchweave-")
+    return _validate(body, model, key=key, what=what, supported=supported)

@@ -1,0 +1,481 @@
+"""The manifest log of one namespace: discovery, reading and one-attempt commits.
+
+Versions are immutable objects ``{namespace}/_manifests/{version:020d}.manifest``; version
+``v+1`` exists only if a conditional PUT (``If-None-Match: *``) created it, so the store itself
+serializes history and there is no coordinator. :meth:`ManifestLog.commit` makes exactly one
+attempt and reports who won; rebasing and pacing belong to the producer. See ``docs/protocol.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from batchweave._errors import (
+    AmbiguousWriteError,
+    FormatError,
+    NamespaceMismatch,
+    NamespaceNotFound,
+    NamespaceSealed,
+    ObjectExists,
+    ObjectNotFound,
+    OffsetOrderError,
+    ProducerFenced,
+    StepReclaimed,
+    TransientStoreError,
+)
+from batchweave._manifest._codec import decode_manifest, encode_manifest
+from batchweave._manifest._models import Manifest, ProducerState, TgbDescriptor
+from batchweave._manifest._segments import SegmentFiles, cut_below, find_segment
+from batchweave._mesh import Mesh
+from batchweave._store._base import ObjectStore, validate_key
+
+__all__ = [
+    "MANIFESTS_DIR",
+    "NAMESPACE_DIRS",
+    "CommitResult",
+    "Committed",
+    "Conflict",
+    "ManifestLog",
+    "active_producers",
+    "manifest_key",
+]
+
+_log = logging.getLogger("batchweave.manifest")
+
+MANIFESTS_DIR = "_manifests"
+NAMESPACE_DIRS = frozenset({MANIFESTS_DIR, "_segments", "_watermarks", "data"})
+"""Top-level names BatchWeave creates under a namespace; anything else makes a prefix foreign."""
+
+_VERSION_RE = re.compile(r"([0-9]{20})\.manifest")
+_AMBIGUOUS_RESENDS = 3
+
+
+def manifest_key(version: int) -> str:
+    """Key of manifest ``version`` relative to the namespace."""
+    return f"{MANIFESTS_DIR}/{version:020d}.manifest"
+
+
+@dataclass(frozen=True)
+class Committed:
+    """Our attempt created the new version: its TGBs are visible from ``manifest`` on."""
+
+    manifest: Manifest
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Another attempt created the version we tried to write.
+
+    ``winner`` is that version when it could be read back; ``None`` when the outcome is unknown
+    (a 409, a transient error, or a reclaimed base): call :meth:`ManifestLog.latest` to rebase.
+    """
+
+    winner: Manifest | None
+
+
+CommitResult = Committed | Conflict
+
+
+def active_producers(manifest: Manifest, now: float, horizon: float) -> int:
+    """Producers whose last commit lies within ``horizon`` seconds of ``now``; at least 1.
+
+    This is the ``N`` of the DAC gap formula, read from committed state with no messages.
+    """
+    cutoff = now - horizon
+    return max(1, sum(1 for p in manifest.producers.values() if p.last_commit_at >= cutoff))
+
+
+class ManifestLog:
+    """Manifest versions of one namespace in one store.
+
+    ``namespace`` is a relative path such as ``"runs/job-42"``; every object lives under
+    ``f"{namespace}/"``. Thread-safe; segment reads are cached (``segment_cache`` segments).
+    ``tail_limit`` descriptors stay inline before the tail rolls into a segment object, and
+    merged segments hold at most ``max_segment_tgbs`` descriptors (default ``64 * tail_limit``).
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        namespace: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        tail_limit: int = 256,
+        segment_cache: int = 64,
+        max_segment_tgbs: int | None = None,
+    ) -> None:
+        if namespace.endswith("/"):
+            raise ValueError(f"namespace {namespace!r} must not end with '/'")
+        validate_key(namespace)
+        if tail_limit < 1:
+            raise ValueError(f"tail_limit must be >= 1, got {tail_limit}")
+        self.store = store
+        self.namespace = namespace
+        self._clock = clock
+        self.tail_limit = tail_limit
+        self.max_segment_tgbs = max_segment_tgbs or 64 * tail_limit
+        if self.max_segment_tgbs < tail_limit:
+            raise ValueError(
+                f"max_segment_tgbs ({self.max_segment_tgbs}) must be >= tail_limit ({tail_limit})"
+            )
+        self._segments = SegmentFiles(store, self.key, cache=segment_cache)
+        self._namespace_id: str | None = None
+        self._reclaimed_below = 0
+        """Versions below this were seen reclaimed: ``latest`` must not trust them as current."""
+
+    def __repr__(self) -> str:
+        return f"ManifestLog({self.store.url!r}, {self.namespace!r})"
+
+    def key(self, relative: str) -> str:
+        """Store key of ``relative`` (a key inside the namespace)."""
+        return f"{self.namespace}/{relative}"
+
+    @property
+    def _where(self) -> str:
+        return f"{self.store.url}/{self.namespace}"
+
+    # -- discovery ---------------------------------------------------------------------------
+
+    def create_or_open(self, mesh: Mesh | None = None) -> Manifest:
+        """Open the namespace, creating version 0 for ``mesh`` if nothing exists yet.
+
+        With a ``mesh``, a namespace created with another mesh is :class:`NamespaceMismatch`, as
+        is a prefix holding objects BatchWeave did not write. Concurrent creators agree on one
+        ``namespace_id``: version 0 is a conditional create. Without a ``mesh``, only opening is
+        possible (:class:`NamespaceNotFound` if nothing was committed). Returns the latest version.
+        """
+        if not self._has_versions():
+            if mesh is None:
+                raise NamespaceNotFound(
+                    f"no BatchWeave namespace at {self._where} (no {MANIFESTS_DIR}/ versions); "
+                    "create it by opening a Producer with mesh=..., or check the namespace name"
+                )
+            self._refuse_foreign_prefix()
+            genesis = Manifest(
+                namespace_id=uuid.uuid4().hex,
+                mesh=mesh,
+                version=0,
+                commit_id=uuid.uuid4().hex,
+                created_at=self._clock(),
+            )
+            self._create_genesis(genesis)
+        manifest = self.latest()
+        if mesh is not None and manifest.mesh != mesh:
+            raise NamespaceMismatch(
+                f"namespace {self._where} was created for mesh ({manifest.mesh}), "
+                f"this client asked for mesh ({mesh}); use the namespace's mesh or a new namespace"
+            )
+        return manifest
+
+    def _create_genesis(self, genesis: Manifest) -> None:
+        key, data = self.key(manifest_key(0)), encode_manifest(genesis)
+        for _ in range(_AMBIGUOUS_RESENDS + 1):
+            try:
+                self.store.put_if_absent(key, data)
+                _log.info("created namespace %s (id %s)", self._where, genesis.namespace_id)
+                return
+            except ObjectExists:
+                return  # a concurrent creator, or our own landed write: latest() reads the winner
+            except AmbiguousWriteError as exc:
+                _log.warning("creating %s: ambiguous outcome (%s); reading back", key, exc)
+                if self._has_versions():
+                    return
+        raise AmbiguousWriteError(
+            f"could not create {key}: every attempt had an unknown outcome and nothing is there; "
+            "check the store and retry"
+        )
+
+    def _has_versions(self) -> bool:
+        return next(self._version_keys(), None) is not None
+
+    def _refuse_foreign_prefix(self) -> None:
+        prefix = f"{self.namespace}/"
+        for meta in self.store.list(prefix):
+            top = meta.key[len(prefix) :].split("/", 1)[0]
+            if top not in NAMESPACE_DIRS:
+                raise NamespaceMismatch(
+                    f"prefix {self.store.url}/{prefix} already holds {meta.key!r}, which "
+                    "BatchWeave did not write; choose an empty prefix for a new namespace"
+                )
+
+    def _version_keys(self, start_after: str | None = None) -> Iterator[tuple[int, str]]:
+        prefix = self.key(f"{MANIFESTS_DIR}/")
+        for meta in self.store.list(prefix, start_after=start_after):
+            match = _VERSION_RE.fullmatch(meta.key[len(prefix) :])
+            if match is not None:
+                yield int(match.group(1)), meta.key
+
+    def versions(self) -> Iterator[int]:
+        """Committed version numbers in increasing order (one LIST; for tools and the reclaimer)."""
+        for version, _ in self._version_keys():
+            yield version
+
+    def latest(self, known: Manifest | None = None) -> Manifest:
+        """The newest version.
+
+        With ``known`` current this costs one GET (of ``known.version + 1``, absent). When behind,
+        a LIST starting after that version jumps to the newest, which is then read. Without
+        ``known`` a LIST from the start finds it (old versions are reclaimed, so it is short); so
+        does a ``known`` that a commit found reclaimed, since its successor may be gone too.
+        """
+        start_after: str | None = None
+        found: Manifest | None = None
+        if known is not None and known.version < self._reclaimed_below:
+            known = None  # its successor may be reclaimed too: a probe would wrongly say "current"
+        if known is not None:
+            self._check_identity(known, self.key(manifest_key(known.version)))
+            try:
+                found = self.read(known.version + 1)
+            except ObjectNotFound:
+                return known
+            start_after = self.key(manifest_key(found.version))
+        newest: int | None = None
+        for version, _ in self._version_keys(start_after):
+            newest = version if newest is None else max(newest, version)  # not trusting order
+        if newest is not None:
+            return self.read(newest)
+        if found is not None:
+            return found
+        raise NamespaceNotFound(
+            f"no BatchWeave namespace at {self._where} (no {MANIFESTS_DIR}/ versions); create "
+            "it by opening a Producer with mesh=..., or check the namespace name"
+        )
+
+    def read(self, version: int) -> Manifest:
+        """Manifest ``version``; :class:`ObjectNotFound` if it does not exist (or was reclaimed)."""
+        key = self.key(manifest_key(version))
+        try:
+            data = self.store.get(key)
+        except ObjectNotFound as exc:
+            raise ObjectNotFound(
+                f"manifest version {version} does not exist at {key} (not committed yet, or "
+                "reclaimed)"
+            ) from exc
+        manifest = decode_manifest(data, key=key)
+        if manifest.version != version:
+            raise FormatError(f"{key}: object says it is version {manifest.version}, not {version}")
+        self._check_identity(manifest, key)
+        return manifest
+
+    def _check_identity(self, manifest: Manifest, key: str) -> None:
+        if self._namespace_id is None:
+            self._namespace_id = manifest.namespace_id
+        elif manifest.namespace_id != self._namespace_id:
+            raise NamespaceMismatch(
+                f"{key} belongs to namespace id {manifest.namespace_id}, but this client "
+                f"opened namespace id {self._namespace_id} at {self._where}; was the prefix "
+                "deleted and re-created?"
+            )
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def descriptor(self, manifest: Manifest, step: int) -> TgbDescriptor:
+        """The TGB at ``step`` in ``manifest``: at most one (cached) segment read."""
+        self._check_step(manifest, step)
+        if step >= manifest.tail_start:
+            return manifest.tail[step - manifest.tail_start]
+        ref = find_segment(manifest.segments, step)
+        return self._segments.read(ref, manifest.namespace_id).tgbs[step - ref.first_step]
+
+    def descriptors(
+        self, manifest: Manifest, start: int, stop: int
+    ) -> Iterator[tuple[int, TgbDescriptor]]:
+        """``(step, descriptor)`` for steps ``start .. stop-1``, reading each segment once."""
+        if stop <= start:
+            return
+        self._check_step(manifest, start)
+        self._check_step(manifest, stop - 1)
+        step = start
+        while step < stop:
+            if step >= manifest.tail_start:
+                for i in range(step - manifest.tail_start, stop - manifest.tail_start):
+                    yield manifest.tail_start + i, manifest.tail[i]
+                return
+            ref = find_segment(manifest.segments, step)
+            tgbs = self._segments.read(ref, manifest.namespace_id).tgbs
+            end = min(stop, ref.end_step)
+            for s in range(step, end):
+                yield s, tgbs[s - ref.first_step]
+            step = end
+
+    def _check_step(self, manifest: Manifest, step: int) -> None:
+        if step < manifest.base_step:
+            raise StepReclaimed(
+                f"step {step} was reclaimed (base_step {manifest.base_step} in manifest "
+                f"version {manifest.version} of {self._where}); resume from a later checkpoint"
+            )
+        if step >= manifest.next_step:
+            raise IndexError(
+                f"step {step} is not committed yet: manifest version {manifest.version} of "
+                f"{self._where} holds steps {manifest.base_step}..{manifest.next_step - 1}"
+            )
+
+    # -- commit ------------------------------------------------------------------------------
+
+    def commit(
+        self,
+        base: Manifest,
+        *,
+        append: Sequence[TgbDescriptor] = (),
+        producers: Mapping[str, ProducerState] = {},
+        base_step: int | None = None,
+        seal: bool = False,
+    ) -> CommitResult:
+        """One attempt to write version ``base.version + 1`` = ``base`` plus this change.
+
+        ``append`` gets steps ``base.next_step...``; ``producers`` entries replace whole producer
+        states; then every producer that appends gets ``offset`` (its last appended offset),
+        ``last_version`` and ``last_commit_at`` updated. ``base_step`` raises the reclamation
+        boundary; ``seal`` ends the stream. Appended descriptors must not repeat or reorder a
+        committed offset (:class:`OffsetOrderError`) nor carry an epoch older than the committed
+        one (:class:`ProducerFenced`); appending to a sealed manifest is :class:`NamespaceSealed`.
+
+        Returns :class:`Committed` if our conditional PUT created the version (including when an
+        ambiguous or SDK-retried write turns out to be ours), else :class:`Conflict`.
+        """
+        version = base.version + 1
+        key = self.key(manifest_key(version))
+        now = self._clock()
+        self._check_append(base, append, version)
+        next_step = base.next_step + len(append)
+        if base_step is not None and base_step > next_step:
+            raise ValueError(
+                f"base_step {base_step} is beyond the committed steps (next step {next_step}) "
+                f"of {self._where}"
+            )
+        try:
+            self.store.head(self.key(manifest_key(base.version)))
+        except ObjectNotFound:
+            _log.info("base version %d of %s was reclaimed; refresh and retry", base.version, key)
+            self._reclaimed_below = max(self._reclaimed_below, base.version + 1)
+            return Conflict(None)
+        except TransientStoreError as exc:
+            _log.warning("commit of %s: transient error checking the parent: %s", key, exc)
+            return Conflict(None)
+        try:
+            manifest = self._build(base, version, now, append, producers, base_step, seal)
+        except (TransientStoreError, AmbiguousWriteError) as exc:
+            _log.warning("commit of %s: transient error writing segments: %s", key, exc)
+            return Conflict(None)
+        return self._put(key, manifest)
+
+    def _check_append(self, base: Manifest, append: Sequence[TgbDescriptor], version: int) -> None:
+        if not append:
+            return
+        if base.sealed:
+            raise NamespaceSealed(
+                f"namespace {self._where} was sealed at version {base.version} "
+                f"(steps 0..{base.next_step - 1}); it accepts no more TGBs"
+            )
+        last: dict[str, int] = {}
+        for desc in append:
+            state = base.producers.get(desc.producer_id)
+            if state is not None and desc.epoch < state.epoch:
+                raise ProducerFenced(
+                    f"producer {desc.producer_id!r} epoch {desc.epoch} is fenced: epoch "
+                    f"{state.epoch} is committed in version {base.version} of {self._where}"
+                )
+            floor = last.get(desc.producer_id, state.offset if state is not None else None)
+            if floor is not None and desc.offset <= floor:
+                raise OffsetOrderError(
+                    f"cannot commit offset {desc.offset} of producer {desc.producer_id!r} as "
+                    f"version {version} of {self._where}: offset {floor} is already committed "
+                    "or earlier in this commit (rebase: drop committed offsets)"
+                )
+            last[desc.producer_id] = desc.offset
+
+    def _build(
+        self,
+        base: Manifest,
+        version: int,
+        now: float,
+        append: Sequence[TgbDescriptor],
+        producers: Mapping[str, ProducerState],
+        base_step: int | None,
+        seal: bool,
+    ) -> Manifest:
+        states = {**base.producers, **producers}
+        for desc in append:
+            prev = states.get(desc.producer_id)
+            states[desc.producer_id] = ProducerState(
+                epoch=max(desc.epoch, prev.epoch if prev is not None else 0),
+                offset=desc.offset,
+                last_version=version,
+                last_commit_at=now,
+            )
+        next_step = base.next_step + len(append)
+        new_base = base.base_step if base_step is None else max(base.base_step, base_step)
+        segments = cut_below(base.segments, new_base)
+        tail = (*base.tail, *append)
+        tail_start = base.tail_start
+        if tail_start < new_base:
+            tail = tail[new_base - tail_start :]
+            tail_start = new_base
+        if len(tail) >= self.tail_limit:
+            segments = self._segments.roll(
+                base.namespace_id,
+                segments,
+                tail,
+                tail_start,
+                base_step=new_base,
+                tail_limit=self.tail_limit,
+                max_segment_tgbs=self.max_segment_tgbs,
+            )
+            tail, tail_start = (), next_step
+        return Manifest(
+            namespace_id=base.namespace_id,
+            mesh=base.mesh,
+            version=version,
+            parent=base.version,
+            commit_id=uuid.uuid4().hex,
+            created_at=now,
+            base_step=new_base,
+            segments=segments,
+            tail=tail,
+            tail_start=tail_start,
+            producers=states,
+            sealed=base.sealed or seal,
+        )
+
+    def _put(self, key: str, manifest: Manifest) -> CommitResult:
+        data = encode_manifest(manifest)
+        for attempt in range(_AMBIGUOUS_RESENDS + 1):
+            try:
+                self.store.put_if_absent(key, data)
+                return Committed(manifest)
+            except ObjectExists:
+                result = self._resolve(key, manifest, after="412")
+                if result is None:
+                    _log.warning("commit of %s: 412, but no object to read back", key)
+                    return Conflict(None)
+                return result
+            except AmbiguousWriteError as exc:
+                _log.warning("commit of %s: ambiguous outcome (%s); reading back", key, exc)
+                result = self._resolve(key, manifest, after="ambiguous write")
+                if result is not None:
+                    return result
+                _log.info("commit of %s: not written; re-sending (attempt %d)", key, attempt + 2)
+            except TransientStoreError as exc:
+                _log.warning("commit of %s: %s; treating as a conflict", key, exc)
+                return Conflict(None)
+        _log.warning("commit of %s: outcome still unknown after %d sends", key, attempt + 1)
+        return Conflict(None)
+
+    def _resolve(self, key: str, ours: Manifest, *, after: str) -> CommitResult | None:
+        """Read back the version we tried to write: ours, someone else's, or ``None`` (absent)."""
+        try:
+            winner = self.read(ours.version)
+        except ObjectNotFound:
+            return None
+        except TransientStoreError as exc:
+            _log.warning("commit of %s: cannot read back after %s: %s", key, after, exc)
+            return Conflict(None)
+        if winner.commit_id == ours.commit_id:
+            _log.info("commit of %s: %s, but the version is ours", key, after)
+            return Committed(winner)
+        return Conflict(winner)

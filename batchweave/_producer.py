@@ -1,0 +1,978 @@
+"""The producer client: upload TGBs in the background, commit them, resume exactly once.
+
+A :class:`Producer` owns one ``producer_id`` in one namespace. Starting it commits a bumped
+``epoch`` for that id, which fences every older incarnation, and reads the id's committed offset
+so a restarted process resumes exactly where the committed history ends (``resume_offset``).
+
+Data path: :meth:`Producer.append` encodes a TGB and hands it to a pool of upload threads
+(bounded bytes in flight). Uploaded TGBs become *pending* in offset order; a commit-loop thread
+publishes the contiguous uploaded prefix with one conditional manifest write per attempt, paced by
+a :class:`~batchweave._policy.CommitPolicy`. On a conflict it rebases onto the winner: TGBs the
+winner already holds for this producer (an ambiguous write that did land) are dropped, and a
+higher epoch for this id raises :class:`~batchweave.ProducerFenced`.
+
+Threads never raise into the void: an error in the commit loop or an upload is re-raised in the
+caller's thread at the next ``append``, ``flush``, ``seal`` or ``close``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from batchweave._errors import (
+    AmbiguousWriteError,
+    NamespaceSealed,
+    OffsetOrderError,
+    ProducerError,
+    ProducerFenced,
+    StoreUnavailable,
+    TransientStoreError,
+)
+from batchweave._format._checksum import checksum
+from batchweave._format._tgb import EncodedTgb, TgbBuilder, encode_tgb
+from batchweave._manifest._log import Committed, Conflict, ManifestLog, active_producers
+from batchweave._manifest._models import Manifest, ProducerState, TgbDescriptor, TgbObjectRef
+from batchweave._mesh import Mesh
+from batchweave._policy import AttemptOutcome, CommitPolicy, make_policy
+from batchweave._store._base import ByteRange, ObjectMeta, ObjectStore, PutMode, validate_key
+from batchweave._watermarks import Watermarks
+
+__all__ = ["Producer", "ProducerStats"]
+
+_LOG = logging.getLogger("batchweave.producer")
+
+_RETRYABLE = (TransientStoreError, AmbiguousWriteError, StoreUnavailable)
+"""Store failures after which retrying later may succeed; nothing pending is dropped."""
+
+_MIB = 1 << 20
+_TIME_WAIT_CHUNK = 0.25
+"""Longest single sleep of the commit loop, so ``abort()`` is never delayed by a long gap."""
+_EVENT_WAIT = 0.5
+"""Longest wait for an event (upload done, flush, close) before re-checking the state."""
+
+
+@dataclass(frozen=True)
+class ProducerStats:
+    """A snapshot of one producer's counters (see :meth:`Producer.stats`)."""
+
+    producer_id: str
+    epoch: int
+    attempts: int
+    """Manifest commit attempts that reached the store (won, lost, or resolved ambiguous)."""
+    commits: int
+    """Attempts that committed a new manifest version."""
+    conflicts: int
+    """Attempts that lost to another writer (412/409 or a lost ambiguous write)."""
+    ambiguous: int
+    """Attempts whose outcome was unknown and had to be resolved by reading back."""
+    transient_errors: int
+    """Store failures (commit or upload) that were retried."""
+    tgbs_published: int
+    """TGBs of this incarnation visible in committed manifests."""
+    bytes_published: int
+    pending: int
+    """TGBs appended but not yet committed (uploading or waiting for a commit)."""
+    inflight_bytes: int
+    """Encoded bytes waiting for or in upload (bounded by ``max_inflight_bytes``)."""
+    last_fragile_window: float
+    """Seconds from reading the base to the end of the last conditional PUT."""
+    gap: float
+    """The commit policy's current post-attempt gap in seconds."""
+    lag_blocked_seconds: float
+    """Total time ``append`` spent blocked by ``max_lag``."""
+    lag_blocked: bool
+    """Whether an ``append`` is blocked by ``max_lag`` right now."""
+    committed_offset: int | None
+    """Highest offset of this producer id in the newest manifest this producer has seen."""
+
+
+@dataclass
+class _Entry:
+    """One appended TGB until it is committed."""
+
+    offset: int
+    key: str
+    """Object key relative to the namespace root."""
+    size: int
+    descriptor: TgbDescriptor | None = None
+    """Set once the object is uploaded: only then may a commit reference it."""
+
+
+class _AmbiguityCounter(ObjectStore):
+    """Passes every call to ``inner``; counts writes whose outcome came back unknown.
+
+    The manifest log resolves ambiguous conditional writes itself; this is how the producer
+    still sees (and reports) how many of its commit attempts needed that resolution.
+    """
+
+    def __init__(self, inner: ObjectStore, on_ambiguous: Callable[[], None]) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self._on_ambiguous = on_ambiguous
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        try:
+            self.inner.put(key, data, mode=mode)
+        except AmbiguousWriteError:
+            self._on_ambiguous()
+            raise
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        return self.inner.get_range(key, rng)
+
+    def head(self, key: str) -> ObjectMeta:
+        return self.inner.head(key)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        return self.inner.list(prefix, start_after=start_after)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        self.inner.delete_many(keys)
+
+
+def _default_backoff(attempt: int) -> float:
+    """Capped exponential backoff: 0.05 s, 0.1 s, ... up to 5 s."""
+    return float(min(5.0, 0.05 * (2 ** min(attempt, 10))))
+
+
+class Producer:
+    """Publishes TGBs into a namespace with exactly-once, all-or-nothing visibility.
+
+    Typical use::
+
+        with bw.Producer(store, "run-1", producer_id="prep-0", mesh=mesh) as p:
+            for offset, slices in source.iter_from(p.resume_offset):
+                p.append(slices, offset=offset)
+
+    Construction joins (or creates) the namespace and commits a new epoch for ``producer_id``;
+    an older process with the same id is fenced from then on. Source offsets must strictly
+    increase; ``resume_offset`` is the first offset not yet committed by this id.
+
+    Parameters beyond the obvious ones:
+
+    - ``policy``: a commit policy name (``"dac"``, ``"naive"``, ``"fixed10"``, ``"fixed100"``,
+      ``"incr"``, ``"aimd"``) or a :class:`CommitPolicy` instance.
+    - ``max_lag``: block ``append`` while the visible steps exceed the reclamation boundary by
+      more than this many steps (``None``: never block).
+    - ``upload_threads`` / ``max_inflight_bytes``: upload parallelism and the bound on encoded
+      bytes waiting for upload (``append`` blocks above it; a single larger TGB still goes).
+    - ``clock`` (monotonic seconds), ``wall_clock`` (epoch seconds, stored in manifests) and
+      ``sleep``: injectable for tests; every timed wait of the producer goes through them.
+    - ``boundary``: returns the reclamation boundary step for ``max_lag`` (default:
+      ``Watermarks(store, namespace).boundary``, 0 when there are no watermarks).
+    - ``refresh_age``: before an attempt, a base manifest read longer ago than this is re-read
+      (0, the default, probes for a newer version before every attempt: one small GET that
+      spares a conditional PUT doomed by a stale base). Keep it below half the
+      :class:`~batchweave.Reclaimer`'s ``grace`` so a stale base is never written on top of
+      (see ``docs/lifecycle.md``).
+    - ``max_retries``: transient store failures tolerated per upload and while starting, with
+      ``backoff(attempt)`` seconds between tries; commits retry transient failures
+      indefinitely (nothing pending is ever dropped), logging each one.
+    - ``active_horizon``: producers whose last commit is older than this many seconds do not
+      count as active for the DAC policy.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        namespace: str,
+        *,
+        producer_id: str,
+        mesh: Mesh,
+        policy: str | CommitPolicy = "dac",
+        max_lag: int | None = None,
+        codec: str = "raw",
+        compression: str | None = None,
+        upload_threads: int = 4,
+        max_inflight_bytes: int = 256 * _MIB,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+        boundary: Callable[[], int] | None = None,
+        refresh_age: float = 0.0,
+        active_horizon: float = 60.0,
+        max_retries: int = 8,
+        backoff: Callable[[int], float] = _default_backoff,
+        lag_log_interval: float = 5.0,
+    ) -> None:
+        if "/" in producer_id:
+            raise ValueError(f"producer_id {producer_id!r} must not contain '/'")
+        validate_key(producer_id)
+        if max_lag is not None and max_lag < 0:
+            raise ValueError(f"max_lag must be >= 0 or None, got {max_lag}")
+        if upload_threads < 1:
+            raise ValueError(f"upload_threads must be >= 1, got {upload_threads}")
+        if max_inflight_bytes < 1:
+            raise ValueError(f"max_inflight_bytes must be >= 1, got {max_inflight_bytes}")
+        self._store = store
+        self._namespace = namespace
+        self._producer_id = producer_id
+        self._mesh = mesh
+        self._policy = make_policy(policy) if isinstance(policy, str) else policy
+        self._max_lag = max_lag
+        self._codec = codec
+        self._compression = compression
+        self._max_inflight = max_inflight_bytes
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._sleep = sleep
+        self._boundary_fn = (
+            boundary if boundary is not None else Watermarks(store, namespace).boundary
+        )
+        self._refresh_age = refresh_age
+        self._active_horizon = active_horizon
+        self._max_retries = max_retries
+        self._backoff = backoff
+        self._lag_log_interval = lag_log_interval
+        self._rng = random.Random()
+        self._unknown_conflicts = 0
+        """Consecutive conflicts whose winner could not be read (409s, transient failures)."""
+
+        self._cond = threading.Condition()
+        self._log = ManifestLog(
+            _AmbiguityCounter(store, self._count_ambiguous), namespace, clock=wall_clock
+        )
+        self._entries: deque[_Entry] = deque()
+        self._inflight_bytes = 0
+        self._last_appended: int | None = None
+        self._error: BaseException | None = None
+        self._aborted = False
+        self._closing = False
+        self._closed = False
+        self._flush_waiters = 0
+        self._seal_requested = False
+        self._sealed = False
+        self._last_attempt_end = -math.inf
+        self._boundary_value = 0
+        self._stats: dict[str, int] = dict.fromkeys(
+            (
+                "attempts",
+                "commits",
+                "conflicts",
+                "ambiguous",
+                "transient_errors",
+                "tgbs_published",
+                "bytes_published",
+            ),
+            0,
+        )
+        self._last_window = 0.0
+        self._lag_blocked_seconds = 0.0
+        self._lag_blocked = False
+
+        self._base, self._epoch = self._start()
+        self._base_read_at = self._clock()
+        state = self._base.producers[producer_id]
+        self._committed_offset: int | None = state.offset
+        self._resume_offset = 0 if state.offset is None else state.offset + 1
+
+        self._uploads = ThreadPoolExecutor(
+            max_workers=upload_threads, thread_name_prefix=f"bw-upload-{producer_id}"
+        )
+        self._committer = threading.Thread(
+            target=self._commit_loop, name=f"bw-commit-{producer_id}", daemon=True
+        )
+        self._committer.start()
+
+    # ------------------------------------------------------------------------------------------
+    # public surface
+
+    @property
+    def producer_id(self) -> str:
+        """This producer's stable id."""
+        return self._producer_id
+
+    @property
+    def namespace(self) -> str:
+        """The namespace this producer publishes into."""
+        return self._namespace
+
+    @property
+    def mesh(self) -> Mesh:
+        """The namespace's mesh; every TGB holds ``mesh.slices`` slices."""
+        return self._mesh
+
+    @property
+    def epoch(self) -> int:
+        """This incarnation's epoch (committed at start; higher than every earlier one)."""
+        return self._epoch
+
+    @property
+    def resume_offset(self) -> int:
+        """First source offset not committed by this producer id when this incarnation started.
+
+        Every offset below it is in the committed history exactly once; feed the source from
+        here (``source.iter_from(p.resume_offset)``) for exactly-once publication.
+        """
+        return self._resume_offset
+
+    @property
+    def committed_offset(self) -> int | None:
+        """Highest offset of this producer id known to be committed (``None``: none yet)."""
+        with self._cond:
+            return self._committed_offset
+
+    def append(
+        self,
+        slices: Sequence[Any] | EncodedTgb | TgbBuilder,
+        *,
+        offset: int,
+        sample_counts: Sequence[int | None] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        """Encode and upload one TGB for source ``offset``; it is committed in the background.
+
+        ``slices`` holds ``dp * cp`` payloads in ``(d, c)`` order (encoded with the producer's
+        codec and compression), or an already built :class:`EncodedTgb` / :class:`TgbBuilder`.
+        Blocks while ``max_inflight_bytes`` are waiting for upload, and while ``max_lag`` is
+        exceeded. Raises :class:`OffsetOrderError` if ``offset`` is not greater than both the
+        last appended and the committed offset, and re-raises any background failure.
+        """
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise OffsetOrderError(f"offset must be a non-negative int, got {offset!r}")
+        with self._cond:
+            self._check_usable_locked()
+            self._check_offset_locked(offset)
+        self._wait_for_lag()
+        encoded = self._encode(slices, offset, sample_counts, metadata)
+        key = f"data/{self._producer_id}/{self._epoch}/{offset:020d}-{uuid.uuid4().hex}.tgb"
+        entry = _Entry(offset=offset, key=key, size=encoded.size)
+        with self._cond:
+            while (
+                self._inflight_bytes > 0 and self._inflight_bytes + entry.size > self._max_inflight
+            ):
+                self._check_usable_locked()
+                self._cond.wait(_EVENT_WAIT)
+            self._check_usable_locked()
+            # Re-checked: another thread may have appended while this one encoded.
+            self._check_offset_locked(offset)
+            self._inflight_bytes += entry.size
+            self._last_appended = offset
+            self._entries.append(entry)
+        try:
+            self._uploads.submit(self._upload, entry, encoded)
+        except RuntimeError as exc:  # executor shut down by a concurrent abort
+            with self._cond:
+                self._inflight_bytes -= entry.size
+            raise ProducerError(
+                f"producer {self._producer_id!r} was stopped while appending offset {offset}"
+            ) from exc
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every TGB appended so far is committed (visible to consumers).
+
+        Forces commits regardless of the policy's TGB-count condition (its time gap still
+        applies). ``timeout`` is in seconds of real time; raises ``TimeoutError`` when it passes.
+        Re-raises any background failure.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._raise_if_failed_locked()
+            target = self._last_appended
+            if target is None:
+                return
+            self._flush_waiters += 1
+            self._cond.notify_all()
+            try:
+                while self._entries and self._entries[0].offset <= target:
+                    self._raise_if_failed_locked()
+                    if self._aborted:
+                        raise ProducerError(
+                            f"producer {self._producer_id!r} was aborted; offsets up to "
+                            f"{target} are not all committed"
+                        )
+                    wait = _EVENT_WAIT
+                    if deadline is not None:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            raise TimeoutError(
+                                f"producer {self._producer_id!r}: flush timed out after "
+                                f"{timeout} s with {len(self._entries)} TGBs not committed "
+                                f"(offsets {self._entries[0].offset}..{self._entries[-1].offset})"
+                            )
+                        wait = min(wait, remaining)
+                    self._cond.wait(wait)
+            finally:
+                self._flush_waiters -= 1
+            self._raise_if_failed_locked()
+
+    def seal(self, timeout: float | None = None) -> None:
+        """Flush, then commit the sealed flag: consumers stop cleanly after the last step.
+
+        No producer can append to a sealed namespace. ``timeout`` applies to the flush and to the
+        seal commit each.
+        """
+        self.flush(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._seal_requested = True
+            self._cond.notify_all()
+            while not self._sealed:
+                self._raise_if_failed_locked()
+                if self._aborted:
+                    raise ProducerError(f"producer {self._producer_id!r} was aborted")
+                wait = _EVENT_WAIT
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(
+                            f"producer {self._producer_id!r}: sealing timed out after {timeout} s"
+                        )
+                    wait = min(wait, remaining)
+                self._cond.wait(wait)
+
+    def close(self) -> None:
+        """Commit everything appended (like :meth:`flush`), then stop the background threads.
+
+        Idempotent. If a background failure happened, threads are stopped and it is raised.
+        """
+        if self._closed:
+            return
+        try:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            self.flush()
+        finally:
+            self._shutdown(abort=self._error is not None)
+
+    def abort(self) -> None:
+        """Stop the background threads now, without committing what is pending.
+
+        Uncommitted TGBs are simply not published (their objects become orphans for the
+        reclaimer); a restarted producer re-produces them from ``resume_offset``. An attempt
+        already in flight completes or fails on its own.
+        """
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+        self._shutdown(abort=True)
+
+    def stats(self) -> ProducerStats:
+        """A consistent snapshot of this producer's counters."""
+        with self._cond:
+            return ProducerStats(
+                producer_id=self._producer_id,
+                epoch=self._epoch,
+                attempts=self._stats["attempts"],
+                commits=self._stats["commits"],
+                conflicts=self._stats["conflicts"],
+                ambiguous=self._stats["ambiguous"],
+                transient_errors=self._stats["transient_errors"],
+                tgbs_published=self._stats["tgbs_published"],
+                bytes_published=self._stats["bytes_published"],
+                pending=len(self._entries),
+                inflight_bytes=self._inflight_bytes,
+                last_fragile_window=self._last_window,
+                gap=self._policy.gap,
+                lag_blocked_seconds=self._lag_blocked_seconds,
+                lag_blocked=self._lag_blocked,
+                committed_offset=self._committed_offset,
+            )
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # The body failed: stop without committing more and without sealing; the caller's
+            # exception propagates.
+            self.abort()
+
+    def __repr__(self) -> str:
+        return (
+            f"Producer(namespace={self._namespace!r}, producer_id={self._producer_id!r}, "
+            f"epoch={self._epoch}, store={self._store.url!r})"
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # start: join the namespace and bump the epoch
+
+    def _start(self) -> tuple[Manifest, int]:
+        """Join the namespace and commit ``epoch = old + 1`` for this id, retried until it lands."""
+        manifest: Manifest | None = None
+        conflicts = 0
+        failures = 0
+        while True:
+            try:
+                if manifest is None:
+                    # Raises NamespaceMismatch for another mesh or a foreign prefix.
+                    manifest = self._log.create_or_open(self._mesh)
+                self._check_not_sealed(manifest)
+                old = manifest.producers.get(self._producer_id)
+                epoch = 0 if old is None else old.epoch + 1
+                state = ProducerState(
+                    epoch=epoch,
+                    offset=None if old is None else old.offset,
+                    last_version=manifest.version + 1,
+                    last_commit_at=self._wall_clock(),
+                )
+                result = self._log.commit(manifest, producers={self._producer_id: state})
+                if isinstance(result, Conflict) and result.winner is None:
+                    result = Conflict(self._log.latest(manifest))
+            except _RETRYABLE as exc:
+                failures += 1
+                if failures > self._max_retries:
+                    raise
+                self._note_transient("starting (epoch commit)", exc, failures)
+                manifest = None
+                continue
+            if isinstance(result, Committed):
+                _LOG.info(
+                    "producer %r started in namespace %r at epoch %d (manifest version %d, "
+                    "resume offset %s)",
+                    self._producer_id,
+                    self._namespace,
+                    epoch,
+                    result.manifest.version,
+                    0 if state.offset is None else state.offset + 1,
+                )
+                return result.manifest, epoch
+            conflicts += 1
+            manifest = result.winner
+            # Producers starting together collide; spread their retries.
+            self._sleep(self._rng.uniform(0.0, self._backoff(min(conflicts, 4))))
+
+    def _check_not_sealed(self, manifest: Manifest) -> None:
+        if manifest.sealed:
+            raise NamespaceSealed(
+                f"namespace {self._namespace!r} was sealed at manifest version "
+                f"{manifest.version}; producer {self._producer_id!r} cannot publish into it. "
+                "Use a new namespace for more data."
+            )
+
+    # ------------------------------------------------------------------------------------------
+    # append helpers
+
+    def _check_usable_locked(self) -> None:
+        self._raise_if_failed_locked()
+        if self._closed or self._aborted:
+            raise ProducerError(f"producer {self._producer_id!r} is closed")
+        if self._seal_requested or self._sealed:
+            raise ProducerError(
+                f"producer {self._producer_id!r} sealed namespace {self._namespace!r}; "
+                "no more TGBs can be appended"
+            )
+
+    def _check_offset_locked(self, offset: int) -> None:
+        if self._last_appended is not None and offset <= self._last_appended:
+            raise OffsetOrderError(
+                f"producer {self._producer_id!r}: offset {offset} is not greater than the last "
+                f"appended offset {self._last_appended}; offsets must strictly increase"
+            )
+        if self._committed_offset is not None and offset <= self._committed_offset:
+            raise OffsetOrderError(
+                f"producer {self._producer_id!r}: offset {offset} is not greater than the "
+                f"committed offset {self._committed_offset}; resume from resume_offset "
+                f"({self._resume_offset}) to publish each offset exactly once"
+            )
+
+    def _raise_if_failed_locked(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _encode(
+        self,
+        slices: Sequence[Any] | EncodedTgb | TgbBuilder,
+        offset: int,
+        sample_counts: Sequence[int | None] | None,
+        metadata: Mapping[str, str] | None,
+    ) -> EncodedTgb:
+        if isinstance(slices, TgbBuilder):
+            slices = slices.build()
+        if isinstance(slices, EncodedTgb):
+            if sample_counts is not None or metadata is not None:
+                raise ValueError(
+                    "sample_counts and metadata belong to the encoder; pass them to the "
+                    "TgbBuilder / encode_tgb that built this TGB"
+                )
+            if slices.footer.mesh != self._mesh:
+                raise ValueError(
+                    f"TGB for offset {offset} was built for mesh {slices.footer.mesh}, but "
+                    f"namespace {self._namespace!r} has mesh {self._mesh}"
+                )
+            return slices
+        if len(slices) != self._mesh.slices:
+            raise ValueError(
+                f"producer {self._producer_id!r}: offset {offset} got {len(slices)} slices; mesh "
+                f"{self._mesh} needs dp*cp = {self._mesh.slices} payloads in (d, c) order"
+            )
+        return encode_tgb(
+            slices,
+            self._mesh,
+            codec=self._codec,
+            compression=self._compression,
+            sample_counts=sample_counts,
+            metadata=metadata,
+        )
+
+    def _descriptor(self, entry: _Entry, encoded: EncodedTgb) -> TgbDescriptor:
+        footer = encoded.footer
+        start = encoded.footer_offset
+        footer_bytes = encoded.data[start : start + encoded.footer_length]
+        ref = TgbObjectRef(
+            key=entry.key,
+            size=encoded.size,
+            first_slice=0,
+            slice_count=len(footer.slices),
+            footer_offset=encoded.footer_offset,
+            footer_length=encoded.footer_length,
+            footer_checksum=checksum(footer_bytes, footer.checksum_algo),
+        )
+        return TgbDescriptor(
+            producer_id=self._producer_id,
+            epoch=self._epoch,
+            offset=entry.offset,
+            objects=(ref,),
+            bytes=encoded.size,
+            samples=sum(s.sample_count for s in footer.slices),
+        )
+
+    def _store_key(self, relative: str) -> str:
+        return self._log.key(relative)
+
+    # ------------------------------------------------------------------------------------------
+    # uploads (pool threads)
+
+    def _upload(self, entry: _Entry, encoded: EncodedTgb) -> None:
+        key = self._store_key(entry.key)
+        attempt = 0
+        try:
+            while True:
+                if self._aborted:
+                    return
+                try:
+                    self._store.put(key, encoded.data)
+                    break
+                except _RETRYABLE as exc:
+                    attempt += 1
+                    if attempt > self._max_retries:
+                        raise ProducerError(
+                            f"producer {self._producer_id!r}: upload of {key!r} (offset "
+                            f"{entry.offset}) failed {attempt} times; last error: {exc}"
+                        ) from exc
+                    self._note_transient(f"uploading {key!r}", exc, attempt)
+            descriptor = self._descriptor(entry, encoded)
+            with self._cond:
+                entry.descriptor = descriptor
+                self._cond.notify_all()
+        except BaseException as exc:
+            if not isinstance(exc, ProducerError):
+                wrapped = ProducerError(
+                    f"producer {self._producer_id!r}: upload of {key!r} (offset {entry.offset}) "
+                    f"failed: {exc}"
+                )
+                wrapped.__cause__ = exc
+                exc = wrapped
+            self._fail(exc)
+        finally:
+            with self._cond:
+                self._inflight_bytes -= entry.size
+                self._cond.notify_all()
+
+    def _count_ambiguous(self) -> None:
+        with self._cond:
+            self._stats["ambiguous"] += 1
+
+    def _note_transient(self, what: str, exc: BaseException, attempt: int) -> None:
+        delay = self._backoff(attempt)
+        with self._cond:
+            self._stats["transient_errors"] += 1
+        _LOG.warning(
+            "producer %r: %s failed (attempt %d, %s: %s); retrying in %.2f s, nothing pending "
+            "is dropped",
+            self._producer_id,
+            what,
+            attempt,
+            type(exc).__name__,
+            exc,
+            delay,
+        )
+        self._sleep(delay)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._cond.notify_all()
+        if isinstance(exc, ProducerFenced):
+            _LOG.error("%s", exc)
+        else:
+            _LOG.error("producer %r stopped: %s", self._producer_id, exc)
+
+    # ------------------------------------------------------------------------------------------
+    # commit loop (one thread)
+
+    def _commit_loop(self) -> None:
+        transient_attempt = 0
+        try:
+            while True:
+                seal = self._next_work()
+                if seal is None:
+                    return
+                try:
+                    self._attempt(seal)
+                    transient_attempt = 0
+                except _RETRYABLE as exc:
+                    transient_attempt += 1
+                    self._base_read_at = -math.inf  # re-read the base before retrying
+                    self._note_transient("committing", exc, transient_attempt)
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _committable_locked(self) -> list[_Entry]:
+        batch: list[_Entry] = []
+        for entry in self._entries:
+            if entry.descriptor is None:
+                break
+            batch.append(entry)
+        return batch
+
+    def _next_work(self) -> bool | None:
+        """Block until an attempt should start; return whether it seals, or None to stop."""
+        with self._cond:
+            while True:
+                if self._error is not None or self._aborted:
+                    return None
+                n = len(self._committable_locked())
+                seal_now = self._seal_requested and not self._sealed and not self._entries
+                if n == 0 and not seal_now:
+                    if self._closing and not self._entries:
+                        return None
+                    self._cond.wait(_EVENT_WAIT)
+                    continue
+                forced = seal_now or self._flush_waiters > 0 or self._closing
+                since = self._clock() - self._last_attempt_end
+                gap = self._policy.gap
+                if (n > 0 and self._policy.ready(n, since)) or (forced and since >= gap):
+                    return seal_now
+                if gap - since > 0:
+                    self._cond.release()
+                    try:
+                        self._sleep(min(gap - since, _TIME_WAIT_CHUNK))
+                    finally:
+                        self._cond.acquire()
+                else:
+                    self._cond.wait(_EVENT_WAIT)
+
+    def _attempt(self, seal: bool) -> None:
+        start = self._clock()
+        base = self._base
+        if start - self._base_read_at >= self._refresh_age:
+            base = self._log.latest(base)
+            self._base_read_at = self._clock()
+        with self._cond:
+            self._adopt_locked(base)
+            base = self._base
+            batch = self._committable_locked()
+        if not batch and not seal:
+            return
+        if seal and self._sealed:
+            return
+        new_offset = batch[-1].offset if batch else self._committed_offset
+        state = ProducerState(
+            epoch=self._epoch,
+            offset=new_offset,
+            last_version=base.version + 1,
+            last_commit_at=self._wall_clock(),
+        )
+        descriptors = [e.descriptor for e in batch if e.descriptor is not None]
+        try:
+            result = self._log.commit(
+                base, append=descriptors, producers={self._producer_id: state}, seal=seal
+            )
+        finally:
+            with self._cond:
+                self._stats["attempts"] += 1
+        end = self._clock()
+        window = end - start
+        if isinstance(result, Committed):
+            self._unknown_conflicts = 0
+            manifest = result.manifest
+            with self._cond:
+                for entry in batch:
+                    # A concurrent rebase (max_lag refresh) may already have dropped it.
+                    if self._entries and self._entries[0] is entry:
+                        self._entries.popleft()
+                        self._stats["tgbs_published"] += 1
+                        self._stats["bytes_published"] += entry.size
+                if self._committed_offset is None or (
+                    new_offset is not None and new_offset > self._committed_offset
+                ):
+                    self._committed_offset = new_offset
+                self._stats["commits"] += 1
+                if manifest.version > self._base.version:
+                    self._base = manifest
+                if seal:
+                    self._sealed = True
+                self._cond.notify_all()
+            self._base_read_at = end
+            committed = True
+        else:
+            if result.winner is None:
+                # A 409, a transient failure or a reclaimed base: back off (jittered) so a
+                # zero-gap policy cannot spin on a struggling store, then rebase on the latest.
+                self._unknown_conflicts += 1
+                self._sleep(self._rng.uniform(0.0, self._backoff(self._unknown_conflicts)))
+                winner = self._log.latest(base)
+            else:
+                self._unknown_conflicts = 0
+                winner = result.winner
+            self._base_read_at = self._clock()
+            with self._cond:
+                self._stats["conflicts"] += 1
+                self._adopt_locked(winner)
+            committed = False
+        active = active_producers(self._base, self._wall_clock(), self._active_horizon)
+        self._policy.record(
+            AttemptOutcome(
+                committed=committed,
+                fragile_window=window,
+                active_producers=max(1, active),
+                tgbs=len(batch),
+            )
+        )
+        with self._cond:
+            self._last_window = window
+            self._last_attempt_end = self._clock()
+
+    def _adopt_locked(self, manifest: Manifest) -> None:
+        """Rebase onto ``manifest``: fence, drop what it already holds for us, keep the newest."""
+        state = manifest.producers.get(self._producer_id)
+        if state is not None and state.epoch > self._epoch:
+            pending = (
+                f"offsets {self._entries[0].offset}..{self._entries[-1].offset}"
+                if self._entries
+                else "nothing"
+            )
+            raise ProducerFenced(
+                f"producer {self._producer_id!r} in namespace {self._namespace!r} was fenced: "
+                f"manifest version {manifest.version} records epoch {state.epoch} for it, this "
+                f"incarnation has epoch {self._epoch}. A newer process with the same "
+                f"producer_id has started; stop this one (uncommitted: {pending}; the new "
+                "incarnation resumes from its resume_offset)"
+            )
+        if state is not None and state.offset is not None:
+            dropped = 0
+            dropped_bytes = 0
+            while self._entries and self._entries[0].offset <= state.offset:
+                entry = self._entries.popleft()
+                dropped += 1
+                dropped_bytes += entry.size
+            if dropped:
+                # An earlier attempt whose outcome looked lost did land: those TGBs are visible.
+                self._stats["tgbs_published"] += dropped
+                self._stats["bytes_published"] += dropped_bytes
+            if self._committed_offset is None or state.offset > self._committed_offset:
+                self._committed_offset = state.offset
+            self._cond.notify_all()
+        if manifest.version > self._base.version:
+            self._base = manifest
+        if manifest.sealed and not self._sealed:
+            if self._seal_requested and not self._entries:
+                self._sealed = True
+                self._cond.notify_all()
+            else:
+                raise NamespaceSealed(
+                    f"namespace {self._namespace!r} was sealed at manifest version "
+                    f"{manifest.version} by another producer; producer {self._producer_id!r} "
+                    f"still had {len(self._entries)} uncommitted TGBs"
+                )
+
+    # ------------------------------------------------------------------------------------------
+    # max_lag
+
+    def _wait_for_lag(self) -> None:
+        if self._max_lag is None:
+            return
+        max_lag = self._max_lag
+        refreshed = False
+        blocked_since: float | None = None
+        last_log = -math.inf
+        attempt = 0
+        try:
+            while True:
+                with self._cond:
+                    self._check_usable_locked()
+                    visible = self._base.next_step
+                if visible - self._boundary_value <= max_lag:
+                    return
+                if refreshed:
+                    now = self._clock()
+                    if blocked_since is None:
+                        blocked_since = now
+                        with self._cond:
+                            self._lag_blocked = True
+                    if now - last_log >= self._lag_log_interval:
+                        last_log = now
+                        _LOG.info(
+                            "producer %r blocked by max_lag: %d visible steps, reclamation "
+                            "boundary %d, max_lag %d (waiting %.0f s so far; checkpoints must "
+                            "advance the watermarks)",
+                            self._producer_id,
+                            visible,
+                            self._boundary_value,
+                            max_lag,
+                            now - blocked_since,
+                        )
+                    attempt += 1
+                    self._sleep(min(self._backoff(attempt), 1.0))
+                    after = self._clock()
+                    with self._cond:
+                        self._lag_blocked_seconds += after - now
+                try:
+                    self._boundary_value = self._boundary_fn()
+                    latest = self._log.latest(self._base)
+                except _RETRYABLE as exc:
+                    attempt += 1
+                    self._note_transient("checking max_lag", exc, attempt)
+                    continue
+                with self._cond:
+                    try:
+                        self._adopt_locked(latest)
+                    except ProducerError as exc:
+                        if self._error is None:
+                            self._error = exc
+                        raise
+                refreshed = True
+        finally:
+            if blocked_since is not None:
+                with self._cond:
+                    self._lag_blocked = False
+
+    # ------------------------------------------------------------------------------------------
+    # shutdown
+
+    def _shutdown(self, *, abort: bool) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            if abort:
+                self._aborted = True
+            self._closing = True
+            self._cond.notify_all()
+        if threading.current_thread() is not self._committer:
+            self._committer.join()
+        self._uploads.shutdown(wait=not abort, cancel_futures=abort)

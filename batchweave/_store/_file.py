@@ -1,0 +1,294 @@
+"""``file:///abs/path``: the embedded default backend, one file per object under a root directory.
+
+Writes go to a uniquely named temp file in the root's hidden ``.bw-tmp/`` directory, are fsynced,
+and are then published atomically: ``os.replace`` for overwrites, ``os.link`` for create-if-absent
+(``link`` fails with ``EEXIST`` if the name is taken, which is the atomic primitive
+``If-None-Match: *`` maps to). Readers therefore never see a partially written object.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+from batchweave._errors import (
+    AccessDenied,
+    InvalidKey,
+    InvalidStoreURL,
+    ObjectExists,
+    ObjectNotFound,
+    StoreError,
+)
+from batchweave._store._base import (
+    ByteRange,
+    ObjectMeta,
+    ObjectStore,
+    PutMode,
+    resolve_range,
+    validate_key,
+)
+
+__all__ = ["FileStore"]
+
+TEMP_DIR_NAME = ".bw-tmp"
+"""Reserved top-level directory for in-flight writes; never listed, never a valid key prefix."""
+
+_MISSING_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
+_PUBLISH_RETRIES = 100
+
+
+class FileStore(ObjectStore):
+    """Objects as files under ``root``; keys map to ``/``-separated relative paths.
+
+    Guarantees: atomic whole-object visibility, atomic create-if-absent, keys confined to the root
+    (``..`` is refused by :func:`validate_key`, and a key whose resolved path leaves the root
+    through a symlink is refused with ``InvalidKey``). The root directory is created if missing.
+
+    Limitation: a directory tree cannot hold both ``a`` and ``a/b`` as objects (S3 can). Such a
+    write raises ``InvalidKey`` naming the conflicting object.
+
+    ``fsync=False`` skips the file and directory fsyncs: faster, still atomic for readers, but
+    not durable across a machine crash. Use it only for scratch data and tests.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        root_path = Path(root)
+        if not root_path.is_absolute():
+            raise InvalidStoreURL(f"file store root {str(root)!r} must be an absolute path")
+        try:
+            root_path.mkdir(parents=True, exist_ok=True)
+        except PermissionError as exc:
+            raise AccessDenied(f"cannot create file store root {str(root)!r}: {exc}") from exc
+        except OSError as exc:
+            raise StoreError(f"cannot create file store root {str(root)!r}: {exc}") from exc
+        self._root = os.path.realpath(root_path)
+        self._tmp = os.path.join(self._root, TEMP_DIR_NAME)
+        os.makedirs(self._tmp, exist_ok=True)
+        self._fsync = fsync
+        self.url = root_path.as_uri()
+
+    @property
+    def root(self) -> str:
+        """The resolved absolute root directory."""
+        return self._root
+
+    # -- paths -------------------------------------------------------------------------------
+
+    def _path(self, key: str) -> str:
+        validate_key(key)
+        parts = key.split("/")
+        if parts[0] == TEMP_DIR_NAME:
+            raise InvalidKey(
+                f"object key {key!r} uses the reserved directory {TEMP_DIR_NAME!r} of {self.url}"
+            )
+        path = os.path.join(self._root, *parts)
+        real = os.path.realpath(path)
+        if real != path and not real.startswith(self._root + os.sep):
+            raise InvalidKey(
+                f"object key {key!r} resolves to {real!r}, outside the root of {self.url} "
+                "(through a symlink); keys must stay inside the store root"
+            )
+        return path
+
+    @contextmanager
+    def _errors(self, key: str, action: str) -> Iterator[None]:
+        """Translate ``OSError`` into the store error tree, naming the key."""
+        try:
+            yield
+        except StoreError:
+            raise
+        except OSError as exc:
+            if exc.errno in _MISSING_ERRNOS:
+                raise ObjectNotFound(f"no object {key!r} in {self.url}") from exc
+            if isinstance(exc, PermissionError):
+                raise AccessDenied(f"permission denied to {action} {key!r} in {self.url}") from exc
+            raise StoreError(f"cannot {action} {key!r} in {self.url}: {exc}") from exc
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def _write_temp(self, data: bytes | memoryview) -> str:
+        tmp = os.path.join(self._tmp, f"{uuid.uuid4().hex}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            if self._fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        os.close(fd)
+        return tmp
+
+    def _fsync_dir(self, path: str) -> None:
+        if not self._fsync or not hasattr(os, "O_DIRECTORY"):
+            return
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return  # a concurrent delete removed the object and pruned its directory
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _conflict(self, key: str, path: str) -> InvalidKey:
+        blocker = path
+        while blocker != self._root and not os.path.isfile(blocker):
+            blocker = os.path.dirname(blocker)
+        what = (
+            f"object {os.path.relpath(blocker, self._root)!r} is in the way"
+            if blocker != self._root
+            else "a directory of other objects already uses that name"
+        )
+        return InvalidKey(
+            f"cannot store {key!r} in {self.url}: {what}; a file store cannot hold both "
+            "'a' and 'a/b'"
+        )
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        path = self._path(key)
+        parent = os.path.dirname(path)
+        with self._errors(key, "write"):
+            tmp = self._write_temp(data)
+            try:
+                # A concurrent delete_many may prune the (empty) parent between makedirs and
+                # the publish; recreate it and try again.
+                for _ in range(_PUBLISH_RETRIES):
+                    try:
+                        os.makedirs(parent, exist_ok=True)
+                    except FileNotFoundError:
+                        continue  # an ancestor was pruned while we were creating it
+                    except (FileExistsError, NotADirectoryError) as exc:
+                        raise self._conflict(key, path) from exc
+                    try:
+                        if mode is PutMode.CREATE:
+                            os.link(tmp, path)
+                        else:
+                            os.replace(tmp, path)
+                        break
+                    except FileNotFoundError:
+                        continue
+                    except FileExistsError as exc:
+                        if os.path.isdir(path):
+                            raise self._conflict(key, path) from exc
+                        raise ObjectExists(f"object {key!r} already exists in {self.url}") from exc
+                    except (IsADirectoryError, NotADirectoryError) as exc:
+                        raise self._conflict(key, path) from exc
+                else:
+                    raise StoreError(
+                        f"cannot write {key!r} in {self.url}: its directory kept disappearing "
+                        "under concurrent deletes"
+                    )
+            finally:
+                _unlink_quietly(tmp)  # after a successful replace it is already gone
+            self._fsync_dir(parent)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        with self._errors(key, "read"), open(path, "rb") as f:
+            return f.read()
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        path = self._path(key)
+        with self._errors(key, "read"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                start, end = resolve_range(rng, os.fstat(fd).st_size)
+                chunks = []
+                while start < end:
+                    chunk = os.pread(fd, end - start, start)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    start += len(chunk)
+                return b"".join(chunks)
+            finally:
+                os.close(fd)
+
+    def head(self, key: str) -> ObjectMeta:
+        path = self._path(key)
+        with self._errors(key, "stat"):
+            st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ObjectNotFound(f"no object {key!r} in {self.url}")
+        return ObjectMeta(key=key, size=st.st_size, last_modified=st.st_mtime)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        with self._errors(prefix, "list"):
+            yield from self._walk(self._root, "", prefix, start_after)
+
+    def _walk(
+        self, directory: str, rel: str, prefix: str, start_after: str | None
+    ) -> Iterator[ObjectMeta]:
+        try:
+            with os.scandir(directory) as it:
+                entries = [e for e in it if not (rel == "" and e.name == TEMP_DIR_NAME)]
+        except (FileNotFoundError, NotADirectoryError):
+            return  # pruned by a concurrent delete
+        # A directory sorts as "name/" among its siblings, which puts its keys in key order.
+        sortable = []
+        for entry in entries:
+            is_dir = entry.is_dir(follow_symlinks=False)
+            sortable.append((rel + entry.name + ("/" if is_dir else ""), is_dir, entry))
+        sortable.sort(key=lambda t: t[0])
+        for name, is_dir, entry in sortable:
+            if is_dir:
+                if not (name.startswith(prefix) or prefix.startswith(name)):
+                    continue
+                if (
+                    start_after is not None
+                    and start_after > name
+                    and not start_after.startswith(name)
+                ):
+                    continue  # every key under this directory is <= start_after
+                yield from self._walk(entry.path, name, prefix, start_after)
+                continue
+            if not name.startswith(prefix) or (start_after is not None and name <= start_after):
+                continue
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # deleted since scandir
+            yield ObjectMeta(key=name, size=st.st_size, last_modified=st.st_mtime)
+
+    # -- deletes -----------------------------------------------------------------------------
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            path = self._path(key)
+            with self._errors(key, "delete"):
+                try:
+                    os.unlink(path)
+                except OSError as exc:
+                    if exc.errno in _MISSING_ERRNOS or (
+                        isinstance(exc, PermissionError) and os.path.isdir(path)
+                    ):
+                        continue
+                    raise
+            self._prune_empty_dirs(os.path.dirname(path))
+
+    def _prune_empty_dirs(self, directory: str) -> None:
+        while directory != self._root and directory.startswith(self._root + os.sep):
+            try:
+                os.rmdir(directory)
+            except OSError:
+                return  # not empty, already gone, or not ours to remove: best effort
+            directory = os.path.dirname(directory)
+
+
+def _unlink_quietly(path: str) -> None:
+    with suppress(FileNotFoundError):
+        os.unlink(path)

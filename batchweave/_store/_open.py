@@ -1,0 +1,150 @@
+"""``open_store(url)``: pick a backend by URL scheme and check that it is safe to commit on."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import threading
+import uuid
+import weakref
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from batchweave._errors import (
+    ConditionalWritesUnsupported,
+    InvalidStoreURL,
+    ObjectExists,
+    StoreError,
+)
+from batchweave._store._base import ObjectStore
+from batchweave._store._file import FileStore
+from batchweave._store._memory import MemoryStore
+from batchweave._store._s3 import S3Store
+
+__all__ = ["PROBE_PREFIX", "ensure_conditional_writes", "open_store"]
+
+_log = logging.getLogger("batchweave.store")
+
+PROBE_PREFIX = "_batchweave/probe-"
+"""Keys of the conditional-write probe objects (deleted right after the probe)."""
+
+_SCHEMES = ("file", "s3", "memory")
+
+
+def _keyword_options(factory: Callable[..., Any], *, exclude: tuple[str, ...] = ()) -> list[str]:
+    params = inspect.signature(factory).parameters.values()
+    return sorted(
+        p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in exclude
+    )
+
+
+_OPTIONS: dict[str, list[str]] = {
+    "file": _keyword_options(FileStore),
+    "s3": _keyword_options(S3Store, exclude=("client",)),
+    "memory": [],
+}
+
+
+def open_store(url: str, *, verify_conditional_writes: bool = True, **options: Any) -> ObjectStore:
+    """Open the store at ``url``: ``file:///abs/path``, ``s3://bucket/prefix`` or ``memory://name``.
+
+    ``options`` go to the backend (for S3: ``endpoint_url``, ``region``, credentials,
+    ``profile``, pool size, timeouts, ``max_attempts``; for files: ``fsync``); an unknown option
+    raises ``InvalidStoreURL`` naming the accepted ones. ``memory://name`` returns the process-wide
+    store of that name. A missing ``file://`` root directory is created.
+
+    With ``verify_conditional_writes`` (the default) the store is probed once: a second
+    create-if-absent of a fresh probe key must fail, else ``ConditionalWritesUnsupported`` is
+    raised. The probe also surfaces missing credentials (``AccessDenied``), an unreachable
+    endpoint (``StoreUnavailable``) and a missing bucket (``InvalidStoreURL``) here rather than
+    at the first commit.
+    """
+    store = _construct(url, options)
+    if verify_conditional_writes:
+        try:
+            ensure_conditional_writes(store)
+        except BaseException:
+            store.close()
+            raise
+    return store
+
+
+def _construct(url: str, options: dict[str, Any]) -> ObjectStore:
+    if not isinstance(url, str) or "://" not in url:
+        raise InvalidStoreURL(
+            f"store URL {url!r} has no scheme; use file:///absolute/path, s3://bucket/prefix "
+            "or memory://name"
+        )
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in _SCHEMES:
+        raise InvalidStoreURL(
+            f"store URL {url!r} has the unsupported scheme {parts.scheme!r}; "
+            f"supported: {', '.join(s + '://' for s in _SCHEMES)}"
+        )
+    if parts.query or parts.fragment:
+        raise InvalidStoreURL(
+            f"store URL {url!r} has a query or fragment; pass options as keyword arguments"
+        )
+    unknown = sorted(set(options) - set(_OPTIONS[scheme]))
+    if unknown:
+        accepted = ", ".join(_OPTIONS[scheme]) or "none"
+        raise InvalidStoreURL(
+            f"unknown option(s) {', '.join(unknown)} for {scheme}:// stores; accepted: {accepted}"
+        )
+    if scheme == "memory":
+        return MemoryStore.named(parts.netloc + parts.path)
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise InvalidStoreURL(
+                f"file URL {url!r} names host {parts.netloc!r}; relative paths are not "
+                "supported, use file:///absolute/path (three slashes)"
+            )
+        path = unquote(parts.path)
+        if not path.startswith("/"):
+            raise InvalidStoreURL(f"file URL {url!r} needs an absolute path: file:///abs/path")
+        return FileStore(path, **options)
+    if not parts.netloc:
+        raise InvalidStoreURL(f"S3 URL {url!r} has no bucket; use s3://bucket/prefix")
+    return S3Store(parts.netloc, unquote(parts.path), **options)
+
+
+_verified: weakref.WeakSet[ObjectStore] = weakref.WeakSet()
+_verified_lock = threading.Lock()
+
+
+def ensure_conditional_writes(store: ObjectStore) -> None:
+    """Check once per store instance that create-if-absent is really enforced.
+
+    Creates ``_batchweave/probe-{uuid}`` twice; the second create must raise ``ObjectExists``.
+    Raises ``ConditionalWritesUnsupported`` otherwise, since committing manifests on a store that
+    silently ignores ``If-None-Match`` would lose data. The probe object is deleted afterwards.
+    """
+    with _verified_lock:
+        if store in _verified:
+            return
+    key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    # ObjectExists here means our own retried first attempt landed: all the probe needs.
+    with contextlib.suppress(ObjectExists):
+        store.put_if_absent(key, b"probe-1")
+    try:
+        store.put_if_absent(key, b"probe-2")
+    except ObjectExists:
+        pass
+    else:
+        raise ConditionalWritesUnsupported(
+            f"{store.url} accepted a second create-if-absent of {key!r}: it ignores "
+            "conditional writes (If-None-Match: *), so concurrent commits would overwrite "
+            "each other. Use a store that enforces them (AWS S3, MinIO, SeaweedFS, a "
+            "file:// directory) or upgrade this one; open_store(..., "
+            "verify_conditional_writes=False) skips this check at your own risk."
+        )
+    finally:
+        try:
+            store.delete_many([key])
+        except StoreError as exc:
+            _log.warning("could not delete the probe object %r in %s: %s", key, store.url, exc)
+    with _verified_lock:
+        _verified.add(store)

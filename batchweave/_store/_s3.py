@@ -1,0 +1,383 @@
+"""``s3://bucket/prefix``: any S3-compatible store through boto3.
+
+Conditional create is ``PutObject`` with ``If-None-Match: *``. Every botocore exception is
+translated in one place, :meth:`S3Store._translate`, into the store error tree, so callers never
+see boto3 types. Transient failures are retried by botocore's ``standard`` retry mode; what is
+left after the retries surfaces as a typed error.
+
+A retried PUT is subtle: if the first attempt landed but its response was lost, the retry of a
+create-if-absent gets ``412`` from the first attempt's own object. ``ObjectExists`` therefore does
+not prove that somebody else won; callers that care read the object back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, cast
+
+import boto3
+import botocore.exceptions as bex
+from botocore.config import Config
+
+from batchweave._errors import (
+    AccessDenied,
+    AmbiguousWriteError,
+    ConcurrentWriteConflict,
+    ConditionalWritesUnsupported,
+    InvalidStoreURL,
+    ObjectExists,
+    ObjectNotFound,
+    StoreError,
+    StoreUnavailable,
+    TransientStoreError,
+)
+from batchweave._store._base import (
+    Bounded,
+    ByteRange,
+    ObjectMeta,
+    ObjectStore,
+    Offset,
+    PutMode,
+    Suffix,
+    resolve_range,
+    validate_key,
+)
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+__all__ = ["S3Store"]
+
+DELETE_BATCH = 1000
+"""S3's limit on keys per ``DeleteObjects`` request (SeaweedFS enforces it too)."""
+
+_NOT_FOUND = frozenset({"NoSuchKey", "NotFound", "404"})
+_DENIED = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "ExpiredToken",
+        "InvalidAccessKeyId",
+        "InvalidToken",
+        "SignatureDoesNotMatch",
+        "TokenRefreshRequired",
+        "403",
+    }
+)
+_THROTTLED = frozenset(
+    {
+        "RequestLimitExceeded",
+        "RequestThrottled",
+        "RequestTimeout",
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequests",
+    }
+)
+_WRITE_OPS = frozenset({"put", "put_if_absent"})
+
+
+class S3Store(ObjectStore):
+    """Objects under ``s3://bucket/prefix`` on AWS S3 or an S3-compatible server.
+
+    Credentials come from the arguments if given, else from boto3's normal chain (environment,
+    ``profile``, config files, instance metadata). ``max_pool_connections`` is sized for many
+    concurrent range reads (consumer prefetch); ``max_attempts`` counts the first attempt, so
+    ``1`` disables botocore's retries. ``addressing_style`` defaults to ``"path"`` when an
+    ``endpoint_url`` is given (what MinIO, SeaweedFS and RGW expect) and to botocore's choice
+    otherwise. ``client`` injects a ready boto3 S3 client (tests, custom sessions); the other
+    connection options are then ignored.
+
+    Neither ``url`` nor ``repr`` nor any error message contains credentials.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+        profile: str | None = None,
+        max_pool_connections: int = 64,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        max_attempts: int = 5,
+        addressing_style: str | None = None,
+        client: S3Client | None = None,
+    ) -> None:
+        if not bucket:
+            raise InvalidStoreURL("an S3 store needs a bucket: use s3://bucket/prefix")
+        prefix = prefix.strip("/")
+        if prefix:
+            validate_key(prefix)
+        self.bucket = bucket
+        self.prefix = f"{prefix}/" if prefix else ""
+        self.endpoint_url = endpoint_url
+        self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+        self._secrets = tuple(s for s in (access_key_id, secret_access_key, session_token) if s)
+        self._local = threading.local()
+        if client is None:
+            client = self._make_client(
+                endpoint_url=endpoint_url,
+                region=region,
+                access_key_id=access_key_id,
+                secret_access_key=secret_access_key,
+                session_token=session_token,
+                profile=profile,
+                max_pool_connections=max_pool_connections,
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                max_attempts=max_attempts,
+                addressing_style=addressing_style,
+            )
+        self._client = client
+        # Note PutObject attempts that may have reached the server, so a final connect error
+        # after an earlier timed-out attempt is reported as ambiguous, not as "never sent".
+        client.meta.events.register("needs-retry.s3.PutObject", self._on_put_attempt)
+
+    def _make_client(
+        self,
+        *,
+        endpoint_url: str | None,
+        region: str | None,
+        access_key_id: str | None,
+        secret_access_key: str | None,
+        session_token: str | None,
+        profile: str | None,
+        max_pool_connections: int,
+        connect_timeout: float,
+        read_timeout: float,
+        max_attempts: int,
+        addressing_style: str | None,
+    ) -> S3Client:
+        if (access_key_id is None) != (secret_access_key is None):
+            raise InvalidStoreURL(
+                f"{self.url}: give both access_key_id and secret_access_key, or neither "
+                "(to use boto3's credential chain)"
+            )
+        try:
+            session = boto3.session.Session(
+                aws_access_key_id=access_key_id,
+                aws_secret_access_key=secret_access_key,
+                aws_session_token=session_token,
+                region_name=region,
+                profile_name=profile,
+            )
+        except bex.ProfileNotFound as exc:
+            raise InvalidStoreURL(
+                f"{self.url}: AWS profile {profile!r} is not in the AWS config files"
+            ) from exc
+        style = addressing_style or ("path" if endpoint_url else None)
+        config = Config(
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            retries={"mode": "standard", "total_max_attempts": max_attempts},
+            max_pool_connections=max_pool_connections,
+            s3=cast(Any, {"addressing_style": style} if style else None),
+            user_agent_extra="batchweave",
+        )
+        return session.client("s3", endpoint_url=endpoint_url, config=config)
+
+    @property
+    def client(self) -> S3Client:
+        """The underlying boto3 client (for tests and advanced use)."""
+        return self._client
+
+    def __repr__(self) -> str:
+        endpoint = f", endpoint_url={self.endpoint_url!r}" if self.endpoint_url else ""
+        return f"S3Store({self.url!r}{endpoint})"
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -- error translation -------------------------------------------------------------------
+
+    def _on_put_attempt(self, caught_exception: Exception | None = None, **_: Any) -> None:
+        if not isinstance(caught_exception, bex.ConnectionError):
+            self._local.put_maybe_sent = True
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _translate(self, exc: Exception, *, op: str, key: str | None) -> StoreError:
+        """Map a botocore exception to the store error tree. The single place that does so."""
+        what = f"{op} {key!r} in {self.url}" if key is not None else f"{op} in {self.url}"
+        write = op in _WRITE_OPS
+        if isinstance(exc, bex.ClientError):
+            error = exc.response.get("Error", {})
+            code = str(error.get("Code", ""))
+            message = self._scrub(str(error.get("Message", "")))
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+            detail = f"{what}: {code or status} {message}".rstrip()
+            return self._from_code(code, status, detail, op=op, key=key)
+        if isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError)):
+            return AccessDenied(
+                f"cannot {what}: no usable AWS credentials found; pass access_key_id and "
+                "secret_access_key, set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or use a profile"
+            )
+        endpoint = self.endpoint_url or "the AWS S3 endpoint"
+        if isinstance(exc, bex.ConnectionError):
+            if write and getattr(self._local, "put_maybe_sent", False):
+                return AmbiguousWriteError(
+                    f"{what}: an earlier attempt may have landed before {endpoint} became "
+                    "unreachable; read the object back to decide"
+                )
+            return StoreUnavailable(f"cannot {what}: {endpoint} is unreachable ({exc})")
+        if isinstance(exc, bex.BotoCoreError):
+            if write:
+                return AmbiguousWriteError(
+                    f"{what}: the outcome is unknown ({type(exc).__name__}); the object may or "
+                    "may not exist now, read it back to decide"
+                )
+            return TransientStoreError(f"{what} failed transiently: {self._scrub(str(exc))}")
+        return StoreError(f"{what} failed: {type(exc).__name__}: {self._scrub(str(exc))}")
+
+    def _from_code(
+        self, code: str, status: int, detail: str, *, op: str, key: str | None
+    ) -> StoreError:
+        if code == "PreconditionFailed" or (status == 412 and op == "put_if_absent"):
+            return ObjectExists(detail)
+        if code == "ConditionalRequestConflict" or (status == 409 and op == "put_if_absent"):
+            return ConcurrentWriteConflict(detail)
+        if code == "NoSuchBucket":
+            return InvalidStoreURL(
+                f"{detail}: bucket {self.bucket!r} does not exist at "
+                f"{self.endpoint_url or 'AWS S3'}; create it or fix the store URL"
+            )
+        if code in _NOT_FOUND or status == 404:
+            return ObjectNotFound(detail)
+        if code in _DENIED or status == 403:
+            return AccessDenied(f"{detail} (check the credentials and the bucket policy)")
+        if code == "NotImplemented" and op == "put_if_absent":
+            return ConditionalWritesUnsupported(
+                f"{detail}: the store does not implement If-None-Match; BatchWeave needs "
+                "conditional writes"
+            )
+        if op in _WRITE_OPS and status >= 500:
+            return AmbiguousWriteError(f"{detail}; the write may have landed, read it back")
+        if code in _THROTTLED or status >= 500 or status == 429:
+            return TransientStoreError(detail)
+        return StoreError(detail)
+
+    # -- operations --------------------------------------------------------------------------
+
+    def _key(self, key: str) -> str:
+        return self.prefix + validate_key(key)
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        full = self._key(key)
+        body = data if isinstance(data, bytes) else bytes(data)
+        self._local.put_maybe_sent = False
+        try:
+            if mode is PutMode.CREATE:
+                self._client.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*")
+            else:
+                self._client.put_object(Bucket=self.bucket, Key=full, Body=body)
+        except Exception as exc:
+            op = "put_if_absent" if mode is PutMode.CREATE else "put"
+            raise self._translate(exc, op=op, key=key) from exc
+
+    def get(self, key: str) -> bytes:
+        full = self._key(key)
+        try:
+            return self._client.get_object(Bucket=self.bucket, Key=full)["Body"].read()
+        except Exception as exc:
+            raise self._translate(exc, op="get", key=key) from exc
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        full = self._key(key)
+        if isinstance(rng, Bounded) and rng.start == rng.end:
+            self.head(key)  # an empty range still requires the object to exist
+            return b""
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=full, Range=_range_header(rng))
+            body = resp["Body"].read()
+        except bex.ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if exc.response.get("Error", {}).get("Code") == "InvalidRange" or status == 416:
+                return b""  # the range starts at or past the end: clamp like every backend
+            raise self._translate(exc, op="get_range", key=key) from exc
+        except Exception as exc:
+            raise self._translate(exc, op="get_range", key=key) from exc
+        if "ContentRange" not in resp:
+            # The server ignored the Range header and sent the whole object: slice it here.
+            start, end = resolve_range(rng, len(body))
+            return body[start:end]
+        return body
+
+    def head(self, key: str) -> ObjectMeta:
+        full = self._key(key)
+        try:
+            resp = self._client.head_object(Bucket=self.bucket, Key=full)
+        except Exception as exc:
+            raise self._translate(exc, op="head", key=key) from exc
+        return ObjectMeta(
+            key=key,
+            size=int(resp["ContentLength"]),
+            last_modified=resp["LastModified"].timestamp(),
+            etag=resp.get("ETag"),
+        )
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        strip = len(self.prefix)
+        extra: dict[str, Any] = {}
+        if start_after is not None:
+            extra["StartAfter"] = self.prefix + start_after
+        while True:
+            try:
+                resp = self._client.list_objects_v2(
+                    Bucket=self.bucket, Prefix=self.prefix + prefix, **extra
+                )
+            except Exception as exc:
+                raise self._translate(exc, op="list", key=prefix or None) from exc
+            for obj in resp.get("Contents", []):
+                yield ObjectMeta(
+                    key=obj["Key"][strip:],
+                    size=int(obj["Size"]),
+                    last_modified=obj["LastModified"].timestamp(),
+                    etag=obj.get("ETag"),
+                )
+            token = resp.get("NextContinuationToken")
+            if not resp.get("IsTruncated") or not token:
+                return
+            extra = {"ContinuationToken": token}
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        it = iter(keys)
+        while batch := [self._key(k) for k in itertools.islice(it, DELETE_BATCH)]:
+            try:
+                resp = self._client.delete_objects(
+                    Bucket=self.bucket,
+                    Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
+                )
+            except Exception as exc:
+                raise self._translate(exc, op="delete", key=batch[0][len(self.prefix) :]) from exc
+            errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                rel = str(first.get("Key", ""))[len(self.prefix) :]
+                code = str(first.get("Code", ""))
+                detail = (
+                    f"delete {rel!r} in {self.url}: {code} "
+                    f"{self._scrub(str(first.get('Message', '')))}"
+                    + (f" (and {len(errors) - 1} more keys failed)" if len(errors) > 1 else "")
+                )
+                raise self._from_code(code, 0, detail, op="delete", key=rel)
+
+
+def _range_header(rng: ByteRange) -> str:
+    if isinstance(rng, Bounded):
+        return f"bytes={rng.start}-{rng.end - 1}"
+    if isinstance(rng, Offset):
+        return f"bytes={rng.start}-"
+    assert isinstance(rng, Suffix)
+    return f"bytes=-{rng.length}"

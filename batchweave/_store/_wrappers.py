@@ -1,0 +1,332 @@
+"""Stores that wrap another store: request counting and fault injection.
+
+Both are plain :class:`ObjectStore` implementations, so anything that takes a store can be
+measured (``CountingStore``: how many requests and bytes did this operation cost?) or stressed
+(``FaultInjectingStore``: does the commit protocol survive timeouts, ambiguous PUTs, latency?).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from batchweave._errors import AmbiguousWriteError, ObjectExists, TransientStoreError
+from batchweave._store._base import ByteRange, ObjectMeta, ObjectStore, PutMode
+
+__all__ = ["CountingStore", "FaultInjectingStore", "StoreCounts"]
+
+LIST_PAGE_SIZE = 1000
+"""Keys per LIST page assumed when converting listed entries into S3 LIST requests."""
+
+
+@dataclass(frozen=True)
+class StoreCounts:
+    """Requests and bytes by operation, as counted by :class:`CountingStore`.
+
+    Failed requests count too: a GET that raised ``ObjectNotFound`` still cost a round trip.
+    ``list_pages`` is the number of LIST requests an S3 backend issues for what was consumed
+    (1,000 keys per page); ``deletes`` counts ``DeleteObjects`` requests the same way.
+    """
+
+    puts: int = 0
+    conditional_puts: int = 0
+    put_bytes: int = 0
+    gets: int = 0
+    get_bytes: int = 0
+    range_gets: int = 0
+    range_bytes: int = 0
+    heads: int = 0
+    lists: int = 0
+    list_pages: int = 0
+    listed: int = 0
+    deletes: int = 0
+    deleted_keys: int = 0
+
+    @property
+    def requests(self) -> int:
+        """Every request: puts, gets, range gets, heads, list pages and delete batches."""
+        return self.puts + self.gets + self.range_gets + self.heads + self.list_pages + self.deletes
+
+    @property
+    def reads(self) -> int:
+        """Object reads (whole and ranged): the number that read-amplification budgets count."""
+        return self.gets + self.range_gets
+
+    @property
+    def bytes_read(self) -> int:
+        """Payload bytes returned by ``get`` and ``get_range``."""
+        return self.get_bytes + self.range_bytes
+
+    def __sub__(self, other: StoreCounts) -> StoreCounts:
+        return StoreCounts(
+            **{
+                f.name: getattr(self, f.name) - getattr(other, f.name)
+                for f in dataclasses.fields(self)
+            }
+        )
+
+
+class CountingStore(ObjectStore):
+    """Counts every request and byte that passes through to ``inner``. Thread-safe.
+
+    ``snapshot()`` returns the totals; subtract two snapshots to measure one operation.
+    """
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def _add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] = self._counts.get(name, 0) + delta
+
+    def snapshot(self) -> StoreCounts:
+        """The totals so far."""
+        with self._lock:
+            return StoreCounts(**self._counts)
+
+    def reset(self) -> None:
+        """Set every counter back to zero."""
+        with self._lock:
+            self._counts.clear()
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        self._add(
+            puts=1,
+            conditional_puts=int(mode is PutMode.CREATE),
+            put_bytes=memoryview(data).nbytes,
+        )
+        self.inner.put(key, data, mode=mode)
+
+    def get(self, key: str) -> bytes:
+        self._add(gets=1)
+        data = self.inner.get(key)
+        self._add(get_bytes=len(data))
+        return data
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        self._add(range_gets=1)
+        data = self.inner.get_range(key, rng)
+        self._add(range_bytes=len(data))
+        return data
+
+    def head(self, key: str) -> ObjectMeta:
+        self._add(heads=1)
+        return self.inner.head(key)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        self._add(lists=1, list_pages=1)
+        for n, meta in enumerate(self.inner.list(prefix, start_after=start_after)):
+            if n and n % LIST_PAGE_SIZE == 0:
+                self._add(list_pages=1)
+            self._add(listed=1)
+            yield meta
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        materialized = list(keys)
+        if materialized:
+            pages = -(-len(materialized) // LIST_PAGE_SIZE)
+            self._add(deletes=pages, deleted_keys=len(materialized))
+        self.inner.delete_many(materialized)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __repr__(self) -> str:
+        return f"CountingStore({self.inner!r})"
+
+
+Op = Literal["put", "get", "get_range", "head", "list", "delete_many"]
+ErrorFactory = Callable[[], BaseException] | BaseException
+"""An exception instance, or a zero-argument callable (e.g. an exception class) making one."""
+
+
+@dataclass
+class _ScriptedFault:
+    error: ErrorFactory | None
+    landed: bool
+    key_prefix: str
+
+
+class FaultInjectingStore(ObjectStore):
+    """Injects latency and failures in front of ``inner``, reproducibly from ``seed``.
+
+    Random faults, each decided per call with the seeded RNG:
+
+    - ``latency``: seconds slept before every call (a float, or ``(low, high)`` for uniform);
+    - ``transient_error_rate``: the call fails with ``TransientStoreError`` before reaching
+      ``inner`` (nothing was written);
+    - ``ambiguous_put_rate``: a put reaches ``inner`` (the write lands, or loses the create race)
+      and then ``AmbiguousWriteError`` is raised, as when a response is lost;
+    - ``failed_put_after_delay_rate``: a put sleeps ``failed_put_delay`` seconds, does *not*
+      write, and raises ``AmbiguousWriteError`` or ``TransientStoreError`` (a timed-out request
+      that never landed).
+
+    Scripted faults (:meth:`fail_next`) run first, in order, and make a test deterministic.
+    ``sleep`` is injectable so tests need not wait for real. ``injected`` counts faults by kind.
+    """
+
+    def __init__(
+        self,
+        inner: ObjectStore,
+        *,
+        seed: int = 0,
+        latency: float | tuple[float, float] = 0.0,
+        transient_error_rate: float = 0.0,
+        ambiguous_put_rate: float = 0.0,
+        failed_put_after_delay_rate: float = 0.0,
+        failed_put_delay: float = 1.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        for name, rate in (
+            ("transient_error_rate", transient_error_rate),
+            ("ambiguous_put_rate", ambiguous_put_rate),
+            ("failed_put_after_delay_rate", failed_put_after_delay_rate),
+        ):
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"{name} must be within [0, 1], got {rate}")
+        self.inner = inner
+        self.url = inner.url
+        self._latency = latency
+        self._transient = transient_error_rate
+        self._ambiguous = ambiguous_put_rate
+        self._failed_after_delay = failed_put_after_delay_rate
+        self._failed_delay = failed_put_delay
+        self._sleep = sleep
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._scripted: dict[str, deque[_ScriptedFault]] = {}
+        self.injected: dict[str, int] = {}
+        """Faults injected so far, by kind (``transient``, ``ambiguous_put``, ...)."""
+
+    def fail_next(
+        self,
+        op: Op,
+        error: ErrorFactory | None = None,
+        *,
+        landed: bool = False,
+        times: int = 1,
+        key_prefix: str = "",
+    ) -> None:
+        """Make the next ``times`` calls of ``op`` (on keys starting with ``key_prefix``) fail.
+
+        ``error`` defaults to ``AmbiguousWriteError`` for ``put`` and ``TransientStoreError``
+        otherwise. With ``landed=True`` the call first reaches ``inner`` (the write or delete
+        happens) and the error is raised afterwards.
+        """
+        with self._lock:
+            queue = self._scripted.setdefault(op, deque())
+            queue.extend(_ScriptedFault(error, landed, key_prefix) for _ in range(times))
+
+    def _count(self, kind: str) -> None:
+        self.injected[kind] = self.injected.get(kind, 0) + 1
+
+    def _roll(self, rate: float) -> bool:
+        return rate > 0.0 and self._rng.random() < rate
+
+    def _before(self, op: Op, key: str) -> _ScriptedFault | None:
+        """Apply latency and pick the fault for this call, if any."""
+        with self._lock:
+            fault = None
+            queue = self._scripted.get(op)
+            if queue:
+                fault = next((f for f in queue if key.startswith(f.key_prefix)), None)
+                if fault is not None:
+                    queue.remove(fault)
+                    self._count(f"scripted_{op}")
+            if isinstance(self._latency, tuple):
+                delay = self._rng.uniform(*self._latency)
+            else:
+                delay = self._latency
+            transient = fault is None and self._roll(self._transient)
+            if transient:
+                self._count("transient")
+        if delay > 0:
+            self._sleep(delay)
+        if transient:
+            raise TransientStoreError(f"injected transient failure: {op} {key!r} in {self.url}")
+        return fault
+
+    def _raise(self, fault: _ScriptedFault, op: Op, key: str) -> None:
+        error = fault.error
+        if error is None:
+            cls = AmbiguousWriteError if op == "put" else TransientStoreError
+            error = cls(f"injected failure: {op} {key!r} in {self.url}")
+        raise error if isinstance(error, BaseException) else error()
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        fault = self._before("put", key)
+        if fault is not None:
+            if fault.landed:
+                with contextlib.suppress(ObjectExists):
+                    self.inner.put(key, data, mode=mode)
+            self._raise(fault, "put", key)
+        with self._lock:
+            ambiguous = self._roll(self._ambiguous)
+            failed = not ambiguous and self._roll(self._failed_after_delay)
+            failed_cls = AmbiguousWriteError if self._rng.random() < 0.5 else TransientStoreError
+            if ambiguous:
+                self._count("ambiguous_put")
+            if failed:
+                self._count("failed_put_after_delay")
+        if failed:
+            self._sleep(self._failed_delay)
+            raise failed_cls(f"injected timeout (not written): put {key!r} in {self.url}")
+        if ambiguous:
+            try:
+                self.inner.put(key, data, mode=mode)
+            except ObjectExists as exc:
+                raise AmbiguousWriteError(
+                    f"injected lost response: put {key!r} in {self.url}"
+                ) from exc
+            raise AmbiguousWriteError(
+                f"injected lost response (written): put {key!r} in {self.url}"
+            )
+        self.inner.put(key, data, mode=mode)
+
+    def _read_op(self, op: Op, key: str) -> None:
+        fault = self._before(op, key)
+        if fault is not None:
+            self._raise(fault, op, key)
+
+    def get(self, key: str) -> bytes:
+        self._read_op("get", key)
+        return self.inner.get(key)
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        self._read_op("get_range", key)
+        return self.inner.get_range(key, rng)
+
+    def head(self, key: str) -> ObjectMeta:
+        self._read_op("head", key)
+        return self.inner.head(key)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        self._read_op("list", prefix)
+        yield from self.inner.list(prefix, start_after=start_after)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        materialized = list(keys)
+        first = materialized[0] if materialized else ""
+        fault = self._before("delete_many", first)
+        if fault is not None:
+            if fault.landed:
+                self.inner.delete_many(materialized)
+            self._raise(fault, "delete_many", first)
+        self.inner.delete_many(materialized)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __repr__(self) -> str:
+        return f"FaultInjectingStore({self.inner!r})"

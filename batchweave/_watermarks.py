@@ -1,0 +1,216 @@
+"""Checkpoint watermarks: which TGB steps live checkpoints still need.
+
+After a training checkpoint is durable, the training loop records a *watermark*: the checkpoint's
+id, the manifest (TGB) step that resuming from it will read first, and the manifest version the
+consumer had seen. Each watermark is one small object ``{namespace}/_watermarks/{id}.json``.
+When the framework deletes a checkpoint, its watermark is released (or a keep-last-K policy
+releases old ones automatically).
+
+The reclamation boundary ``b`` is the minimum step over live watermarks: no live checkpoint can
+need a step below it, so :class:`~batchweave.Reclaimer` may delete those TGBs, and producers with
+``max_lag`` use it to bound storage. With no watermark at all, ``b = 0``: nothing is reclaimable.
+
+This module depends only on the store and the manifest layers, so the producer can use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import Final
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from batchweave._errors import FormatError, NamespaceNotFound, ObjectNotFound
+from batchweave._manifest._codec import decode_object, encode_object
+from batchweave._manifest._log import ManifestLog
+from batchweave._store._base import ObjectStore, validate_key
+
+__all__ = [
+    "WATERMARKS_DIR",
+    "WATERMARK_FORMAT",
+    "Watermark",
+    "Watermarks",
+    "validate_checkpoint_id",
+]
+
+_log = logging.getLogger("batchweave.watermarks")
+
+WATERMARKS_DIR: Final = "_watermarks"
+WATERMARK_FORMAT: Final = 1
+"""Watermark format this library writes and the newest it reads."""
+
+_MAGIC: Final = "batchweave-watermark"
+_MAX_BYTES: Final = 64 << 10
+_SUFFIX: Final = ".json"
+_ID_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,199}")
+
+
+class Watermark(BaseModel):
+    """One live checkpoint's claim on the stream: steps from ``step`` on must stay readable."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: int = WATERMARK_FORMAT
+    checkpoint_id: str
+    step: int = Field(ge=0)
+    """The manifest (TGB) step the checkpoint reads first when training resumes from it."""
+    version: int = Field(ge=0)
+    """A manifest version current when the checkpoint was taken; older versions may be deleted."""
+    recorded_at: float = 0.0
+    """Wall-clock seconds when the watermark was written (for operators; not used for safety)."""
+
+
+def validate_checkpoint_id(checkpoint_id: str) -> str:
+    """Return ``checkpoint_id`` if it is usable as one key segment, else raise ``ValueError``.
+
+    Allowed: 1-200 characters of letters, digits and ``_ . = + -``, not starting with ``.`` or
+    ``-`` (so no ``..``, no ``/``, nothing a shell or a store would treat specially).
+    """
+    if not isinstance(checkpoint_id, str) or _ID_RE.fullmatch(checkpoint_id) is None:
+        raise ValueError(
+            f"checkpoint_id {checkpoint_id!r} is not a safe key segment: use 1-200 letters, "
+            "digits and '_.=+-', starting with a letter, digit or '_' (e.g. 'step-000100')"
+        )
+    return checkpoint_id
+
+
+class Watermarks:
+    """The watermarks of one namespace: record, release, list, and the reclamation boundary.
+
+    ``keep_last``: after each :meth:`record`, release all but the ``keep_last`` watermarks with
+    the highest steps (``None``: release only explicitly, when the framework deletes a
+    checkpoint). ``clock`` (wall-clock seconds) is stored in each watermark for operators.
+
+    Safe to use from several processes: every watermark is its own object, written whole.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        namespace: str,
+        *,
+        keep_last: int | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if namespace.endswith("/"):
+            raise ValueError(f"namespace {namespace!r} must not end with '/'")
+        validate_key(namespace)
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        self.store = store
+        self.namespace = namespace
+        self.keep_last = keep_last
+        self._clock = clock
+        self._prefix = f"{namespace}/{WATERMARKS_DIR}/"
+
+    def __repr__(self) -> str:
+        return f"Watermarks({self.store.url!r}, {self.namespace!r}, keep_last={self.keep_last})"
+
+    def key(self, checkpoint_id: str) -> str:
+        """Store key of ``checkpoint_id``'s watermark."""
+        return f"{self._prefix}{validate_checkpoint_id(checkpoint_id)}{_SUFFIX}"
+
+    def record(self, checkpoint_id: str, step: int, *, version: int | None = None) -> Watermark:
+        """Record that checkpoint ``checkpoint_id`` resumes at manifest step ``step``.
+
+        Call it only after the checkpoint is durable. ``version`` is a manifest version the
+        consumer had read when the checkpoint was taken; ``None`` reads the namespace's latest
+        version (0 if the namespace does not exist yet). Recording the same id again replaces
+        its watermark. With ``keep_last``, older watermarks are then released.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if version is None:
+            version = self._latest_version()
+        mark = Watermark(
+            checkpoint_id=validate_checkpoint_id(checkpoint_id),
+            step=step,
+            version=version,
+            recorded_at=self._clock(),
+        )
+        self.store.put(self.key(checkpoint_id), encode_object(_MAGIC, mark))
+        _log.info(
+            "watermark %r recorded in %s/%s: step %d, manifest version %d",
+            checkpoint_id,
+            self.store.url,
+            self.namespace,
+            step,
+            version,
+        )
+        if self.keep_last is not None:
+            live = self.live()
+            ranked = sorted(live, key=lambda m: (m.step, m.recorded_at), reverse=True)
+            for old in ranked[self.keep_last :]:
+                if old.checkpoint_id != checkpoint_id:
+                    self.release(old.checkpoint_id)
+        return mark
+
+    def release(self, checkpoint_id: str) -> None:
+        """Drop ``checkpoint_id``'s watermark (its checkpoint was deleted). Idempotent."""
+        self.store.delete_many([self.key(checkpoint_id)])
+        _log.info("watermark %r released in %s/%s", checkpoint_id, self.store.url, self.namespace)
+
+    def get(self, checkpoint_id: str) -> Watermark | None:
+        """``checkpoint_id``'s watermark, or ``None`` if there is none."""
+        key = self.key(checkpoint_id)
+        try:
+            data = self.store.get(key)
+        except ObjectNotFound:
+            return None
+        return self._decode(data, key)
+
+    def live(self) -> list[Watermark]:
+        """Every live watermark, lowest step first.
+
+        A watermark object that cannot be decoded raises :class:`FormatError` naming its key:
+        ignoring it could reclaim data its checkpoint needs. Delete or re-record it to go on.
+        """
+        marks: list[Watermark] = []
+        for meta in self.store.list(self._prefix):
+            name = meta.key[len(self._prefix) :]
+            if "/" in name or not name.endswith(_SUFFIX):
+                continue
+            try:
+                data = self.store.get(meta.key)
+            except ObjectNotFound:
+                continue  # released between LIST and GET
+            marks.append(self._decode(data, meta.key))
+        marks.sort(key=lambda m: (m.step, m.checkpoint_id))
+        return marks
+
+    def boundary(self) -> int:
+        """The reclamation boundary: the minimum step over live watermarks (0 when none)."""
+        marks = self.live()
+        return marks[0].step if marks else 0
+
+    def _decode(self, data: bytes, key: str) -> Watermark:
+        try:
+            mark = decode_object(
+                data,
+                Watermark,
+                key=key,
+                magic=_MAGIC,
+                limit=_MAX_BYTES,
+                supported=WATERMARK_FORMAT,
+            )
+        except FormatError as exc:
+            raise type(exc)(
+                f"{exc} (a live checkpoint's watermark cannot be read, so nothing can be safely "
+                f"reclaimed; re-record the checkpoint's watermark or delete {key!r} by hand)"
+            ) from exc
+        expected = f"{self._prefix}{mark.checkpoint_id}{_SUFFIX}"
+        if key != expected:
+            raise FormatError(
+                f"{key}: holds the watermark of checkpoint {mark.checkpoint_id!r}, which belongs "
+                f"under {expected!r}; the object was copied or renamed by hand"
+            )
+        return mark
+
+    def _latest_version(self) -> int:
+        try:
+            return ManifestLog(self.store, self.namespace).latest().version
+        except NamespaceNotFound:
+            return 0

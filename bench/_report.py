@@ -1,0 +1,83 @@
+"""Shared benchmark plumbing: a results table printed to stdout, JSON on disk, ratios to baselines.
+
+Every benchmark measures its own baseline in the same run (these machines are shared and noisy),
+so reports carry ratios, not absolute times alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def parser(description: str | None) -> argparse.ArgumentParser:
+    """An argument parser with the flags every benchmark accepts."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, for CI and nox -s bench")
+    p.add_argument("--out", type=Path, default=None, help="JSON output path")
+    return p
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``; NaN when empty."""
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, int(q) - 1))]
+
+
+@dataclass
+class Report:
+    """Rows of one benchmark run, rendered as a markdown table and saved as JSON."""
+
+    name: str
+    columns: list[str]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, **row: Any) -> None:
+        self.rows.append(row)
+
+    def markdown(self) -> str:
+        def cell(value: Any) -> str:
+            if isinstance(value, float):
+                return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+            return str(value)
+
+        lines = [
+            "| " + " | ".join(self.columns) + " |",
+            "|" + "---|" * len(self.columns),
+        ]
+        lines += ["| " + " | ".join(cell(r.get(c, "")) for c in self.columns) + " |" for r in self.rows]
+        return "\n".join(lines)
+
+    def save(self, path: Path | None = None) -> Path:
+        path = path or RESULTS_DIR / f"{self.name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "benchmark": self.name,
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"python": platform.python_version(), "platform": platform.platform()},
+            "columns": self.columns,
+            "rows": self.rows,
+            "notes": self.notes,
+        }
+        path.write_text(json.dumps(payload, indent=2, default=str))
+        return path
+
+    def emit(self, path: Path | None = None) -> None:
+        """Print the table and notes, and write the JSON file."""
+        print(self.markdown())
+        for note in self.notes:
+            print(f"- {note}")
+        print(f"results: {self.save(path)}")

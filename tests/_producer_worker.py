@@ -1,0 +1,123 @@
+"""A producer process for the multi-process tests (run as a script, not collected by pytest).
+
+It publishes offsets ``resume_offset .. total-1`` of a deterministic source for one producer id
+and reports progress as lines on stdout, which the test reads as events:
+
+- ``started <epoch> <resume_offset>`` once the epoch commit landed;
+- ``hold <before|after> <offset>`` when a ``--hold`` point was reached: the process then blocks
+  forever inside a manifest PUT, either just before sending it or just after it landed (the
+  test SIGKILLs it there: a crash mid-commit, the second one with an unacknowledged success);
+- ``done <committed_offset>`` after ``close()`` drained everything.
+
+Credentials come from ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` in the environment, never
+from the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterable, Iterator
+
+from batchweave import Mesh, ObjectStore, Producer, PutMode
+from batchweave._manifest._codec import decode_manifest
+from batchweave._store._base import ByteRange, ObjectMeta
+from batchweave._store._open import open_store
+
+MESH = Mesh(dp=2, cp=1)
+
+
+def payload(producer_id: str, offset: int) -> list[bytes]:
+    """The deterministic source: TGB ``offset`` of ``producer_id``."""
+    return [f"{producer_id}:{offset}:{c}".encode().ljust(64, b".") for c in range(MESH.slices)]
+
+
+def report(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+class HoldingStore(ObjectStore):
+    """Blocks forever in the first manifest PUT that commits ``producer_id`` past ``offset``."""
+
+    def __init__(self, inner: ObjectStore, producer_id: str, where: str, offset: int) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self._pid = producer_id
+        self._where = where
+        self._offset = offset
+        self._held = False
+
+    def _hold_point(self, key: str, data: bytes | memoryview) -> int | None:
+        if self._held or "/_manifests/" not in key:
+            return None
+        manifest = decode_manifest(bytes(data), key=key)
+        state = manifest.producers.get(self._pid)
+        if state is None or state.offset is None or state.offset < self._offset:
+            return None
+        return state.offset
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        offset = self._hold_point(key, data) if mode is PutMode.CREATE else None
+        if offset is not None and self._where == "before":
+            self._held = True
+            report(f"hold before {offset}")
+            threading.Event().wait()  # until SIGKILL
+        self.inner.put(key, data, mode=mode)  # a lost race raises here: hold at a later commit
+        if offset is not None:
+            self._held = True
+            report(f"hold after {offset}")
+            threading.Event().wait()  # the PUT landed; the producer never learns it
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        return self.inner.get_range(key, rng)
+
+    def head(self, key: str) -> ObjectMeta:
+        return self.inner.head(key)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        return self.inner.list(prefix, start_after=start_after)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        self.inner.delete_many(keys)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--store", required=True, help="s3://bucket/prefix")
+    parser.add_argument("--endpoint-url", required=True)
+    parser.add_argument("--namespace", required=True)
+    parser.add_argument("--producer-id", required=True)
+    parser.add_argument("--total", type=int, required=True, help="source offsets 0..total-1")
+    parser.add_argument("--hold", choices=("before", "after"), default=None)
+    parser.add_argument("--hold-offset", type=int, default=0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+
+    store: ObjectStore = open_store(
+        args.store,
+        endpoint_url=args.endpoint_url,
+        access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+        secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+        region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+    )
+    if args.hold is not None:
+        store = HoldingStore(store, args.producer_id, args.hold, args.hold_offset)
+    with Producer(
+        store, args.namespace, producer_id=args.producer_id, mesh=MESH, policy="dac"
+    ) as producer:
+        report(f"started {producer.epoch} {producer.resume_offset}")
+        for offset in range(producer.resume_offset, args.total):
+            producer.append(payload(args.producer_id, offset), offset=offset)
+    report(f"done {producer.committed_offset}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

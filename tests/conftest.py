@@ -1,0 +1,46 @@
+"""Shared fixtures: real S3-compatible servers, one per test session, started on demand."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from batchweave.testing import S3Endpoint, moto_server, seaweedfs_server
+
+# Never let boto3 look for credentials on the network (EC2 instance metadata) during tests.
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+
+SHARED_BUCKET = "batchweave-tests"
+"""One bucket per server and session; every test works under its own prefix."""
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[S3Endpoint]:
+    """A moto ThreadedMotoServer (child process) with ``SHARED_BUCKET`` created."""
+    with moto_server() as endpoint:
+        endpoint.create_bucket(SHARED_BUCKET)
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint]:
+    """A SeaweedFS ``weed mini`` server with ``SHARED_BUCKET`` created."""
+    with seaweedfs_server(tmp_path_factory.mktemp("seaweedfs")) as endpoint:
+        endpoint.create_bucket(SHARED_BUCKET)
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
+def s3_bucket() -> str:
+    """The bucket shared by all tests on the session's servers."""
+    return SHARED_BUCKET
+
+
+@pytest.fixture
+def s3_prefix(request: pytest.FixtureRequest) -> str:
+    """A prefix no other test uses, readable in server listings."""
+    name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
+    return f"tests/{name}-{uuid.uuid4().hex[:8]}"

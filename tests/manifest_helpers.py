@@ -1,0 +1,127 @@
+"""Shared helpers for the manifest tests: descriptors, counting and fault-injecting wrappers."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+
+from batchweave import ObjectStore, PutMode
+from batchweave._manifest import TgbDescriptor, TgbObjectRef
+from batchweave._store._base import ByteRange, ObjectMeta
+
+__all__ = ["CountingStore", "FaultyPutStore", "descriptor", "landed_then"]
+
+
+def descriptor(producer: str, offset: int, *, epoch: int = 0, size: int = 1000) -> TgbDescriptor:
+    """A plausible descriptor for ``producer``'s TGB at ``offset``."""
+    return TgbDescriptor(
+        producer_id=producer,
+        epoch=epoch,
+        offset=offset,
+        objects=(
+            TgbObjectRef(
+                key=f"data/{producer}/{epoch}/{offset:012d}-0123456789abcdef0123456789abcdef.tgb",
+                size=size,
+                slice_count=8,
+                footer_offset=size - 200,
+                footer_length=180,
+                footer_checksum=0xDEADBEEF,
+            ),
+        ),
+        bytes=size,
+        samples=64,
+    )
+
+
+class _Delegating(ObjectStore):
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.url = inner.url
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        self.inner.put(key, data, mode=mode)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        return self.inner.get_range(key, rng)
+
+    def head(self, key: str) -> ObjectMeta:
+        return self.inner.head(key)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        return self.inner.list(prefix, start_after=start_after)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        self.inner.delete_many(keys)
+
+
+class CountingStore(_Delegating):
+    """Counts requests by kind (``get``, ``put``, ``head``, ``list``...) and the keys read."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.calls: Counter[str] = Counter()
+        self.gets: list[str] = []
+        self._lock = threading.Lock()
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.calls[kind] += 1
+
+    def reset(self) -> None:
+        with self._lock:
+            self.calls.clear()
+            self.gets.clear()
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        self._count("put")
+        super().put(key, data, mode=mode)
+
+    def get(self, key: str) -> bytes:
+        self._count("get")
+        with self._lock:
+            self.gets.append(key)
+        return super().get(key)
+
+    def head(self, key: str) -> ObjectMeta:
+        self._count("head")
+        return super().head(key)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        self._count("list")
+        return super().list(prefix, start_after=start_after)
+
+
+class FaultyPutStore(_Delegating):
+    """Conditional PUTs whose outcome is reported wrongly, as a flaky network or SDK would.
+
+    ``fault(key) -> (land, error)`` decides per conditional PUT whether the write really happens
+    and which exception (if any) the caller sees afterwards.
+    """
+
+    def __init__(
+        self,
+        inner: ObjectStore,
+        fault: Callable[[str], tuple[bool, Exception | None]],
+    ) -> None:
+        super().__init__(inner)
+        self.fault = fault
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        if mode is not PutMode.CREATE:
+            super().put(key, data, mode=mode)
+            return
+        land, error = self.fault(key)
+        if land:
+            super().put(key, data, mode=mode)
+        if error is not None:
+            raise error
+
+
+def landed_then(error: type[Exception]) -> tuple[bool, Exception]:
+    """The write lands, then the caller sees ``error`` (an SDK retry's 412, or a timeout)."""
+    message = "simulated: conditional PUT landed, then the client saw an error"
+    return True, error(message)

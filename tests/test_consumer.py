@@ -1,0 +1,479 @@
+"""The per-rank consumer: agreement, exact slices, waiting, sealing, errors, read accounting."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from batchweave import (
+    ChecksumMismatch,
+    Consumer,
+    ConsumerError,
+    ConsumerTimeout,
+    CountingStore,
+    FaultInjectingStore,
+    FileStore,
+    MemoryStore,
+    Mesh,
+    NamespaceMismatch,
+    ObjectStore,
+    Producer,
+    read_footer,
+)
+from batchweave._format._tgb import TRAILER_SIZE
+from batchweave._manifest._log import ManifestLog
+
+MIB = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def payload(producer: int, offset: int, d: int, c: int, size: int = 0) -> bytes:
+    """A slice that says where it belongs, optionally padded to ``size`` bytes."""
+    return f"{producer}:{offset}:{d}:{c};".encode().ljust(size, b".")
+
+
+def parse(data: bytes) -> tuple[int, int, int, int]:
+    p, o, d, c = data.split(b";", 1)[0].split(b":")
+    return int(p), int(o), int(d), int(c)
+
+
+def produce(
+    store: ObjectStore,
+    namespace: str,
+    mesh: Mesh,
+    *,
+    producers: int = 1,
+    tgbs: int = 4,
+    size: int = 0,
+    seal: bool = True,
+    start: threading.Event | None = None,
+) -> None:
+    """``producers`` concurrent producers each publish ``tgbs`` TGBs (offsets 0..tgbs-1)."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            if start is not None:
+                start.wait()
+            with Producer(store, namespace, producer_id=f"p{i}", mesh=mesh, policy="naive") as p:
+                for offset in range(tgbs):
+                    slices = [
+                        payload(i, offset, d, c, size)
+                        for d in range(mesh.dp)
+                        for c in range(mesh.cp)
+                    ]
+                    p.append(slices, offset=offset)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(producers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    if seal:
+        with Producer(store, namespace, producer_id="p0", mesh=mesh, policy="naive") as p:
+            p.seal()
+
+
+class FakeTime:
+    """A clock that only moves when the code under test sleeps."""
+
+    def __init__(self, on_sleep: Callable[[], None] | None = None) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+        self.on_sleep = on_sleep
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+        if self.on_sleep is not None:
+            self.on_sleep()
+
+
+def consume(store: ObjectStore, namespace: str, mesh: Mesh, **kw: Any) -> list[tuple[int, Any]]:
+    with Consumer(store, namespace, mesh=mesh, **kw) as c:
+        return list(c)
+
+
+# ---------------------------------------------------------------------------------------------
+# agreement and exact slices
+
+
+@pytest.fixture(params=["memory", "file"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStore]:
+    s: ObjectStore = (
+        MemoryStore() if request.param == "memory" else FileStore(tmp_path, fsync=False)
+    )
+    yield s
+    s.close()
+
+
+def test_32_ranks_agree_on_steps_and_read_their_own_slice(store: ObjectStore) -> None:
+    """dp=4, cp=2, tp=2, pp=2 as 32 threads, started before 3 concurrent producers."""
+    mesh = Mesh(dp=4, cp=2)
+    world, producers, tgbs = 32, 3, 5
+    results: dict[int, list[tuple[int, bytes]]] = {}
+    errors: list[BaseException] = []
+    start = threading.Event()
+
+    def rank(r: int) -> None:
+        try:
+            with Consumer(
+                store,
+                "run",
+                mesh=mesh,
+                tp=2,
+                pp=2,
+                environ={"RANK": str(r), "WORLD_SIZE": str(world)},
+                prefetch=2,
+                max_workers=2,
+                poll_interval=0.002,
+                max_poll_interval=0.02,
+                timeout=60,
+            ) as c:
+                results[r] = list(c)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    start.set()
+    produce(store, "run", mesh, producers=producers, tgbs=tgbs, start=start)
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+    log = ManifestLog(store, "run")
+    manifest = log.latest()
+    steps = producers * tgbs
+    assert manifest.next_step == steps
+    for r, got in results.items():
+        assert [s for s, _ in got] == list(range(steps)), r
+        tp, cp, dp = r % 2, (r // 2) % 2, (r // 4) % 4
+        for step, data in got:
+            desc = log.descriptor(manifest, step)
+            # the TGB the manifest assigns to this step, and exactly this rank's slice of it
+            assert parse(data) == (int(desc.producer_id[1:]), desc.offset, dp, cp), (r, tp, step)
+    # TP/PP peers deliver identical data; every produced TGB appears once, in offset order
+    for r in range(world):
+        assert results[r] == results[2 * ((r // 2) % 8)]  # the tp=0, pp=0 peer
+    first = [parse(d)[:2] for _, d in results[0]]
+    assert sorted(first) == [(p, o) for p in range(producers) for o in range(tgbs)]
+    for p in range(producers):
+        assert [o for q, o in first if q == p] == list(range(tgbs))
+
+
+@pytest.mark.parametrize(
+    ("dp", "cp"), [(8, 2), (2, 2), (4, 1), (2, 1)], ids=["dp4to8", "dp4to2", "cp2to1", "both"]
+)
+def test_resharded_consumers_cover_every_slice_once(dp: int, cp: int) -> None:
+    store = MemoryStore()
+    stored = Mesh(dp=4, cp=2)
+    produce(store, "run", stored, tgbs=8)
+    consumer_mesh = Mesh(dp=dp, cp=cp)
+    seen: Counter[tuple[int, int, int]] = Counter()
+    lengths = set()
+    for d in range(dp):
+        for c in range(cp):
+            got = consume(store, "run", consumer_mesh, dp_rank=d, cp_rank=c)
+            lengths.add(len(got))
+            for _step, data in got:
+                chunks = data if isinstance(data, list) else [data]
+                assert len(chunks) == 2 // cp
+                decoded = [parse(x) for x in chunks]
+                # chunks of one rank belong to one replica of one TGB, in chunk order
+                assert [x[3] for x in decoded] == list(range(c * (2 // cp), (c + 1) * (2 // cp)))
+                assert len({x[:3] for x in decoded}) == 1
+                seen.update((o, dd, cc) for _, o, dd, cc in decoded)
+    assert lengths == {8 * 4 // dp}
+    assert seen == Counter((o, d, c) for o in range(8) for d in range(4) for c in range(2))
+
+
+# ---------------------------------------------------------------------------------------------
+# waiting, sealing, timeouts
+
+
+def test_consumer_started_before_producers_waits_then_receives_everything() -> None:
+    store = MemoryStore()
+    mesh = Mesh(dp=2, cp=2)
+    producer: list[Producer] = []
+
+    def create() -> None:
+        producer.append(Producer(store, "live", producer_id="p0", mesh=mesh, policy="naive"))
+        append(0)
+        append(1)
+
+    def append(offset: int) -> None:
+        p = producer[0]
+        p.append([payload(0, offset, d, c) for d in range(2) for c in range(2)], offset=offset)
+        p.flush()
+
+    script: list[Callable[[], None]] = [
+        lambda: None,
+        create,
+        lambda: None,
+        lambda: None,
+        lambda: None,
+        lambda: append(2),
+        lambda: producer[0].seal(),
+    ]
+    fake = FakeTime(on_sleep=lambda: script.pop(0)() if script else None)
+    c = Consumer(
+        store,
+        "live",
+        mesh=mesh,
+        dp_rank=1,
+        cp_rank=0,
+        clock=fake.clock,
+        sleep=fake.sleep,
+        poll_interval=0.01,
+        max_poll_interval=0.04,
+    )
+    got = list(c)
+    producer[0].close()
+    assert [(s, parse(d)) for s, d in got] == [(s, (0, s, 1, 0)) for s in range(3)]
+    assert not script  # the consumer polled through every producer action
+    assert min(fake.sleeps) == 0.01
+    assert max(fake.sleeps) == 0.04  # backoff doubled up to the cap while nothing arrived
+    # the fake clock only moves in sleep, and every sleep happened inside next(): all stall
+    assert c.stats.stall_seconds == pytest.approx(sum(fake.sleeps))
+    assert c.stats.manifest_refreshes >= 4
+
+
+def test_sealed_stream_ends_iteration_and_stays_ended() -> None:
+    store = MemoryStore()
+    mesh = Mesh(dp=2)
+    produce(store, "run", mesh, tgbs=3)
+    c = Consumer(store, "run", mesh=mesh, dp_rank=0)
+    assert [s for s, _ in c] == [0, 1, 2]
+    with pytest.raises(StopIteration):
+        next(c)
+    assert c.stats.steps == 3
+
+
+def test_partial_last_step_is_not_delivered_by_any_rank() -> None:
+    """DP doubled over an odd number of TGBs: the last TGB alone is not a complete step."""
+    store = MemoryStore()
+    produce(store, "run", Mesh(dp=2), tgbs=3)
+    for r in range(4):
+        assert [s for s, _ in consume(store, "run", Mesh(dp=4), dp_rank=r)] == [0]
+
+
+def test_timeout_names_the_step_waited_for() -> None:
+    store = MemoryStore()
+    mesh = Mesh(dp=2)
+    produce(store, "run", mesh, tgbs=2, seal=False)
+    fake = FakeTime()
+    c = Consumer(
+        store, "run", mesh=mesh, dp_rank=1, timeout=1.0, clock=fake.clock, sleep=fake.sleep
+    )
+    assert [s for s, _ in (next(c), next(c))] == [0, 1]
+    with pytest.raises(ConsumerTimeout, match=r"step 2 .*within 1.0 s"):
+        next(c)
+    assert fake.now == pytest.approx(1.0)
+
+
+def test_timeout_waiting_for_the_namespace() -> None:
+    fake = FakeTime()
+    c = Consumer(
+        MemoryStore(),
+        "nothing",
+        mesh=Mesh(dp=1),
+        dp_rank=0,
+        timeout=0.5,
+        clock=fake.clock,
+        sleep=fake.sleep,
+    )
+    with pytest.raises(ConsumerTimeout, match=r"'nothing'.*not created within 0.5 s"):
+        next(c)
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
+def _object_of(store: ObjectStore, namespace: str, step: int) -> tuple[str, Any]:
+    log = ManifestLog(store, namespace)
+    ref = log.descriptor(log.latest(), step).objects[0]
+    key = log.key(ref.key)
+    footer = read_footer(
+        store, key, footer_offset=ref.footer_offset, footer_length=ref.footer_length
+    )
+    return key, footer
+
+
+def test_corrupt_slice_is_detected_naming_step_object_and_slice() -> None:
+    store = MemoryStore()
+    mesh = Mesh(dp=2, cp=2)
+    produce(store, "run", mesh, tgbs=3, size=64)
+    key, footer = _object_of(store, "run", 1)
+    data = bytearray(store.get(key))
+    data[footer.slices[2].offset + 10] ^= 0x01  # slice (1, 0)
+    store.put(key, bytes(data))
+
+    c = Consumer(store, "run", mesh=mesh, dp_rank=1, cp_rank=0)
+    assert next(c)[0] == 0
+    with pytest.raises(ChecksumMismatch) as info:
+        next(c)
+    message = str(info.value)
+    assert "step 1" in message
+    assert key in message
+    assert "slice 2" in message
+    # other ranks are unaffected: their slices are intact
+    assert len(consume(store, "run", mesh, dp_rank=0, cp_rank=0)) == 3
+
+
+def test_replaced_object_fails_the_manifest_footer_check() -> None:
+    store = MemoryStore()
+    mesh = Mesh(dp=2)
+    produce(store, "run", mesh, tgbs=2, size=32)
+    key0, _ = _object_of(store, "run", 0)
+    key1, _ = _object_of(store, "run", 1)
+    store.put(key1, store.get(key0))  # a valid TGB, but not the one committed at step 1
+    with pytest.raises(ChecksumMismatch, match=r"step 1 .*manifest recorded"):
+        consume(store, "run", mesh, dp_rank=0)
+
+
+def test_transient_errors_are_retried_with_backoff() -> None:
+    inner = MemoryStore()
+    mesh = Mesh(dp=2)
+    produce(inner, "run", mesh, tgbs=2)
+    store = FaultInjectingStore(inner)
+    store.fail_next("get_range", times=3)
+    fake = FakeTime()
+    c = Consumer(store, "run", mesh=mesh, dp_rank=1, clock=fake.clock, sleep=fake.sleep)
+    assert [parse(d) for _, d in c] == [(0, 0, 1, 0), (0, 1, 1, 0)]
+    assert c.stats.retries == 3
+    assert fake.sleeps == [0.05, 0.1, 0.2]
+
+
+def test_exhausted_retry_budget_names_step_object_and_slice() -> None:
+    inner = MemoryStore()
+    produce(inner, "run", Mesh(dp=2), tgbs=2)
+    store = FaultInjectingStore(inner)
+    fake = FakeTime()
+    # DP halved: step 1 reads TGB 0 again, so its footer is cached and the failing read is the
+    # slice itself
+    c = Consumer(
+        store,
+        "run",
+        mesh=Mesh(dp=1),
+        dp_rank=0,
+        prefetch=0,
+        retry_budget=2,
+        clock=fake.clock,
+        sleep=fake.sleep,
+    )
+    assert next(c)[0] == 0
+    store.fail_next("get_range", times=3)
+    with pytest.raises(
+        ConsumerError, match=r"step 1 \(TGB step 0\), object '.*', slice 1.*budget \(2\)"
+    ):
+        next(c)
+    assert len(fake.sleeps) == 2
+    # the failed step is retried from scratch by the next call
+    assert parse(next(c)[1]) == (0, 0, 1, 0)
+
+
+def test_incompatible_consumer_cp_is_a_clear_error() -> None:
+    store = MemoryStore()
+    produce(store, "run", Mesh(dp=2, cp=2), tgbs=1)
+    with pytest.raises(NamespaceMismatch, match="must divide the stored cp=2"):
+        consume(store, "run", Mesh(dp=2, cp=4), dp_rank=0, cp_rank=0)
+
+
+def test_rank_coordinates_are_checked() -> None:
+    with pytest.raises(ValueError, match="outside mesh"):
+        Consumer(MemoryStore(), "x", mesh=Mesh(dp=2, cp=2), dp_rank=2, cp_rank=0)
+    with pytest.raises(ValueError, match="give both dp_rank and cp_rank"):
+        Consumer(MemoryStore(), "x", mesh=Mesh(dp=2, cp=2), dp_rank=1)
+    with pytest.raises(ValueError, match="WORLD_SIZE is not set"):
+        Consumer(MemoryStore(), "x", mesh=Mesh(dp=2, cp=2), environ={"RANK": "0"})
+
+
+# ---------------------------------------------------------------------------------------------
+# read accounting
+
+
+def _footer_bytes(store: ObjectStore, namespace: str, tgbs: int) -> int:
+    log = ManifestLog(store, namespace)
+    m = log.latest()
+    return sum(log.descriptor(m, t).objects[0].footer_length + TRAILER_SIZE for t in range(tgbs))
+
+
+@pytest.mark.parametrize(
+    ("consumer_mesh", "rank", "steps", "reads_per_step"),
+    [
+        (Mesh(dp=2, cp=2), (1, 1), 4, 1),  # identity
+        (Mesh(dp=1, cp=2), (0, 1), 8, 1),  # DP halved: each footer serves two steps
+        (Mesh(dp=2, cp=1), (1, 0), 4, 1),  # CP halved: two adjacent chunks in one read
+    ],
+    ids=["identity", "dp-halved", "cp-halved"],
+)
+def test_one_request_per_slice_once_the_footer_is_cached(
+    consumer_mesh: Mesh, rank: tuple[int, int], steps: int, reads_per_step: int
+) -> None:
+    inner = MemoryStore()
+    produce(inner, "run", Mesh(dp=2, cp=2), tgbs=4, size=MIB)
+    store = CountingStore(inner)
+    before = store.snapshot()
+    c = Consumer(store, "run", mesh=consumer_mesh, dp_rank=rank[0], cp_rank=rank[1])
+    got = list(c)
+    counts = store.snapshot() - before
+    stats = c.stats
+    chunks = 2 // consumer_mesh.cp
+    assert len(got) == steps
+    assert stats.footer_reads == 4  # one exact range read per TGB object, ever
+    assert stats.footer_cache_hits == steps - 4
+    assert counts.range_gets == 4 + steps * reads_per_step
+    assert stats.requests == counts.range_gets
+    delivered = steps * chunks * MIB
+    expected_read = delivered + _footer_bytes(inner, "run", 4)
+    assert stats.bytes_delivered == delivered
+    assert counts.range_bytes == stats.bytes_read == expected_read
+    assert stats.read_amplification == pytest.approx(expected_read / delivered)
+    assert stats.read_amplification <= 1.02
+
+
+def test_large_slices_are_split_into_parallel_parts() -> None:
+    inner = MemoryStore()
+    size = 100 * 1024
+    produce(inner, "run", Mesh(dp=2), tgbs=3, size=size)
+    store = CountingStore(inner)
+    c = Consumer(
+        store, "run", mesh=Mesh(dp=2), dp_rank=1, split_threshold=64 * 1024, part_size=32 * 1024
+    )
+    got = list(c)
+    assert [d for _, d in got] == [payload(0, o, 1, 0, size) for o in range(3)]
+    parts = -(-size // (32 * 1024))
+    assert store.snapshot().range_gets == 3 + 3 * parts
+    assert c.stats.bytes_delivered == 3 * size
+
+
+def test_tensor_slices_decode_from_split_reads() -> None:
+    store = MemoryStore()
+    mesh = Mesh(dp=2)
+    with Producer(store, "t", producer_id="p", mesh=mesh, policy="naive", codec="tensors") as p:
+        for o in range(2):
+            p.append(
+                [{"x": np.full((64, 64), o * 10 + d, dtype=np.float32)} for d in range(2)],
+                offset=o,
+            )
+        p.seal()
+    got = consume(store, "t", mesh, dp_rank=1, split_threshold=4096, part_size=4096)
+    assert [float(d["x"].sum()) for _, d in got] == [1 * 4096.0, 11 * 4096.0]

@@ -1,0 +1,159 @@
+"""The consumer's read pipeline: staggered prefetch, concurrency, nested jobs, footer cache."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from test_consumer import parse, produce
+
+from batchweave import ByteRange, Consumer, MemoryStore, Mesh, ObjectMeta, ObjectStore, PutMode
+from batchweave._prefetch import SingleFlightCache, gather
+
+
+class ConcurrencyProbe(ObjectStore):
+    """Passes through to ``inner`` and records the most range reads ever in flight at once."""
+
+    def __init__(self, inner: ObjectStore, latency: float) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.latency = latency
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            time.sleep(self.latency)  # simulated network latency, not synchronization
+            return self.inner.get_range(key, rng)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        self.inner.put(key, data, mode=mode)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def head(self, key: str) -> ObjectMeta:
+        return self.inner.head(key)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        return self.inner.list(prefix, start_after=start_after)
+
+    def delete_many(self, keys: object) -> None:
+        raise NotImplementedError
+
+
+@pytest.fixture(scope="module")
+def ten_steps() -> MemoryStore:
+    store = MemoryStore()
+    produce(store, "run", Mesh(dp=2), tgbs=10)
+    return store
+
+
+def test_prefetch_ramps_up_one_step_per_ramp_every(ten_steps: MemoryStore) -> None:
+    c = Consumer(ten_steps, "run", mesh=Mesh(dp=2), dp_rank=0, prefetch=3, ramp_every=2)
+    depth, in_flight = [], []
+    for _ in c:
+        depth.append(c.stats.prefetch_depth)
+        in_flight.append(c.stats.in_flight)
+    assert depth == [1, 2, 2, 3, 3, 3, 3, 3, 3, 3]
+    # steps in flight while the caller works on the step just delivered: bounded by the depth,
+    # and draining at the end of the sealed stream
+    assert in_flight == [1, 2, 2, 3, 3, 3, 3, 2, 1, 0]
+    c.close()
+
+
+def test_prefetch_zero_reads_on_demand(ten_steps: MemoryStore) -> None:
+    c = Consumer(ten_steps, "run", mesh=Mesh(dp=2), dp_rank=1, prefetch=0)
+    in_flight = [c.stats.in_flight for _ in c]
+    assert in_flight == [0] * 10
+    c.close()
+
+
+def test_reads_of_later_steps_overlap(ten_steps: MemoryStore) -> None:
+    store = ConcurrencyProbe(ten_steps, latency=0.02)
+    c = Consumer(store, "run", mesh=Mesh(dp=2), dp_rank=1, prefetch=4, ramp_every=1)
+    assert [parse(d)[1] for _, d in c] == list(range(10))
+    assert store.max_in_flight >= 3
+    c.close()
+
+
+def test_gather_runs_jobs_concurrently_and_in_order() -> None:
+    barrier = threading.Barrier(4, timeout=10)
+
+    def job(i: int) -> int:
+        barrier.wait()  # passes only if all four run at the same time
+        return i * i
+
+    with ThreadPoolExecutor(3) as pool:
+        assert gather(pool, [lambda i=i: job(i) for i in range(4)]) == [0, 1, 4, 9]
+
+
+def test_nested_gather_on_a_single_worker_does_not_deadlock() -> None:
+    with ThreadPoolExecutor(1) as pool:
+
+        def parent(i: int) -> list[int]:
+            return gather(pool, [lambda j=j: 10 * i + j for j in range(3)])
+
+        futures = [pool.submit(parent, i) for i in range(3)]
+        assert [f.result(timeout=10) for f in futures] == [[0, 1, 2], [10, 11, 12], [20, 21, 22]]
+
+
+def test_gather_raises_the_first_failure_after_all_jobs_finished() -> None:
+    finished = []
+
+    def ok() -> int:
+        time.sleep(0.01)
+        finished.append(1)
+        return 1
+
+    def bad() -> int:
+        raise KeyError("boom")
+
+    with ThreadPoolExecutor(2) as pool, pytest.raises(KeyError, match="boom"):
+        gather(pool, [bad, ok, ok])
+    assert finished == [1, 1]
+
+
+def test_single_flight_cache_loads_once_for_concurrent_callers() -> None:
+    cache: SingleFlightCache[str, int] = SingleFlightCache(4)
+    loads = []
+    release = threading.Event()
+
+    def load() -> int:
+        loads.append(1)
+        release.wait(10)
+        return 42
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(cache.get, "k", load) for _ in range(8)]
+        release.set()
+        results = [f.result(timeout=10) for f in futures]
+    assert loads == [1]
+    assert sorted(results) == [(42, False)] + [(42, True)] * 7
+
+
+def test_single_flight_cache_failure_is_not_cached_and_lru_is_bounded() -> None:
+    cache: SingleFlightCache[int, int] = SingleFlightCache(2)
+
+    def fail() -> int:
+        raise OSError("transient")
+
+    with pytest.raises(OSError, match="transient"):
+        cache.get(1, fail)
+    assert cache.get(1, lambda: 1) == (1, False)
+    assert cache.get(2, lambda: 2) == (2, False)
+    assert cache.get(1, lambda: -1) == (1, True)  # refreshes 1: 2 is now the oldest
+    assert cache.get(3, lambda: 3) == (3, False)
+    assert len(cache) == 2
+    assert cache.get(2, lambda: 20) == (20, False)  # 2 was evicted
+    assert cache.get(3, lambda: -3) == (3, True)

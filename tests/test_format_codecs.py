@@ -1,0 +1,270 @@
+"""Slice codecs on their own: round trips, zero-copy decoding, and distrust of lying input."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from batchweave import FormatError
+from batchweave._format import get_codec
+from batchweave._format._codecs import TENSOR_ALIGNMENT, TENSOR_DTYPES, compress, decompress
+
+TENSORS = get_codec("tensors")
+ARROW = get_codec("arrow")
+RAW = get_codec("raw")
+
+_dtypes = st.sampled_from(list(TENSOR_DTYPES.values())).flatmap(
+    lambda dt: st.sampled_from([dt, dt.newbyteorder(">")])
+)
+tensor_dicts = st.dictionaries(
+    st.text(max_size=6),
+    _dtypes.flatmap(
+        lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4))
+    ),
+    max_size=4,
+)
+
+
+def assert_same_tensors(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    """Bit-exact equality (NaN payloads included), same order, little-endian dtypes."""
+    assert list(got) == list(want)
+    for name, arr in want.items():
+        out = got[name]
+        assert out.dtype == arr.dtype.newbyteorder("<")
+        assert out.dtype.byteorder in ("<", "=", "|")
+        assert out.shape == arr.shape
+        assert out.tobytes() == arr.astype(out.dtype).tobytes()
+
+
+def encode_bytes(codec_value: Any) -> bytes:
+    return bytes(memoryview(codec_value).cast("B"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(tensor_dicts)
+def test_tensors_round_trip_bit_exact(tensors: dict[str, np.ndarray]) -> None:
+    buf = encode_bytes(TENSORS.encode(tensors))
+    assert_same_tensors(TENSORS.decode(buf), tensors)
+    header_len = int.from_bytes(buf[:8], "little")
+    for spec in json.loads(buf[8 : 8 + header_len])["tensors"]:
+        assert spec["offset"] % TENSOR_ALIGNMENT == 0
+
+
+def test_tensors_decode_is_zero_copy_and_read_only() -> None:
+    src = {
+        "x": np.arange(24, dtype=np.float32).reshape(4, 6),
+        "y": np.arange(5, dtype=np.int64),
+        "empty": np.zeros((0, 3), dtype=np.float16),
+    }
+    buf = encode_bytes(TENSORS.encode(src))
+    whole = np.frombuffer(buf, dtype=np.uint8)
+    out = TENSORS.decode(buf)
+    for name in ("x", "y"):
+        assert np.shares_memory(out[name], whole), name
+        assert not out[name].flags.owndata
+        assert not out[name].flags.writeable, "views of immutable bytes are read-only"
+    # a writable buffer gives writable views, still without copying
+    writable = bytearray(buf)
+    out_w = TENSORS.decode(memoryview(writable))
+    out_w["y"][0] = 99
+    assert np.frombuffer(writable, dtype=np.int64, count=1, offset=_offset_of(buf, "y"))[0] == 99
+
+
+def _offset_of(buf: bytes, name: str) -> int:
+    header_len = int.from_bytes(buf[:8], "little")
+    specs = json.loads(buf[8 : 8 + header_len])["tensors"]
+    return next(s["offset"] for s in specs if s["name"] == name)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.array(["a", "b"]),
+        np.array([b"a"]),
+        np.array([1, "x"], dtype=object),
+        np.array(["2020-01-01"], dtype="datetime64[D]"),
+        np.zeros(2, dtype=[("a", "<i4")]),
+        np.zeros(2, dtype=np.longdouble) if np.dtype(np.longdouble).itemsize > 8 else None,
+    ],
+)
+def test_tensors_refuse_non_numeric_dtypes(bad: np.ndarray | None) -> None:
+    if bad is None:
+        bad = np.zeros(1, dtype="V3")
+    with pytest.raises(TypeError, match=r"cannot store tensor 'bad' of dtype .*codec 'arrow'"):
+        TENSORS.encode({"bad": bad})
+
+
+def test_tensors_refuse_non_dicts_and_non_arrays() -> None:
+    with pytest.raises(TypeError, match="dict of str"):
+        TENSORS.encode([np.zeros(2)])
+    with pytest.raises(TypeError, match=r"not a numpy\.ndarray"):
+        TENSORS.encode({"a": [1, 2]})
+    with pytest.raises(TypeError, match="str tensor names"):
+        TENSORS.encode({1: np.zeros(2)})
+
+
+def _tensor_blob(header: Any, data_len: int = 64, header_len: int | None = None) -> bytes:
+    raw = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    n = len(raw) if header_len is None else header_len
+    return n.to_bytes(8, "little") + raw + bytes(data_len)
+
+
+@pytest.mark.parametrize(
+    ("blob", "match"),
+    [
+        (b"", "shorter than the 8-byte prefix"),
+        ((1 << 62).to_bytes(8, "little") + b"{}", "header length .* exceeds"),
+        (_tensor_blob(b"{not json"), "unreadable header"),
+        (_tensor_blob({"tensors": 3}), "unreadable header"),
+        (_tensor_blob({}), "unreadable header"),
+        (
+            _tensor_blob(
+                {"tensors": [{"name": "a", "dtype": "float32", "shape": [1 << 40], "offset": 64}]}
+            ),
+            "outside the data region",
+        ),
+        (
+            _tensor_blob(
+                {"tensors": [{"name": "a", "dtype": "float32", "shape": [2], "offset": 0}]}
+            ),
+            "outside the data region",
+        ),
+        (
+            _tensor_blob({"tensors": [{"name": "a", "dtype": "object", "shape": [], "offset": 0}]}),
+            "unknown dtype",
+        ),
+        (
+            _tensor_blob({"tensors": [{"name": "a", "dtype": "int8", "shape": [-1], "offset": 0}]}),
+            "malformed shape",
+        ),
+        (_tensor_blob({"tensors": [{"name": "a"}]}), "malformed tensor entry"),
+        (
+            _tensor_blob(
+                {
+                    "tensors": [
+                        {"name": "a", "dtype": "int64", "shape": [2], "offset": 256},
+                        {"name": "b", "dtype": "int64", "shape": [2], "offset": 264},
+                    ]
+                },
+                data_len=300,
+            ),
+            "overlap",
+        ),
+        (
+            _tensor_blob(
+                {
+                    "tensors": [
+                        {"name": "a", "dtype": "int8", "shape": [1], "offset": 256},
+                        {"name": "a", "dtype": "int8", "shape": [1], "offset": 257},
+                    ]
+                },
+                data_len=300,
+            ),
+            "appears twice",
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "blob",
+)
+def test_tensors_decode_distrusts_lying_headers(blob: bytes, match: str) -> None:
+    with pytest.raises(FormatError, match=match):
+        TENSORS.decode(blob)
+
+
+arrow_tables = (
+    st.integers(min_value=0, max_value=12)
+    .flatmap(
+        lambda n: st.fixed_dictionaries(
+            {
+                "i": st.lists(st.none() | st.integers(-(2**63), 2**63 - 1), min_size=n, max_size=n),
+                "f": st.lists(st.floats(allow_nan=False), min_size=n, max_size=n),
+                "s": st.lists(st.none() | st.text(max_size=5), min_size=n, max_size=n),
+                "b": st.lists(st.booleans(), min_size=n, max_size=n),
+                "l": st.lists(st.lists(st.integers(-5, 5), max_size=3), min_size=n, max_size=n),
+            }
+        )
+    )
+    .map(
+        lambda cols: pa.table(
+            {
+                "i": pa.array(cols["i"], pa.int64()),
+                "f": pa.array(cols["f"], pa.float64()),
+                "s": pa.array(cols["s"], pa.string()),
+                "b": pa.array(cols["b"], pa.bool_()),
+                "l": pa.array(cols["l"], pa.list_(pa.int32())),
+            }
+        )
+    )
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrow_tables, st.booleans())
+def test_arrow_round_trip(table: pa.Table, as_batch: bool) -> None:
+    value = table.combine_chunks().to_batches()[0] if as_batch and table.num_rows else table
+    out = ARROW.decode(encode_bytes(ARROW.encode(value)))
+    assert isinstance(out, pa.Table)
+    assert out.equals(table)
+    assert ARROW.sample_count(value) == table.num_rows
+
+
+def test_arrow_decode_is_zero_copy() -> None:
+    table = pa.table({"x": pa.array(np.arange(1000, dtype=np.int64))})
+    buf = encode_bytes(ARROW.encode(table))
+    base = pa.py_buffer(buf).address
+    out = ARROW.decode(buf)
+    data_buf = out.column("x").chunks[0].buffers()[1]
+    assert base <= data_buf.address < base + len(buf)
+
+
+def test_arrow_rejects_garbage_and_wrong_types() -> None:
+    with pytest.raises(FormatError, match="invalid Arrow IPC stream"):
+        ARROW.decode(b"\x00" * 7 + b"garbage")
+    with pytest.raises(TypeError, match=r"RecordBatch or pyarrow\.Table"):
+        ARROW.encode({"x": [1]})
+
+
+def test_raw_round_trip_and_type_check() -> None:
+    assert RAW.decode(encode_bytes(RAW.encode(bytearray(b"abc")))) == b"abc"
+    assert RAW.decode(memoryview(b"xy")) == b"xy"
+    with pytest.raises(TypeError, match="codec 'raw' stores bytes"):
+        RAW.encode("text")
+
+
+def test_sample_count_defaults() -> None:
+    assert RAW.sample_count(b"abc") == 1
+    assert TENSORS.sample_count({"a": np.zeros((7, 2)), "b": np.zeros(3)}) == 7
+    assert TENSORS.sample_count({"a": np.array(1.0)}) == 1
+    assert TENSORS.sample_count({}) == 0
+
+
+def test_unknown_codec_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"unknown codec 'pickle'.*'raw', 'arrow', 'tensors'"):
+        get_codec("pickle")
+
+
+@given(st.binary(max_size=5000))
+def test_zstd_round_trip(data: bytes) -> None:
+    assert decompress(compress(data, "zstd"), "zstd", len(data)) == data
+
+
+def test_zstd_output_is_capped_by_the_recorded_length() -> None:
+    data = bytes(1 << 20)
+    framed = compress(data, "zstd")
+    with pytest.raises(FormatError, match="frame claims 1048576 bytes but the footer records 10"):
+        decompress(framed, "zstd", 10)
+    unframed = zstandard.ZstdCompressor(write_content_size=False).compress(data)
+    with pytest.raises(FormatError, match="corrupt zstd data"):
+        decompress(unframed, "zstd", 10)
+    assert decompress(unframed, "zstd", len(data)) == data
+    with pytest.raises(FormatError, match="decompressed to"):
+        decompress(unframed, "zstd", len(data) + 5)
+    with pytest.raises(FormatError, match="corrupt zstd data"):
+        decompress(b"not zstd at all", "zstd", 10)

@@ -1,0 +1,641 @@
+"""The TGB container: round trips, request counts, footer validation and corruption safety."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_format_codecs import arrow_tables, assert_same_tensors, tensor_dicts
+
+import batchweave as bw
+from batchweave import (
+    Bounded,
+    ChecksumMismatch,
+    EncodedTgb,
+    FormatError,
+    MemoryStore,
+    Mesh,
+    ObjectMeta,
+    ObjectStore,
+    PutMode,
+    Suffix,
+    TgbBuilder,
+    UnsupportedFormatVersion,
+    decode_slice,
+    encode_tgb,
+    parse_footer,
+    parse_footer_exact,
+    read_footer,
+    read_slice,
+    slice_range,
+)
+from batchweave._format import (
+    CHECKSUM_ALGOS,
+    FOOTER_READ_GUESS,
+    MAGIC,
+    MAX_FOOTER_LENGTH,
+    TRAILER_SIZE,
+    ChecksumAlgo,
+)
+from batchweave._format._tgb import _pack_trailer
+from batchweave._store._base import ByteRange
+
+KEY = "data/p0/1/7-abc.tgb"
+
+
+class CountingStore(ObjectStore):
+    """Counts get/get_range calls and the ranges asked for; delegates to a MemoryStore."""
+
+    def __init__(self) -> None:
+        self.inner = MemoryStore()
+        self.url = self.inner.url
+        self.ranges: list[ByteRange] = []
+        self.gets = 0
+        self.bytes_read = 0
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        self.inner.put(key, data, mode=mode)
+
+    def get(self, key: str) -> bytes:
+        self.gets += 1
+        return self.inner.get(key)
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        self.ranges.append(rng)
+        out = self.inner.get_range(key, rng)
+        self.bytes_read += len(out)
+        return out
+
+    def head(self, key: str) -> ObjectMeta:
+        return self.inner.head(key)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        return self.inner.list(prefix, start_after=start_after)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        self.inner.delete_many(keys)
+
+    def reset(self) -> None:
+        self.ranges.clear()
+        self.gets = self.bytes_read = 0
+
+
+# --------------------------------------------------------------------------------------------
+# strategies and comparison
+
+
+meshes = st.builds(Mesh, dp=st.integers(1, 3), cp=st.integers(1, 3))
+PAYLOADS: dict[str, st.SearchStrategy[Any]] = {
+    "raw": st.binary(max_size=300),
+    "arrow": arrow_tables,
+    "tensors": tensor_dicts,
+}
+
+
+def expected_samples(codec: str, payload: Any) -> int:
+    if codec == "raw":
+        return 1
+    if codec == "arrow":
+        return int(payload.num_rows)
+    first = next(iter(payload.values()), None)
+    return 0 if first is None else (first.shape[0] if first.ndim else 1)
+
+
+def assert_same(codec: str, got: Any, want: Any) -> None:
+    if codec == "raw":
+        assert got == bytes(want)
+    elif codec == "arrow":
+        assert got.equals(want if isinstance(want, pa.Table) else pa.Table.from_batches([want]))
+    else:
+        assert_same_tensors(got, want)
+
+
+@st.composite
+def tgb_cases(draw: st.DrawFn, codec: str | None = None) -> dict[str, Any]:
+    mesh = draw(meshes)
+    codec = codec or draw(st.sampled_from(sorted(PAYLOADS)))
+    return {
+        "mesh": mesh,
+        "codec": codec,
+        "slices": draw(st.lists(PAYLOADS[codec], min_size=mesh.slices, max_size=mesh.slices)),
+        "compression": draw(st.sampled_from([None, "zstd"])),
+        "checksum_algo": draw(st.sampled_from(CHECKSUM_ALGOS)),
+        "metadata": draw(st.dictionaries(st.text(max_size=5), st.text(max_size=10), max_size=3)),
+    }
+
+
+def encode_case(case: dict[str, Any]) -> EncodedTgb:
+    return encode_tgb(
+        case["slices"],
+        case["mesh"],
+        codec=case["codec"],
+        compression=case["compression"],
+        checksum_algo=case["checksum_algo"],
+        metadata=case["metadata"],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# round trips
+
+
+@pytest.mark.parametrize("codec", sorted(PAYLOADS))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_round_trip_every_codec(codec: str, data: st.DataObject) -> None:
+    case = data.draw(tgb_cases(codec))
+    enc = encode_case(case)
+    mesh: Mesh = case["mesh"]
+    assert enc.size == len(enc.data) == enc.footer_offset + enc.footer_length + TRAILER_SIZE
+    assert enc.data.endswith(MAGIC)
+    store = MemoryStore()
+    store.put(KEY, enc.data)
+
+    blind = read_footer(store, KEY)
+    located = read_footer(
+        store, KEY, footer_offset=enc.footer_offset, footer_length=enc.footer_length
+    )
+    exact = parse_footer_exact(
+        enc.data[enc.footer_offset : enc.footer_offset + enc.footer_length], key=KEY
+    )
+    assert blind == located == exact == enc.footer
+    footer = blind
+    assert footer.mesh == mesh
+    assert footer.codec == codec
+    assert footer.compression == case["compression"]
+    assert footer.checksum_algo == case["checksum_algo"]
+    assert footer.metadata == case["metadata"]
+    assert footer.payload_length == enc.footer_offset
+    for d in range(mesh.dp):
+        for c in range(mesh.cp):
+            i = mesh.slice_index(d, c)
+            want = case["slices"][i]
+            assert_same(codec, read_slice(store, KEY, footer, (d, c)), want)
+            assert_same(codec, read_slice(store, KEY, footer, i), want)
+            rng = slice_range(footer, i)
+            assert_same(
+                codec, decode_slice(enc.data[rng.start : rng.end], footer, i, key=KEY), want
+            )
+            assert footer.slices[i].sample_count == expected_samples(codec, want)
+
+
+def test_builder_matches_encode_tgb_and_checks_completeness() -> None:
+    mesh = Mesh(dp=2, cp=3)
+    payloads = [f"slice-{i}".encode() * (i + 1) for i in range(mesh.slices)]
+    builder = TgbBuilder(mesh, codec="raw", compression="zstd")
+    for i in reversed(range(mesh.slices)):  # any order
+        d, c = divmod(i, mesh.cp)
+        if (d, c) != (1, 2):
+            builder.set_slice(d, c, payloads[i], sample_count=10 + i)
+    with pytest.raises(ValueError, match=r"slices \(1, 2\) were never set"):
+        builder.build()
+    builder.set_slice(1, 2, payloads[5], sample_count=15)
+    with pytest.raises(ValueError, match=r"slice \(1, 2\) was already set"):
+        builder.set_slice(1, 2, b"again")
+    with pytest.raises(ValueError, match=r"outside mesh"):
+        builder.set_slice(2, 0, b"x")
+    built = builder.build()
+    direct = encode_tgb(
+        payloads, mesh, compression="zstd", sample_counts=[10 + i for i in range(6)]
+    )
+    assert built == direct
+    assert [s.sample_count for s in built.footer.slices] == list(range(10, 16))
+
+
+def test_encode_validates_its_arguments() -> None:
+    mesh = Mesh(dp=2, cp=2)
+    with pytest.raises(
+        ValueError, match=r"mesh dp=2, cp=2 needs 4 slices in \(d, c\) order, got 3"
+    ):
+        encode_tgb([b"a"] * 3, mesh)
+    with pytest.raises(ValueError, match="2 sample counts for 4 slices"):
+        encode_tgb([b"a"] * 4, mesh, sample_counts=[1, 2])
+    with pytest.raises(ValueError, match="unknown codec 'json'"):
+        encode_tgb([b"a"] * 4, mesh, codec="json")
+    with pytest.raises(ValueError, match="unknown compression 'lz4'"):
+        encode_tgb([b"a"] * 4, mesh, compression="lz4")
+    with pytest.raises(ValueError, match="unknown checksum algorithm"):
+        encode_tgb([b"a"] * 4, mesh, checksum_algo="md5")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="metadata must map str to str"):
+        encode_tgb([b"a"] * 4, mesh, metadata={"n": 1})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="codec 'raw' stores bytes"):
+        encode_tgb(["a"] * 4, mesh)
+    with pytest.raises(ValueError, match="sample_count must be >= 0"):
+        encode_tgb([b"a"] * 4, mesh, sample_counts=[1, 1, 1, -1])
+
+
+def test_footer_index_helpers() -> None:
+    enc = encode_tgb([b"a", b"bb", b"ccc", b"dddd", b"e", b"f"], Mesh(dp=3, cp=2))
+    f = enc.footer
+    assert f.coords(3) == (1, 1)
+    assert f.entry((1, 1)) == f.slices[3]
+    assert slice_range(f, (1, 1)) == Bounded(6, 10)
+    with pytest.raises(IndexError, match=r"slice index 6 is outside 0\.\.5"):
+        f.entry(6)
+    with pytest.raises(ValueError, match=r"slice \(0, 2\) is outside mesh"):
+        f.entry((0, 2))
+
+
+# --------------------------------------------------------------------------------------------
+# request counts
+
+
+def test_read_costs_one_request_per_slice_and_per_located_footer() -> None:
+    mesh = Mesh(dp=4, cp=2)
+    payloads = [bytes([i]) * (1000 + i) for i in range(mesh.slices)]
+    enc = encode_tgb(payloads, mesh, codec="raw")
+    store = CountingStore()
+    store.put(KEY, enc.data)
+
+    footer = read_footer(
+        store, KEY, footer_offset=enc.footer_offset, footer_length=enc.footer_length
+    )
+    assert store.ranges == [
+        Bounded(enc.footer_offset, enc.footer_offset + enc.footer_length + TRAILER_SIZE)
+    ]
+    assert store.gets == 0
+    store.reset()
+
+    assert read_slice(store, KEY, footer, (2, 1)) == payloads[5]
+    assert store.ranges == [slice_range(footer, 5)]
+    assert store.bytes_read == len(payloads[5]), "read amplification is exactly 1"
+    assert store.gets == 0
+    store.reset()
+
+    assert read_footer(store, KEY) == footer
+    assert store.ranges == [Suffix(FOOTER_READ_GUESS)], "a small footer costs one suffix read"
+
+
+def test_large_footer_costs_exactly_two_blind_reads() -> None:
+    mesh = Mesh(dp=2)
+    big = {"notes": "x" * (FOOTER_READ_GUESS * 2)}
+    enc = encode_tgb([b"a", b"b"], mesh, metadata=big)
+    store = CountingStore()
+    store.put(KEY, enc.data)
+    footer = read_footer(store, KEY)
+    assert footer.metadata == big
+    assert store.ranges == [
+        Suffix(FOOTER_READ_GUESS),
+        Suffix(enc.footer_length + TRAILER_SIZE),
+    ]
+
+
+def test_empty_slice_needs_no_request() -> None:
+    enc = encode_tgb([b"", b"x"], Mesh(dp=2))
+    store = CountingStore()
+    store.put(KEY, enc.data)
+    assert read_slice(store, KEY, enc.footer, 0) == b""
+    assert store.ranges == []
+
+
+# --------------------------------------------------------------------------------------------
+# corruption: every single-byte flip is either harmless or a clear error
+
+
+def _small_objects() -> list[tuple[str, dict[str, Any]]]:
+    mesh = Mesh(dp=2, cp=2)
+    return [
+        (
+            "raw-crc32c",
+            {
+                "mesh": mesh,
+                "codec": "raw",
+                "slices": [b"alpha", b"", b"gamma-gamma", b"d"],
+                "compression": None,
+                "checksum_algo": "crc32c",
+                "metadata": {"k": "v"},
+            },
+        ),
+        (
+            "tensors-zstd-xxhash",
+            {
+                "mesh": Mesh(dp=1, cp=2),
+                "codec": "tensors",
+                "slices": [
+                    {"x": np.arange(6, dtype=np.int16).reshape(2, 3)},
+                    {"y": np.array([1.5, -2.0], dtype=np.float32), "z": np.zeros(0, np.uint8)},
+                ],
+                "compression": "zstd",
+                "checksum_algo": "xxhash64",
+                "metadata": {},
+            },
+        ),
+    ]
+
+
+def _attempt(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, FormatError | None]:
+    try:
+        return fn(*args, **kwargs), None
+    except FormatError as exc:
+        return None, exc
+
+
+def check_flipped(
+    flipped: bytes, original: EncodedTgb, case: dict[str, Any], *, located: bool = False
+) -> str:
+    """Read every slice of ``flipped`` through its own footer; return what happened.
+
+    Any outcome other than the exact original data or a FormatError naming the object (and, for
+    slice reads, the slice) fails the test.
+    """
+    store = MemoryStore()
+    store.put(KEY, flipped)
+    location = (
+        {"footer_offset": original.footer_offset, "footer_length": original.footer_length}
+        if located
+        else {}
+    )
+    footer, error = _attempt(read_footer, store, KEY, **location)
+    if error is not None:
+        assert repr(KEY) in str(error), str(error)
+        return "footer-error"
+    assert footer == original.footer, "a corrupt footer must never parse"
+    outcome = "harmless"
+    for i, want in enumerate(case["slices"]):
+        d, c = footer.coords(i)
+        got, error = _attempt(read_slice, store, KEY, footer, i)
+        if error is None:
+            assert_same(case["codec"], got, want)
+        else:
+            assert repr(KEY) in str(error), str(error)
+            assert f"slice ({d}, {c})" in str(error), str(error)
+            outcome = "slice-error"
+    return outcome
+
+
+@pytest.mark.parametrize(
+    ("name", "case"), _small_objects(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_every_single_byte_flip_is_detected_or_harmless(name: str, case: dict[str, Any]) -> None:
+    enc = encode_case(case)
+    outcomes: dict[str, int] = {}
+    for pos in range(enc.size):
+        for xor in (*(1 << bit for bit in range(8)), 0xFF):
+            flipped = bytearray(enc.data)
+            flipped[pos] ^= xor
+            for located in (False, True):
+                result = check_flipped(bytes(flipped), enc, case, located=located)
+                outcomes[result] = outcomes.get(result, 0) + 1
+    # every byte is covered by a checksum or the magic, so no flip can be harmless
+    assert outcomes.get("harmless", 0) == 0, outcomes
+    assert outcomes["footer-error"] > 0
+    assert outcomes["slice-error"] > 0
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=tgb_cases(), pos=st.integers(min_value=0), xor=st.integers(1, 255))
+def test_random_flips_in_arbitrary_objects(case: dict[str, Any], pos: int, xor: int) -> None:
+    enc = encode_case(case)
+    flipped = bytearray(enc.data)
+    flipped[pos % enc.size] ^= xor
+    assert check_flipped(bytes(flipped), enc, case) != "harmless"
+
+
+def test_flipping_the_version_field_is_an_error_not_acceptance() -> None:
+    enc = encode_tgb([b"a"], Mesh(dp=1))
+    version_at = enc.size - TRAILER_SIZE + 8
+    for new_version in (0, 2, 7, 0xFFFF):
+        data = bytearray(enc.data)
+        data[version_at : version_at + 2] = new_version.to_bytes(2, "little")
+        with pytest.raises(ChecksumMismatch, match=rf"footer of object {KEY!r} is corrupt"):
+            parse_footer(bytes(data), key=KEY)
+
+
+def test_slice_checksum_mismatch_names_object_slice_and_both_checksums() -> None:
+    enc = encode_tgb([b"aaaa", b"bbbb", b"cccc", b"dddd"], Mesh(dp=2, cp=2))
+    data = bytearray(enc.data)
+    data[9] ^= 0x20  # inside slice 2 = (1, 0)
+    stored = enc.footer.slices[2].checksum
+    with pytest.raises(ChecksumMismatch) as info:
+        decode_slice(bytes(data[8:12]), enc.footer, 2, key=KEY)
+    msg = str(info.value)
+    assert f"slice (1, 0) of object {KEY!r}" in msg
+    assert f"{stored:#x}" in msg
+    assert f"{bw._format.checksum(bytes(data[8:12])):#x}" in msg
+
+
+def test_short_slice_read_is_a_clear_error() -> None:
+    enc = encode_tgb([b"aaaa", b"bbbb"], Mesh(dp=2))
+    with pytest.raises(FormatError, match=r"slice \(1, 0\) of object .*got 3 bytes.*records 4"):
+        decode_slice(b"bbb", enc.footer, 1, key=KEY)
+
+
+# --------------------------------------------------------------------------------------------
+# truncated and foreign objects
+
+
+def test_every_truncation_is_rejected() -> None:
+    enc = encode_case(_small_objects()[0][1])
+    for n in range(enc.size):
+        store = MemoryStore()
+        store.put(KEY, enc.data[:n])
+        with pytest.raises(FormatError, match=repr(KEY)):
+            read_footer(store, KEY)
+        with pytest.raises(FormatError, match=repr(KEY)):
+            read_footer(
+                store, KEY, footer_offset=enc.footer_offset, footer_length=enc.footer_length
+            )
+        with pytest.raises(FormatError, match=repr(KEY)):
+            parse_footer(enc.data[:n], key=KEY)
+
+
+def test_truncated_object_message_says_so() -> None:
+    enc = encode_tgb([b"x" * 100], Mesh(dp=1))
+    store = MemoryStore()
+    store.put(KEY, enc.data[:-1])
+    with pytest.raises(FormatError, match=r"not a BatchWeave TGB \(bad magic"):
+        read_footer(store, KEY)
+    with pytest.raises(FormatError, match="is truncated"):
+        read_footer(store, KEY, footer_offset=enc.footer_offset, footer_length=enc.footer_length)
+
+
+def _parquet_bytes() -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"a": [1, 2, 3]}), sink)
+    return sink.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("blob", "match"),
+    [
+        (b"", "is empty"),
+        (b"PAR1", "is only 4 bytes"),
+        (_parquet_bytes(), r"not a BatchWeave TGB \(bad magic b'.*PAR1'"),
+        (b"{}" * 100, "bad magic"),
+        (bytes(100) + MAGIC, "invalid format version 0"),
+    ],
+    ids=["empty", "tiny", "parquet", "json", "zeros-with-magic"],
+)
+def test_foreign_objects_are_rejected(blob: bytes, match: str) -> None:
+    store = MemoryStore()
+    store.put(KEY, blob)
+    with pytest.raises(FormatError, match=match) as info:
+        read_footer(store, KEY)
+    assert repr(KEY) in str(info.value)
+
+
+@given(st.binary(max_size=400))
+def test_random_bytes_are_rejected(blob: bytes) -> None:
+    with pytest.raises(FormatError, match=repr(KEY)):
+        parse_footer(blob, key=KEY)
+
+
+# --------------------------------------------------------------------------------------------
+# versions and footer validation (crafted objects with valid checksums)
+
+
+def craft(
+    footer: dict[str, Any] | bytes,
+    *,
+    payload: bytes = b"",
+    version: int = 1,
+    algo: ChecksumAlgo = "crc32c",
+) -> bytes:
+    """An object with an arbitrary footer and a correctly checksummed trailer."""
+    raw = footer if isinstance(footer, bytes) else json.dumps(footer).encode()
+    return payload + raw + _pack_trailer(raw, version, algo)
+
+
+def _footer_doc(enc: EncodedTgb) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(enc.footer.model_dump_json())
+    return doc
+
+
+def test_future_format_version_is_unsupported() -> None:
+    enc = encode_tgb([b"abc"], Mesh(dp=1))
+    doc = _footer_doc(enc) | {"format_version": 7, "new_field": [1, 2]}
+    blob = craft(doc, payload=enc.data[: enc.footer_offset], version=7)
+    store = MemoryStore()
+    store.put(KEY, blob)
+    expected = (
+        rf"object {KEY!r} was written by a newer BatchWeave \(format 7, this library reads up to "
+        r"1\): upgrade batchweave"
+    )
+    with pytest.raises(UnsupportedFormatVersion, match=expected):
+        read_footer(store, KEY)
+    with pytest.raises(UnsupportedFormatVersion, match=expected):
+        parse_footer_exact(json.dumps(doc).encode(), key=KEY)
+
+
+def test_future_version_with_new_checksum_algorithm_is_unsupported() -> None:
+    raw = b'{"format_version": 9}'
+    trailer = bytearray(_pack_trailer(raw, 9, "crc32c"))
+    trailer[10] = 42  # an algorithm id this library does not know
+    with pytest.raises(UnsupportedFormatVersion, match="format 9"):
+        parse_footer(raw + bytes(trailer), key=KEY)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (
+            lambda d: d.update(codec="pickle"),
+            "uses codec 'pickle', which this library does not know",
+        ),
+        (lambda d: d.update(compression="lz4"), "uses compression 'lz4'"),
+        (lambda d: d["slices"].pop(), r"1 slices for mesh dp=2, cp=1 \(2\)"),
+        (lambda d: d["slices"][1].update(offset=0), r"slices \(0, 0\) and \(1, 0\) overlap"),
+        (lambda d: d["slices"][1].update(length=99), r"slice \(1, 0\) spans .* past the"),
+        (lambda d: d["slices"][0].update(uncompressed_length=1), "uncompressed but lengths differ"),
+        (lambda d: d["slices"][0].update(checksum=1 << 40), "does not fit crc32c"),
+        (lambda d: d["slices"][0].update(checksum=-1), "invalid TGB footer"),
+        (lambda d: d.update(checksum_algo="xxhash64"), "disagrees with its trailer"),
+        (lambda d: d.update(format_version=0), "invalid format version 0"),
+        (lambda d: d.update(extra=1), "invalid TGB footer"),
+        (lambda d: d.update(mesh={"dp": 0}), "invalid TGB footer"),
+        (lambda d: d.update(metadata={"a": 1}), "invalid TGB footer"),
+    ],
+)
+def test_inconsistent_footers_are_rejected(mutate: Any, match: str) -> None:
+    enc = encode_tgb([b"abc", b"defg"], Mesh(dp=2))
+    doc = _footer_doc(enc)
+    mutate(doc)
+    with pytest.raises(FormatError, match=match) as info:
+        parse_footer(craft(doc, payload=enc.data[: enc.footer_offset]), key=KEY)
+    assert repr(KEY) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [(b"{nope", "footer is not valid JSON"), (b"[1, 2]", "invalid TGB footer"), (b"\xff", "JSON")],
+)
+def test_unparsable_footers_are_rejected(raw: bytes, match: str) -> None:
+    with pytest.raises(FormatError, match=match):
+        parse_footer(craft(raw), key=KEY)
+
+
+def test_absurd_footer_length_is_rejected_before_reading_it() -> None:
+    trailer = bytearray(_pack_trailer(b"{}", 1, "crc32c"))
+    trailer[0:8] = (1 << 62).to_bytes(8, "little")
+    store = CountingStore()
+    store.put(KEY, b"{}" + bytes(trailer))
+    with pytest.raises(FormatError, match=f"over the {MAX_FOOTER_LENGTH}-byte limit"):
+        read_footer(store, KEY)
+    assert store.ranges == [Suffix(FOOTER_READ_GUESS)]
+    with pytest.raises(FormatError, match="over the"):
+        parse_footer_exact(memoryview(bytes(MAX_FOOTER_LENGTH + 1)), key=KEY)
+
+
+def test_nonzero_reserved_bytes_are_rejected() -> None:
+    raw = encode_tgb([b"a"], Mesh(dp=1)).footer.model_dump_json().encode()
+    blob = b"a" + raw + _pack_trailer(raw, 1, "crc32c", reserved=b"\x00\x00\x01\x00\x00")
+    with pytest.raises(FormatError, match="reserved trailer bytes are not zero"):
+        parse_footer(blob, key=KEY)
+
+
+def test_manifest_location_must_agree_with_the_object() -> None:
+    enc = encode_tgb([b"abc", b"de"], Mesh(dp=2))
+    store = MemoryStore()
+    store.put(KEY, enc.data)
+    with pytest.raises(FormatError, match=r"manifest records a .*-byte footer but the object"):
+        read_footer(
+            store, KEY, footer_offset=enc.footer_offset - 1, footer_length=enc.footer_length + 1
+        )
+    with pytest.raises(ValueError, match="give both footer_offset and footer_length"):
+        read_footer(store, KEY, footer_offset=enc.footer_offset)
+    # a footer copied onto other payload bytes: the recorded offset disagrees with the footer
+    moved = b"xx" + enc.data
+    store.put(KEY, moved)
+    with pytest.raises(FormatError, match="footer says it follows 5 payload bytes"):
+        read_footer(
+            store, KEY, footer_offset=enc.footer_offset + 2, footer_length=enc.footer_length
+        )
+    with pytest.raises(FormatError, match=r"is \d+ bytes but its footer describes"):
+        read_footer(store, KEY)
+
+
+def test_lying_uncompressed_length_is_capped() -> None:
+    enc = encode_tgb([b"z" * 10_000], Mesh(dp=1), compression="zstd")
+    doc = _footer_doc(enc)
+    doc["slices"][0]["uncompressed_length"] = 100
+    blob = craft(doc, payload=enc.data[: enc.footer_offset])
+    store = MemoryStore()
+    store.put(KEY, blob)
+    footer = read_footer(store, KEY)
+    with pytest.raises(FormatError, match=r"slice \(0, 0\) of object .*frame claims 10000 bytes"):
+        read_slice(store, KEY, footer, 0)
+
+
+def test_missing_object_is_object_not_found() -> None:
+    with pytest.raises(bw.ObjectNotFound):
+        read_footer(MemoryStore(), KEY)
+
+
+def test_container_decodes_tensors_without_copying() -> None:
+    tensors = [{"x": np.arange(100, dtype=np.float64).reshape(10, 10)} for _ in range(2)]
+    enc = encode_tgb(tensors, Mesh(dp=2), codec="tensors")
+    rng = slice_range(enc.footer, 1)
+    raw = enc.data[rng.start : rng.end]
+    out = decode_slice(raw, enc.footer, 1, key=KEY)
+    assert np.shares_memory(out["x"], np.frombuffer(raw, dtype=np.uint8))
+    assert not out["x"].flags.writeable
+    assert out["x"].ctypes.data % out["x"].dtype.itemsize == 0
+    assert enc.footer.slices[1].sample_count == 10

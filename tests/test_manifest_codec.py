@@ -1,0 +1,266 @@
+"""Encoding of manifests and segments: round trips and every way bytes can be wrong."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchweave import ChecksumMismatch, FormatError, Mesh, UnsupportedFormatVersion
+from batchweave._format._checksum import checksum
+from batchweave._manifest import (
+    MANIFEST_FORMAT,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    ProducerState,
+    Segment,
+    SegmentRef,
+    TgbDescriptor,
+    TgbObjectRef,
+    _codec,
+    decode_manifest,
+    decode_segment,
+    encode_manifest,
+    encode_segment,
+)
+
+KEY = "runs/x/_manifests/00000000000000000007.manifest"
+SEG_KEY = "runs/x/_segments/00000000000000000000-abc.seg"
+
+u32 = st.integers(0, 2**32 - 1)
+u64 = st.integers(0, 2**63 - 1)
+names = st.text(min_size=1, max_size=20)
+times = st.floats(min_value=0, max_value=4e9, allow_nan=False)
+
+objects = st.builds(
+    TgbObjectRef,
+    key=names,
+    size=u64,
+    first_slice=st.integers(0, 1 << 20),
+    slice_count=st.integers(1, 1 << 20),
+    footer_offset=u64,
+    footer_length=st.integers(1, 1 << 30),
+    footer_checksum=u64,
+)
+descriptors = st.builds(
+    TgbDescriptor,
+    producer_id=names,
+    epoch=u32,
+    offset=u64,
+    objects=st.lists(objects, min_size=1, max_size=3).map(tuple),
+    bytes=u64,
+    samples=st.none() | u32,
+)
+producer_states = st.builds(
+    ProducerState,
+    epoch=u32,
+    offset=st.none() | u64,
+    last_version=u64,
+    last_commit_at=times,
+)
+
+
+@st.composite
+def manifests(draw: st.DrawFn) -> Manifest:
+    start = draw(st.integers(0, 10**9))
+    refs = []
+    step = start
+    for count in draw(st.lists(st.integers(1, 5000), max_size=5)):
+        refs.append(
+            SegmentRef(key=draw(names), first_step=step, count=count, bytes=draw(u32), checksum=0)
+        )
+        step += count
+    tail = tuple(draw(st.lists(descriptors, max_size=4)))
+    next_step = step + len(tail)
+    version = draw(st.integers(0, 10**12))
+    return Manifest(
+        namespace_id=draw(st.uuids()).hex,
+        mesh=Mesh(dp=draw(st.integers(1, 4096)), cp=draw(st.integers(1, 64))),
+        version=version,
+        parent=version - 1 if version else None,
+        commit_id=draw(st.uuids()).hex,
+        created_at=draw(times),
+        base_step=draw(st.integers(start, next_step)),
+        segments=tuple(refs),
+        tail=tail,
+        tail_start=step,
+        producers=draw(st.dictionaries(names, producer_states, max_size=4)),
+        sealed=draw(st.booleans()),
+    )
+
+
+segments = st.builds(
+    Segment,
+    namespace_id=st.uuids().map(lambda u: u.hex),
+    first_step=u64,
+    tgbs=st.lists(descriptors, min_size=1, max_size=5).map(tuple),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(manifests())
+def test_manifest_round_trip(manifest: Manifest) -> None:
+    data = encode_manifest(manifest)
+    assert data.startswith(b"batchweave-manifest crc32c=")
+    assert decode_manifest(data, key=KEY) == manifest
+
+
+@settings(max_examples=60, deadline=None)
+@given(segments)
+def test_segment_round_trip(segment: Segment) -> None:
+    data = encode_segment(segment)
+    decoded, crc = decode_segment(data, key=SEG_KEY)
+    assert decoded == segment
+    assert crc == checksum(data[data.index(b"\n") + 1 :])
+
+
+def _sample_manifest() -> Manifest:
+    return Manifest(
+        namespace_id="ns",
+        mesh=Mesh(dp=2, cp=2),
+        version=7,
+        parent=6,
+        commit_id="c",
+        producers={"p": ProducerState(epoch=1, offset=3, last_version=7)},
+    )
+
+
+def _reenvelope(body: bytes, magic: str = "batchweave-manifest") -> bytes:
+    return f"{magic} crc32c={checksum(body):08x} length={len(body)}\n".encode() + body
+
+
+def test_body_is_plain_json_after_the_header() -> None:
+    data = encode_manifest(_sample_manifest())
+    header, body = data.split(b"\n", 1)
+    assert re.fullmatch(rb"batchweave-manifest crc32c=[0-9a-f]{8} length=\d+", header)
+    assert json.loads(body)["format"] == MANIFEST_FORMAT
+
+
+@pytest.mark.parametrize("position", [60, -1, -30])
+def test_flipped_byte_is_a_checksum_mismatch_naming_key_and_values(position: int) -> None:
+    data = bytearray(encode_manifest(_sample_manifest()))
+    data[position] ^= 0x01
+    with pytest.raises(ChecksumMismatch) as err:
+        decode_manifest(bytes(data), key=KEY)
+    message = str(err.value)
+    assert KEY in message
+    header, body = bytes(data).split(b"\n", 1)
+    stored = header.split(b"crc32c=")[1][:8].decode()
+    computed = f"{checksum(body):08x}"
+    assert stored in message
+    assert computed in message
+
+
+def test_truncated_manifest_is_a_format_error() -> None:
+    data = encode_manifest(_sample_manifest())
+    with pytest.raises(FormatError, match="truncated") as err:
+        decode_manifest(data[:-10], key=KEY)
+    assert KEY in str(err.value)
+    assert not isinstance(err.value, ChecksumMismatch)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"PAR1 not ours", b'{"format": 1}', b"x" * 500, b"batchweave-manifest crc32c=zz\n{}"],
+)
+def test_foreign_bytes_are_a_format_error(data: bytes) -> None:
+    with pytest.raises(FormatError, match="not a BatchWeave manifest") as err:
+        decode_manifest(data, key=KEY)
+    assert KEY in str(err.value)
+
+
+def test_segment_is_not_a_manifest() -> None:
+    seg = Segment(namespace_id="ns", first_step=0, tgbs=(_descriptor(),))
+    with pytest.raises(FormatError, match="expected a manifest, found a 'batchweave-segment'"):
+        decode_manifest(encode_segment(seg), key=KEY)
+
+
+def test_absurd_size_is_refused_before_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert MAX_MANIFEST_BYTES >= 1 << 20  # real manifests (KBs) fit with a wide margin
+    monkeypatch.setattr(_codec, "MAX_MANIFEST_BYTES", 1000)
+    data = b"batchweave-manifest crc32c=00000000 length=1001\n" + b"{" * 1001
+    with pytest.raises(FormatError, match="far larger than any manifest"):
+        decode_manifest(data, key=KEY)
+
+
+def test_future_format_asks_to_upgrade() -> None:
+    body = json.loads(encode_manifest(_sample_manifest()).split(b"\n", 1)[1])
+    body["format"] = MANIFEST_FORMAT + 1
+    body["some_new_field"] = {"x": 1}
+    with pytest.raises(UnsupportedFormatVersion, match="upgrade batchweave") as err:
+        decode_manifest(_reenvelope(json.dumps(body).encode()), key=KEY)
+    assert KEY in str(err.value)
+    assert f"format {MANIFEST_FORMAT + 1}" in str(err.value)
+
+
+def test_future_format_with_known_fields_still_refused() -> None:
+    body = json.loads(encode_manifest(_sample_manifest()).split(b"\n", 1)[1])
+    body["format"] = MANIFEST_FORMAT + 5
+    with pytest.raises(UnsupportedFormatVersion):
+        decode_manifest(_reenvelope(json.dumps(body).encode()), key=KEY)
+
+
+def test_invalid_schema_is_a_format_error_naming_key_and_field() -> None:
+    body = json.loads(encode_manifest(_sample_manifest()).split(b"\n", 1)[1])
+    body["mesh"]["dp"] = 0
+    del body["commit_id"]
+    with pytest.raises(FormatError) as err:
+        decode_manifest(_reenvelope(json.dumps(body).encode()), key=KEY)
+    message = str(err.value)
+    assert KEY in message
+    assert "mesh.dp" in message
+    assert "commit_id" in message
+    assert "invalid manifest" in message
+
+
+def test_broken_step_layout_is_a_format_error() -> None:
+    body = json.loads(encode_manifest(_sample_manifest()).split(b"\n", 1)[1])
+    body["base_step"] = 5  # beyond next_step 0
+    with pytest.raises(FormatError, match="base_step 5"):
+        decode_manifest(_reenvelope(json.dumps(body).encode()), key=KEY)
+
+
+def test_invalid_json_is_a_format_error() -> None:
+    with pytest.raises(FormatError, match="invalid manifest"):
+        decode_manifest(_reenvelope(b"{not json"), key=KEY)
+
+
+def _descriptor() -> TgbDescriptor:
+    return TgbDescriptor(
+        producer_id="p",
+        epoch=0,
+        offset=0,
+        objects=(
+            TgbObjectRef(
+                key="k", size=10, slice_count=1, footer_offset=0, footer_length=4, footer_checksum=0
+            ),
+        ),
+        bytes=10,
+    )
+
+
+def test_segment_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    seg = Segment(namespace_id="ns", first_step=3, tgbs=(_descriptor(),))
+    data = encode_segment(seg)
+    flipped = bytearray(data)
+    flipped[-5] ^= 0x02
+    with pytest.raises(ChecksumMismatch, match=SEG_KEY):
+        decode_segment(bytes(flipped), key=SEG_KEY)
+    with pytest.raises(FormatError, match="truncated"):
+        decode_segment(data[:-1], key=SEG_KEY)
+    with pytest.raises(FormatError, match="expected a segment"):
+        decode_segment(encode_manifest(_sample_manifest()), key=SEG_KEY)
+    body = json.loads(data.split(b"\n", 1)[1])
+    body["format"] = 99
+    with pytest.raises(UnsupportedFormatVersion, match="upgrade batchweave"):
+        decode_segment(_reenvelope(json.dumps(body).encode(), "batchweave-segment"), key=SEG_KEY)
+    body["format"] = 1
+    body["tgbs"] = []
+    with pytest.raises(FormatError, match="invalid segment"):
+        decode_segment(_reenvelope(json.dumps(body).encode(), "batchweave-segment"), key=SEG_KEY)
+    monkeypatch.setattr(_codec, "MAX_SEGMENT_BYTES", len(data) - 1)
+    with pytest.raises(FormatError, match="far larger than any segment"):
+        decode_segment(data, key=SEG_KEY)

@@ -1,0 +1,506 @@
+"""The manifest log: namespace creation, version discovery and the one-attempt commit."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from manifest_helpers import CountingStore, FaultyPutStore, descriptor, landed_then
+
+from batchweave import (
+    AmbiguousWriteError,
+    ConcurrentWriteConflict,
+    InvalidKey,
+    MemoryStore,
+    Mesh,
+    NamespaceMismatch,
+    NamespaceNotFound,
+    NamespaceSealed,
+    ObjectExists,
+    ObjectNotFound,
+    ObjectStore,
+    OffsetOrderError,
+    ProducerFenced,
+    PutMode,
+    StepReclaimed,
+    TransientStoreError,
+)
+from batchweave._manifest import (
+    Committed,
+    Conflict,
+    Manifest,
+    ManifestLog,
+    ProducerState,
+    TgbDescriptor,
+    active_producers,
+    manifest_key,
+)
+from batchweave._store._file import FileStore
+
+MESH = Mesh(dp=4, cp=2)
+NS = "runs/job-42"
+
+
+@pytest.fixture(params=["memory", "file"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStore]:
+    if request.param == "memory":
+        yield MemoryStore()
+    else:
+        with FileStore(tmp_path / "store", fsync=False) as fs:
+            yield fs
+
+
+def _commit(log: ManifestLog, base: Manifest, *descs: TgbDescriptor) -> Manifest:
+    result = log.commit(base, append=descs)
+    assert isinstance(result, Committed), result
+    return result.manifest
+
+
+# -- namespace creation ----------------------------------------------------------------------
+
+
+def test_concurrent_creation_agrees_on_one_namespace(store: ObjectStore) -> None:
+    barrier = threading.Barrier(16)
+    ids: list[str] = []
+    errors: list[BaseException] = []
+
+    def create() -> None:
+        try:
+            barrier.wait()
+            ids.append(ManifestLog(store, NS).create_or_open(MESH).namespace_id)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(ids) == 16
+    assert len(set(ids)) == 1
+    assert list(ManifestLog(store, NS).versions()) == [0]
+
+
+def test_open_checks_the_mesh(store: ObjectStore) -> None:
+    ManifestLog(store, NS).create_or_open(MESH)
+    with pytest.raises(NamespaceMismatch) as err:
+        ManifestLog(store, NS).create_or_open(Mesh(dp=8, cp=1))
+    assert "dp=4, cp=2" in str(err.value)
+    assert "dp=8, cp=1" in str(err.value)
+    assert ManifestLog(store, NS).create_or_open(MESH).mesh == MESH
+    assert ManifestLog(store, NS).create_or_open().mesh == MESH
+
+
+def test_missing_namespace_without_mesh(store: ObjectStore) -> None:
+    with pytest.raises(NamespaceNotFound, match="mesh=") as err:
+        ManifestLog(store, NS).create_or_open()
+    assert NS in str(err.value)
+    assert list(store.list("")) == []
+
+
+def test_foreign_prefix_is_refused(store: ObjectStore) -> None:
+    store.put(f"{NS}/part-0000.parquet", b"PAR1")
+    with pytest.raises(NamespaceMismatch, match=r"part-0000\.parquet"):
+        ManifestLog(store, NS).create_or_open(MESH)
+    assert list(ManifestLog(store, NS).versions()) == []
+
+
+def test_batchweave_objects_and_sibling_prefixes_are_not_foreign(store: ObjectStore) -> None:
+    store.put(f"{NS}-old/notes.txt", b"sibling prefix, not ours to judge")
+    store.put(f"{NS}/data/p/0/0-x.tgb", b"orphan upload of an earlier attempt")
+    manifest = ManifestLog(store, NS).create_or_open(MESH)
+    assert manifest.version == 0
+    assert manifest.next_step == 0
+
+
+@pytest.mark.parametrize("bad", ["", "/abs", "trailing/", "a//b", "a/../b"])
+def test_namespace_names_are_validated(bad: str) -> None:
+    with pytest.raises((InvalidKey, ValueError)):
+        ManifestLog(MemoryStore(), bad)
+
+
+def test_key_layout() -> None:
+    log = ManifestLog(MemoryStore(), NS)
+    assert log.key("x/y") == f"{NS}/x/y"
+    assert manifest_key(42) == "_manifests/00000000000000000042.manifest"
+
+
+# -- reading and discovery -------------------------------------------------------------------
+
+
+def test_read_missing_version_names_key_and_version(store: ObjectStore) -> None:
+    log = ManifestLog(store, NS)
+    log.create_or_open(MESH)
+    with pytest.raises(ObjectNotFound) as err:
+        log.read(5)
+    assert "version 5" in str(err.value)
+    assert log.key(manifest_key(5)) in str(err.value)
+
+
+def test_latest_costs_one_get_when_current_and_a_list_when_behind(store: ObjectStore) -> None:
+    counting = CountingStore(store)
+    log = ManifestLog(counting, NS)
+    m0 = log.create_or_open(MESH)
+    head = m0
+    for i in range(6):
+        head = _commit(log, head, descriptor("p", i))
+
+    counting.reset()
+    assert log.latest(head) is head
+    assert counting.calls == {"get": 1}
+
+    counting.reset()
+    assert log.latest(m0) == head
+    assert counting.calls == {"get": 2, "list": 1}
+    assert counting.gets == [log.key(manifest_key(1)), log.key(manifest_key(6))]
+
+    counting.reset()
+    one_behind = log.read(5)
+    counting.reset()
+    assert log.latest(one_behind) == head
+    assert counting.calls == {"get": 1, "list": 1}
+
+    counting.reset()
+    assert ManifestLog(counting, NS).latest() == head
+    assert counting.calls == {"get": 1, "list": 1}
+
+
+def test_latest_never_lists_data(store: ObjectStore) -> None:
+    seen: list[str] = []
+
+    class Spy(CountingStore):
+        def list(self, prefix: str = "", *, start_after: str | None = None):  # type: ignore[no-untyped-def]
+            seen.append(prefix)
+            return super().list(prefix, start_after=start_after)
+
+    for i in range(3):
+        store.put(f"{NS}/data/p/0/{i}-x.tgb", b"payload")
+    log = ManifestLog(Spy(store), NS)
+    m = log.create_or_open(MESH)
+    seen.clear()
+    m1 = _commit(log, m, descriptor("p", 0))
+    log.latest(m)
+    log.latest(m1)
+    log.latest()
+    assert seen
+    assert all(p == log.key("_manifests/") for p in seen)
+
+
+def test_latest_after_old_versions_were_reclaimed(store: ObjectStore) -> None:
+    log = ManifestLog(store, NS)
+    head = log.create_or_open(MESH)
+    for i in range(5):
+        head = _commit(log, head, descriptor("p", i))
+    store.delete_many([log.key(manifest_key(v)) for v in range(3)])
+    assert list(log.versions()) == [3, 4, 5]
+    assert ManifestLog(store, NS).latest() == head
+    assert ManifestLog(store, NS).create_or_open(MESH) == head
+
+
+def test_recreated_prefix_is_detected(store: ObjectStore) -> None:
+    log = ManifestLog(store, NS)
+    first = log.create_or_open(MESH)
+    store.delete_many([log.key(manifest_key(0))])
+    ManifestLog(store, NS).create_or_open(MESH)
+    with pytest.raises(NamespaceMismatch, match="re-created"):
+        log.latest()
+    assert first.version == 0
+
+
+# -- commit ----------------------------------------------------------------------------------
+
+
+def test_commit_appends_dense_steps_and_tracks_producers(store: ObjectStore) -> None:
+    clock = iter(float(t) for t in range(100, 200))
+    log = ManifestLog(store, NS, clock=lambda: next(clock))
+    m0 = log.create_or_open(MESH)
+    m1 = _commit(log, m0, descriptor("a", 3), descriptor("b", 7), descriptor("a", 4))
+    assert (m1.version, m1.parent, m1.next_step) == (1, 0, 3)
+    assert m1.commit_id != m0.commit_id
+    assert m1.created_at == 101.0
+    assert m1.producers["a"] == ProducerState(epoch=0, offset=4, last_version=1, last_commit_at=101)
+    assert m1.producers["b"].offset == 7
+    assert [log.descriptor(m1, s).offset for s in range(3)] == [3, 7, 4]
+    assert log.read(1) == m1
+
+
+def test_commit_replaces_listed_producer_states(store: ObjectStore) -> None:
+    log = ManifestLog(store, NS)
+    m0 = log.create_or_open(MESH)
+    bumped = ProducerState(epoch=3, offset=None, last_version=1, last_commit_at=5.0)
+    m1 = log.commit(m0, producers={"a": bumped})
+    assert isinstance(m1, Committed)
+    assert m1.manifest.producers == {"a": bumped}
+    with pytest.raises(ProducerFenced, match="epoch 2"):
+        log.commit(m1.manifest, append=[descriptor("a", 0, epoch=2)])
+    m2 = _commit(log, m1.manifest, descriptor("a", 0, epoch=3))
+    assert m2.producers["a"].epoch == 3
+    assert m2.producers["a"].offset == 0
+
+
+def test_commit_refuses_repeated_or_reordered_offsets(store: ObjectStore) -> None:
+    log = ManifestLog(store, NS)
+    m1 = _commit(log, log.create_or_open(MESH), descriptor("a", 5))
+    with pytest.raises(OffsetOrderError, match="offset 5"):
+        log.commit(m1, append=[descriptor("a", 5)])
+    with pytest.raises(OffsetOrderError):
+        log.commit(m1, append=[descriptor("a", 9), descriptor("a", 8)])
+    assert list(log.versions()) == [0, 1]
+
+
+def test_sealed_namespace_refuses_appends_but_allows_reclamation(store: ObjectStore) -> None:
+    log = ManifestLog(store, NS)
+    m1 = _commit(log, log.create_or_open(MESH), descriptor("a", 0), descriptor("a", 1))
+    sealed = log.commit(m1, seal=True)
+    assert isinstance(sealed, Committed)
+    assert sealed.manifest.sealed
+    with pytest.raises(NamespaceSealed, match="sealed at version 2"):
+        log.commit(sealed.manifest, append=[descriptor("a", 2)])
+    cut = log.commit(sealed.manifest, base_step=1)
+    assert isinstance(cut, Committed)
+    assert cut.manifest.sealed
+    assert cut.manifest.base_step == 1
+
+
+def test_lost_race_reports_the_winner(store: ObjectStore) -> None:
+    log = ManifestLog(store, NS)
+    m0 = log.create_or_open(MESH)
+    winner = _commit(log, m0, descriptor("a", 0))
+    result = ManifestLog(store, NS).commit(m0, append=[descriptor("b", 0)])
+    assert result == Conflict(winner)
+    assert log.latest() == winner
+
+
+def test_reclaimed_parent_is_a_conflict_without_writing(store: ObjectStore) -> None:
+    counting = CountingStore(store)
+    log = ManifestLog(counting, NS)
+    stale = _commit(log, log.create_or_open(MESH), descriptor("a", 0))
+    head = stale
+    for i in range(1, 5):
+        head = _commit(log, head, descriptor("a", i))
+    # The reclaimer deleted old versions, including the stale writer's base and the name it
+    # would write next: re-creating version 2 would fork history, so it must not even try.
+    store.delete_many([log.key(manifest_key(v)) for v in range(4)])
+    counting.reset()
+    assert log.commit(stale, append=[descriptor("b", 0)]) == Conflict(None)
+    assert counting.calls["put"] == 0
+    assert list(log.versions()) == [4, 5]
+    assert log.latest(stale) == head  # not fooled by the missing successor of the stale base
+
+
+def test_base_step_cuts_reclaimed_steps(store: ObjectStore) -> None:
+    log = ManifestLog(store, NS, tail_limit=4)
+    head = log.create_or_open(MESH)
+    for i in range(10):
+        head = _commit(log, head, descriptor("a", i))
+    result = log.commit(head, base_step=6)
+    assert isinstance(result, Committed)
+    cut = result.manifest
+    assert cut.base_step == 6
+    assert all(ref.end_step > 6 for ref in cut.segments)
+    assert [s for s, _ in log.descriptors(cut, 6, 10)] == [6, 7, 8, 9]
+    with pytest.raises(StepReclaimed, match=r"step 5 was reclaimed \(base_step 6"):
+        log.descriptor(cut, 5)
+    with pytest.raises(IndexError, match="step 10 is not committed"):
+        log.descriptor(cut, 10)
+    lower = log.commit(cut, base_step=2)
+    assert isinstance(lower, Committed)
+    assert lower.manifest.base_step == 6  # the boundary never moves back
+    with pytest.raises(ValueError, match="beyond the committed steps"):
+        log.commit(cut, base_step=11)
+
+
+def test_active_producers() -> None:
+    m = Manifest(
+        namespace_id="n",
+        mesh=MESH,
+        version=3,
+        commit_id="c",
+        producers={
+            "a": ProducerState(epoch=0, last_version=1, last_commit_at=100.0),
+            "b": ProducerState(epoch=0, last_version=2, last_commit_at=95.0),
+            "c": ProducerState(epoch=0, last_version=3, last_commit_at=10.0),
+        },
+    )
+    assert active_producers(m, now=100.0, horizon=10.0) == 2
+    assert active_producers(m, now=100.0, horizon=1000.0) == 3
+    assert active_producers(m, now=1000.0, horizon=1.0) == 1
+    assert active_producers(m.model_copy(update={"producers": {}}), 0.0, 1.0) == 1
+
+
+# -- ambiguous outcomes ----------------------------------------------------------------------
+
+
+def _faulty_once(
+    store: ObjectStore, outcome: tuple[bool, Exception | None]
+) -> tuple[FaultyPutStore, list[str]]:
+    calls: list[str] = []
+
+    def fault(key: str) -> tuple[bool, Exception | None]:
+        calls.append(key)
+        if "_manifests/" in key and not key.endswith(manifest_key(0)) and len(calls) == 2:
+            return outcome
+        return True, None
+
+    return FaultyPutStore(store, fault), calls
+
+
+@pytest.mark.parametrize("error", [AmbiguousWriteError, ObjectExists])
+def test_landed_write_reported_as_failure_is_ours(store: ObjectStore, error: type) -> None:
+    faulty, calls = _faulty_once(store, landed_then(error))
+    log = ManifestLog(faulty, NS)
+    m0 = log.create_or_open(MESH)
+    result = log.commit(m0, append=[descriptor("a", 0)])
+    assert isinstance(result, Committed)
+    assert list(log.versions()) == [0, 1]
+    assert log.read(1) == result.manifest
+    assert len(calls) == 2  # no duplicate version was written
+
+
+def test_ambiguous_write_that_did_not_land_is_resent(store: ObjectStore) -> None:
+    faulty, calls = _faulty_once(store, (False, AmbiguousWriteError("timeout")))
+    log = ManifestLog(faulty, NS)
+    result = log.commit(log.create_or_open(MESH), append=[descriptor("a", 0)])
+    assert isinstance(result, Committed)
+    assert calls[1:] == [log.key(manifest_key(1))] * 2
+    assert log.read(1) == result.manifest
+
+
+def test_ambiguous_write_lost_to_another_writer_is_a_conflict(store: ObjectStore) -> None:
+    log = ManifestLog(store, NS)
+    m0 = log.create_or_open(MESH)
+    other = ManifestLog(store, NS)
+
+    def fault(key: str) -> tuple[bool, Exception | None]:
+        other_result = other.commit(m0, append=[descriptor("b", 0)])
+        assert isinstance(other_result, Committed)
+        return False, AmbiguousWriteError("reset after body sent")
+
+    result = ManifestLog(FaultyPutStore(store, fault), NS).commit(m0, append=[descriptor("a", 0)])
+    assert isinstance(result, Conflict)
+    assert result.winner is not None
+    assert result.winner.producers.keys() == {"b"}
+
+
+def test_never_resolved_ambiguity_is_bounded(store: ObjectStore) -> None:
+    calls: list[str] = []
+
+    def fault(key: str) -> tuple[bool, Exception | None]:
+        calls.append(key)
+        return False, AmbiguousWriteError("timeout")
+
+    m0 = ManifestLog(store, NS).create_or_open(MESH)
+    log = ManifestLog(FaultyPutStore(store, fault), NS)
+    assert log.commit(m0, append=[descriptor("a", 0)]) == Conflict(None)
+    assert 2 <= len(calls) <= 5
+    assert list(log.versions()) == [0]
+
+
+@pytest.mark.parametrize(
+    "error", [ConcurrentWriteConflict("409"), TransientStoreError("503 slow down")]
+)
+def test_409_and_transient_errors_are_unknown_conflicts(
+    store: ObjectStore, error: Exception
+) -> None:
+    m0 = ManifestLog(store, NS).create_or_open(MESH)
+    log = ManifestLog(FaultyPutStore(store, lambda key: (False, error)), NS)
+    assert log.commit(m0, append=[descriptor("a", 0)]) == Conflict(None)
+    assert list(log.versions()) == [0]
+
+
+# -- the commit race -------------------------------------------------------------------------
+
+
+def test_concurrent_producers_lose_nothing_and_duplicate_nothing(store: ObjectStore) -> None:
+    producers, per_producer = 16, 20
+    barrier = threading.Barrier(producers)
+    errors: list[BaseException] = []
+    conflicts: list[int] = []
+    ManifestLog(store, NS).create_or_open(MESH)
+
+    def produce(pid: str, seed: int) -> None:
+        rng = random.Random(seed)
+        log = ManifestLog(store, NS, tail_limit=8)
+        try:
+            barrier.wait()
+            base = log.latest()
+            offsets = list(range(per_producer))
+            pending: list[TgbDescriptor] = []
+            while offsets or pending:
+                take = rng.randint(1, 3)
+                pending += [descriptor(pid, o) for o in offsets[:take]]
+                del offsets[:take]
+                while True:
+                    result = log.commit(base, append=pending)
+                    if isinstance(result, Committed):
+                        base, pending = result.manifest, []
+                        break
+                    conflicts.append(1)
+                    base = result.winner or log.latest(base)
+                    done = base.producers.get(pid)
+                    if done is not None and done.offset is not None:
+                        pending = [d for d in pending if d.offset > done.offset]
+                    if not pending:
+                        break
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=produce, args=(f"p{i:02d}", i)) for i in range(producers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert conflicts  # the race really happened (typically ~1,000 lost attempts)
+
+    reader = ManifestLog(store, NS)
+    final = reader.latest()
+    assert final.next_step == producers * per_producer
+    mapping = [(d.producer_id, d.offset) for _, d in reader.descriptors(final, 0, final.next_step)]
+    assert sorted(mapping) == sorted(
+        (f"p{i:02d}", o) for i in range(producers) for o in range(per_producer)
+    )
+    for pid in {p for p, _ in mapping}:
+        offsets = [o for p, o in mapping if p == pid]
+        assert offsets == sorted(offsets)
+    assert list(reader.versions()) == list(range(final.version + 1))
+    for version in range(final.version + 1):
+        m = reader.read(version)
+        assert m.parent == (version - 1 if version else None)
+        prefix = [(d.producer_id, d.offset) for _, d in reader.descriptors(m, 0, m.next_step)]
+        assert prefix == mapping[: m.next_step]
+
+
+@pytest.mark.parametrize("land", [True, False])
+def test_ambiguous_namespace_creation_is_resolved(store: ObjectStore, land: bool) -> None:
+    calls: list[str] = []
+
+    def fault(key: str) -> tuple[bool, Exception | None]:
+        calls.append(key)
+        if len(calls) == 1:
+            return land, AmbiguousWriteError("timeout creating version 0")
+        return True, None
+
+    manifest = ManifestLog(FaultyPutStore(store, fault), NS).create_or_open(MESH)
+    assert manifest.version == 0
+    assert len(calls) == (1 if land else 2)
+    assert ManifestLog(store, NS).latest() == manifest
+
+
+def test_failed_segment_write_is_an_unknown_conflict(store: ObjectStore) -> None:
+    class FailingSegments(CountingStore):
+        def put(
+            self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE
+        ) -> None:
+            if "/_segments/" in key:
+                raise TransientStoreError(f"503 writing {key}")
+            super().put(key, data, mode=mode)
+
+    log = ManifestLog(FailingSegments(store), NS, tail_limit=2)
+    m1 = _commit(log, log.create_or_open(MESH), descriptor("a", 0))
+    assert log.commit(m1, append=[descriptor("a", 1)]) == Conflict(None)
+    assert list(log.versions()) == [0, 1]

@@ -1,0 +1,181 @@
+"""Segments: flat commit cost, bounded reference count, one-read lookups, integrity."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from manifest_helpers import CountingStore, descriptor
+
+from batchweave import ChecksumMismatch, FormatError, MemoryStore, Mesh
+from batchweave._manifest import (
+    Committed,
+    Manifest,
+    ManifestLog,
+    SegmentRef,
+    encode_manifest,
+    encode_segment,
+)
+from batchweave._manifest._segments import merge_run_length, segment_level
+from batchweave._store._file import FileStore
+
+MESH = Mesh(dp=8, cp=1)
+NS = "runs/seg"
+
+
+def _grow(log: ManifestLog, head: Manifest, count: int, sizes: list[int] | None = None) -> Manifest:
+    for _ in range(count):
+        result = log.commit(head, append=[descriptor("p", head.next_step)])
+        assert isinstance(result, Committed)
+        head = result.manifest
+        if sizes is not None:
+            sizes.append(len(encode_manifest(head)))
+    return head
+
+
+def test_commit_cost_stays_flat_over_5000_commits() -> None:
+    store = CountingStore(MemoryStore())
+    log = ManifestLog(store, NS)  # default tail_limit=256
+    head = log.create_or_open(MESH)
+    sizes: list[int] = []
+    head = _grow(log, head, 5000, sizes)
+    assert head.next_step == 5000
+    # The tail cycles every 256 commits, so compare the largest manifest of a window of 500
+    # commits early and late in history. Measured: ~1.01x (only a few segment refs differ).
+    early, late = max(sizes[250:750]), max(sizes[4500:5000])
+    assert late <= 1.05 * early, (early, late)
+    # What does grow: a handful of segment refs, bounded by the merge policy (levels).
+    assert len(head.segments) <= 7
+    # Segment bytes: each descriptor is written once, then rewritten <= log2(64) = 6 times.
+    seg_bytes = sum(len(store.inner.get(k)) for k in _segment_keys(store))
+    per_descriptor = len(encode_segment_sample())
+    assert seg_bytes <= 7 * 5000 * per_descriptor  # measured: ~2.7x
+
+
+def encode_segment_sample() -> bytes:
+    from batchweave._manifest import Segment
+
+    one = encode_segment(Segment(namespace_id="x" * 32, first_step=0, tgbs=(descriptor("p", 1),)))
+    two = encode_segment(
+        Segment(namespace_id="x" * 32, first_step=0, tgbs=(descriptor("p", 1),) * 2)
+    )
+    return two[len(one) :]  # the marginal bytes of one descriptor
+
+
+def _segment_keys(store: CountingStore) -> list[str]:
+    return [m.key for m in store.inner.list(f"{NS}/_segments/")]
+
+
+@pytest.mark.parametrize("backend", ["memory", "file"])
+def test_descriptor_lookup_costs_at_most_one_segment_read(backend: str, tmp_path: Path) -> None:
+    inner = MemoryStore() if backend == "memory" else FileStore(tmp_path / "s", fsync=False)
+    writer = ManifestLog(inner, NS, tail_limit=16)
+    head = _grow(writer, writer.create_or_open(MESH), 700)
+    assert len(head.segments) >= 3
+    counting = CountingStore(inner)
+    reader = ManifestLog(counting, NS, tail_limit=16, segment_cache=2)
+    rng = random.Random(7)
+    for step in [rng.randrange(head.next_step) for _ in range(200)] + [0, 699]:
+        counting.reset()
+        d = reader.descriptor(head, step)
+        assert d.offset == step
+        assert counting.calls["get"] <= 1
+        assert sum(counting.calls.values()) == counting.calls["get"]
+        assert all("/_segments/" in k for k in counting.gets)
+    # Repeated lookups in one segment hit the cache.
+    counting.reset()
+    for step in range(head.segments[0].first_step, head.segments[0].first_step + 10):
+        reader.descriptor(head, step)
+    assert counting.calls["get"] <= 1
+
+
+def test_range_iteration_reads_each_segment_once() -> None:
+    store = CountingStore(MemoryStore())
+    log = ManifestLog(store, NS, tail_limit=8, segment_cache=0)
+    head = _grow(log, log.create_or_open(MESH), 100)
+    store.reset()
+    steps = [s for s, d in log.descriptors(head, 3, 97) if d.offset == s]
+    assert steps == list(range(3, 97))
+    touched = [r for r in head.segments if r.end_step > 3 and r.first_step < 97]
+    assert store.calls["get"] == len(touched)
+
+
+def test_merge_policy_is_a_binary_counter_with_a_cap() -> None:
+    log = ManifestLog(MemoryStore(), NS, tail_limit=2, max_segment_tgbs=16)
+    head = log.create_or_open(MESH)
+    for n in range(1, 101):
+        head = _grow(log, head, 1)
+        counts = [r.count for r in head.segments]
+        assert sum(counts) + len(head.tail) == n
+        levels = [segment_level(c, 2) for c in counts]
+        unfrozen = [lv for c, lv in zip(counts, levels, strict=True) if c < 16]
+        assert unfrozen == sorted(unfrozen, reverse=True)
+        assert len(set(unfrozen)) == len(unfrozen)
+        assert all(c <= 16 for c in counts)
+    assert [r.count for r in head.segments] == [16] * 6 + [4]
+    assert len(head.tail) == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    counts=st.lists(st.integers(1, 300), max_size=12),
+    new=st.integers(1, 300),
+    tail_limit=st.integers(1, 64),
+)
+def test_merge_run_length_respects_cap_and_levels(
+    counts: list[int], new: int, tail_limit: int
+) -> None:
+    cap = 64 * tail_limit
+    refs, step = [], 0
+    for c in counts:
+        refs.append(SegmentRef(key=f"k{step}", first_step=step, count=c, bytes=1, checksum=0))
+        step += c
+    k = merge_run_length(refs, new, tail_limit=tail_limit, max_segment_tgbs=cap)
+    assert 0 <= k <= len(refs)
+    absorbed = refs[len(refs) - k :]
+    assert new + sum(r.count for r in absorbed) <= max(cap, new)
+    if k < len(refs):
+        nxt = refs[len(refs) - k - 1]
+        total = new + sum(r.count for r in absorbed)
+        assert total + nxt.count > cap or segment_level(nxt.count, tail_limit) > segment_level(
+            total, tail_limit
+        )
+
+
+def test_corrupt_or_replaced_segment_is_detected() -> None:
+    store = MemoryStore()
+    log = ManifestLog(store, NS, tail_limit=4)
+    head = _grow(log, log.create_or_open(MESH), 12)
+    assert [r.count for r in head.segments] == [8, 4]
+    ref = head.segments[0]
+    key = log.key(ref.key)
+    good = store.get(key)
+    damaged = bytearray(good)
+    damaged[-3] ^= 0x04
+    store.put(key, bytes(damaged))
+    with pytest.raises(ChecksumMismatch, match=ref.key):
+        ManifestLog(store, NS).descriptor(head, 0)
+    store.put(key, good + b" ")
+    with pytest.raises(FormatError, match="bytes"):
+        ManifestLog(store, NS).descriptor(head, 0)
+    other = head.segments[1]
+    store.put(key, store.get(log.key(other.key)))  # a valid segment, but the wrong one
+    with pytest.raises(FormatError):
+        ManifestLog(store, NS).descriptor(head, 0)
+    store.put(key, good)
+    assert ManifestLog(store, NS).descriptor(head, 0).offset == 0
+
+
+def test_reclamation_cuts_segment_refs_and_merges_drop_reclaimed_steps() -> None:
+    log = ManifestLog(MemoryStore(), NS, tail_limit=4)
+    head = _grow(log, log.create_or_open(MESH), 40)
+    result = log.commit(head, base_step=35)
+    assert isinstance(result, Committed)
+    cut = result.manifest
+    assert cut.segments == tuple(r for r in head.segments if r.end_step > 35)
+    grown = _grow(log, cut, 30)
+    assert grown.segments[0].first_step >= 32
+    assert [d.offset for _, d in log.descriptors(grown, 35, 70)] == list(range(35, 70))

@@ -1,0 +1,432 @@
+"""Commit policies: the DAC gap formula, its online estimates, and the paper's baselines."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import batchweave
+from batchweave import AttemptOutcome, CommitPolicy, DacPolicy, dac_gap, make_policy, policy_names
+from batchweave._policy import (
+    DEFAULT_CONFLICT_BUDGET,
+    DEFAULT_DUTY_BUDGET,
+    AimdPolicy,
+    Fixed10Policy,
+    Fixed100Policy,
+    IncrPolicy,
+    NaivePolicy,
+    conflict_probability,
+    duty,
+)
+
+
+class FixedDraw:
+    """A UniformSource that always returns the same fraction of the interval, and logs calls."""
+
+    def __init__(self, fraction: float) -> None:
+        self.fraction = fraction
+        self.calls: list[tuple[float, float]] = []
+
+    def uniform(self, a: float, b: float) -> float:
+        self.calls.append((a, b))
+        return a + (b - a) * self.fraction
+
+
+def outcome(
+    committed: bool = True, window: float = 0.1, producers: int = 8, tgbs: int = 1
+) -> AttemptOutcome:
+    return AttemptOutcome(
+        committed=committed, fragile_window=window, active_producers=producers, tgbs=tgbs
+    )
+
+
+# --- the pure formula --------------------------------------------------------------------------
+
+
+def test_gap_hand_computed_conflict_bound_decides() -> None:
+    # W=0.1 s, N=8, eps=0.1, delta=0.1:
+    #   k = -ln(0.9) = 0.105360515657826
+    #   conflict bound = 0.1 * (7 / 0.105360515657826 - 1) = 0.1 * (66.438551067 - 1) = 6.5438551067
+    #   duty bound     = 0.1 * (1 / 0.1 - 1) = 0.9
+    #   g* = max(0, 6.5438551067, 0.9) = 6.5438551067
+    assert dac_gap(0.1, 8, 0.1, 0.1) == pytest.approx(6.5438551067, rel=1e-9)
+
+
+def test_gap_hand_computed_other_budget() -> None:
+    # W=0.05, N=16, eps=0.05: k = -ln(0.95) = 0.0512932943876;
+    #   conflict bound = 0.05 * (15 / 0.0512932943876 - 1) = 0.05 * 291.435886193 = 14.5717943097
+    assert dac_gap(0.05, 16, 0.05, 0.5) == pytest.approx(14.5717943097, rel=1e-9)
+
+
+def test_single_producer_duty_bound_decides() -> None:
+    # N=1: conflict bound = W * (0/k - 1) = -W <= 0, so only the duty bound is left:
+    #   W=0.2, delta=0.25 -> 0.2 * (1/0.25 - 1) = 0.2 * 3 = 0.6
+    assert dac_gap(0.2, 1, 0.1, 0.25) == pytest.approx(0.6, rel=1e-12)
+    # and with the default duty budget 0.1: 0.2 * (10 - 1) = 1.8
+    assert dac_gap(0.2, 1) == pytest.approx(1.8, rel=1e-12)
+
+
+def test_single_producer_with_no_duty_limit_never_waits() -> None:
+    # delta=1 -> duty bound = W * (1/1 - 1) = 0; N=1 -> conflict bound = -W; g* = max(0, ...) = 0
+    assert dac_gap(0.2, 1, 0.1, 1.0) == 0.0
+
+
+def test_duty_budget_one_leaves_the_conflict_bound() -> None:
+    # delta=1 removes the duty bound: g* is the conflict bound alone (6.5438551067 from above)
+    assert dac_gap(0.1, 8, 0.1, 1.0) == pytest.approx(6.5438551067, rel=1e-9)
+
+
+def test_conflict_budget_close_to_one() -> None:
+    # eps=0.999: k = -ln(0.001) = 6.90775527898; N=4, W=2:
+    #   conflict bound = 2 * (3 / 6.90775527898 - 1) = 2 * (0.434294481903 - 1) = -1.1314 < 0
+    #   delta=1 -> duty bound 0, so g* = 0: a near-certain conflict budget never waits
+    assert dac_gap(2.0, 4, 0.999, 1.0) == 0.0
+    # with a duty budget the duty bound decides: 2 * (1/0.5 - 1) = 2
+    assert dac_gap(2.0, 4, 0.999, 0.5) == pytest.approx(2.0)
+
+
+def test_zero_window_means_zero_gap() -> None:
+    assert dac_gap(0.0, 64, 0.01, 0.01) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"conflict_budget": 0.0}, "conflict_budget"),
+        ({"conflict_budget": 1.0}, "conflict_budget"),
+        ({"conflict_budget": -0.1}, "conflict_budget"),
+        ({"duty_budget": 0.0}, "duty_budget"),
+        ({"duty_budget": 1.5}, "duty_budget"),
+    ],
+)
+def test_gap_rejects_budgets_outside_their_range(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        dac_gap(0.1, 4, **kwargs)
+
+
+def test_gap_rejects_bad_window_and_producers() -> None:
+    with pytest.raises(ValueError, match="fragile window"):
+        dac_gap(-0.1, 4)
+    with pytest.raises(ValueError, match="fragile window"):
+        dac_gap(math.nan, 4)
+    with pytest.raises(ValueError, match="producer count"):
+        dac_gap(0.1, 0)
+
+
+def test_model_functions_hand_computed() -> None:
+    # W=1, g=3, N=5: (N-1) W/(W+g) = 4/4 = 1 -> p = 1 - e^-1 = 0.632120558829; d = 1/4
+    assert conflict_probability(1.0, 3.0, 5) == pytest.approx(1 - math.exp(-1))
+    assert duty(1.0, 3.0) == pytest.approx(0.25)
+    assert conflict_probability(1.0, 3.0, 1) == 0.0  # nobody to conflict with
+    assert conflict_probability(0.0, 0.0, 5) == 0.0
+    assert duty(0.0, 0.0) == 0.0
+    with pytest.raises(ValueError, match="gap"):
+        duty(1.0, -1.0)
+
+
+budgets = st.floats(min_value=1e-4, max_value=0.999)
+
+
+@given(
+    window=st.floats(min_value=1e-6, max_value=100.0),
+    producers=st.integers(min_value=1, max_value=1024),
+    eps=budgets,
+    delta=st.floats(min_value=1e-4, max_value=1.0),
+)
+def test_gap_meets_both_budgets_and_is_the_smallest_that_does(
+    window: float, producers: int, eps: float, delta: float
+) -> None:
+    g = dac_gap(window, producers, eps, delta)
+    assert g >= 0
+    assert conflict_probability(window, g, producers) <= eps * (1 + 1e-9)
+    assert duty(window, g) <= delta * (1 + 1e-9)
+    if g > 1e-9 * window:  # below that, 1% of g is lost in floating-point rounding
+        # a gap 1% shorter breaks at least one budget: g* is the freshest feasible cadence
+        shorter = g * 0.99
+        assert (
+            conflict_probability(window, shorter, producers) > eps or duty(window, shorter) > delta
+        )
+
+
+@given(
+    window=st.floats(min_value=1e-3, max_value=10.0),
+    producers=st.integers(min_value=1, max_value=256),
+    eps=budgets,
+)
+def test_gap_grows_with_window_and_producers(window: float, producers: int, eps: float) -> None:
+    g = dac_gap(window, producers, eps, 0.5)
+    assert dac_gap(window * 2, producers, eps, 0.5) >= g
+    assert dac_gap(window, producers + 1, eps, 0.5) >= g
+
+
+# --- the online policy -------------------------------------------------------------------------
+
+
+def test_defaults_are_documented_values() -> None:
+    policy = DacPolicy()
+    assert policy.conflict_budget == DEFAULT_CONFLICT_BUDGET == 0.1
+    assert policy.duty_budget == DEFAULT_DUTY_BUDGET == 0.1
+    assert policy.ema_alpha == 0.2
+    assert policy.jitter == 0.2
+
+
+def test_first_attempt_is_immediate_and_gap_follows_measurements() -> None:
+    policy = DacPolicy(jitter=0.0)
+    assert policy.gap == 0.0
+    assert policy.window is None
+    assert policy.ready(1, math.inf)
+    policy.record(outcome(window=0.1, producers=8))
+    # first measurement seeds the EMA: W = 0.1, so g* = 6.5438551067 (hand-computed above)
+    assert policy.window == pytest.approx(0.1)
+    assert policy.producers == 8
+    assert policy.gap == pytest.approx(6.5438551067, rel=1e-9)
+    assert not policy.ready(5, 6.5)
+    assert policy.ready(1, 6.55)
+    assert not policy.ready(0, 100.0)
+
+
+def test_ema_update() -> None:
+    policy = DacPolicy(ema_alpha=0.2, jitter=0.0, initial_window=1.0)
+    policy.record(outcome(window=2.0, producers=1))
+    # W = 0.8 * 1.0 + 0.2 * 2.0 = 1.2
+    assert policy.window == pytest.approx(1.2)
+    policy.record(outcome(window=0.2, producers=1))
+    # W = 0.8 * 1.2 + 0.2 * 0.2 = 0.96 + 0.04 = 1.0
+    assert policy.window == pytest.approx(1.0)
+    # N=1, delta=0.1: g = W * 9 = 9.0
+    assert policy.gap == pytest.approx(9.0)
+
+
+def test_alpha_one_tracks_the_last_window() -> None:
+    policy = DacPolicy(ema_alpha=1.0, jitter=0.0, initial_window=5.0)
+    policy.record(outcome(window=0.3, producers=1))
+    assert policy.window == pytest.approx(0.3)
+
+
+def test_conflict_burst_widens_the_gap() -> None:
+    policy = DacPolicy(jitter=0.0)
+    policy.record(outcome(window=0.1, producers=4))
+    before = policy.gap
+    policy.record(outcome(committed=False, window=0.5, producers=8))
+    assert policy.producers == 8
+    assert policy.gap > before
+    # W = 0.8*0.1 + 0.2*0.5 = 0.18, N=8 -> 0.18 * (7/0.105360515657826 - 1) = 11.7789391921
+    assert policy.gap == pytest.approx(11.7789391921, rel=1e-9)
+
+
+def test_producers_leaving_shrinks_the_gap() -> None:
+    policy = DacPolicy(jitter=0.0, initial_window=0.1)
+    policy.record(outcome(window=0.1, producers=16))
+    wide = policy.gap
+    policy.record(outcome(window=0.1, producers=2))
+    assert policy.gap < wide
+
+
+@pytest.mark.parametrize(("fraction", "factor"), [(0.0, 0.8), (0.5, 1.0), (1.0, 1.2)])
+def test_jitter_scales_the_target_by_one_plus_u(fraction: float, factor: float) -> None:
+    draw = FixedDraw(fraction)
+    policy = DacPolicy(jitter=0.2, rng=draw)
+    policy.record(outcome(window=0.1, producers=8))
+    assert draw.calls == [(-0.2, 0.2)]
+    assert policy.target_gap == pytest.approx(6.5438551067, rel=1e-9)
+    assert policy.gap == pytest.approx(6.5438551067 * factor, rel=1e-9)
+
+
+def test_zero_jitter_draws_nothing() -> None:
+    draw = FixedDraw(1.0)
+    policy = DacPolicy(jitter=0.0, rng=draw)
+    policy.record(outcome())
+    assert draw.calls == []
+    assert policy.gap == policy.target_gap
+
+
+@given(
+    jitter=st.floats(min_value=0.0, max_value=0.99),
+    seed=st.integers(min_value=0, max_value=2**32),
+    window=st.floats(min_value=1e-4, max_value=10.0),
+    producers=st.integers(min_value=1, max_value=128),
+)
+def test_jittered_gap_stays_within_bounds(
+    jitter: float, seed: int, window: float, producers: int
+) -> None:
+    policy = DacPolicy(jitter=jitter, seed=seed)
+    for _ in range(5):
+        policy.record(outcome(window=window, producers=producers))
+        target = policy.target_gap
+        assert target * (1 - jitter) * (1 - 1e-12) <= policy.gap
+        assert policy.gap <= target * (1 + jitter) * (1 + 1e-12)
+
+
+def test_seeded_policies_repeat_and_differ() -> None:
+    def gaps(seed: int) -> list[float]:
+        policy = DacPolicy(seed=seed)
+        out = []
+        for _ in range(4):
+            policy.record(outcome())
+            out.append(policy.gap)
+        return out
+
+    assert gaps(1) == gaps(1)
+    assert gaps(1) != gaps(2)
+
+
+def test_random_random_is_an_accepted_source() -> None:
+    policy = DacPolicy(rng=random.Random(7))
+    policy.record(outcome())
+    assert policy.gap > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"conflict_budget": 0.0}, "conflict_budget"),
+        ({"conflict_budget": 1.0}, "conflict_budget"),
+        ({"duty_budget": 0.0}, "duty_budget"),
+        ({"duty_budget": 1.01}, "duty_budget"),
+        ({"jitter": -0.1}, "jitter"),
+        ({"jitter": 1.0}, "jitter"),
+        ({"ema_alpha": 0.0}, "ema_alpha"),
+        ({"ema_alpha": 1.5}, "ema_alpha"),
+        ({"initial_window": -1.0}, "fragile window"),
+        ({"rng": random.Random(1), "seed": 1}, "either rng or seed"),
+    ],
+)
+def test_dac_validates_parameters(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DacPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_dac_budget_limits_are_accepted() -> None:
+    DacPolicy(conflict_budget=0.999999, duty_budget=1.0, jitter=0.0)
+    DacPolicy(conflict_budget=1e-9, duty_budget=1e-9, jitter=0.999)
+
+
+def test_record_rejects_impossible_measurements() -> None:
+    policy = DacPolicy()
+    with pytest.raises(ValueError, match="fragile window"):
+        policy.record(outcome(window=-0.5))
+    with pytest.raises(ValueError, match="producer count"):
+        policy.record(outcome(producers=0))
+
+
+# --- baselines ---------------------------------------------------------------------------------
+
+
+def test_naive_attempts_whenever_something_is_pending() -> None:
+    policy = NaivePolicy()
+    assert policy.ready(1, 0.0)
+    policy.record(outcome(committed=False))
+    assert policy.ready(1, 0.0)
+    assert not policy.ready(0, math.inf)
+    assert policy.gap == 0.0
+
+
+@pytest.mark.parametrize(("cls", "every"), [(Fixed10Policy, 10), (Fixed100Policy, 100)])
+def test_fixed_policies_wait_for_their_count_and_never_adapt(
+    cls: type[Fixed10Policy], every: int
+) -> None:
+    policy = cls()
+    assert not policy.ready(every - 1, math.inf)
+    assert policy.ready(every, 0.0)
+    for committed in (False, False, True):
+        policy.record(outcome(committed=committed))
+    assert policy.interval == every
+    assert policy.ready(every, 0.0)
+    assert policy.gap == 0.0
+
+
+def test_incr_grows_by_one_per_conflict_only() -> None:
+    policy = IncrPolicy()
+    assert policy.interval == 10
+    policy.record(outcome(committed=False))
+    policy.record(outcome(committed=False))
+    assert policy.interval == 12
+    policy.record(outcome(committed=True))
+    assert policy.interval == 12
+    assert not policy.ready(11, math.inf)
+    assert policy.ready(12, 0.0)
+
+
+def test_aimd_adds_on_success_and_halves_on_conflict() -> None:
+    policy = AimdPolicy()
+    assert policy.interval == 10
+    policy.record(outcome(committed=True))
+    policy.record(outcome(committed=True))
+    assert policy.interval == 12  # 10 + 1 + 1
+    policy.record(outcome(committed=False))
+    assert policy.interval == 6  # 12 / 2
+    assert policy.ready(6, 0.0)
+    assert not policy.ready(5, math.inf)
+    for _ in range(10):
+        policy.record(outcome(committed=False))
+    assert policy.interval == 1  # 6 -> 3 -> 1.5 -> 1 (floor)
+    assert policy.ready(1, 0.0)
+
+
+def test_aimd_options() -> None:
+    policy = AimdPolicy(initial=4, addend=2.5, decrease=0.25, minimum=2)
+    policy.record(outcome(committed=True))
+    assert policy.interval == 6.5
+    policy.record(outcome(committed=False))
+    assert policy.interval == 2  # max(2, 6.5 * 0.25 = 1.625)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "message"),
+    [
+        ("aimd", {"decrease": 1.0}, "decrease"),
+        ("aimd", {"addend": -1.0}, "addend"),
+        ("aimd", {"minimum": 0.5}, "minimum"),
+        ("aimd", {"initial": 0.0}, "interval"),
+        ("incr", {"step": -1}, "step"),
+        ("incr", {"initial": 0}, "interval"),
+        ("fixed10", {"every": 0}, "interval"),
+    ],
+)
+def test_baselines_validate_parameters(name: str, kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_policy(name, **kwargs)
+
+
+# --- registry ----------------------------------------------------------------------------------
+
+
+def test_registry_holds_the_six_policies() -> None:
+    assert policy_names() == ["aimd", "dac", "fixed10", "fixed100", "incr", "naive"]
+    for name in policy_names():
+        policy = make_policy(name)
+        assert isinstance(policy, CommitPolicy)
+        assert policy.name == name
+
+
+def test_make_policy_passes_options() -> None:
+    policy = make_policy("dac", conflict_budget=0.05, jitter=0.0, seed=3)
+    assert isinstance(policy, DacPolicy)
+    assert policy.conflict_budget == 0.05
+    incr = make_policy("incr", initial=3)
+    assert isinstance(incr, IncrPolicy)
+    assert incr.interval == 3
+
+
+def test_make_policy_errors_are_clear() -> None:
+    with pytest.raises(ValueError, match=r"unknown commit policy 'tcp'.*aimd, dac, fixed10"):
+        make_policy("tcp")
+    with pytest.raises(ValueError, match=r"bad options.*'naive'"):
+        make_policy("naive", conflict_budget=0.1)
+
+
+def test_public_exports() -> None:
+    for name in (
+        "DacPolicy",
+        "CommitPolicy",
+        "AttemptOutcome",
+        "make_policy",
+        "policy_names",
+        "dac_gap",
+    ):
+        assert name in batchweave.__all__
+        assert getattr(batchweave, name) is not None

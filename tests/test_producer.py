@@ -1,0 +1,569 @@
+"""Unit tests of the Producer client on in-memory stores, with injected clocks and sleeps."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+import batchweave as bw
+from batchweave import (
+    AccessDenied,
+    Mesh,
+    NamespaceMismatch,
+    NamespaceSealed,
+    ObjectStore,
+    OffsetOrderError,
+    Producer,
+    ProducerError,
+    ProducerFenced,
+    PutMode,
+    TransientStoreError,
+)
+from batchweave._format._tgb import TgbBuilder, encode_tgb, read_footer, read_slice
+from batchweave._manifest._log import ManifestLog
+from batchweave._manifest._models import Manifest
+from batchweave._store._base import ByteRange, ObjectMeta
+from batchweave._store._memory import MemoryStore
+from batchweave._store._wrappers import FaultInjectingStore
+
+MESH = Mesh(dp=2, cp=2)
+NS = "runs/unit"
+
+
+class FakeTime:
+    """A monotonic clock that only moves when something sleeps; records every sleep."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+        self._lock = threading.Lock()
+
+    def clock(self) -> float:
+        with self._lock:
+            return self.now
+
+    def wall(self) -> float:
+        with self._lock:
+            return 1.7e9 + self.now
+
+    def sleep(self, seconds: float) -> None:
+        with self._lock:
+            self.sleeps.append(seconds)
+            self.now += max(0.0, seconds)
+
+
+def payloads(offset: int, size: int = 16) -> list[bytes]:
+    return [bytes([offset % 251]) * size + f"{offset}/{i}".encode() for i in range(MESH.slices)]
+
+
+def make(store: ObjectStore, pid: str = "p0", **kw: object) -> Producer:
+    fake = kw.pop("fake", None) or FakeTime()
+    assert isinstance(fake, FakeTime)
+    opts: dict[str, object] = {
+        "policy": "naive",
+        "clock": fake.clock,
+        "wall_clock": fake.wall,
+        "sleep": fake.sleep,
+    }
+    opts.update(kw)
+    return Producer(store, NS, producer_id=pid, mesh=MESH, **opts)  # type: ignore[arg-type]
+
+
+def latest(store: ObjectStore) -> tuple[ManifestLog, Manifest]:
+    log = ManifestLog(store, NS)
+    return log, log.latest()
+
+
+def committed_offsets(store: ObjectStore, pid: str) -> list[int]:
+    log, m = latest(store)
+    return [
+        d.offset for _, d in log.descriptors(m, m.base_step, m.next_step) if d.producer_id == pid
+    ]
+
+
+@pytest.fixture
+def store() -> MemoryStore:
+    return MemoryStore()
+
+
+# ---------------------------------------------------------------------------------------------
+# start, resume_offset, data round trip
+
+
+def test_first_start_creates_namespace_and_resumes_at_zero(store: MemoryStore) -> None:
+    with make(store) as p:
+        assert p.resume_offset == 0
+        assert p.epoch == 0
+        assert p.committed_offset is None
+    _, m = latest(store)
+    assert m.mesh == MESH
+    assert m.producers["p0"].epoch == 0
+    assert m.producers["p0"].offset is None
+
+
+def test_appended_tgbs_are_committed_in_offset_order_and_readable(store: MemoryStore) -> None:
+    with make(store) as p:
+        for off in (3, 7, 8, 20):
+            p.append(payloads(off), offset=off)
+        p.flush()
+        assert p.committed_offset == 20
+        stats = p.stats()
+    assert stats.tgbs_published == 4
+    assert stats.pending == 0
+    assert stats.inflight_bytes == 0
+    assert stats.commits >= 1
+    log, m = latest(store)
+    descs = [d for _, d in log.descriptors(m, 0, m.next_step)]
+    assert [d.offset for d in descs] == [3, 7, 8, 20]
+    assert all(d.epoch == 0 and d.producer_id == "p0" for d in descs)
+    d = descs[1]
+    ref = d.objects[0]
+    key = log.key(ref.key)
+    assert ref.key.startswith("data/p0/0/00000000000000000007-")
+    assert ref.key.endswith(".tgb")
+    footer = read_footer(
+        store, key, footer_offset=ref.footer_offset, footer_length=ref.footer_length
+    )
+    assert read_slice(store, key, footer, (1, 0)) == payloads(7)[2]
+    assert d.bytes == store.head(key).size
+    assert d.samples == MESH.slices
+
+
+def test_restart_resumes_after_committed_offset_and_bumps_epoch(store: MemoryStore) -> None:
+    with make(store) as p:
+        for off in range(5):
+            p.append(payloads(off), offset=off)
+    with make(store) as p2:
+        assert p2.epoch == 1
+        assert p2.resume_offset == 5
+        assert p2.committed_offset == 4
+        for off in range(p2.resume_offset, 8):
+            p2.append(payloads(off), offset=off)
+    assert committed_offsets(store, "p0") == list(range(8))
+    _, m = latest(store)
+    assert m.producers["p0"].epoch == 1
+
+
+def test_encoded_tgb_and_builder_are_accepted(store: MemoryStore) -> None:
+    builder = TgbBuilder(MESH, metadata={"src": "b"})
+    for d in range(MESH.dp):
+        for c in range(MESH.cp):
+            builder.set_slice(d, c, f"{d}{c}".encode(), sample_count=3)
+    with make(store) as p:
+        p.append(encode_tgb(payloads(0), MESH), offset=0)
+        p.append(builder, offset=1)
+        with pytest.raises(ValueError, match="mesh"):
+            p.append(encode_tgb([b"x"], Mesh(dp=1)), offset=2)
+    log, m = latest(store)
+    assert [d.samples for _, d in log.descriptors(m, 0, 2)] == [4, 12]
+
+
+def test_wrong_slice_count_is_a_clear_error(store: MemoryStore) -> None:
+    with make(store) as p, pytest.raises(ValueError, match=r"needs dp\*cp = 4"):
+        p.append([b"a", b"b"], offset=0)
+
+
+def test_mesh_mismatch_is_a_clear_error(store: MemoryStore) -> None:
+    make(store).close()
+    with pytest.raises(NamespaceMismatch, match="mesh"):
+        Producer(store, NS, producer_id="p1", mesh=Mesh(dp=4, cp=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# offsets
+
+
+def test_offset_not_greater_than_last_appended_is_rejected(store: MemoryStore) -> None:
+    with make(store) as p:
+        p.append(payloads(5), offset=5)
+        with pytest.raises(OffsetOrderError, match=r"offset 5 .*last appended offset 5"):
+            p.append(payloads(5), offset=5)
+        with pytest.raises(OffsetOrderError, match=r"offset 2 .*last appended offset 5"):
+            p.append(payloads(2), offset=2)
+        with pytest.raises(OffsetOrderError, match="non-negative"):
+            p.append(payloads(0), offset=-1)
+        p.append(payloads(6), offset=6)  # still usable
+    assert committed_offsets(store, "p0") == [5, 6]
+
+
+def test_offset_not_greater_than_committed_offset_is_rejected_after_restart(
+    store: MemoryStore,
+) -> None:
+    with make(store) as p:
+        p.append(payloads(9), offset=9)
+    with make(store) as p2:
+        with pytest.raises(OffsetOrderError, match=r"offset 9 .*committed offset 9.*resume_offset"):
+            p2.append(payloads(9), offset=9)
+        p2.append(payloads(10), offset=10)
+    assert committed_offsets(store, "p0") == [9, 10]
+
+
+# ---------------------------------------------------------------------------------------------
+# fencing
+
+
+def test_zombie_is_fenced_after_a_new_incarnation_starts(store: MemoryStore) -> None:
+    old = make(store)
+    old.append(payloads(0), offset=0)
+    old.flush()
+    new = make(store)
+    assert new.epoch == old.epoch + 1
+    assert new.resume_offset == 1
+    old.append(payloads(1), offset=1)
+    with pytest.raises(ProducerFenced) as info:
+        old.flush()
+    msg = str(info.value)
+    assert "'p0'" in msg
+    assert "epoch 1" in msg
+    assert "epoch 0" in msg
+    assert "newer process" in msg
+    # Once fenced, everything else fails the same way, and close still stops the threads.
+    with pytest.raises(ProducerFenced):
+        old.append(payloads(2), offset=2)
+    with pytest.raises(ProducerFenced):
+        old.close()
+    new.append(payloads(1), offset=1)
+    new.close()
+    assert committed_offsets(store, "p0") == [0, 1]
+    _, m = latest(store)
+    assert all(d.epoch == 1 for d in m.tail if d.offset == 1)
+
+
+def test_fenced_pending_tgbs_are_never_committed(store: MemoryStore) -> None:
+    gate = threading.Event()
+    slow = GatedStore(store, gate)
+    old = make(slow)
+    old.append(payloads(0), offset=0)  # upload blocked at the gate: not committable yet
+    new = make(store)
+    gate.set()
+    with pytest.raises(ProducerFenced):
+        old.flush()
+    old.abort()
+    assert committed_offsets(store, "p0") == []
+    new.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# flush, seal, close, context manager
+
+
+def test_close_drains_everything_without_an_explicit_flush(store: MemoryStore) -> None:
+    p = make(store, policy="fixed100")  # the policy alone would never commit 10 TGBs
+    for off in range(10):
+        p.append(payloads(off), offset=off)
+    p.close()
+    assert committed_offsets(store, "p0") == list(range(10))
+    assert not p._committer.is_alive()
+    p.close()  # idempotent
+    with pytest.raises(ProducerError, match="closed"):
+        p.append(payloads(10), offset=10)
+
+
+def test_flush_forces_a_count_based_policy(store: MemoryStore) -> None:
+    with make(store, policy="fixed100") as p:
+        p.append(payloads(0), offset=0)
+        p.flush()
+        assert committed_offsets(store, "p0") == [0]
+        p.flush()  # nothing new: returns at once
+
+
+def test_seal_commits_the_flag_after_everything_pending(store: MemoryStore) -> None:
+    p = make(store, policy="fixed10")
+    for off in range(3):
+        p.append(payloads(off), offset=off)
+    p.seal()
+    _, m = latest(store)
+    assert m.sealed
+    assert committed_offsets(store, "p0") == [0, 1, 2]
+    with pytest.raises(ProducerError, match="sealed"):
+        p.append(payloads(3), offset=3)
+    p.close()
+    with pytest.raises(NamespaceSealed, match="sealed"):
+        make(store, pid="p1")
+
+
+def test_exception_inside_with_stops_threads_without_sealing(store: MemoryStore) -> None:
+    p = make(store, policy="fixed100")
+
+    def body() -> None:
+        with p:
+            p.append(payloads(0), offset=0)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        body()
+    assert not p._committer.is_alive()
+    _, m = latest(store)
+    assert not m.sealed
+    # Nothing was drained: the restart resumes at 0 and publishes offset 0 exactly once.
+    with make(store) as p2:
+        assert p2.resume_offset == 0
+        p2.append(payloads(0), offset=0)
+    assert committed_offsets(store, "p0") == [0]
+
+
+def test_flush_timeout_raises_timeout_error(store: MemoryStore) -> None:
+    gate = threading.Event()
+    p = make(GatedStore(store, gate))
+    p.append(payloads(0), offset=0)
+    with pytest.raises(TimeoutError, match=r"1 TGBs not committed \(offsets 0..0\)"):
+        p.flush(timeout=0.05)
+    gate.set()
+    p.close()
+    assert committed_offsets(store, "p0") == [0]
+
+
+# ---------------------------------------------------------------------------------------------
+# uploads: retries, permanent failures, bounded memory
+
+
+def test_transient_upload_failures_are_retried_with_backoff(
+    store: MemoryStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = FakeTime()
+    faulty = FaultInjectingStore(store)
+    faulty.fail_next("put", TransientStoreError("injected 503"), times=3, key_prefix=f"{NS}/data/")
+    with (
+        caplog.at_level(logging.WARNING, logger="batchweave.producer"),
+        make(faulty, fake=fake, upload_threads=1) as p,
+    ):
+        p.append(payloads(0), offset=0)
+        p.flush()
+        stats = p.stats()
+    assert committed_offsets(store, "p0") == [0]
+    assert stats.transient_errors == 3
+    assert fake.sleeps[:3] == [0.1, 0.2, 0.4]  # the default capped exponential backoff
+    assert "injected 503" in caplog.text
+    assert "nothing pending is dropped" in caplog.text
+
+
+def test_permanent_upload_failure_surfaces_at_the_next_call(store: MemoryStore) -> None:
+    faulty = FaultInjectingStore(store)
+    faulty.fail_next("put", AccessDenied("no write permission"), key_prefix=f"{NS}/data/")
+    p = make(faulty, upload_threads=1)
+    p.append(payloads(0), offset=0)
+    with pytest.raises(ProducerError, match="no write permission") as info:
+        p.flush()
+    assert isinstance(info.value.__cause__, AccessDenied)
+    with pytest.raises(ProducerError, match="no write permission"):
+        p.append(payloads(1), offset=1)
+    with pytest.raises(ProducerError):
+        p.close()
+    assert not p._committer.is_alive()
+    assert committed_offsets(store, "p0") == []
+
+
+def test_max_retries_are_bounded(store: MemoryStore) -> None:
+    faulty = FaultInjectingStore(store)
+    faulty.fail_next("put", TransientStoreError("503"), times=100, key_prefix=f"{NS}/data/")
+    p = make(faulty, upload_threads=1, max_retries=2)
+    p.append(payloads(0), offset=0)
+    with pytest.raises(ProducerError, match="failed 3 times"):
+        p.flush()
+    p.abort()
+
+
+def test_in_flight_bytes_are_bounded(store: MemoryStore) -> None:
+    gate = threading.Event()
+    gated = GatedStore(store, gate)
+    sizes = [encode_tgb(payloads(off, 1000), MESH).size for off in range(2)]
+    p = make(gated, max_inflight_bytes=int(sizes[0] * 2.5), upload_threads=4)
+    p.append(payloads(0, 1000), offset=0)
+    p.append(payloads(1, 1000), offset=1)
+    assert p.stats().inflight_bytes == sum(sizes)
+    third = threading.Thread(target=p.append, args=(payloads(2, 1000),), kwargs={"offset": 2})
+    third.start()
+    third.join(0.3)
+    assert third.is_alive(), "append must block while max_inflight_bytes are in flight"
+    assert gated.data_puts_started == 2
+    assert p.stats().inflight_bytes == sum(sizes)
+    gate.set()
+    third.join(10)
+    assert not third.is_alive()
+    p.close()
+    assert committed_offsets(store, "p0") == [0, 1, 2]
+    assert p.stats().inflight_bytes == 0
+
+
+def test_a_single_tgb_larger_than_the_bound_still_goes(store: MemoryStore) -> None:
+    with make(store, max_inflight_bytes=10) as p:
+        p.append(payloads(0, 1000), offset=0)
+        p.append(payloads(1, 1000), offset=1)
+    assert committed_offsets(store, "p0") == [0, 1]
+
+
+def test_only_the_contiguous_uploaded_prefix_is_committed(store: MemoryStore) -> None:
+    gated = GatedStore(store, threading.Event(), gate_offsets={0})
+    p = make(gated, upload_threads=2)
+    p.append(payloads(0), offset=0)  # held at the gate
+    p.append(payloads(1), offset=1)  # uploads at once
+    with pytest.raises(TimeoutError):
+        p.flush(timeout=0.2)
+    assert committed_offsets(store, "p0") == []  # offset 1 waits for offset 0
+    gated.gate.set()
+    p.close()
+    assert committed_offsets(store, "p0") == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# commits: conflicts, ambiguous writes, transient errors, stats
+
+
+def test_ambiguous_commit_that_landed_is_not_committed_twice(store: MemoryStore) -> None:
+    faulty = FaultInjectingStore(store)
+    with make(faulty) as p:
+        faulty.fail_next("put", landed=True, key_prefix=f"{NS}/_manifests/")
+        p.append(payloads(0), offset=0)
+        p.flush()
+        assert p.stats().ambiguous == 1
+        assert p.stats().commits == 1
+        p.append(payloads(1), offset=1)
+    assert committed_offsets(store, "p0") == [0, 1]
+
+
+def test_transient_errors_reading_the_base_keep_pending(store: MemoryStore) -> None:
+    fake = FakeTime()
+    faulty = FaultInjectingStore(store)
+    with make(faulty, fake=fake) as p:
+        faulty.fail_next("get", times=2, key_prefix=f"{NS}/_manifests/")
+        p.append(payloads(0), offset=0)
+        p.flush()
+        assert p.stats().transient_errors == 2
+    assert committed_offsets(store, "p0") == [0]
+
+
+def test_conflicting_producers_rebase_and_record_outcomes(store: MemoryStore) -> None:
+    fake = FakeTime()
+    a = make(store, pid="a", fake=fake)
+    b = make(store, pid="b", fake=fake, refresh_age=1e9)  # never refreshes: stale bases
+    a.append(payloads(0), offset=0)
+    a.flush()
+    b.append(payloads(0), offset=0)
+    b.flush()  # b's base predates a's commit: conflict, rebase, retry
+    stats = b.stats()
+    assert stats.conflicts >= 1
+    assert stats.commits == 1
+    assert stats.attempts == stats.conflicts + stats.commits
+    a.close()
+    b.close()
+    log, m = latest(store)
+    assert [(d.producer_id, d.offset) for _, d in log.descriptors(m, 0, m.next_step)] == [
+        ("a", 0),
+        ("b", 0),
+    ]
+
+
+def test_dac_gap_is_waited_with_the_injected_sleep(store: MemoryStore) -> None:
+    fake = FakeTime()
+    with make(store, fake=fake, policy="dac") as p:
+        for off in range(5):
+            p.append(payloads(off), offset=off)
+            p.flush()
+        assert p.stats().gap >= 0.0
+    assert committed_offsets(store, "p0") == list(range(5))
+
+
+# ---------------------------------------------------------------------------------------------
+# max_lag
+
+
+def test_max_lag_blocks_until_the_boundary_moves(
+    store: MemoryStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    boundary = {"step": 0}
+    slept = threading.Event()
+    tick = threading.Event()
+    fake = FakeTime()
+
+    def sleep(seconds: float) -> None:
+        fake.sleep(seconds)
+        slept.set()
+        tick.wait(0.01)
+
+    p = make(
+        store,
+        fake=fake,
+        sleep=sleep,
+        max_lag=3,
+        boundary=lambda: boundary["step"],
+        lag_log_interval=0.0,
+    )
+    for off in range(3):
+        p.append(payloads(off), offset=off)
+    p.flush()
+    p.append(payloads(3), offset=3)  # visible 3 - boundary 0 <= 3: goes
+    p.flush()
+    blocked = threading.Thread(target=p.append, args=(payloads(4),), kwargs={"offset": 4})
+    with caplog.at_level(logging.INFO, logger="batchweave.producer"):
+        blocked.start()
+        assert slept.wait(10)
+        assert blocked.is_alive()
+        assert p.stats().lag_blocked
+        boundary["step"] = 1
+        blocked.join(10)
+    assert not blocked.is_alive()
+    stats = p.stats()
+    assert not stats.lag_blocked
+    assert stats.lag_blocked_seconds > 0
+    assert "blocked by max_lag: 4 visible steps, reclamation boundary 0, max_lag 3" in caplog.text
+    p.close()
+    assert committed_offsets(store, "p0") == [0, 1, 2, 3, 4]
+
+
+def test_default_boundary_reads_watermark_objects(store: MemoryStore) -> None:
+    with make(store) as p:
+        assert p._watermark_boundary() == 0
+        store.put(f"{NS}/_watermarks/ckpt-10.json", b'{"checkpoint_id": "ckpt-10", "step": 10}')
+        store.put(f"{NS}/_watermarks/ckpt-4.json", b'{"checkpoint_id": "ckpt-4", "step": 4}')
+        store.put(f"{NS}/_watermarks/bad.json", b"not json")
+        assert p._watermark_boundary() == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+class GatedStore(ObjectStore):
+    """Delegates to ``inner``; data PUTs (optionally only some offsets) wait for ``gate``."""
+
+    def __init__(
+        self, inner: ObjectStore, gate: threading.Event, gate_offsets: set[int] | None = None
+    ) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.gate = gate
+        self.gate_offsets = gate_offsets
+        self.data_puts_started = 0
+        self._lock = threading.Lock()
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        if "/data/" in key:
+            with self._lock:
+                self.data_puts_started += 1
+            offset = int(key.rsplit("/", 1)[1].split("-", 1)[0])
+            if self.gate_offsets is None or offset in self.gate_offsets:
+                assert self.gate.wait(30), "test gate never opened"
+        self.inner.put(key, data, mode=mode)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        return self.inner.get_range(key, rng)
+
+    def head(self, key: str) -> ObjectMeta:
+        return self.inner.head(key)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        return self.inner.list(prefix, start_after=start_after)
+
+    def delete_many(self, keys: object) -> None:
+        self.inner.delete_many(keys)  # type: ignore[arg-type]
+
+
+def test_public_names_are_exported() -> None:
+    assert bw.Producer is Producer
+    assert bw.ProducerStats.__doc__

@@ -1,0 +1,159 @@
+"""FileStore specifics: root confinement, temp files, directory pruning, path conflicts."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from batchweave import (
+    FileStore,
+    InvalidKey,
+    InvalidStoreURL,
+    ObjectExists,
+    ObjectNotFound,
+    Suffix,
+)
+from batchweave._store._file import TEMP_DIR_NAME
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "root"
+
+
+@pytest.fixture
+def store(root: Path) -> FileStore:
+    return FileStore(root)
+
+
+def test_missing_root_is_created_and_url_is_a_file_uri(tmp_path: Path) -> None:
+    root = tmp_path / "deep" / "er" / "root"
+    store = FileStore(root)
+    assert root.is_dir()
+    assert store.url == root.as_uri()
+    assert store.root == os.path.realpath(root)
+
+
+def test_relative_root_is_refused() -> None:
+    with pytest.raises(InvalidStoreURL, match="absolute"):
+        FileStore("relative/dir")
+
+
+def test_symlinked_directory_cannot_escape_root(
+    tmp_path: Path, store: FileStore, root: Path
+) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"do not read")
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    for call in (
+        lambda: store.put("link/new", b"x"),
+        lambda: store.put_if_absent("link/new", b"x"),
+        lambda: store.get("link/secret"),
+        lambda: store.get_range("link/secret", Suffix(2)),
+        lambda: store.head("link/secret"),
+        lambda: store.delete_many(["link/secret"]),
+    ):
+        with pytest.raises(InvalidKey, match="outside the root"):
+            call()
+    assert sorted(p.name for p in outside.iterdir()) == ["secret"]
+    assert (outside / "secret").read_bytes() == b"do not read"
+    assert list(store.list()) == []  # symlinks are not followed when listing
+
+
+def test_symlinked_file_cannot_escape_root(tmp_path: Path, store: FileStore, root: Path) -> None:
+    target = tmp_path / "target"
+    target.write_bytes(b"outside")
+    (root / "alias").symlink_to(target)
+    with pytest.raises(InvalidKey):
+        store.get("alias")
+    with pytest.raises(InvalidKey):
+        store.put("alias", b"overwrite through the link")
+    assert target.read_bytes() == b"outside"
+
+
+def test_dotdot_keys_never_touch_the_parent(tmp_path: Path, store: FileStore) -> None:
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for key in ("../escape", "a/../../escape", ".."):
+        with pytest.raises(InvalidKey):
+            store.put(key, b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_temp_directory_is_reserved_and_hidden(store: FileStore, root: Path) -> None:
+    with pytest.raises(InvalidKey, match="reserved"):
+        store.put(f"{TEMP_DIR_NAME}/x", b"x")
+    # A writer that crashed mid-write leaves only a temp file: never visible as an object.
+    (root / TEMP_DIR_NAME / "crashed.tmp").write_bytes(b"partial")
+    assert list(store.list()) == []
+
+
+def test_writes_leave_no_temp_files(store: FileStore, root: Path) -> None:
+    store.put("a", b"1")
+    store.put("a", b"2")
+    store.put_if_absent("b", b"3")
+    with pytest.raises(ObjectExists):
+        store.put_if_absent("b", b"4")
+    assert list((root / TEMP_DIR_NAME).iterdir()) == []
+    assert (root / "b").read_bytes() == b"3"
+
+
+def test_object_and_directory_name_conflicts(store: FileStore) -> None:
+    store.put("a", b"file")
+    with pytest.raises(InvalidKey, match="'a' is in the way"):
+        store.put("a/b", b"x")
+    with pytest.raises(ObjectNotFound):
+        store.get("a/b")
+    store.put("d/e", b"x")
+    with pytest.raises(InvalidKey, match="cannot hold both"):
+        store.put("d", b"x")
+    with pytest.raises(InvalidKey, match="cannot hold both"):
+        store.put_if_absent("d", b"x")
+    with pytest.raises(ObjectNotFound):
+        store.get("d")
+    with pytest.raises(ObjectNotFound):
+        store.head("d")
+    store.delete_many(["d"])  # a directory is not an object: nothing to delete
+    assert store.get("d/e") == b"x"
+
+
+def test_delete_prunes_emptied_directories_only(store: FileStore, root: Path) -> None:
+    store.put("x/y/z/1", b"1")
+    store.put("x/keep", b"2")
+    store.delete_many(["x/y/z/1"])
+    assert not (root / "x" / "y").exists()
+    assert (root / "x" / "keep").exists()
+    store.delete_many(["x/keep"])
+    assert sorted(p.name for p in root.iterdir()) == [TEMP_DIR_NAME]
+
+
+def test_puts_survive_concurrent_pruning(store: FileStore) -> None:
+    # Deletes prune the directory a concurrent put is about to publish into; puts must retry.
+    errors: list[BaseException] = []
+
+    def churn(worker: int) -> None:
+        try:
+            for i in range(150):
+                key = f"hot/dir/w{worker}-{i}"
+                store.put(key, b"x")
+                assert store.get(key) == b"x"
+                store.delete_many([key])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert list(store.list()) == []
+
+
+def test_fsync_can_be_disabled(root: Path) -> None:
+    store = FileStore(root, fsync=False)
+    store.put_if_absent("k", b"v")
+    assert store.get("k") == b"v"

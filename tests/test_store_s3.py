@@ -1,0 +1,383 @@
+"""S3Store specifics: error translation, ranges, batching, credentials hygiene, real servers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import botocore.exceptions as bex
+import pytest
+from botocore.config import Config
+from botocore.stub import Stubber
+
+from batchweave import (
+    AccessDenied,
+    AmbiguousWriteError,
+    Bounded,
+    ConcurrentWriteConflict,
+    ConditionalWritesUnsupported,
+    InvalidKey,
+    InvalidStoreURL,
+    ObjectExists,
+    ObjectNotFound,
+    Offset,
+    PutMode,
+    S3Store,
+    StoreError,
+    StoreUnavailable,
+    Suffix,
+    TransientStoreError,
+    open_store,
+)
+from batchweave.testing import S3Endpoint, free_port
+
+BUCKET = "unit-bucket"
+ACCESS_KEY = "AKIAEXAMPLEACCESSKEY"
+SECRET = "example-secret-value-never-printed"
+
+
+def _client(max_attempts: int = 1) -> Any:
+    return boto3.client(
+        "s3",
+        region_name="us-east-1",
+        endpoint_url=f"http://127.0.0.1:{free_port()}",
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET,
+        config=Config(
+            retries={"mode": "standard", "total_max_attempts": max_attempts},
+            connect_timeout=0.5,
+            read_timeout=0.5,
+        ),
+    )
+
+
+@pytest.fixture
+def stubbed() -> Iterator[tuple[S3Store, Stubber]]:
+    """An S3Store whose client never reaches the network: responses come from a Stubber."""
+    store = S3Store(BUCKET, "pre", client=_client(), access_key_id=ACCESS_KEY)
+    with Stubber(store.client) as stubber:
+        yield store, stubber
+        stubber.assert_no_pending_responses()
+
+
+# -- error translation -----------------------------------------------------------------------
+
+Call = Callable[[S3Store], object]
+_CALLS: dict[str, tuple[str, Call]] = {
+    "put": ("put_object", lambda s: s.put("k", b"x")),
+    "put_if_absent": ("put_object", lambda s: s.put_if_absent("k", b"x")),
+    "get": ("get_object", lambda s: s.get("k")),
+    "get_range": ("get_object", lambda s: s.get_range("k", Bounded(0, 4))),
+    "head": ("head_object", lambda s: s.head("k")),
+    "list": ("list_objects_v2", lambda s: list(s.list())),
+    "delete": ("delete_objects", lambda s: s.delete_many(["k"])),
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "code", "status", "expected"),
+    [
+        ("put_if_absent", "PreconditionFailed", 412, ObjectExists),
+        ("put_if_absent", "ConditionalRequestConflict", 409, ConcurrentWriteConflict),
+        ("put_if_absent", "NotImplemented", 501, ConditionalWritesUnsupported),
+        ("put_if_absent", "InternalError", 500, AmbiguousWriteError),
+        ("put", "InternalError", 500, AmbiguousWriteError),
+        ("put", "SlowDown", 503, AmbiguousWriteError),
+        ("put", "AccessDenied", 403, AccessDenied),
+        ("get", "NoSuchKey", 404, ObjectNotFound),
+        ("get", "InternalError", 500, TransientStoreError),
+        ("get", "SlowDown", 503, TransientStoreError),
+        ("get", "AccessDenied", 403, AccessDenied),
+        ("get", "InvalidAccessKeyId", 403, AccessDenied),
+        ("get", "SignatureDoesNotMatch", 403, AccessDenied),
+        ("get", "NoSuchBucket", 404, InvalidStoreURL),
+        ("get_range", "NoSuchKey", 404, ObjectNotFound),
+        ("head", "404", 404, ObjectNotFound),
+        ("head", "403", 403, AccessDenied),
+        ("list", "ServiceUnavailable", 503, TransientStoreError),
+        ("list", "NoSuchBucket", 404, InvalidStoreURL),
+        ("delete", "AccessDenied", 403, AccessDenied),
+        ("delete", "InternalError", 500, TransientStoreError),
+    ],
+)
+def test_client_errors_are_translated(
+    stubbed: tuple[S3Store, Stubber],
+    call: str,
+    code: str,
+    status: int,
+    expected: type[StoreError],
+) -> None:
+    store, stubber = stubbed
+    method, fn = _CALLS[call]
+    stubber.add_client_error(method, service_error_code=code, http_status_code=status)
+    with pytest.raises(expected) as info:
+        fn(store)
+    assert type(info.value) is expected
+    assert isinstance(info.value.__cause__, bex.ClientError)
+    assert "s3://unit-bucket/pre" in str(info.value)
+    if expected is InvalidStoreURL:
+        assert repr(BUCKET) in str(info.value)
+
+
+def test_unknown_client_error_is_a_plain_store_error(stubbed: tuple[S3Store, Stubber]) -> None:
+    store, stubber = stubbed
+    stubber.add_client_error("get_object", service_error_code="InvalidArgument")
+    with pytest.raises(StoreError) as info:
+        store.get("k")
+    assert type(info.value) is StoreError
+    assert "InvalidArgument" in str(info.value)
+
+
+def test_error_messages_scrub_credentials(stubbed: tuple[S3Store, Stubber]) -> None:
+    store, stubber = stubbed
+    stubber.add_client_error(
+        "get_object",
+        service_error_code="SignatureDoesNotMatch",
+        service_message=f"bad signature for {ACCESS_KEY}",
+        http_status_code=403,
+    )
+    with pytest.raises(AccessDenied) as info:
+        store.get("k")
+    assert ACCESS_KEY not in str(info.value)
+    assert "***" in str(info.value)
+
+
+def _raise_on_send(store: S3Store, operation: str, errors: list[Exception]) -> list[int]:
+    """Make each send attempt of ``operation`` raise the next error; return the attempt log."""
+    attempts: list[int] = []
+
+    def handler(**_: Any) -> None:
+        attempts.append(1)
+        raise errors[min(len(attempts), len(errors)) - 1]
+
+    store.client.meta.events.register(f"before-send.s3.{operation}", handler)
+    return attempts
+
+
+def _store_with_attempts(max_attempts: int) -> S3Store:
+    return S3Store(BUCKET, client=_client(max_attempts))
+
+
+def test_connect_error_is_unavailable_and_read_timeout_is_ambiguous_for_puts() -> None:
+    url = "http://127.0.0.1:1"
+    store = _store_with_attempts(1)
+    _raise_on_send(store, "PutObject", [bex.EndpointConnectionError(endpoint_url=url)])
+    with pytest.raises(StoreUnavailable):
+        store.put_if_absent("k", b"x")
+
+    store = _store_with_attempts(1)
+    _raise_on_send(store, "PutObject", [bex.ReadTimeoutError(endpoint_url=url)])
+    with pytest.raises(AmbiguousWriteError):
+        store.put_if_absent("k", b"x")
+
+    store = _store_with_attempts(1)
+    _raise_on_send(store, "PutObject", [bex.ConnectionClosedError(endpoint_url=url)])
+    with pytest.raises(AmbiguousWriteError):
+        store.put("k", b"x", mode=PutMode.OVERWRITE)
+
+
+def test_read_errors_are_transient() -> None:
+    url = "http://127.0.0.1:1"
+    for error in (
+        bex.ReadTimeoutError(endpoint_url=url),
+        bex.ConnectionClosedError(endpoint_url=url),
+    ):
+        store = _store_with_attempts(1)
+        _raise_on_send(store, "GetObject", [error])
+        with pytest.raises(TransientStoreError):
+            store.get("k")
+
+
+def test_put_retried_after_timeout_then_unreachable_is_ambiguous() -> None:
+    # The first attempt may have landed; a later "could not connect" must not hide that.
+    url = "http://127.0.0.1:1"
+    store = _store_with_attempts(2)
+    attempts = _raise_on_send(
+        store,
+        "PutObject",
+        [bex.ReadTimeoutError(endpoint_url=url), bex.EndpointConnectionError(endpoint_url=url)],
+    )
+    with pytest.raises(AmbiguousWriteError):
+        store.put_if_absent("k", b"x")
+    assert len(attempts) == 2
+
+    store = _store_with_attempts(2)
+    attempts = _raise_on_send(store, "PutObject", [bex.EndpointConnectionError(endpoint_url=url)])
+    with pytest.raises(StoreUnavailable):
+        store.put_if_absent("k", b"x")
+    assert len(attempts) == 2
+
+
+def test_unreachable_endpoint_fails_fast() -> None:
+    store = S3Store(
+        BUCKET,
+        endpoint_url=f"http://127.0.0.1:{free_port()}",
+        access_key_id=ACCESS_KEY,
+        secret_access_key=SECRET,
+        connect_timeout=0.5,
+        max_attempts=1,
+    )
+    started = time.monotonic()
+    for call in (lambda: store.get("k"), lambda: store.put_if_absent("k", b"x")):
+        with pytest.raises(StoreUnavailable) as info:
+            call()
+        assert "127.0.0.1" in str(info.value)
+    assert time.monotonic() - started < 5
+
+
+def test_missing_credentials_are_access_denied(
+    moto_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(AccessDenied, match="no usable AWS credentials"):
+        open_store("s3://batchweave-tests/x", endpoint_url=moto_endpoint.endpoint_url)
+
+
+# -- ranges ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rng", "header"),
+    [(Bounded(3, 10), "bytes=3-9"), (Offset(4), "bytes=4-"), (Suffix(5), "bytes=-5")],
+)
+def test_range_headers(stubbed: tuple[S3Store, Stubber], rng: Any, header: str) -> None:
+    store, stubber = stubbed
+    stubber.add_response(
+        "get_object",
+        {"Body": _body(b"abc"), "ContentRange": "bytes 0-2/10"},
+        {"Bucket": BUCKET, "Key": "pre/k", "Range": header},
+    )
+    assert store.get_range("k", rng) == b"abc"
+
+
+def test_range_past_end_returns_empty(stubbed: tuple[S3Store, Stubber]) -> None:
+    store, stubber = stubbed
+    stubber.add_client_error("get_object", service_error_code="InvalidRange", http_status_code=416)
+    assert store.get_range("k", Offset(100)) == b""
+
+
+def test_server_ignoring_range_is_sliced_locally(stubbed: tuple[S3Store, Stubber]) -> None:
+    store, stubber = stubbed
+    stubber.add_response("get_object", {"Body": _body(b"0123456789")})
+    assert store.get_range("k", Suffix(3)) == b"789"
+
+
+def _body(data: bytes) -> Any:
+    import io
+
+    from botocore.response import StreamingBody
+
+    return StreamingBody(io.BytesIO(data), len(data))
+
+
+# -- bulk delete -----------------------------------------------------------------------------
+
+
+def test_delete_many_batches_at_1000_keys(stubbed: tuple[S3Store, Stubber]) -> None:
+    store, stubber = stubbed
+    keys = [f"k{i:05d}" for i in range(2500)]
+    for start in (0, 1000, 2000):
+        batch = keys[start : start + 1000]
+        stubber.add_response(
+            "delete_objects",
+            {"Errors": [{"Key": f"pre/{batch[0]}", "Code": "NoSuchKey", "Message": "gone"}]},
+            {
+                "Bucket": BUCKET,
+                "Delete": {"Objects": [{"Key": f"pre/{k}"} for k in batch], "Quiet": True},
+            },
+        )
+    store.delete_many(iter(keys))
+
+
+def test_delete_many_reports_per_key_errors(stubbed: tuple[S3Store, Stubber]) -> None:
+    store, stubber = stubbed
+    stubber.add_response(
+        "delete_objects",
+        {
+            "Errors": [
+                {"Key": "pre/a", "Code": "AccessDenied", "Message": "no"},
+                {"Key": "pre/b", "Code": "AccessDenied", "Message": "no"},
+            ]
+        },
+    )
+    with pytest.raises(AccessDenied, match=r"'a'.*1 more"):
+        store.delete_many(["a", "b"])
+
+
+def test_delete_many_of_nothing_sends_nothing(stubbed: tuple[S3Store, Stubber]) -> None:
+    store, _ = stubbed
+    store.delete_many([])  # the Stubber fails on any unexpected request
+
+
+# -- construction, URL and repr --------------------------------------------------------------
+
+
+def test_url_prefix_normalization_and_no_credentials_in_repr() -> None:
+    store = S3Store(
+        "bkt",
+        "/runs/job-1/",
+        endpoint_url="http://127.0.0.1:9",
+        access_key_id=ACCESS_KEY,
+        secret_access_key=SECRET,
+        session_token="session-token-value",
+    )
+    assert store.url == "s3://bkt/runs/job-1"
+    assert store.prefix == "runs/job-1/"
+    assert store.client.meta.config.s3 == {"addressing_style": "path"}
+    for text in (repr(store), str(store), store.url):
+        for secret in (ACCESS_KEY, SECRET, "session-token-value"):
+            assert secret not in text
+    assert S3Store("bkt").url == "s3://bkt"
+
+
+def test_invalid_prefix_and_options_are_rejected() -> None:
+    with pytest.raises(InvalidKey):
+        S3Store("bkt", "a//b")
+    with pytest.raises(InvalidStoreURL, match="both"):
+        S3Store("bkt", access_key_id=ACCESS_KEY)
+    with pytest.raises(InvalidStoreURL, match="no-such-profile"):
+        S3Store("bkt", profile="no-such-profile")
+
+
+# -- real servers ----------------------------------------------------------------------------
+
+
+@pytest.mark.moto_server
+def test_missing_bucket_is_reported_at_open(moto_endpoint: S3Endpoint) -> None:
+    with pytest.raises(InvalidStoreURL, match="no-such-bucket-here"):
+        open_store("s3://no-such-bucket-here/p", **moto_endpoint.store_options())
+
+
+@pytest.mark.moto_server
+def test_open_store_probe_cleans_up(
+    moto_endpoint: S3Endpoint, s3_bucket: str, s3_prefix: str
+) -> None:
+    with open_store(f"s3://{s3_bucket}/{s3_prefix}", **moto_endpoint.store_options()) as store:
+        assert isinstance(store, S3Store)
+        assert list(store.list()) == []
+        store.put_if_absent("a", b"1")
+        with pytest.raises(ObjectExists):
+            store.put_if_absent("a", b"2")
+
+
+@pytest.mark.seaweedfs
+def test_wrong_credentials_are_access_denied(
+    seaweedfs_endpoint: S3Endpoint, s3_bucket: str
+) -> None:
+    options = seaweedfs_endpoint.store_options() | {
+        "access_key_id": ACCESS_KEY,
+        "secret_access_key": SECRET,
+        "max_attempts": 1,
+    }
+    with pytest.raises(AccessDenied) as info:
+        open_store(f"s3://{s3_bucket}/wrong-creds", **options)
+    for text in (str(info.value), repr(info.value)):
+        assert SECRET not in text
+        assert ACCESS_KEY not in text

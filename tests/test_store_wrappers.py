@@ -1,0 +1,232 @@
+"""CountingStore and FaultInjectingStore: numbers, faults, determinism, and conformance."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+
+from batchweave import (
+    AmbiguousWriteError,
+    Bounded,
+    CountingStore,
+    FaultInjectingStore,
+    MemoryStore,
+    ObjectExists,
+    ObjectNotFound,
+    ObjectStore,
+    StoreCounts,
+    Suffix,
+    TransientStoreError,
+)
+from batchweave.testing import StoreTests
+
+
+class TestCountingStoreConformance(StoreTests):
+    @pytest.fixture
+    def store(self) -> ObjectStore:
+        return CountingStore(MemoryStore())
+
+
+class TestFaultInjectingStoreConformance(StoreTests):
+    """With no faults configured the wrapper must be invisible."""
+
+    @pytest.fixture
+    def store(self) -> ObjectStore:
+        return FaultInjectingStore(MemoryStore(), seed=1)
+
+
+# -- CountingStore ---------------------------------------------------------------------------
+
+
+def test_counts_requests_and_bytes_by_operation() -> None:
+    store = CountingStore(MemoryStore())
+    store.put("a", b"12345")
+    store.put_if_absent("b", b"xy")
+    with pytest.raises(ObjectExists):
+        store.put_if_absent("b", b"zz")
+    assert store.get("a") == b"12345"
+    assert store.get_range("a", Suffix(2)) == b"45"
+    assert store.get_range("a", Bounded(0, 1)) == b"1"
+    store.head("a")
+    with pytest.raises(ObjectNotFound):
+        store.get("missing")  # failed requests still cost a round trip
+    assert [m.key for m in store.list()] == ["a", "b"]
+    store.delete_many(["a", "b"])
+    assert store.snapshot() == StoreCounts(
+        puts=3,
+        conditional_puts=2,
+        put_bytes=9,
+        gets=2,
+        get_bytes=5,
+        range_gets=2,
+        range_bytes=3,
+        heads=1,
+        lists=1,
+        list_pages=1,
+        listed=2,
+        deletes=1,
+        deleted_keys=2,
+    )
+    assert store.snapshot().requests == 3 + 2 + 2 + 1 + 1 + 1
+    assert store.snapshot().reads == 4
+    assert store.snapshot().bytes_read == 8
+
+
+def test_list_pages_and_delete_batches_follow_s3_page_sizes() -> None:
+    store = CountingStore(MemoryStore())
+    for i in range(2500):
+        store.put(f"k/{i:05d}", b"")
+    store.reset()
+    assert store.snapshot() == StoreCounts()
+    assert len(list(store.list("k/"))) == 2500
+    assert store.snapshot().list_pages == 3
+    before = store.snapshot()
+    assert len(list(itertools.islice(store.list("k/"), 1000))) == 1000
+    assert (store.snapshot() - before).list_pages == 1
+    store.delete_many(f"k/{i:05d}" for i in range(2500))
+    assert store.snapshot().deletes == 3
+    assert store.snapshot().deleted_keys == 2500
+
+
+def test_counting_is_thread_safe() -> None:
+    store = CountingStore(MemoryStore())
+    store.put("k", b"abc")
+
+    def read() -> None:
+        for _ in range(500):
+            store.get("k")
+
+    threads = [threading.Thread(target=read) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.snapshot().gets == 4000
+    assert store.snapshot().get_bytes == 12000
+
+
+# -- FaultInjectingStore ---------------------------------------------------------------------
+
+
+def test_scripted_put_failure_landed_or_not() -> None:
+    inner = MemoryStore()
+    store = FaultInjectingStore(inner)
+    store.fail_next("put", landed=True)
+    with pytest.raises(AmbiguousWriteError):
+        store.put_if_absent("landed", b"1")
+    assert inner.get("landed") == b"1"
+    store.fail_next("put")
+    with pytest.raises(AmbiguousWriteError):
+        store.put_if_absent("lost", b"1")
+    with pytest.raises(ObjectNotFound):
+        inner.get("lost")
+    store.put_if_absent("lost", b"2")  # the script is used up
+    assert store.injected == {"scripted_put": 2}
+
+
+def test_scripted_faults_respect_key_prefix_error_and_times() -> None:
+    inner = MemoryStore()
+    store = FaultInjectingStore(inner)
+    store.fail_next("put", ObjectExists, key_prefix="_manifests/", times=2)
+    store.put("data/x", b"not targeted")
+    for _ in range(2):
+        with pytest.raises(ObjectExists):
+            store.put("_manifests/1", b"m")
+    store.put("_manifests/1", b"m")
+    assert inner.get("_manifests/1") == b"m"
+    store.fail_next("get", TransientStoreError("scripted"))
+    with pytest.raises(TransientStoreError, match="scripted"):
+        store.get("data/x")
+    store.fail_next("list")
+    with pytest.raises(TransientStoreError):
+        list(store.list())
+    store.fail_next("delete_many", landed=True)
+    with pytest.raises(TransientStoreError):
+        store.delete_many(["data/x"])
+    with pytest.raises(ObjectNotFound):
+        inner.get("data/x")
+
+
+def test_transient_errors_never_reach_the_inner_store() -> None:
+    inner = CountingStore(MemoryStore())
+    store = FaultInjectingStore(inner, transient_error_rate=1.0)
+    for call in (
+        lambda: store.put("k", b"v"),
+        lambda: store.get("k"),
+        lambda: store.get_range("k", Suffix(1)),
+        lambda: store.head("k"),
+        lambda: list(store.list()),
+        lambda: store.delete_many(["k"]),
+    ):
+        with pytest.raises(TransientStoreError):
+            call()
+    assert inner.snapshot() == StoreCounts()
+    assert store.injected == {"transient": 6}
+
+
+def test_ambiguous_puts_land_but_raise() -> None:
+    inner = MemoryStore()
+    store = FaultInjectingStore(inner, ambiguous_put_rate=1.0)
+    with pytest.raises(AmbiguousWriteError):
+        store.put_if_absent("k", b"first")
+    assert inner.get("k") == b"first"
+    with pytest.raises(AmbiguousWriteError):
+        store.put_if_absent("k", b"second")  # lost the create race, response lost too
+    assert inner.get("k") == b"first"
+
+
+def test_failed_puts_after_delay_do_not_land() -> None:
+    slept: list[float] = []
+    inner = MemoryStore()
+    store = FaultInjectingStore(
+        inner, seed=3, failed_put_after_delay_rate=1.0, failed_put_delay=2.5, sleep=slept.append
+    )
+    kinds = set()
+    for i in range(20):
+        with pytest.raises((AmbiguousWriteError, TransientStoreError)) as info:
+            store.put(f"k{i}", b"v")
+        kinds.add(type(info.value))
+    assert kinds == {AmbiguousWriteError, TransientStoreError}
+    assert slept == [2.5] * 20
+    assert list(inner.list()) == []
+
+
+def test_latency_uses_the_injected_sleep() -> None:
+    slept: list[float] = []
+    store = FaultInjectingStore(MemoryStore(), latency=(0.01, 0.02), sleep=slept.append)
+    store.put("k", b"v")
+    store.get("k")
+    store.head("k")
+    assert len(slept) == 3
+    assert all(0.01 <= s <= 0.02 for s in slept)
+    fixed: list[float] = []
+    FaultInjectingStore(MemoryStore(), latency=0.5, sleep=fixed.append).delete_many([])
+    assert fixed == [0.5]
+
+
+def _outcomes(seed: int) -> list[str]:
+    store = FaultInjectingStore(
+        MemoryStore(), seed=seed, transient_error_rate=0.3, ambiguous_put_rate=0.3
+    )
+    result = []
+    for i in range(200):
+        try:
+            store.put(f"k{i}", b"v")
+            result.append("ok")
+        except (TransientStoreError, AmbiguousWriteError) as exc:
+            result.append(type(exc).__name__)
+    return result
+
+
+def test_random_faults_are_reproducible_from_the_seed() -> None:
+    first = _outcomes(7)
+    assert first == _outcomes(7)
+    assert first != _outcomes(8)
+    assert {"ok", "TransientStoreError", "AmbiguousWriteError"} == set(first)
+
+
+def test_rates_are_validated() -> None:
+    with pytest.raises(ValueError, match="ambiguous_put_rate"):
+        FaultInjectingStore(MemoryStore(), ambiguous_put_rate=1.5)
