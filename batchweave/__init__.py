@@ -46,6 +46,7 @@ from batchweave._format import (
     read_slice,
     slice_range,
 )
+from batchweave._lifecycle import Reclaimer, ReclaimReport, checkpoint_hook
 from batchweave._mesh import Mesh
 from batchweave._policy import (
     AttemptOutcome,
@@ -68,9 +69,11 @@ from batchweave._store._base import (
 )
 from batchweave._store._file import FileStore
 from batchweave._store._memory import MemoryStore
+from batchweave._store._obstore import ObstoreS3Store
 from batchweave._store._open import open_store
 from batchweave._store._s3 import S3Store
 from batchweave._store._wrappers import CountingStore, FaultInjectingStore, StoreCounts
+from batchweave._watermarks import Watermark, Watermarks
 
 __version__ = "0.1.0"
 
@@ -107,6 +110,7 @@ __all__ = [
     "ObjectMeta",
     "ObjectNotFound",
     "ObjectStore",
+    "ObstoreS3Store",
     "Offset",
     "OffsetOrderError",
     "Producer",
@@ -115,6 +119,8 @@ __all__ = [
     "ProducerStats",
     "PutMode",
     "RankCoordinates",
+    "ReclaimReport",
+    "Reclaimer",
     "S3Store",
     "SliceEntry",
     "StepReclaimed",
@@ -126,6 +132,9 @@ __all__ = [
     "TgbFooter",
     "TransientStoreError",
     "UnsupportedFormatVersion",
+    "Watermark",
+    "Watermarks",
+    "checkpoint_hook",
     "coordinates_for_rank",
     "coordinates_from_env",
     "dac_gap",

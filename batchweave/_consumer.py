@@ -154,7 +154,8 @@ class Consumer:
     job's ``tp`` and ``pp`` degrees laid out by ``rank_order`` (fastest-varying first); TP and PP
     peers read the same slice.
 
-    Iterating yields ``(step, data)`` for logical steps ``start_step, start_step + 1, ...``:
+    Iterating yields ``(step, data)`` for logical steps ``start_step, start_step + stride, ...``
+    (``stride`` > 1 splits one rank's steps among several readers, e.g. DataLoader workers):
     ``data`` is the decoded slice (``bytes``, ``pyarrow.Table`` or ``dict`` of numpy arrays), or a
     list of ``stored_cp / cp`` decoded chunks when the consumer's ``cp`` is smaller than the
     stored one. At the head of the stream the consumer polls for new manifest versions (backoff
@@ -185,6 +186,7 @@ class Consumer:
         rank_order: str = DEFAULT_RANK_ORDER,
         environ: Mapping[str, str] | None = None,
         start_step: int = 0,
+        stride: int = 1,
         prefetch: int = 4,
         ramp_every: int = 2,
         max_workers: int = 8,
@@ -203,6 +205,7 @@ class Consumer:
         _check_at_least(0, prefetch=prefetch, retry_budget=retry_budget, start_step=start_step)
         _check_at_least(
             1,
+            stride=stride,
             ramp_every=ramp_every,
             max_workers=max_workers,
             split_threshold=split_threshold,
@@ -228,6 +231,7 @@ class Consumer:
         self._store = store
         self._log = ManifestLog(store, namespace)
         self.namespace = namespace
+        self.stride = stride
         self.prefetch = prefetch
         self.ramp_every = ramp_every
         self.max_workers = max_workers
@@ -281,19 +285,31 @@ class Consumer:
         """Version of the newest manifest this consumer has read (``None`` before opening)."""
         return None if self._manifest is None else self._manifest.version
 
-    def resume_tgb_step(self) -> int:
-        """The first manifest (TGB) step that resuming from :meth:`state_dict` would read.
+    def resume_tgb_step(self, state: Mapping[str, Any] | None = None) -> int:
+        """The first manifest (TGB) step that resuming from a consumer state would read.
 
-        This is what a checkpoint's watermark must keep readable (``batchweave.checkpoint_hook``
-        records it). Opens the namespace if needed (one manifest read); 0 if it does not exist.
+        ``state`` defaults to the current :meth:`state_dict`; pass the one saved in a checkpoint
+        when the loop may have moved on since (asynchronous checkpointing). This is what the
+        checkpoint's watermark must keep readable (``batchweave.checkpoint_hook`` records it).
+        Opens the namespace if needed (one manifest read); 0 if it does not exist yet.
         """
-        if self._projection is None:
+        if self._manifest is None:
             try:
                 self._ensure_open(wait=False)
             except NamespaceNotFound:
                 return 0
-        assert self._projection is not None
-        return self._projection.tgb_span(self._next_step)[0]
+        assert self._manifest is not None
+        if state is None:
+            assert self._projection is not None
+            return self._projection.tgb_span(self._next_step)[0]
+        parsed = _parse_state(state)
+        projection = Projection(
+            stored=self._manifest.mesh,
+            consumer=Mesh(dp=parsed["dp"], cp=parsed["cp"]),
+            anchor_step=parsed["anchor_step"],
+            anchor_replica=parsed["anchor_replica"],
+        )
+        return projection.tgb_span(parsed["step"])[0]
 
     @property
     def stats(self) -> ConsumerStats:
@@ -326,6 +342,16 @@ class Consumer:
             return self._next()
         finally:
             self._counters.add(stall_seconds=self._clock() - started)
+
+    def open(self, *, wait: bool = True) -> None:
+        """Open the namespace now rather than at the first ``next()``.
+
+        With ``wait`` it waits for the namespace to be created like ``next()`` does (``timeout``
+        applies); without, a missing namespace raises :class:`NamespaceNotFound` at once. A
+        consumer ``cp`` that does not fit the stored mesh raises :class:`NamespaceMismatch`.
+        Idempotent; costs one manifest read the first time.
+        """
+        self._ensure_open(wait=wait)
 
     def close(self) -> None:
         """Stop prefetching and release the read threads. Idempotent."""
@@ -424,7 +450,7 @@ class Consumer:
             self._drop_window()  # the step is retried from scratch by the next call
             raise
         self._window.popleft()
-        self._next_step = step + 1
+        self._next_step = step + self.stride
         self._counters.add(steps=1, bytes_delivered=nbytes)
         self._counters.first_batch(self._clock() - self._created_at)
         self._ramp()
@@ -443,8 +469,8 @@ class Consumer:
         """Schedule steps until ``depth`` are in flight or the visible steps run out."""
         assert self._manifest is not None
         assert self._projection is not None
-        limit = self._next_step + depth
-        nxt = self._window[-1].step + 1 if self._window else self._next_step
+        limit = self._next_step + depth * self.stride
+        nxt = self._window[-1].step + self.stride if self._window else self._next_step
         if nxt >= limit:
             return
         end = self._projection.end_step(self._manifest.next_step)
@@ -461,7 +487,7 @@ class Consumer:
             end = self._projection.end_step(self._manifest.next_step)
         while nxt < min(limit, end):
             self._schedule(nxt)
-            nxt += 1
+            nxt += self.stride
 
     def _await_step(self, step: int) -> bool:
         """Block until ``step`` is complete (True) or the sealed stream ended before it (False).
@@ -673,17 +699,30 @@ class Consumer:
             last = footer.slices[run[-1] - ref.first_slice]
             start, end = first.offset, last.offset + last.length
             where = f"{what}, slice{'s' if len(run) > 1 else ''} {', '.join(map(str, run))}"
-            buf = self._read_range(key, start, end, where, budget)
+            try:
+                buf = self._read_range(key, start, end, where, budget)
+            except FormatError as exc:
+                raise type(exc)(f"{where}: {exc}") from exc
             view = memoryview(buf)
             for i in run:
                 entry = footer.slices[i - ref.first_slice]
-                raw = view[entry.offset - start : entry.offset - start + entry.length]
+                raw: bytes | memoryview = view[
+                    entry.offset - start : entry.offset - start + entry.length
+                ]
+                if isinstance(buf, bytes) and len(run) == 1:
+                    raw = buf  # checksums and raw decoding take bytes without a copy
                 values.append(self._decode(raw, footer, i - ref.first_slice, key, what, i))
             nbytes += end - start
         return values, nbytes
 
     def _decode(
-        self, raw: memoryview, footer: TgbFooter, local: int, key: str, what: str, index: int
+        self,
+        raw: bytes | memoryview,
+        footer: TgbFooter,
+        local: int,
+        key: str,
+        what: str,
+        index: int,
     ) -> Any:
         try:
             return decode_slice(raw, footer, local, key=key)
@@ -717,13 +756,16 @@ class Consumer:
             )
         return footer
 
-    def _read_range(self, key: str, start: int, end: int, where: str, budget: _Budget) -> Any:
+    def _read_range(
+        self, key: str, start: int, end: int, where: str, budget: _Budget
+    ) -> bytes | bytearray:
         """Bytes ``[start, end)`` of ``key``: one range read, or parallel parts when large."""
         length = end - start
         if length == 0:
             return b""
         if length < self.split_threshold or length <= self.part_size:
-            return self._retrying(budget, where, lambda: self._get_exact(key, start, end))
+            data: bytes = self._retrying(budget, where, lambda: self._get_exact(key, start, end))
+            return data
         buf = bytearray(length)
         view = memoryview(buf)
 

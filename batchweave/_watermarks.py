@@ -80,9 +80,10 @@ def validate_checkpoint_id(checkpoint_id: str) -> str:
 class Watermarks:
     """The watermarks of one namespace: record, release, list, and the reclamation boundary.
 
-    ``keep_last``: after each :meth:`record`, release all but the ``keep_last`` watermarks with
-    the highest steps (``None``: release only explicitly, when the framework deletes a
-    checkpoint). ``clock`` (wall-clock seconds) is stored in each watermark for operators.
+    ``keep_last``: after each :meth:`record`, keep the new watermark and the ``keep_last - 1``
+    others with the highest steps, releasing the rest (``None``: release only explicitly, when
+    the framework deletes a checkpoint). ``clock`` (wall-clock seconds) is stored in each
+    watermark for operators.
 
     Safe to use from several processes: every watermark is its own object, written whole.
     """
@@ -141,11 +142,10 @@ class Watermarks:
             version,
         )
         if self.keep_last is not None:
-            live = self.live()
-            ranked = sorted(live, key=lambda m: (m.step, m.recorded_at), reverse=True)
-            for old in ranked[self.keep_last :]:
-                if old.checkpoint_id != checkpoint_id:
-                    self.release(old.checkpoint_id)
+            others = [m for m in self.live() if m.checkpoint_id != checkpoint_id]
+            others.sort(key=lambda m: (m.step, m.recorded_at), reverse=True)
+            for old in others[self.keep_last - 1 :]:
+                self.release(old.checkpoint_id)
         return mark
 
     def release(self, checkpoint_id: str) -> None:

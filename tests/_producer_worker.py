@@ -4,6 +4,8 @@ It publishes offsets ``resume_offset .. total-1`` of a deterministic source for 
 and reports progress as lines on stdout, which the test reads as events:
 
 - ``started <epoch> <resume_offset>`` once the epoch commit landed;
+- with ``--flush-at N``, the worker flushes after appending offset ``N`` (so a later ``--hold``
+  commit provably finds earlier TGBs committed and later ones not yet appended);
 - ``hold <before|after> <offset>`` when a ``--hold`` point was reached: the process then blocks
   forever inside a manifest PUT, either just before sending it or just after it landed (the
   test SIGKILLs it there: a crash mid-commit, the second one with an unacknowledged success);
@@ -97,6 +99,9 @@ def main() -> int:
     parser.add_argument("--total", type=int, required=True, help="source offsets 0..total-1")
     parser.add_argument("--hold", choices=("before", "after"), default=None)
     parser.add_argument("--hold-offset", type=int, default=0)
+    parser.add_argument(
+        "--flush-at", type=int, action="append", default=[], help="flush after this offset"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
@@ -115,7 +120,14 @@ def main() -> int:
         report(f"started {producer.epoch} {producer.resume_offset}")
         for offset in range(producer.resume_offset, args.total):
             producer.append(payload(args.producer_id, offset), offset=offset)
-    report(f"done {producer.committed_offset}")
+            if offset in args.flush_at:
+                producer.flush()
+    stats = producer.stats()
+    report(
+        f"done {producer.committed_offset} attempts={stats.attempts} commits={stats.commits} "
+        f"conflicts={stats.conflicts} ambiguous={stats.ambiguous} gap={stats.gap:.3f} "
+        f"window={stats.last_fragile_window:.3f}"
+    )
     return 0
 
 

@@ -19,6 +19,7 @@ from batchweave import (
     CountingStore,
     FaultInjectingStore,
     FileStore,
+    FormatError,
     MemoryStore,
     Mesh,
     NamespaceMismatch,
@@ -477,3 +478,51 @@ def test_tensor_slices_decode_from_split_reads() -> None:
         p.seal()
     got = consume(store, "t", mesh, dp_rank=1, split_threshold=4096, part_size=4096)
     assert [float(d["x"].sum()) for _, d in got] == [1 * 4096.0, 11 * 4096.0]
+
+
+def test_flaky_store_still_delivers_every_step_exactly() -> None:
+    """30% of all requests (manifest and data) fail transiently; the stream is unchanged."""
+    inner = MemoryStore()
+    mesh = Mesh(dp=2, cp=2)
+    produce(inner, "run", mesh, producers=2, tgbs=5, seal=True)
+    reference = consume(inner, "run", mesh, dp_rank=1, cp_rank=1)
+    store = FaultInjectingStore(inner, seed=7, transient_error_rate=0.3)
+    fake = FakeTime()
+    c = Consumer(
+        store,
+        "run",
+        mesh=mesh,
+        dp_rank=1,
+        cp_rank=1,
+        retry_budget=50,
+        clock=fake.clock,
+        sleep=fake.sleep,
+    )
+    assert list(c) == reference
+    assert c.stats.retries == store.injected["transient"] > 0
+
+
+def test_strided_consumers_split_the_steps_of_one_rank() -> None:
+    """stride=3 readers starting at 0, 1, 2 together deliver exactly the rank's sequence."""
+    store = MemoryStore()
+    mesh = Mesh(dp=2, cp=2)
+    produce(store, "run", mesh, tgbs=10)
+    reference = consume(store, "run", mesh, dp_rank=0, cp_rank=1)
+    parts = [
+        consume(store, "run", mesh, dp_rank=0, cp_rank=1, start_step=w, stride=3, prefetch=2)
+        for w in range(3)
+    ]
+    assert [[s for s, _ in part] for part in parts] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    assert sorted(item for part in parts for item in part) == reference
+
+
+def test_truncated_object_is_a_format_error_naming_step_and_object() -> None:
+    store = MemoryStore()
+    mesh = Mesh(dp=2)
+    produce(store, "run", mesh, tgbs=2, size=64)
+    key, _ = _object_of(store, "run", 1)
+    store.put(key, store.get(key)[:100])
+    c = Consumer(store, "run", mesh=mesh, dp_rank=1)
+    assert next(c)[0] == 0
+    with pytest.raises(FormatError, match=rf"step 1 .*{key}.*footer.*truncated"):
+        next(c)

@@ -80,7 +80,7 @@ def test_prefetch_zero_reads_on_demand(ten_steps: MemoryStore) -> None:
 
 
 def test_reads_of_later_steps_overlap(ten_steps: MemoryStore) -> None:
-    store = ConcurrencyProbe(ten_steps, latency=0.02)
+    store = ConcurrencyProbe(ten_steps, latency=0.05)
     c = Consumer(store, "run", mesh=Mesh(dp=2), dp_rank=1, prefetch=4, ramp_every=1)
     assert [parse(d)[1] for _, d in c] == list(range(10))
     assert store.max_in_flight >= 3

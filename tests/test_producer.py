@@ -458,12 +458,18 @@ def test_conflicting_producers_rebase_and_record_outcomes(store: MemoryStore) ->
 
 def test_dac_gap_is_waited_with_the_injected_sleep(store: MemoryStore) -> None:
     fake = FakeTime()
-    with make(store, fake=fake, policy="dac") as p:
-        for off in range(5):
+    ticking = TickingStore(store, fake, put_seconds=0.01)
+    with make(ticking, fake=fake, policy="dac") as p:
+        for off in range(3):
             p.append(payloads(off), offset=off)
             p.flush()
-        assert p.stats().gap >= 0.0
-    assert committed_offsets(store, "p0") == list(range(5))
+        stats = p.stats()
+    assert committed_offsets(store, "p0") == [0, 1, 2]
+    # One producer: only the duty bound applies, g* = W (1/0.1 - 1) = 9 W, jittered by +-20%.
+    assert stats.last_fragile_window == pytest.approx(0.01)
+    assert 0.072 - 1e-9 <= stats.gap <= 0.108 + 1e-9
+    gap_waits = [s for s in fake.sleeps if s > 0.05]
+    assert len(gap_waits) >= 2, fake.sleeps  # flushes 2 and 3 each waited out a gap
 
 
 # ---------------------------------------------------------------------------------------------
@@ -562,6 +568,21 @@ class GatedStore(ObjectStore):
 
     def delete_many(self, keys: object) -> None:
         self.inner.delete_many(keys)  # type: ignore[arg-type]
+
+
+class TickingStore(GatedStore):
+    """Conditional PUTs take ``put_seconds`` of fake time: a measurable fragile window."""
+
+    def __init__(self, inner: ObjectStore, fake: FakeTime, put_seconds: float) -> None:
+        super().__init__(inner, threading.Event(), gate_offsets=set())
+        self.fake = fake
+        self.put_seconds = put_seconds
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        if mode is PutMode.CREATE:
+            with self.fake._lock:
+                self.fake.now += self.put_seconds
+        super().put(key, data, mode=mode)
 
 
 def test_public_names_are_exported() -> None:

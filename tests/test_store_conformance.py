@@ -13,6 +13,17 @@ from moto import mock_aws
 from batchweave import FileStore, MemoryStore, ObjectStore, S3Store
 from batchweave.testing import S3Endpoint, StoreTests
 
+MOTO_OVERWRITE_RACE = pytest.mark.skip(
+    reason="moto (5.2) closes an overwritten object's buffer (FakeKey.dispose) while concurrent "
+    "GETs still read it: 'I/O operation on closed file'. A fake-server bug, not an S3 behaviour; "
+    "memory, file and SeaweedFS run this test"
+)
+MOTO_CREATE_NOT_ATOMIC = pytest.mark.skip(
+    reason="moto (5.2) checks If-None-Match and then stores, without a lock "
+    "(s3/responses.py put_object), so racing creates can both win: a fake-server bug. "
+    "Memory, file and SeaweedFS run this race; moto still checks the sequential 412 path"
+)
+
 
 class TestMemoryStore(StoreTests):
     @pytest.fixture
@@ -28,7 +39,13 @@ class TestFileStore(StoreTests):
 
 
 class TestMotoInProcessStore(StoreTests):
-    race_rounds = 20
+    @MOTO_CREATE_NOT_ATOMIC
+    def test_put_if_absent_race_has_exactly_one_winner(self, store: ObjectStore) -> None:
+        super().test_put_if_absent_race_has_exactly_one_winner(store)
+
+    @MOTO_OVERWRITE_RACE
+    def test_readers_never_see_partial_objects(self, store: ObjectStore) -> None:
+        super().test_readers_never_see_partial_objects(store)
 
     @pytest.fixture
     def store(self, s3_bucket: str) -> Iterator[ObjectStore]:
@@ -40,8 +57,15 @@ class TestMotoInProcessStore(StoreTests):
 
 @pytest.mark.moto_server
 class TestMotoServerStore(StoreTests):
-    race_rounds = 20
     range_examples = 50
+
+    @MOTO_CREATE_NOT_ATOMIC
+    def test_put_if_absent_race_has_exactly_one_winner(self, store: ObjectStore) -> None:
+        super().test_put_if_absent_race_has_exactly_one_winner(store)
+
+    @MOTO_OVERWRITE_RACE
+    def test_readers_never_see_partial_objects(self, store: ObjectStore) -> None:
+        super().test_readers_never_see_partial_objects(store)
 
     @pytest.fixture
     def store(

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from batchweave import (
     FileStore,
@@ -157,3 +160,34 @@ def test_fsync_can_be_disabled(root: Path) -> None:
     store = FileStore(root, fsync=False)
     store.put_if_absent("k", b"v")
     assert store.get("k") == b"v"
+
+
+_segment = st.text(alphabet="ab-.0/", min_size=1, max_size=3).filter(
+    lambda s: all(p not in ("", ".", "..") for p in s.split("/"))
+)
+
+
+def _without_file_dir_clashes(keys: set[str]) -> list[str]:
+    """Drop keys that are a directory of another key: a file tree cannot hold both."""
+    return sorted(k for k in keys if not any(other.startswith(k + "/") for other in keys))
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(
+    keys=st.sets(_segment, max_size=12),
+    prefix=st.text(alphabet="ab-.0/", max_size=3),
+    start_after=st.none() | st.text(alphabet="ab-.0/", max_size=4),
+)
+def test_list_matches_a_sorted_reference(
+    keys: set[str], prefix: str, start_after: str | None
+) -> None:
+    # The directory walk must reproduce plain bytewise order, including '-' and '.' < '/'.
+    stored = _without_file_dir_clashes(keys)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = FileStore(Path(tmp) / "root", fsync=False)
+        for key in stored:
+            store.put(key, key.encode())
+        expected = [
+            k for k in stored if k.startswith(prefix) and (start_after is None or k > start_after)
+        ]
+        assert [m.key for m in store.list(prefix, start_after=start_after)] == expected

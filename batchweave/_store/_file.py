@@ -140,13 +140,19 @@ class FileStore(ObjectStore):
         finally:
             os.close(fd)
 
+    def _blocking_file(self, directory: str) -> str | None:
+        """The nearest ancestor (or ``directory`` itself) that exists but is not a directory."""
+        while directory != self._root:
+            if os.path.lexists(directory) and not os.path.isdir(directory):
+                return directory
+            directory = os.path.dirname(directory)
+        return None
+
     def _conflict(self, key: str, path: str) -> InvalidKey:
-        blocker = path
-        while blocker != self._root and not os.path.isfile(blocker):
-            blocker = os.path.dirname(blocker)
+        blocker = self._blocking_file(os.path.dirname(path))
         what = (
             f"object {os.path.relpath(blocker, self._root)!r} is in the way"
-            if blocker != self._root
+            if blocker is not None
             else "a directory of other objects already uses that name"
         )
         return InvalidKey(
@@ -159,6 +165,7 @@ class FileStore(ObjectStore):
         parent = os.path.dirname(path)
         with self._errors(key, "write"):
             tmp = self._write_temp(data)
+            new_directory = not os.path.isdir(parent)
             try:
                 # A concurrent delete_many may prune the (empty) parent between makedirs and
                 # the publish; recreate it and try again.
@@ -168,7 +175,9 @@ class FileStore(ObjectStore):
                     except FileNotFoundError:
                         continue  # an ancestor was pruned while we were creating it
                     except (FileExistsError, NotADirectoryError) as exc:
-                        raise self._conflict(key, path) from exc
+                        if self._blocking_file(parent) is not None:
+                            raise self._conflict(key, path) from exc
+                        continue  # a concurrent prune raced makedirs; nothing is in the way
                     try:
                         if mode is PutMode.CREATE:
                             os.link(tmp, path)
@@ -191,6 +200,12 @@ class FileStore(ObjectStore):
             finally:
                 _unlink_quietly(tmp)  # after a successful replace it is already gone
             self._fsync_dir(parent)
+            if new_directory:
+                # Make the new directory entries durable too, up to the root.
+                directory = parent
+                while directory != self._root:
+                    directory = os.path.dirname(directory)
+                    self._fsync_dir(directory)
 
     # -- reads -------------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import ClassVar
 
 from batchweave._errors import ObjectExists, ObjectNotFound
@@ -29,8 +29,10 @@ class MemoryStore(ObjectStore):
     _registry: ClassVar[dict[str, MemoryStore]] = {}
     _registry_lock = threading.Lock()
 
-    def __init__(self, name: str = "") -> None:
+    def __init__(self, name: str = "", *, clock: Callable[[], float] = time.time) -> None:
+        """``clock`` (wall-clock seconds) stamps ``last_modified``; tests inject a fake one."""
         self.url = f"memory://{name}"
+        self._clock = clock
         self._lock = threading.Lock()
         self._objects: dict[str, tuple[bytes, float]] = {}
         self._sorted_keys: list[str] = []
@@ -53,7 +55,7 @@ class MemoryStore(ObjectStore):
                 raise ObjectExists(f"object {key!r} already exists in {self.url}")
             if not exists:
                 bisect.insort(self._sorted_keys, key)
-            self._objects[key] = (payload, time.time())
+            self._objects[key] = (payload, self._clock())
 
     def _entry(self, key: str) -> tuple[bytes, float]:
         validate_key(key)

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NoReturn
 
 from batchweave._errors import AmbiguousWriteError, ObjectExists, TransientStoreError
 from batchweave._store._base import ByteRange, ObjectMeta, ObjectStore, PutMode
@@ -257,7 +257,7 @@ class FaultInjectingStore(ObjectStore):
             raise TransientStoreError(f"injected transient failure: {op} {key!r} in {self.url}")
         return fault
 
-    def _raise(self, fault: _ScriptedFault, op: Op, key: str) -> None:
+    def _raise(self, fault: _ScriptedFault, op: Op, key: str) -> NoReturn:
         error = fault.error
         if error is None:
             cls = AmbiguousWriteError if op == "put" else TransientStoreError

@@ -1,0 +1,460 @@
+"""Checkpoint-aligned lifecycle: the checkpoint hook and the reclaimer.
+
+Data must stay until no live checkpoint can need it, and go once none can. The training loop
+records a watermark after each durable checkpoint (:func:`checkpoint_hook`); the
+:class:`Reclaimer` raises the manifest's ``base_step`` to the minimum watermark step through the
+normal commit protocol and deletes what nothing can read any more. Every decision is a function of
+what the store holds and of the clock, so a reclaimer killed at any point and started again
+finishes the job; see ``docs/lifecycle.md`` for the algorithm and the safety argument.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchweave._consumer import Consumer
+from batchweave._errors import NamespaceNotFound, ObjectNotFound, TransientStoreError
+from batchweave._manifest._log import MANIFESTS_DIR, Committed, ManifestLog, manifest_key
+from batchweave._manifest._models import Manifest
+from batchweave._manifest._segments import SEGMENTS_DIR
+from batchweave._store._base import ObjectMeta, ObjectStore
+from batchweave._watermarks import Watermark, Watermarks
+
+__all__ = ["DATA_DIR", "ReclaimReport", "Reclaimer", "checkpoint_hook"]
+
+_log = logging.getLogger("batchweave.lifecycle")
+
+DATA_DIR = "data"
+
+
+def checkpoint_hook(
+    consumer: Consumer,
+    watermarks: Watermarks,
+    checkpoint_id: str,
+    *,
+    state: Mapping[str, Any] | None = None,
+    rank: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Watermark | None:
+    """Record the watermark of a checkpoint that was just written successfully.
+
+    Call it once per checkpoint on every rank, after the checkpoint is durable; only rank 0
+    (``rank``, else the ``RANK`` environment variable, else 0) writes, the others return
+    ``None``. The watermark's step is the manifest step that resuming from the consumer's state
+    reads first: pass the ``state`` that went into the checkpoint if the loop may have advanced
+    the consumer since (asynchronous checkpointing); by default the consumer's current state is
+    used. Returns the recorded :class:`Watermark` on rank 0.
+    """
+    if rank is None:
+        env = os.environ if environ is None else environ
+        raw = env.get("RANK", "0")
+        try:
+            rank = int(raw)
+        except ValueError:
+            raise ValueError(f"RANK={raw!r} is not an integer; pass rank= explicitly") from None
+    if rank != 0:
+        return None
+    step = consumer.resume_tgb_step(state)
+    return watermarks.record(checkpoint_id, step, version=consumer.manifest_version)
+
+
+@dataclass(frozen=True)
+class ReclaimReport:
+    """What one :meth:`Reclaimer.run_once` pass did."""
+
+    boundary: int
+    """Minimum step over live watermarks (0: none, nothing reclaimable)."""
+    watermarks: int
+    """Live watermarks seen."""
+    base_step_before: int
+    base_step_after: int
+    latest_version: int
+    """Newest manifest version after the pass (-1 when the namespace does not exist)."""
+    tgbs_deleted: int = 0
+    """TGB objects of steps below ``base_step_after`` deleted."""
+    tgb_bytes_deleted: int = 0
+    orphans_deleted: int = 0
+    """Data objects no manifest references, older than the grace period (crashed producers)."""
+    orphan_bytes_deleted: int = 0
+    segments_deleted: int = 0
+    segment_bytes_deleted: int = 0
+    manifests_deleted: int = 0
+    manifest_bytes_deleted: int = 0
+    commit_conflicts: int = 0
+    """Lost races while committing the new ``base_step`` (retried)."""
+    seconds: float = 0.0
+
+    @property
+    def objects_deleted(self) -> int:
+        """Every object deleted by the pass."""
+        return (
+            self.tgbs_deleted
+            + self.orphans_deleted
+            + self.segments_deleted
+            + self.manifests_deleted
+        )
+
+    @property
+    def bytes_deleted(self) -> int:
+        """Bytes of every object deleted by the pass."""
+        return (
+            self.tgb_bytes_deleted
+            + self.orphan_bytes_deleted
+            + self.segment_bytes_deleted
+            + self.manifest_bytes_deleted
+        )
+
+
+@dataclass
+class _Tally:
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, metas: Iterable[ObjectMeta]) -> None:
+        for meta in metas:
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            self.counts[f"{kind}_bytes"] = self.counts.get(f"{kind}_bytes", 0) + meta.size
+
+
+class Reclaimer:
+    """Deletes what no live checkpoint can need; run it on rank 0 or as ``batchweave reclaim``.
+
+    One :meth:`run_once` pass:
+
+    1. reads the watermarks; the boundary ``b`` is their minimum step (0 without any);
+    2. commits a manifest with ``base_step = b`` through the normal commit protocol (a lost race
+       is retried on the winner), so consumers and producers see the cut;
+    3. deletes the TGB objects of steps below ``base_step`` (found in the manifest version the
+       cut was committed on, or after a crash in the newest surviving version below the cut);
+    4. deletes *orphans*: data objects the latest manifest does not reference, last modified more
+       than ``grace`` seconds ago (uploads of crashed producers, leftovers of a crashed pass);
+    5. deletes segment objects referenced neither by the latest manifest nor by the version that
+       was latest ``grace`` seconds ago, and older than ``2 * grace``;
+    6. deletes manifest versions, oldest first, that were superseded more than ``grace`` seconds
+       ago and lie below the oldest live watermark's version; never the latest.
+
+    ``grace`` must exceed the longest time a producer may take from uploading a TGB (or segment)
+    to committing it, and be more than twice the producers' ``refresh_age`` (see
+    ``docs/lifecycle.md``). ``clock`` must be comparable with the store's ``last_modified``
+    (wall-clock seconds); ``sleep`` paces commit retries. ``delete_batch`` bounds the keys per
+    delete request (SeaweedFS refuses more than 1,000).
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        namespace: str,
+        *,
+        grace: float = 600.0,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+        max_commit_attempts: int = 50,
+        delete_batch: int = 1000,
+        log: ManifestLog | None = None,
+    ) -> None:
+        if grace < 0:
+            raise ValueError(f"grace must be >= 0 seconds, got {grace}")
+        if max_commit_attempts < 1:
+            raise ValueError(f"max_commit_attempts must be >= 1, got {max_commit_attempts}")
+        if delete_batch < 1:
+            raise ValueError(f"delete_batch must be >= 1, got {delete_batch}")
+        self.store = store
+        self.namespace = namespace
+        self.grace = grace
+        self._clock = clock
+        self._sleep = sleep
+        self._max_commit_attempts = max_commit_attempts
+        self._delete_batch = delete_batch
+        self._log = log if log is not None else ManifestLog(store, namespace, clock=clock)
+        self._watermarks = Watermarks(store, namespace, clock=clock)
+        self._rng = random.Random()
+        self._swept_below: int | None = None
+        """A base_step whose lower steps this instance already deleted (skip finding them)."""
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.last_report: ReclaimReport | None = None
+        self.last_error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        return f"Reclaimer({self.store.url!r}, {self.namespace!r}, grace={self.grace})"
+
+    # -- background thread ---------------------------------------------------------------------
+
+    def start(self, interval: float) -> None:
+        """Run :meth:`run_once` every ``interval`` seconds in a daemon thread until :meth:`stop`.
+
+        A failing pass is logged and kept in ``last_error``; the next pass retries (reclamation
+        is off the critical path: a failure delays it, never affects training).
+        """
+        if interval <= 0:
+            raise ValueError(f"interval must be > 0 seconds, got {interval}")
+        if self._thread is not None:
+            raise RuntimeError(f"{self!r} is already running")
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._loop, args=(interval,), name="batchweave-reclaimer", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the background thread after its current pass. Idempotent."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout)
+
+    def __enter__(self) -> Reclaimer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _loop(self, interval: float) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+                self.last_error = None
+            except Exception as exc:
+                self.last_error = exc
+                _log.warning("%r: pass failed, retrying in %.1f s: %s", self, interval, exc)
+            self._stop.wait(interval)
+
+    # -- one pass ------------------------------------------------------------------------------
+
+    def run_once(self) -> ReclaimReport:
+        """Reclaim everything no live checkpoint can need; see the class docstring."""
+        with self._lock:
+            return self._run_once()
+
+    def _run_once(self) -> ReclaimReport:
+        started = self._clock()
+        marks = self._watermarks.live()
+        boundary = marks[0].step if marks else 0
+        try:
+            latest = self._log.latest()
+        except NamespaceNotFound:
+            return ReclaimReport(
+                boundary=boundary,
+                watermarks=len(marks),
+                base_step_before=0,
+                base_step_after=0,
+                latest_version=-1,
+            )
+        before = latest.base_step
+        latest, cut_from, conflicts = self._commit_boundary(latest, boundary)
+        now = self._clock()
+        versions = self._list(f"{MANIFESTS_DIR}/")
+        numbered = sorted((v, meta) for meta in versions if (v := _version_of(meta)) is not None)
+        tally = _Tally()
+        self._delete_data(latest, cut_from, numbered, now, tally)
+        settled = self._settled_version(numbered, now)
+        self._delete_segments(latest, settled, now, tally)
+        if marks:
+            floor = min(min(m.version for m in marks), latest.version)
+            if settled is not None:
+                self._delete_manifests(numbered, min(floor, settled.version), tally)
+        c = tally.counts
+        report = ReclaimReport(
+            boundary=boundary,
+            watermarks=len(marks),
+            base_step_before=before,
+            base_step_after=latest.base_step,
+            latest_version=latest.version,
+            tgbs_deleted=c.get("tgb", 0),
+            tgb_bytes_deleted=c.get("tgb_bytes", 0),
+            orphans_deleted=c.get("orphan", 0),
+            orphan_bytes_deleted=c.get("orphan_bytes", 0),
+            segments_deleted=c.get("segment", 0),
+            segment_bytes_deleted=c.get("segment_bytes", 0),
+            manifests_deleted=c.get("manifest", 0),
+            manifest_bytes_deleted=c.get("manifest_bytes", 0),
+            commit_conflicts=conflicts,
+            seconds=self._clock() - started,
+        )
+        self.last_report = report
+        if report.objects_deleted or before != latest.base_step:
+            _log.info(
+                "%s/%s: base_step %d -> %d (boundary %d); deleted %d TGB objects, %d orphans, "
+                "%d segments, %d manifests (%d bytes)",
+                self.store.url,
+                self.namespace,
+                before,
+                latest.base_step,
+                boundary,
+                report.tgbs_deleted,
+                report.orphans_deleted,
+                report.segments_deleted,
+                report.manifests_deleted,
+                report.bytes_deleted,
+            )
+        return report
+
+    def _commit_boundary(
+        self, latest: Manifest, boundary: int
+    ) -> tuple[Manifest, Manifest | None, int]:
+        """Commit ``base_step = boundary`` (capped at the committed steps); retry lost races.
+
+        Returns the newest manifest, the version the cut was committed on (``None`` if no commit
+        was needed) and the number of conflicts.
+        """
+        conflicts = 0
+        while True:
+            target = min(boundary, latest.next_step)
+            if target <= latest.base_step:
+                return latest, None, conflicts
+            result = self._log.commit(latest, base_step=target)
+            if isinstance(result, Committed):
+                _log.debug("committed base_step %d as version %d", target, result.manifest.version)
+                return result.manifest, latest, conflicts
+            conflicts += 1
+            if conflicts >= self._max_commit_attempts:
+                raise TransientStoreError(
+                    f"{self.store.url}/{self.namespace}: could not commit base_step {target} "
+                    f"after {conflicts} lost races (latest version {latest.version}); the next "
+                    "pass retries"
+                )
+            self._sleep(self._rng.uniform(0.0, min(1.0, 0.01 * 2**conflicts)))
+            latest = self._log.latest(result.winner or latest)
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def _delete_data(
+        self,
+        latest: Manifest,
+        cut_from: Manifest | None,
+        numbered: list[tuple[int, ObjectMeta]],
+        now: float,
+        tally: _Tally,
+    ) -> None:
+        live = {
+            ref.key
+            for _, desc in self._log.descriptors(latest, latest.base_step, latest.next_step)
+            for ref in desc.objects
+        }
+        below: set[str] = set()
+        if self._swept_below != latest.base_step:
+            source = cut_from or self._newest_below(numbered, latest)
+            if source is not None:
+                below = self._keys_below(source, latest.base_step)
+        reclaimed: list[ObjectMeta] = []
+        orphans: list[ObjectMeta] = []
+        cutoff = now - self.grace
+        for meta in self._list(f"{DATA_DIR}/"):
+            rel = self._relative(meta.key)
+            if rel in live:
+                continue
+            if rel in below:
+                reclaimed.append(meta)
+            elif meta.last_modified <= cutoff:
+                orphans.append(meta)
+        self._delete(reclaimed)
+        tally.add("tgb", reclaimed)
+        self._delete(orphans)
+        tally.add("orphan", orphans)
+        for meta in orphans:
+            _log.info("deleted orphan %r (%d bytes, unreferenced)", meta.key, meta.size)
+        self._swept_below = latest.base_step
+
+    def _newest_below(
+        self, numbered: list[tuple[int, ObjectMeta]], latest: Manifest
+    ) -> Manifest | None:
+        """The newest surviving version with a lower ``base_step`` than ``latest`` (a crashed
+        pass's cut was committed on it). ``base_step`` never decreases with the version, so a
+        binary search costs O(log versions) reads."""
+        versions = [v for v, _ in numbered if v < latest.version]
+        found: Manifest | None = None
+        lo, hi = 0, len(versions)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            try:
+                manifest = self._log.read(versions[mid])
+            except ObjectNotFound:
+                return found  # reclaimed meanwhile: the orphan rule covers what is left
+            if manifest.base_step < latest.base_step:
+                found, lo = manifest, mid + 1
+            else:
+                hi = mid
+        return found
+
+    def _keys_below(self, source: Manifest, base_step: int) -> set[str]:
+        """Data keys of ``source``'s steps below ``base_step`` (best effort: a segment reclaimed
+        by an earlier pass leaves its objects to the orphan rule)."""
+        keys: set[str] = set()
+        stop = min(base_step, source.next_step)
+        try:
+            for _, desc in self._log.descriptors(source, source.base_step, stop):
+                keys.update(ref.key for ref in desc.objects)
+        except ObjectNotFound as exc:
+            _log.info(
+                "cannot list steps below %d in version %d: %s", base_step, source.version, exc
+            )
+        return keys
+
+    # -- segments and manifests ----------------------------------------------------------------
+
+    def _settled_version(
+        self, numbered: list[tuple[int, ObjectMeta]], now: float
+    ) -> Manifest | None:
+        """The version that was latest ``grace`` seconds ago (newest written before then)."""
+        cutoff = now - self.grace
+        old = [v for v, meta in numbered if meta.last_modified <= cutoff]
+        version = max(old) if old else None
+        if version is None:
+            return None
+        try:
+            return self._log.read(version)
+        except ObjectNotFound:
+            return None
+
+    def _delete_segments(
+        self, latest: Manifest, settled: Manifest | None, now: float, tally: _Tally
+    ) -> None:
+        if settled is None:
+            return  # no version is old enough to tell what readers may still hold
+        keep = {ref.key for ref in latest.segments} | {ref.key for ref in settled.segments}
+        cutoff = now - 2 * self.grace
+        doomed = [
+            meta
+            for meta in self._list(f"{SEGMENTS_DIR}/")
+            if self._relative(meta.key) not in keep and meta.last_modified <= cutoff
+        ]
+        self._delete(doomed)
+        tally.add("segment", doomed)
+
+    def _delete_manifests(
+        self, numbered: list[tuple[int, ObjectMeta]], below: int, tally: _Tally
+    ) -> None:
+        """Delete versions below ``below`` one at a time, oldest first: the survivors always
+        form a suffix of history, so a writer whose base survives also finds its successor."""
+        for version, meta in numbered:
+            if version >= below:
+                break
+            self.store.delete_many([meta.key])
+            tally.add("manifest", [meta])
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _list(self, relative_prefix: str) -> list[ObjectMeta]:
+        return list(self.store.list(f"{self.namespace}/{relative_prefix}"))
+
+    def _relative(self, key: str) -> str:
+        return key[len(self.namespace) + 1 :]
+
+    def _delete(self, metas: list[ObjectMeta]) -> None:
+        for i in range(0, len(metas), self._delete_batch):
+            self.store.delete_many([m.key for m in metas[i : i + self._delete_batch]])
+
+
+def _version_of(meta: ObjectMeta) -> int | None:
+    name = meta.key.rsplit("/", 1)[-1]
+    digits = name[:20]
+    if digits.isdigit() and meta.key.endswith(manifest_key(int(digits))):
+        return int(digits)
+    return None

@@ -1,0 +1,293 @@
+"""``s3://`` on obstore (Rust ``object_store`` bindings): an optional, faster S3 client.
+
+Same semantics, keys and errors as the boto3 :class:`~batchweave.S3Store`; only the client
+differs. obstore measured 2-3x boto3's small-GET throughput and a third of its latency here,
+which is what a consumer's one-range-read-per-slice pattern is bound by. Install with
+``pip install obstore``; boto3 stays the default backend.
+
+``object_store`` lists by whole path segments and refuses some ranges the S3 API answers, so
+this adapter lists the enclosing "directory" and filters, and clamps ranges itself, to give
+exactly the :class:`ObjectStore` contract (checked by the shipped conformance suite).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from typing import Any
+
+from batchweave._errors import (
+    AccessDenied,
+    AmbiguousWriteError,
+    ConcurrentWriteConflict,
+    InvalidStoreURL,
+    ObjectExists,
+    ObjectNotFound,
+    StoreError,
+    StoreUnavailable,
+    TransientStoreError,
+)
+from batchweave._store._base import (
+    Bounded,
+    ByteRange,
+    ObjectMeta,
+    ObjectStore,
+    Offset,
+    PutMode,
+    resolve_range,
+    validate_key,
+)
+
+__all__ = ["ObstoreS3Store"]
+
+_LIST_CHUNK = 1000
+_TRANSIENT = re.compile(
+    r"\b(5\d\d|429)\b|SlowDown|ServiceUnavailable|InternalError|RequestTimeout|timed out|"
+    r"timeout|connection|reset|broken pipe|error sending request|dns",
+    re.IGNORECASE,
+)
+_UNREACHABLE = re.compile(r"connection refused|error sending request|dns|tcp connect", re.I)
+
+
+def _import_obstore() -> Any:
+    try:
+        import obstore
+        import obstore.exceptions
+        import obstore.store
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise InvalidStoreURL(
+            "the obstore S3 backend needs the obstore package: pip install obstore "
+            "(or use the default boto3 backend)"
+        ) from exc
+    return obstore
+
+
+class ObstoreS3Store(ObjectStore):
+    """Objects under ``s3://bucket/prefix`` through obstore. Thread-safe.
+
+    Options mirror :class:`~batchweave.S3Store`: ``endpoint_url`` (MinIO, SeaweedFS, RGW, ...),
+    ``region``, explicit credentials (else the ``AWS_*`` environment), timeouts in seconds,
+    ``max_attempts`` (1 + retries of transient failures inside obstore), ``addressing_style``
+    (``"path"``, the default with an endpoint, or ``"virtual"``).
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        max_attempts: int = 5,
+        addressing_style: str | None = None,
+    ) -> None:
+        if not bucket:
+            raise InvalidStoreURL("an S3 store needs a bucket: use s3://bucket/prefix")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        if addressing_style not in (None, "path", "virtual"):
+            raise ValueError(
+                f"addressing_style must be 'path' or 'virtual', got {addressing_style!r}"
+            )
+        obs = _import_obstore()
+        prefix = prefix.strip("/")
+        if prefix:
+            validate_key(prefix)
+        self.bucket = bucket
+        self.prefix = f"{prefix}/" if prefix else ""
+        self.endpoint_url = endpoint_url
+        self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+        self._secrets = tuple(s for s in (access_key_id, secret_access_key, session_token) if s)
+        self._obs = obs
+        self._errors = obs.exceptions
+        config: dict[str, Any] = {"region": region or "us-east-1", "conditional_put": "etag"}
+        if endpoint_url is not None:
+            config["endpoint"] = endpoint_url
+        if access_key_id is not None:
+            config["access_key_id"] = access_key_id
+        if secret_access_key is not None:
+            config["secret_access_key"] = secret_access_key
+        if session_token is not None:
+            config["session_token"] = session_token
+        config["virtual_hosted_style_request"] = addressing_style == "virtual"
+        client: dict[str, Any] = {
+            "connect_timeout": timedelta(seconds=connect_timeout),
+            "timeout": timedelta(seconds=read_timeout),
+            "allow_http": bool(endpoint_url and endpoint_url.startswith("http://")),
+        }
+        retry: dict[str, Any] = {
+            "max_retries": max_attempts - 1,
+            "retry_timeout": timedelta(seconds=max(read_timeout, 1.0) * max_attempts),
+            "backoff": {
+                "init_backoff": timedelta(milliseconds=50),
+                "max_backoff": timedelta(seconds=5),
+                "base": 2,
+            },
+        }
+        try:
+            self._store = obs.store.S3Store(
+                bucket, config=config, client_options=client, retry_config=retry
+            )
+        except Exception as exc:
+            raise InvalidStoreURL(
+                f"cannot configure obstore for {self.url}: {self._scrub(str(exc))}"
+            ) from exc
+
+    def __repr__(self) -> str:
+        endpoint = f", endpoint_url={self.endpoint_url!r}" if self.endpoint_url else ""
+        return f"ObstoreS3Store({self.url!r}{endpoint})"
+
+    # -- error translation -------------------------------------------------------------------
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _translate(self, exc: Exception, *, op: str, key: str | None) -> StoreError:
+        """Map an obstore exception to the store error tree. The single place that does so."""
+        what = f"{op} {key!r} in {self.url}" if key is not None else f"{op} in {self.url}"
+        message = self._scrub(str(exc)).strip()
+        # obstore appends a multi-line debug dump; the first line is the useful part
+        detail = f"{what}: {message.splitlines()[0] if message else type(exc).__name__}"
+        errors = self._errors
+        write = op in ("put", "put_if_absent", "delete")
+        if "NoSuchBucket" in message:
+            return InvalidStoreURL(
+                f"{detail}: bucket {self.bucket!r} does not exist at "
+                f"{self.endpoint_url or 'AWS S3'}; create it or fix the store URL"
+            )
+        exists = (errors.AlreadyExistsError, errors.PreconditionError, FileExistsError)
+        if op == "put_if_absent" and isinstance(exc, exists):
+            return ObjectExists(detail)
+        if isinstance(exc, (errors.NotFoundError, FileNotFoundError)):
+            return ObjectNotFound(detail)
+        denied = (errors.PermissionDeniedError, errors.UnauthenticatedError, PermissionError)
+        if isinstance(exc, denied):
+            return AccessDenied(f"{detail} (check the credentials and the bucket policy)")
+        if op == "put_if_absent" and ("ConditionalRequestConflict" in message or " 409" in message):
+            return ConcurrentWriteConflict(detail)
+        if write:
+            return AmbiguousWriteError(f"{detail}; the write may have landed, read it back")
+        if _UNREACHABLE.search(message):
+            return StoreUnavailable(f"cannot {what}: {self.endpoint_url or 'S3'} is unreachable")
+        if _TRANSIENT.search(message):
+            return TransientStoreError(detail)
+        return StoreError(detail)
+
+    # -- operations --------------------------------------------------------------------------
+
+    def _key(self, key: str) -> str:
+        return self.prefix + validate_key(key)
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        full = self._key(key)
+        body = data if isinstance(data, bytes) else bytes(data)
+        create = mode is PutMode.CREATE
+        try:
+            self._obs.put(
+                self._store,
+                full,
+                body,
+                mode="create" if create else "overwrite",
+                use_multipart=False,
+            )
+        except Exception as exc:
+            raise self._translate(exc, op="put_if_absent" if create else "put", key=key) from exc
+
+    def get(self, key: str) -> bytes:
+        full = self._key(key)
+        try:
+            return bytes(self._obs.get(self._store, full).bytes())
+        except Exception as exc:
+            raise self._translate(exc, op="get", key=key) from exc
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        full = self._key(key)
+        if isinstance(rng, Bounded):
+            if rng.start == rng.end:
+                self.head(key)  # an empty range still requires the object to exist
+                return b""
+            option: Any = (rng.start, rng.end)
+        elif isinstance(rng, Offset):
+            option = {"offset": rng.start}
+        else:
+            option = {"suffix": rng.length}
+        try:
+            result = self._obs.get(self._store, full, options={"range": option})
+            return bytes(result.bytes())
+        except Exception as exc:
+            if "non-partial response" in str(exc):
+                # The server ignored the Range header (S3 does so for empty objects): slice here.
+                data = self.get(key)
+                start, end = resolve_range(rng, len(data))
+                return data[start:end]
+            if self._past_the_end(exc):
+                self.head(key)  # out of range, or missing? only the latter is an error
+                return b""
+            raise self._translate(exc, op="get_range", key=key) from exc
+
+    def _past_the_end(self, exc: Exception) -> bool:
+        if isinstance(exc, (self._errors.NotFoundError, FileNotFoundError)):
+            return False
+        text = str(exc)
+        return "416" in text or "InvalidRange" in text or "out of bounds" in text.lower()
+
+    def head(self, key: str) -> ObjectMeta:
+        full = self._key(key)
+        try:
+            meta = self._obs.head(self._store, full)
+        except Exception as exc:
+            raise self._translate(exc, op="head", key=key) from exc
+        return self._meta(meta)
+
+    def _meta(self, meta: Any) -> ObjectMeta:
+        return ObjectMeta(
+            key=str(meta["path"])[len(self.prefix) :],
+            size=int(meta["size"]),
+            last_modified=meta["last_modified"].timestamp(),
+            etag=meta.get("e_tag"),
+        )
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        wanted = self.prefix + prefix
+        # object_store lists whole path segments: list the enclosing directory, filter here.
+        directory = wanted[: wanted.rfind("/") + 1] if "/" in wanted else ""
+        offset = None
+        if start_after is not None and self.prefix + start_after >= wanted:
+            offset = self.prefix + start_after
+        try:
+            stream = self._obs.list(
+                self._store,
+                prefix=directory.rstrip("/") or None,
+                offset=offset,
+                chunk_size=_LIST_CHUNK,
+            )
+            for chunk in stream:
+                for meta in chunk:
+                    path = str(meta["path"])
+                    if path.startswith(wanted):
+                        yield self._meta(meta)
+                    elif path > wanted:
+                        return
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise self._translate(exc, op="list", key=prefix or None) from exc
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        paths = [self._key(k) for k in keys]
+        if not paths:
+            return
+        try:
+            self._obs.delete(self._store, paths)
+        except Exception as exc:
+            if isinstance(exc, (self._errors.NotFoundError, FileNotFoundError)):
+                return
+            raise self._translate(exc, op="delete", key=paths[0][len(self.prefix) :]) from exc

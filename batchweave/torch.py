@@ -1,0 +1,183 @@
+"""PyTorch integration: a DataLoader-ready dataset and a checkpointable loader.
+
+:class:`WeaveDataset` is an ``IterableDataset`` of ``(step, data)`` for one training rank. Under
+a ``DataLoader`` with ``num_workers=W`` worker ``w`` reads steps ``w, w + W, ...`` (its consumer
+has ``stride=W``), and the DataLoader's in-order round robin over workers puts them back into
+step order: the sequence is the same for any number of workers, and each step is read once.
+
+:class:`WeaveLoader` wraps the ``DataLoader`` and implements torch's ``Stateful`` protocol: its
+:meth:`~WeaveLoader.state_dict` records the step after the last one it yielded, so steps that
+workers prefetched but the loop never saw do not count, and :meth:`~WeaveLoader.load_state_dict`
+resumes there (with any number of workers). Requires ``torch`` (``pip install batchweave[torch]``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from batchweave._consumer import Consumer
+from batchweave._errors import NamespaceNotFound
+from batchweave._mesh import Mesh
+from batchweave._projection import DEFAULT_RANK_ORDER, coordinates_from_env
+from batchweave._store._base import ObjectStore
+from batchweave._store._open import open_store
+
+__all__ = ["WeaveDataset", "WeaveLoader"]
+
+_LOADER_OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
+
+
+class WeaveDataset(IterableDataset[tuple[int, Any]]):
+    """One rank's ``(step, data)`` stream as an ``IterableDataset`` (see the module docstring).
+
+    ``store`` is an :class:`ObjectStore` or a store URL; with worker processes prefer a URL,
+    opened in each worker (read-only: no conditional-write probe) with ``store_options``. The
+    rank's coordinates are resolved here, in the main process (explicit, or from
+    ``RANK``/``WORLD_SIZE`` with ``tp``, ``pp`` and ``rank_order``). Other keyword arguments go
+    to every worker's :class:`Consumer` (``prefetch``, ``timeout``, ``split_threshold``, ...).
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore | str,
+        namespace: str,
+        *,
+        mesh: Mesh,
+        dp_rank: int | None = None,
+        cp_rank: int | None = None,
+        tp: int = 1,
+        pp: int = 1,
+        rank_order: str = DEFAULT_RANK_ORDER,
+        store_options: Mapping[str, Any] | None = None,
+        **consumer_options: Any,
+    ) -> None:
+        super().__init__()
+        for name in ("stride", "start_step", "environ"):
+            if name in consumer_options:
+                raise TypeError(
+                    f"WeaveDataset sets the consumer's {name!r} itself; resume with "
+                    "WeaveLoader.load_state_dict instead"
+                )
+        if dp_rank is None and cp_rank is None:
+            coords = coordinates_from_env(mesh, tp=tp, pp=pp, order=rank_order)
+            dp_rank, cp_rank = coords.dp_rank, coords.cp_rank
+        self.store = store
+        self.namespace = namespace
+        self.mesh = mesh
+        self.dp_rank = dp_rank
+        self.cp_rank = cp_rank if cp_rank is not None or mesh.cp > 1 else 0
+        self.store_options = dict(store_options or {})
+        self.consumer_options = consumer_options
+        self.resume_state: dict[str, Any] | None = None
+        """Consumer state the next iteration starts from (set by :class:`WeaveLoader`)."""
+
+    def open_store(self) -> tuple[ObjectStore, bool]:
+        """The store to read, and whether the caller opened it (and must close it)."""
+        if isinstance(self.store, str):
+            store = open_store(self.store, verify_conditional_writes=False, **self.store_options)
+            return store, True
+        return self.store, False
+
+    def consumer(self, store: ObjectStore, *, worker: int = 0, workers: int = 1) -> Consumer:
+        """A consumer for DataLoader worker ``worker`` of ``workers``, at :attr:`resume_state`."""
+        consumer = Consumer(
+            store,
+            self.namespace,
+            mesh=self.mesh,
+            dp_rank=self.dp_rank,
+            cp_rank=self.cp_rank,
+            start_step=worker,
+            stride=workers,
+            **self.consumer_options,
+        )
+        if self.resume_state is not None:
+            state = dict(self.resume_state)
+            state["step"] = int(state["step"]) + worker
+            consumer.load_state_dict(state)
+        return consumer
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        store, owned = self.open_store()
+        try:
+            with self.consumer(store, worker=worker, workers=workers) as consumer:
+                yield from consumer
+        finally:
+            if owned:
+                store.close()
+
+
+class WeaveLoader:
+    """Iterates a :class:`WeaveDataset` through a ``DataLoader``; checkpointable (``Stateful``).
+
+    ``dataloader_options`` go to ``torch.utils.data.DataLoader`` (``num_workers``,
+    ``pin_memory``, ``prefetch_factor``, ``collate_fn``, ``multiprocessing_context``, ...). Each
+    item already is one step's batch, so batching and sampling options are refused, as are
+    ``persistent_workers`` (workers must restart at the resume step) and ``in_order=False``
+    (delivery order is the step order). A new DataLoader is made per ``iter()``, which continues
+    where the previous iteration stopped.
+    """
+
+    def __init__(self, dataset: WeaveDataset, **dataloader_options: Any) -> None:
+        refused = [name for name in _LOADER_OWNED if name in dataloader_options]
+        if refused:
+            raise TypeError(
+                f"WeaveLoader does not accept {', '.join(refused)}: every item is already one "
+                "step's batch for this rank, in step order"
+            )
+        if dataloader_options.get("persistent_workers"):
+            raise ValueError("persistent_workers cannot restart at a resumed step; leave it off")
+        if dataloader_options.get("in_order", True) is not True:
+            raise ValueError("in_order=False would deliver steps out of order; leave it on")
+        self.dataset = dataset
+        self.dataloader_options = dataloader_options
+        self._next_step: int | None = None
+        self._shadow_store: ObjectStore | None = None
+        self._shadow: Consumer | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        if self._next_step is not None:
+            self.dataset.resume_state = self.state_dict()
+        loader = DataLoader(self.dataset, batch_size=None, **self.dataloader_options)
+        for step, data in loader:
+            self._next_step = int(step) + 1
+            yield step, data
+
+    def _consumer(self) -> Consumer:
+        """A never-iterated consumer that validates states and fills in the namespace id."""
+        if self._shadow is None:
+            store, owned = self.dataset.open_store()
+            self._shadow_store = store if owned else None
+            self._shadow = self.dataset.consumer(store)
+        return self._shadow
+
+    def state_dict(self) -> dict[str, Any]:
+        """The consumer state for the step after the last one this loader yielded."""
+        shadow = self._consumer()
+        # a namespace that does not exist yet delivered nothing: an empty id is accepted on load
+        with contextlib.suppress(NamespaceNotFound):
+            shadow.open(wait=False)
+        state = shadow.state_dict()
+        if self._next_step is not None:
+            state["step"] = self._next_step
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at ``state["step"]``: checked against the namespace, re-anchored if DP changed."""
+        shadow = self._consumer()
+        shadow.load_state_dict(state)
+        self.dataset.resume_state = shadow.state_dict()
+        self._next_step = int(state["step"])
+
+    def close(self) -> None:
+        """Release the store this loader opened for checking states, if any."""
+        if self._shadow is not None:
+            self._shadow.close()
+        if self._shadow_store is not None:
+            self._shadow_store.close()
+        self._shadow = self._shadow_store = None
