@@ -48,6 +48,7 @@ from batchweave._format import (
 )
 from batchweave._lifecycle import Reclaimer, ReclaimReport, checkpoint_hook
 from batchweave._mesh import Mesh
+from batchweave._metrics import instrument_policy, start_metrics_server, track_metrics
 from batchweave._policy import (
     AttemptOutcome,
     CommitPolicy,
@@ -140,6 +141,7 @@ __all__ = [
     "dac_gap",
     "decode_slice",
     "encode_tgb",
+    "instrument_policy",
     "make_policy",
     "open_store",
     "parse_footer",
@@ -148,5 +150,7 @@ __all__ = [
     "read_footer",
     "read_slice",
     "slice_range",
+    "start_metrics_server",
+    "track_metrics",
     "__version__",
 ]

@@ -751,6 +751,9 @@ class Producer:
 
     def _next_work(self) -> bool | None:
         """Block until an attempt should start; return whether it seals, or None to stop."""
+        gap_waited = False
+        """Set once the whole remaining gap was slept: a clock too coarse to show it (or a fake
+        one advancing by less than float resolution) must not keep the loop waiting forever."""
         with self._cond:
             while True:
                 if self._error is not None or self._aborted:
@@ -763,16 +766,21 @@ class Producer:
                     self._cond.wait(_EVENT_WAIT)
                     continue
                 forced = seal_now or self._flush_waiters > 0 or self._closing
-                since = self._clock() - self._last_attempt_end
                 gap = self._policy.gap
+                since = self._clock() - self._last_attempt_end
+                if gap_waited:
+                    since = max(since, gap)
                 if (n > 0 and self._policy.ready(n, since)) or (forced and since >= gap):
                     return seal_now
-                if gap - since > 0:
+                remaining = gap - since
+                if remaining > 0:
+                    chunk = min(remaining, _TIME_WAIT_CHUNK)
                     self._cond.release()
                     try:
-                        self._sleep(min(gap - since, _TIME_WAIT_CHUNK))
+                        self._sleep(chunk)
                     finally:
                         self._cond.acquire()
+                    gap_waited = chunk == remaining
                 else:
                     self._cond.wait(_EVENT_WAIT)
 
@@ -915,7 +923,9 @@ class Producer:
             while True:
                 with self._cond:
                     self._check_usable_locked()
-                    visible = self._base.next_step
+                    # Own uploads not yet committed count too: they become visible (and stored)
+                    # without another max_lag check.
+                    visible = self._base.next_step + len(self._entries)
                 if visible - self._boundary_value <= max_lag:
                     return
                 if refreshed:

@@ -11,17 +11,12 @@ import pytest
 from moto import mock_aws
 
 from batchweave import FileStore, MemoryStore, ObjectStore, S3Store
-from batchweave.testing import S3Endpoint, StoreTests
+from batchweave.testing import S3Endpoint, StoreTests, serialize_moto_puts
 
 MOTO_OVERWRITE_RACE = pytest.mark.skip(
     reason="moto (5.2) closes an overwritten object's buffer (FakeKey.dispose) while concurrent "
     "GETs still read it: 'I/O operation on closed file'. A fake-server bug, not an S3 behaviour; "
     "memory, file and SeaweedFS run this test"
-)
-MOTO_CREATE_NOT_ATOMIC = pytest.mark.skip(
-    reason="moto (5.2) checks If-None-Match and then stores, without a lock "
-    "(s3/responses.py put_object), so racing creates can both win: a fake-server bug. "
-    "Memory, file and SeaweedFS run this race; moto still checks the sequential 412 path"
 )
 
 
@@ -39,16 +34,13 @@ class TestFileStore(StoreTests):
 
 
 class TestMotoInProcessStore(StoreTests):
-    @MOTO_CREATE_NOT_ATOMIC
-    def test_put_if_absent_race_has_exactly_one_winner(self, store: ObjectStore) -> None:
-        super().test_put_if_absent_race_has_exactly_one_winner(store)
-
     @MOTO_OVERWRITE_RACE
     def test_readers_never_see_partial_objects(self, store: ObjectStore) -> None:
         super().test_readers_never_see_partial_objects(store)
 
     @pytest.fixture
     def store(self, s3_bucket: str) -> Iterator[ObjectStore]:
+        serialize_moto_puts()  # moto's own create is check-then-set; see batchweave.testing._moto
         with mock_aws():
             boto3.client("s3", region_name="us-east-1").create_bucket(Bucket=s3_bucket)
             with S3Store(s3_bucket, "conformance", region="us-east-1") as store:
@@ -58,10 +50,6 @@ class TestMotoInProcessStore(StoreTests):
 @pytest.mark.moto_server
 class TestMotoServerStore(StoreTests):
     range_examples = 50
-
-    @MOTO_CREATE_NOT_ATOMIC
-    def test_put_if_absent_race_has_exactly_one_winner(self, store: ObjectStore) -> None:
-        super().test_put_if_absent_race_has_exactly_one_winner(store)
 
     @MOTO_OVERWRITE_RACE
     def test_readers_never_see_partial_objects(self, store: ObjectStore) -> None:

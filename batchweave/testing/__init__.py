@@ -9,6 +9,7 @@ import pytest
 # Plain ``assert`` in the shipped suite should report values like assertions in test modules.
 pytest.register_assert_rewrite("batchweave.testing._store_tests")
 
+from batchweave.testing._moto import serialize_moto_puts  # noqa: E402
 from batchweave.testing._servers import (  # noqa: E402
     S3Endpoint,
     free_port,
@@ -24,4 +25,5 @@ __all__ = [
     "free_port",
     "moto_server",
     "seaweedfs_server",
+    "serialize_moto_puts",
 ]

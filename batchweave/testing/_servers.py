@@ -138,6 +138,8 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
 _MOTO_CHILD = """
 import sys
 from moto.server import ThreadedMotoServer
+from batchweave.testing._moto import serialize_moto_puts
+serialize_moto_puts()
 server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
 server.start()
 print(server.get_host_and_port()[1], flush=True)

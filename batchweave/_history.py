@@ -1,0 +1,224 @@
+"""Batch membership history: which producer's data every rank read at every step.
+
+One row per ``(step, dp, cp)`` slice of the committed history (steps ``base_step ..
+next_step - 1`` of the newest manifest): the producer, its epoch and source offset, the object and
+the slice's stored bytes and sample count, and the slice's sample ids when the producer recorded
+them. Tools (``batchweave export``, :func:`batchweave.lance.export_history`) turn the rows into a
+Lance dataset or a Parquet file for auditing ("which documents trained step 1234 on rank 5?").
+
+Sample ids are a producer convention, not part of the TGB format: a producer that puts
+``{SAMPLE_IDS_KEY: sample_ids_metadata(ids)}`` into a TGB's metadata (``ids`` holds one list per
+slice, in ``(d, c)`` order) gets them exported.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchweave._errors import ChecksumMismatch, FormatError
+from batchweave._format._checksum import checksum
+from batchweave._format._tgb import TRAILER_SIZE, TgbFooter, parse_footer
+from batchweave._manifest._log import ManifestLog
+from batchweave._manifest._models import Manifest, TgbObjectRef
+from batchweave._store._base import Bounded, ObjectStore
+
+__all__ = [
+    "MEMBERSHIP_SCHEMA",
+    "SAMPLE_IDS_KEY",
+    "MembershipRow",
+    "iter_membership",
+    "membership_batches",
+    "read_object_footer",
+    "sample_ids_metadata",
+    "write_parquet",
+]
+
+SAMPLE_IDS_KEY = "batchweave.sample_ids"
+"""TGB metadata key holding a JSON list (one entry per slice) of lists of sample ids."""
+
+
+@dataclass(frozen=True)
+class MembershipRow:
+    """One slice of one committed step."""
+
+    step: int
+    dp: int
+    cp: int
+    producer_id: str
+    epoch: int
+    offset: int
+    key: str
+    """Object key relative to the namespace."""
+    bytes: int
+    """Stored bytes of the slice (what the rank's range read fetches)."""
+    samples: int
+    sample_ids: tuple[str, ...] | None
+    """The slice's sample ids when the producer recorded them, else ``None``."""
+
+
+def sample_ids_metadata(ids: Sequence[Sequence[int | str]]) -> str:
+    """Encode per-slice sample ids (one sequence per slice, ``(d, c)`` order) for TGB metadata."""
+    return json.dumps([[str(i) for i in slice_ids] for slice_ids in ids], separators=(",", ":"))
+
+
+def _sample_ids(footer: TgbFooter, key: str) -> list[tuple[str, ...]] | None:
+    raw = footer.metadata.get(SAMPLE_IDS_KEY)
+    if raw is None:
+        return None
+    try:
+        parsed = json.loads(raw)
+    except ValueError as exc:
+        raise FormatError(f"object {key!r}: metadata {SAMPLE_IDS_KEY!r} is not JSON") from exc
+    if not isinstance(parsed, list) or len(parsed) != len(footer.slices):
+        raise FormatError(
+            f"object {key!r}: metadata {SAMPLE_IDS_KEY!r} must list one entry per slice "
+            f"({len(footer.slices)})"
+        )
+    return [tuple(str(i) for i in entry) for entry in parsed]
+
+
+def read_object_footer(store: ObjectStore, key: str, ref: TgbObjectRef) -> TgbFooter:
+    """Fetch object ``key``'s footer with one exact range read and check it against ``ref``.
+
+    Verifies the trailer's footer checksum, the manifest's ``footer_checksum`` of the footer
+    bytes, that footer plus trailer end exactly at the recorded object size, and that the object
+    holds the recorded number of slices. Raises :class:`FormatError` (or
+    :class:`ChecksumMismatch`) naming the object.
+    """
+    end = ref.footer_offset + ref.footer_length + TRAILER_SIZE
+    if end != ref.size:
+        raise FormatError(
+            f"object {key!r}: the manifest records size {ref.size} but footer and trailer end "
+            f"at byte {end}"
+        )
+    buf = store.get_range(key, Bounded(ref.footer_offset, end))
+    if len(buf) != end - ref.footer_offset:
+        raise FormatError(
+            f"object {key!r} is truncated: expected {ref.size} bytes, the footer range ends at "
+            f"{ref.footer_offset + len(buf)}"
+        )
+    footer = parse_footer(buf, key=key)
+    computed = checksum(buf[: ref.footer_length], footer.checksum_algo)
+    if computed != ref.footer_checksum:
+        raise ChecksumMismatch(
+            f"object {key!r}: footer {footer.checksum_algo} checksum {computed:#x} differs from "
+            f"the manifest's {ref.footer_checksum:#x}; the object was replaced or damaged"
+        )
+    if footer.payload_length != ref.footer_offset:
+        raise FormatError(
+            f"object {key!r}: the footer follows {footer.payload_length} payload bytes, the "
+            f"manifest says {ref.footer_offset}"
+        )
+    if len(footer.slices) != ref.slice_count:
+        raise FormatError(
+            f"object {key!r}: the manifest records {ref.slice_count} slices, the footer "
+            f"{len(footer.slices)}"
+        )
+    return footer
+
+
+def iter_membership(
+    store: ObjectStore,
+    namespace: str,
+    *,
+    manifest: Manifest | None = None,
+    start: int | None = None,
+    stop: int | None = None,
+) -> Iterator[MembershipRow]:
+    """Rows for steps ``start .. stop - 1`` (default: every readable step), in step order.
+
+    Costs one footer range read per TGB object (slices are not read). ``manifest`` defaults to
+    the namespace's newest version.
+    """
+    log = ManifestLog(store, namespace)
+    if manifest is None:
+        manifest = log.create_or_open()
+    first = manifest.base_step if start is None else max(start, manifest.base_step)
+    last = manifest.next_step if stop is None else min(stop, manifest.next_step)
+    cp = manifest.mesh.cp
+    for step, desc in log.descriptors(manifest, first, last):
+        for ref in desc.objects:
+            key = log.key(ref.key)
+            footer = read_object_footer(store, key, ref)
+            ids = _sample_ids(footer, key)
+            for j, entry in enumerate(footer.slices):
+                d, c = divmod(ref.first_slice + j, cp)
+                yield MembershipRow(
+                    step=step,
+                    dp=d,
+                    cp=c,
+                    producer_id=desc.producer_id,
+                    epoch=desc.epoch,
+                    offset=desc.offset,
+                    key=ref.key,
+                    bytes=entry.length,
+                    samples=entry.sample_count,
+                    sample_ids=None if ids is None else ids[j],
+                )
+
+
+MEMBERSHIP_SCHEMA = pa.schema(
+    [
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("dp", pa.int32(), nullable=False),
+        pa.field("cp", pa.int32(), nullable=False),
+        pa.field("producer_id", pa.string(), nullable=False),
+        pa.field("epoch", pa.int64(), nullable=False),
+        pa.field("offset", pa.int64(), nullable=False),
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("bytes", pa.int64(), nullable=False),
+        pa.field("samples", pa.int64(), nullable=False),
+        pa.field("sample_ids", pa.list_(pa.string())),
+    ]
+)
+"""Columns of an exported membership history (Lance dataset or Parquet file)."""
+
+
+def membership_batches(
+    store: ObjectStore,
+    namespace: str,
+    *,
+    start: int | None = None,
+    stop: int | None = None,
+    batch_rows: int = 8192,
+) -> Iterator[pa.RecordBatch]:
+    """:func:`iter_membership` as Arrow record batches of at most ``batch_rows`` rows."""
+    names = MEMBERSHIP_SCHEMA.names
+    buffer: list[MembershipRow] = []
+
+    def flush() -> pa.RecordBatch:
+        columns = {name: [getattr(row, name) for row in buffer] for name in names}
+        columns["sample_ids"] = [
+            None if row.sample_ids is None else list(row.sample_ids) for row in buffer
+        ]
+        buffer.clear()
+        return pa.RecordBatch.from_pydict(columns, schema=MEMBERSHIP_SCHEMA)
+
+    for row in iter_membership(store, namespace, start=start, stop=stop):
+        buffer.append(row)
+        if len(buffer) >= batch_rows:
+            yield flush()
+    if buffer:
+        yield flush()
+
+
+def write_parquet(
+    store: ObjectStore,
+    namespace: str,
+    path: str,
+    *,
+    start: int | None = None,
+    stop: int | None = None,
+) -> int:
+    """Write the membership history to the Parquet file ``path``; return the row count."""
+    rows = 0
+    with pq.ParquetWriter(path, MEMBERSHIP_SCHEMA) as writer:
+        for batch in membership_batches(store, namespace, start=start, stop=stop):
+            writer.write_batch(batch)
+            rows += batch.num_rows
+    return rows

@@ -1,0 +1,343 @@
+"""Prometheus metrics for producers, consumers and the reclaimer (``docs/operations.md``).
+
+Nothing is exported unless asked: call :func:`track_metrics` on the objects to watch and
+:func:`start_metrics_server` (or scrape the registry your application already serves).
+
+- Producers and consumers already keep counters (``Producer.stats()``, ``Consumer.stats``); a
+  collector reads them at scrape time, so tracking costs nothing on the hot path.
+- Distributions need every observation: :func:`instrument_policy` wraps a commit policy so each
+  attempt's fragile window and the gap that follows land in histograms.
+- A tracked :class:`~batchweave.Reclaimer` adds every pass's deletions to counters.
+
+Metric names (all prefixed ``batchweave_``): ``commit_attempts_total``, ``commits_total``,
+``commit_conflicts_total``, ``commit_ambiguous_total``, ``transient_errors_total``,
+``tgbs_published_total``, ``bytes_published_total``, ``producer_pending_tgbs``,
+``producer_lag_blocked_seconds_total``, ``fragile_window_seconds`` (gauge: last) and
+``fragile_window_seconds_hist``, ``commit_gap_seconds`` (gauge) and ``commit_gap_seconds_hist``;
+``consumer_steps_total``, ``consumer_stall_seconds_total``, ``consumer_bytes_read_total``,
+``consumer_bytes_delivered_total``, ``consumer_requests_total``, ``consumer_read_amplification``,
+``consumer_prefetch_depth``, ``consumer_in_flight_steps``; ``reclaim_passes_total``,
+``reclaimed_objects_total{kind}``, ``reclaimed_bytes_total{kind}``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from batchweave._consumer import Consumer
+from batchweave._lifecycle import Reclaimer, ReclaimReport
+from batchweave._policy import AttemptOutcome, CommitPolicy, make_policy
+from batchweave._producer import Producer
+
+__all__ = [
+    "BatchWeaveCollector",
+    "InstrumentedPolicy",
+    "MetricsServer",
+    "instrument_policy",
+    "metrics",
+    "start_metrics_server",
+    "track_metrics",
+]
+
+_T = TypeVar("_T", Producer, Consumer, Reclaimer)
+
+_WINDOW_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_GAP_BUCKETS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class BatchWeaveCollector(Collector):
+    """Reads the counters of tracked producers and consumers at scrape time.
+
+    Objects are held weakly: a producer or consumer that is garbage-collected disappears from
+    the exposition (its counters were per-incarnation anyway, labelled by producer id or rank).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._producers: weakref.WeakSet[Producer] = weakref.WeakSet()
+        self._consumers: weakref.WeakSet[Consumer] = weakref.WeakSet()
+
+    def add_producer(self, producer: Producer) -> None:
+        """Expose ``producer``'s :meth:`~batchweave.Producer.stats`."""
+        with self._lock:
+            self._producers.add(producer)
+
+    def add_consumer(self, consumer: Consumer) -> None:
+        """Expose ``consumer``'s :attr:`~batchweave.Consumer.stats`."""
+        with self._lock:
+            self._consumers.add(consumer)
+
+    def describe(self) -> list[Metric]:
+        """No fixed description: the series depend on what is tracked."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        """Build every family from fresh ``stats`` snapshots."""
+        with self._lock:
+            producers = list(self._producers)
+            consumers = list(self._consumers)
+        yield from self._producer_families(producers)
+        yield from self._consumer_families(consumers)
+
+    @staticmethod
+    def _producer_families(producers: list[Producer]) -> Iterator[Metric]:
+        labels = ["namespace", "producer_id"]
+        counters = {
+            "attempts": ("commit_attempts", "Manifest commit attempts that reached the store."),
+            "commits": ("commits", "Commit attempts that created a manifest version."),
+            "conflicts": ("commit_conflicts", "Commit attempts lost to another writer."),
+            "ambiguous": ("commit_ambiguous", "Commit attempts with an unknown outcome."),
+            "transient_errors": ("transient_errors", "Retried transient store failures."),
+            "tgbs_published": ("tgbs_published", "TGBs made visible by committed manifests."),
+            "bytes_published": ("bytes_published", "Bytes of published TGB objects."),
+            "lag_blocked_seconds": (
+                "producer_lag_blocked_seconds",
+                "Seconds append() was blocked by max_lag.",
+            ),
+        }
+        gauges = {
+            "last_fragile_window": (
+                "fragile_window_seconds",
+                "Last fragile window: base read to end of the conditional PUT.",
+            ),
+            "gap": ("commit_gap_seconds", "The commit policy's current post-attempt gap."),
+            "pending": ("producer_pending_tgbs", "TGBs appended but not yet committed."),
+            "inflight_bytes": ("producer_inflight_bytes", "Encoded bytes waiting for upload."),
+        }
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+        for attr, (name, doc) in counters.items():
+            families[attr] = CounterMetricFamily(f"batchweave_{name}", doc, labels=labels)
+        for attr, (name, doc) in gauges.items():
+            families[attr] = GaugeMetricFamily(f"batchweave_{name}", doc, labels=labels)
+        for producer in producers:
+            stats = producer.stats()
+            values = [producer.namespace, producer.producer_id]
+            for attr, family in families.items():
+                family.add_metric(values, float(getattr(stats, attr)))
+        yield from families.values()
+
+    @staticmethod
+    def _consumer_families(consumers: list[Consumer]) -> Iterator[Metric]:
+        labels = ["namespace", "dp_rank", "cp_rank"]
+        counters = {
+            "steps": ("consumer_steps", "Steps delivered to the training loop."),
+            "stall_seconds": ("consumer_stall_seconds", "Seconds next() blocked the caller."),
+            "bytes_read": ("consumer_bytes_read", "Bytes returned by range reads."),
+            "bytes_delivered": ("consumer_bytes_delivered", "Stored bytes of delivered slices."),
+            "requests": ("consumer_requests", "Range reads issued."),
+            "retries": ("consumer_retries", "Transient read failures retried."),
+        }
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+            attr: CounterMetricFamily(f"batchweave_{name}", doc, labels=labels)
+            for attr, (name, doc) in counters.items()
+        }
+        amplification = GaugeMetricFamily(
+            "batchweave_consumer_read_amplification",
+            "bytes_read / bytes_delivered (1.0: only the rank's slices were read).",
+            labels=labels,
+        )
+        depth = GaugeMetricFamily(
+            "batchweave_consumer_prefetch_depth", "Steps allowed in flight.", labels=labels
+        )
+        in_flight = GaugeMetricFamily(
+            "batchweave_consumer_in_flight_steps", "Steps being read ahead now.", labels=labels
+        )
+        for consumer in consumers:
+            stats = consumer.stats
+            values = [consumer.namespace, str(consumer.dp_rank), str(consumer.cp_rank)]
+            for attr, family in families.items():
+                family.add_metric(values, float(getattr(stats, attr)))
+            amp = stats.read_amplification
+            amplification.add_metric(values, 0.0 if math.isnan(amp) else amp)
+            depth.add_metric(values, float(stats.prefetch_depth))
+            in_flight.add_metric(values, float(stats.in_flight))
+        yield from families.values()
+        yield amplification
+        yield depth
+        yield in_flight
+
+
+class _Metrics:
+    """The metric objects of one registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.collector = BatchWeaveCollector()
+        registry.register(self.collector)
+        self.window = Histogram(
+            "batchweave_fragile_window_seconds_hist",
+            "Fragile window of each commit attempt.",
+            ["policy"],
+            buckets=_WINDOW_BUCKETS,
+            registry=registry,
+        )
+        self.gap = Histogram(
+            "batchweave_commit_gap_seconds_hist",
+            "Post-attempt gap chosen after each commit attempt.",
+            ["policy"],
+            buckets=_GAP_BUCKETS,
+            registry=registry,
+        )
+        self.outcomes = Counter(
+            "batchweave_policy_attempts",
+            "Commit attempts seen by instrumented policies, by outcome.",
+            ["policy", "outcome"],
+            registry=registry,
+        )
+        self.passes = Counter(
+            "batchweave_reclaim_passes", "Reclaimer passes.", ["namespace"], registry=registry
+        )
+        self.reclaimed_objects = Counter(
+            "batchweave_reclaimed_objects",
+            "Objects deleted by the reclaimer.",
+            ["namespace", "kind"],
+            registry=registry,
+        )
+        self.reclaimed_bytes = Counter(
+            "batchweave_reclaimed_bytes",
+            "Bytes deleted by the reclaimer.",
+            ["namespace", "kind"],
+            registry=registry,
+        )
+
+    def observe_reclaim(self, namespace: str, report: ReclaimReport) -> None:
+        self.passes.labels(namespace).inc()
+        for kind, count, nbytes in (
+            ("tgb", report.tgbs_deleted, report.tgb_bytes_deleted),
+            ("orphan", report.orphans_deleted, report.orphan_bytes_deleted),
+            ("segment", report.segments_deleted, report.segment_bytes_deleted),
+            ("manifest", report.manifests_deleted, report.manifest_bytes_deleted),
+        ):
+            self.reclaimed_objects.labels(namespace, kind).inc(count)
+            self.reclaimed_bytes.labels(namespace, kind).inc(nbytes)
+
+
+_registries: dict[int, _Metrics] = {}
+_registries_lock = threading.Lock()
+
+
+def metrics(registry: CollectorRegistry | None = None) -> _Metrics:
+    """The BatchWeave metric objects registered in ``registry`` (default: prometheus' global)."""
+    reg = REGISTRY if registry is None else registry
+    with _registries_lock:
+        found = _registries.get(id(reg))
+        if found is None or found.registry is not reg:
+            found = _registries[id(reg)] = _Metrics(reg)
+        return found
+
+
+def track_metrics(obj: _T, *, registry: CollectorRegistry | None = None) -> _T:
+    """Export ``obj``'s figures (a Producer, Consumer or Reclaimer) and return it.
+
+    A reclaimer is tracked by wrapping its ``run_once`` (also used by its background thread).
+    """
+    m = metrics(registry)
+    if isinstance(obj, Producer):
+        m.collector.add_producer(obj)
+    elif isinstance(obj, Consumer):
+        m.collector.add_consumer(obj)
+    elif isinstance(obj, Reclaimer):
+        original = obj.run_once
+        namespace = obj.namespace
+
+        def run_once() -> ReclaimReport:
+            report = original()
+            m.observe_reclaim(namespace, report)
+            return report
+
+        obj.run_once = run_once  # type: ignore[method-assign]
+    else:
+        raise TypeError(
+            f"cannot track {type(obj).__name__}; expected Producer, Consumer or Reclaimer"
+        )
+    return obj
+
+
+class InstrumentedPolicy(CommitPolicy):
+    """A commit policy that records every attempt's fragile window and gap in histograms."""
+
+    name = "instrumented"
+
+    def __init__(self, inner: CommitPolicy, *, registry: CollectorRegistry | None = None) -> None:
+        self.inner = inner
+        self._metrics = metrics(registry)
+        self._label = inner.name
+
+    def ready(self, pending: int, since_last_attempt: float) -> bool:
+        """Delegates to the wrapped policy."""
+        return self.inner.ready(pending, since_last_attempt)
+
+    def record(self, outcome: AttemptOutcome) -> None:
+        """Delegates, then observes the window, the new gap and the outcome."""
+        self.inner.record(outcome)
+        self._metrics.window.labels(self._label).observe(outcome.fragile_window)
+        self._metrics.gap.labels(self._label).observe(self.inner.gap)
+        result = "committed" if outcome.committed else "conflict"
+        self._metrics.outcomes.labels(self._label, result).inc()
+
+    @property
+    def gap(self) -> float:
+        """The wrapped policy's gap."""
+        return self.inner.gap
+
+
+def instrument_policy(
+    policy: str | CommitPolicy = "dac",
+    *,
+    registry: CollectorRegistry | None = None,
+    **options: Any,
+) -> InstrumentedPolicy:
+    """``policy`` (a name, built with ``options``, or an instance) with histograms attached.
+
+    Pass the result as ``Producer(..., policy=instrument_policy("dac"))``.
+    """
+    inner = make_policy(policy, **options) if isinstance(policy, str) else policy
+    return InstrumentedPolicy(inner, registry=registry)
+
+
+class MetricsServer:
+    """A running metrics HTTP endpoint; :meth:`close` stops it."""
+
+    def __init__(self, server: Any, thread: threading.Thread) -> None:
+        self._server = server
+        self._thread = thread
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful with port 0)."""
+        return int(self._server.server_port)
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_metrics_server(
+    port: int, addr: str = "127.0.0.1", *, registry: CollectorRegistry | None = None
+) -> MetricsServer:
+    """Serve ``/metrics`` on ``addr:port`` in a daemon thread (``port=0``: any free port).
+
+    Binds to loopback by default: expose it deliberately (``addr="0.0.0.0"``) only on a trusted
+    network. The BatchWeave metrics are registered in ``registry`` first, so the endpoint shows
+    them even before anything is tracked.
+    """
+    reg = REGISTRY if registry is None else registry
+    metrics(reg)
+    server, thread = start_http_server(port, addr=addr, registry=reg)
+    return MetricsServer(server, thread)

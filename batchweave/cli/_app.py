@@ -1,0 +1,337 @@
+"""The click application: one command per operator task (see ``docs/cli.md``).
+
+Exit status: 0 success; 1 a check failed (``verify``, ``demo``); 2 the command could not run
+(bad URL or option, missing namespace, store unreachable, ...), reported as one line on stderr.
+``BATCHWEAVE_DEBUG=1`` shows tracebacks instead.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from batchweave._errors import BatchWeaveError
+from batchweave._history import write_parquet
+from batchweave._lifecycle import Reclaimer
+from batchweave._manifest._log import Committed, ManifestLog
+from batchweave._manifest._models import Manifest
+from batchweave._store._base import ObjectStore
+from batchweave.cli._common import (
+    CliFailure,
+    debug_enabled,
+    echo_json,
+    err_console,
+    one_line,
+    open_cli_store,
+    out_console,
+    store_options,
+    validate_namespace,
+)
+from batchweave.cli._inspect import gather_inspection, human_bytes, render_inspection
+from batchweave.cli._verify import verify_namespace
+
+__all__ = ["cli", "main", "seal_namespace"]
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class _Group(click.Group):
+    """Turns expected errors into one line on stderr and exit status 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (BatchWeaveError, CliFailure, OSError, ValueError) as exc:
+            if debug_enabled() or isinstance(exc, click.ClickException):
+                raise
+            click.echo(f"batchweave: error: {one_line(exc)}", err=True)
+            ctx.exit(EXIT_USAGE)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="batchweave")
+def cli() -> None:
+    """BatchWeave: a transactional training data plane on object storage.
+
+    STORE is a URL (s3://bucket/prefix, file:///abs/path) or a local directory path.
+    """
+
+
+def main() -> None:
+    """Console-script entry point (``batchweave``)."""
+    cli(prog_name="batchweave")
+
+
+def _open(store: str, options: dict[str, Any], *, writes: bool) -> ObjectStore:
+    return open_cli_store(store, options, writes=writes)
+
+
+# -- inspect ------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("store")
+@click.argument("namespace")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@store_options
+def inspect(store: str, namespace: str, as_json: bool, **options: Any) -> None:
+    """Show versions, steps, producers, watermarks, boundary and storage of NAMESPACE."""
+    namespace = validate_namespace(namespace)
+    st = _open(store, options, writes=False)
+    data = gather_inspection(st, namespace)
+    if as_json:
+        echo_json(data)
+    else:
+        render_inspection(data, out_console())
+
+
+# -- verify -------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("store")
+@click.argument("namespace")
+@click.option("--footers-only", is_flag=True, help="Check footers but do not read slices.")
+@click.option("--workers", default=8, show_default=True, help="Parallel object reads.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@store_options
+def verify(
+    store: str, namespace: str, footers_only: bool, workers: int, as_json: bool, **options: Any
+) -> None:
+    """Check every referenced object, checksums, dense steps and exactly-once per producer.
+
+    Exit status 0 when everything checks out, 1 when a problem was found.
+    """
+    namespace = validate_namespace(namespace)
+    st = _open(store, options, writes=False)
+    console = err_console()
+    with Progress(
+        TextColumn("verifying"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=as_json or not console.is_terminal,
+    ) as progress:
+        task = progress.add_task("verify", total=None)
+        report = verify_namespace(
+            st,
+            namespace,
+            read_slices=not footers_only,
+            workers=workers,
+            progress=lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    if as_json:
+        echo_json({"ok": report.ok, **asdict(report)})
+    else:
+        out = out_console()
+        out.print(
+            f"checked {report.versions} manifest versions (latest {report.latest_version}), "
+            f"steps {report.base_step}..{report.next_step - 1} ({report.steps}), "
+            f"{report.objects} objects, {report.slices} slices, "
+            f"{human_bytes(report.bytes_read)} read"
+        )
+        for pid, count in sorted(report.producers.items()):
+            out.print(f"  {pid}: {count} live steps")
+        for problem in report.problems[:100]:
+            out.print(f"[red]problem[/red]: {problem}")
+        if len(report.problems) > 100:
+            out.print(f"... and {len(report.problems) - 100} more problems")
+        out.print(
+            "[green]OK[/green]"
+            if report.ok
+            else f"[red]FAILED[/red]: {len(report.problems)} problems"
+        )
+    if not report.ok:
+        raise SystemExit(EXIT_FAILED)
+
+
+# -- reclaim ------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("store")
+@click.argument("namespace")
+@click.option(
+    "--grace",
+    default=600.0,
+    show_default=True,
+    help="Seconds an unreferenced object or superseded manifest must age before deletion.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@store_options
+def reclaim(store: str, namespace: str, grace: float, as_json: bool, **options: Any) -> None:
+    """Run one reclamation pass: raise base_step to the minimum watermark and delete
+    what no live checkpoint can need."""
+    namespace = validate_namespace(namespace)
+    st = _open(store, options, writes=True)
+    ManifestLog(st, namespace).latest()  # a missing namespace is an error, not an empty pass
+    report = Reclaimer(st, namespace, grace=grace).run_once()
+    data = {**asdict(report), "objects_deleted": report.objects_deleted}
+    data["bytes_deleted"] = report.bytes_deleted
+    if as_json:
+        echo_json(data)
+        return
+    table = Table(title=f"reclaim {namespace}", show_header=False, box=None)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_row("boundary", f"{report.boundary} ({report.watermarks} watermarks)")
+    table.add_row("base step", f"{report.base_step_before} -> {report.base_step_after}")
+    table.add_row("TGB objects", f"{report.tgbs_deleted} ({human_bytes(report.tgb_bytes_deleted)})")
+    table.add_row(
+        "orphans", f"{report.orphans_deleted} ({human_bytes(report.orphan_bytes_deleted)})"
+    )
+    table.add_row("segments", f"{report.segments_deleted}")
+    table.add_row("manifests", f"{report.manifests_deleted}")
+    table.add_row(
+        "deleted", f"{report.objects_deleted} objects, {human_bytes(report.bytes_deleted)}"
+    )
+    out_console().print(table)
+
+
+# -- seal ---------------------------------------------------------------------------------------
+
+
+def seal_namespace(
+    store: ObjectStore, namespace: str, *, attempts: int = 50, sleep: Any = time.sleep
+) -> tuple[Manifest, bool]:
+    """Commit the sealed flag on the newest version; return it and whether this call sealed it.
+
+    Producers still running then fail with ``NamespaceSealed`` at their next commit; consumers
+    stop cleanly after the last step. Lost races are retried on the winner.
+    """
+    log = ManifestLog(store, namespace)
+    latest = log.latest()
+    rng = random.Random()
+    for attempt in range(attempts):
+        if latest.sealed:
+            return latest, False
+        result = log.commit(latest, seal=True)
+        if isinstance(result, Committed):
+            return result.manifest, True
+        sleep(rng.uniform(0.0, min(1.0, 0.01 * 2**attempt)))
+        latest = log.latest(result.winner or latest)
+    raise CliFailure(f"could not seal {namespace!r} after {attempts} lost races; retry")
+
+
+@cli.command()
+@click.argument("store")
+@click.argument("namespace")
+@store_options
+def seal(store: str, namespace: str, **options: Any) -> None:
+    """Seal NAMESPACE: no more TGBs; consumers stop cleanly after the last step."""
+    namespace = validate_namespace(namespace)
+    st = _open(store, options, writes=True)
+    manifest, sealed_now = seal_namespace(st, namespace)
+    what = "sealed" if sealed_now else "was already sealed"
+    click.echo(
+        f"{namespace} {what} at version {manifest.version} "
+        f"(steps {manifest.base_step}..{manifest.next_step - 1})"
+    )
+
+
+# -- export -------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("store")
+@click.argument("namespace")
+@click.argument("destination", type=click.Path(path_type=Path))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["auto", "lance", "parquet"]),
+    default="auto",
+    show_default=True,
+    help="auto: parquet for a .parquet destination, else a Lance dataset.",
+)
+@click.option("--start", type=int, help="First step (default: base_step).")
+@click.option("--stop", type=int, help="One past the last step (default: next_step).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing destination.")
+@store_options
+def export(
+    store: str,
+    namespace: str,
+    destination: Path,
+    fmt: str,
+    start: int | None,
+    stop: int | None,
+    overwrite: bool,
+    **options: Any,
+) -> None:
+    """Export batch membership history (step, dp, cp, producer, offset, bytes, sample ids)
+    to a Lance dataset or a Parquet file at DESTINATION."""
+    namespace = validate_namespace(namespace)
+    if fmt == "auto":
+        fmt = "parquet" if destination.suffix == ".parquet" else "lance"
+    if destination.exists() and not overwrite:
+        raise CliFailure(f"{destination} exists; pass --overwrite to replace it")
+    st = _open(store, options, writes=False)
+    ManifestLog(st, namespace).latest()
+    if fmt == "parquet":
+        rows = write_parquet(st, namespace, str(destination), start=start, stop=stop)
+    else:
+        try:
+            from batchweave.lance import export_history
+        except ImportError as exc:
+            raise CliFailure(
+                f"exporting to Lance needs pylance ({exc}); pip install 'batchweave[lance]' "
+                "or use --format parquet"
+            ) from exc
+        rows = export_history(
+            st,
+            namespace,
+            destination,
+            start=start,
+            stop=stop,
+            mode="overwrite" if overwrite else "create",
+        )
+    click.echo(f"exported {rows} rows ({fmt}) to {destination}")
+
+
+# -- demo ---------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option(
+    "--store",
+    "store",
+    default=None,
+    help="Store URL or directory (default: ./weave-data if writable, else a temp dir).",
+)
+@click.option("--namespace", default=None, help="Namespace (default: demo-<random>).")
+@click.option("--producers", default=3, show_default=True, help="Producer processes.")
+@click.option("--dp", default=2, show_default=True, help="Data-parallel degree.")
+@click.option("--cp", default=2, show_default=True, help="Context-parallel degree.")
+@click.option("--steps", default=360, show_default=True, help="TGBs in total (steps).")
+@click.option("--seq-len", default=1024, show_default=True, help="Tokens per packed sequence.")
+@click.option("--micro-batch", default=4, show_default=True, help="Sequences per DP replica.")
+@click.option("--documents", default=20000, show_default=True, help="Documents in the corpus.")
+@click.option(
+    "--step-time", default=0.1, show_default=True, help="Simulated training seconds per step."
+)
+@click.option("--max-lag", default=60, show_default=True, help="Producer max_lag in steps.")
+@click.option("--checkpoint-every", default=10, show_default=True, help="Steps per checkpoint.")
+@click.option("--no-kill", is_flag=True, help="Do not SIGKILL a producer and a consumer halfway.")
+@click.option("--keep", is_flag=True, help="Keep the namespace and work files afterwards.")
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics here.")
+@store_options
+def demo(**kwargs: Any) -> None:
+    """Run producers, consumers and the reclaimer end to end, kill and restart one of each,
+    and verify exactly-once delivery (about a minute with the defaults)."""
+    from batchweave.cli._demo import DemoConfig, run_demo
+
+    options = {k: kwargs.pop(k) for k in ("endpoint_url", "region", "profile", "addressing_style")}
+    config = DemoConfig(**kwargs, store_options={k: v for k, v in options.items() if v})
+    ok = run_demo(config)
+    if not ok:
+        raise SystemExit(EXIT_FAILED)

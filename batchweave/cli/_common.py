@@ -1,0 +1,130 @@
+"""What every command shares: store options, opening a store, one-line errors, output helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
+
+import click
+from rich.console import Console
+
+from batchweave._errors import BatchWeaveError, InvalidStoreURL
+from batchweave._store._base import ObjectStore, validate_key
+from batchweave._store._open import open_store
+
+__all__ = [
+    "DEBUG_ENV",
+    "CliFailure",
+    "debug_enabled",
+    "echo_json",
+    "err_console",
+    "one_line",
+    "open_cli_store",
+    "out_console",
+    "store_options",
+    "store_url",
+    "validate_namespace",
+]
+
+DEBUG_ENV = "BATCHWEAVE_DEBUG"
+"""Set to 1 to get tracebacks instead of one-line error messages."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class CliFailure(Exception):
+    """A problem the user must fix (bad argument, missing dependency): exit status 2."""
+
+
+def out_console() -> Console:
+    """The console for results (stdout); plain text when not a terminal."""
+    return Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
+
+
+def err_console() -> Console:
+    """The console for progress and diagnostics (stderr)."""
+    return Console(stderr=True, highlight=False)
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line, prefixed with its class name when that adds meaning."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, BatchWeaveError):
+        return f"{type(exc).__name__}: {text}"
+    return text
+
+
+def store_url(location: str) -> str:
+    """A store URL from ``location``: URLs pass through, a plain path becomes ``file://``."""
+    if "://" in location:
+        return location
+    if not location:
+        raise InvalidStoreURL("empty store location; give a URL (s3://bucket/prefix) or a path")
+    return Path(location).expanduser().resolve().as_uri()
+
+
+def validate_namespace(namespace: str) -> str:
+    """Check ``namespace`` is a usable relative prefix (raises ``InvalidKey``)."""
+    cleaned = namespace.strip("/")
+    if not cleaned:
+        raise CliFailure(f"namespace {namespace!r} is empty; name one, e.g. runs/job-42")
+    validate_key(cleaned)
+    return cleaned
+
+
+def store_options(func: F) -> F:
+    """Add the S3 endpoint options every store-using command accepts."""
+    decorators = [
+        click.option(
+            "--endpoint-url",
+            envvar="BATCHWEAVE_ENDPOINT_URL",
+            help="S3 endpoint (MinIO, SeaweedFS, Ceph RGW); env BATCHWEAVE_ENDPOINT_URL.",
+        ),
+        click.option("--region", envvar="BATCHWEAVE_REGION", help="S3 region."),
+        click.option("--profile", envvar="BATCHWEAVE_PROFILE", help="AWS config profile."),
+        click.option(
+            "--addressing-style",
+            type=click.Choice(["auto", "path", "virtual"]),
+            help="S3 addressing style (path for most self-hosted servers).",
+        ),
+    ]
+    for decorator in reversed(decorators):
+        func = decorator(func)
+    return func
+
+
+def open_cli_store(location: str, options: dict[str, Any], *, writes: bool) -> ObjectStore:
+    """Open ``location`` with the S3 options that were given.
+
+    ``writes``: the command will commit or delete, so the store is probed for enforced
+    conditional writes first; read-only commands skip the probe (they may run with read-only
+    credentials).
+    """
+    url = store_url(location)
+    s3 = {
+        name: options[name]
+        for name in ("endpoint_url", "region", "profile", "addressing_style")
+        if options.get(name)
+    }
+    if s3 and not url.lower().startswith("s3://"):
+        raise CliFailure(f"{', '.join('--' + k.replace('_', '-') for k in s3)} apply to s3:// only")
+    if url.lower().startswith("file://") and not writes:
+        path = Path(unquote(urlsplit(url).path))
+        if not path.is_dir():
+            raise CliFailure(f"no store directory at {path}; check the path")
+    return open_store(url, verify_conditional_writes=writes, **s3)
+
+
+def echo_json(data: Any) -> None:
+    """Print ``data`` as indented JSON on stdout."""
+    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+
+
+def debug_enabled() -> bool:
+    """Whether tracebacks were asked for (``BATCHWEAVE_DEBUG=1``)."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")

@@ -1,0 +1,575 @@
+"""``batchweave demo``: the whole system end to end, with crashes, verified exactly-once.
+
+The driver (this process) generates a Lance corpus, starts ``producers`` producer processes and
+``dp * cp`` consumer processes (:mod:`batchweave.cli._demo_work`), runs the reclaimer in a
+thread and samples the namespace's stored bytes. When the slowest rank passes half of the steps it
+SIGKILLs one producer and one consumer and starts them again: the producer resumes at its
+committed offset under a new epoch, the consumer at its last checkpoint. When every producer is
+done it seals the namespace; consumers then finish. Finally it checks:
+
+1. every rank received steps ``0 .. N - 1`` exactly once in its effective history (steps a
+   restarted rank re-read after its checkpoint must equal what it read before the crash);
+2. all ranks agree on the step -> (producer, offset) mapping;
+3. every producer's offsets ``0 .. per_producer - 1`` appear exactly once (nothing lost,
+   nothing duplicated, across the crash);
+4. every delivered slice equals the slice recomputed from the corpus (token packing is
+   deterministic in (producer, offset));
+5. ``batchweave verify`` passes on what the store still holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from batchweave._errors import BatchWeaveError
+from batchweave._lifecycle import Reclaimer
+from batchweave._manifest._log import ManifestLog
+from batchweave._metrics import start_metrics_server, track_metrics
+from batchweave._store._base import ObjectStore
+from batchweave._watermarks import Watermarks
+from batchweave.cli._common import CliFailure, err_console, open_cli_store, out_console, store_url
+from batchweave.cli._demo_work import WorkerConfig, _source, expected_digests, make_corpus
+from batchweave.cli._inspect import human_bytes
+from batchweave.cli._verify import verify_namespace
+
+__all__ = ["DemoConfig", "run_demo"]
+
+_RECLAIM_GRACE = 5.0
+_RECLAIM_INTERVAL = 1.0
+_SAMPLE_INTERVAL = 0.5
+
+
+@dataclass
+class DemoConfig:
+    """The ``demo`` command's options."""
+
+    store: str | None = None
+    namespace: str | None = None
+    producers: int = 3
+    dp: int = 2
+    cp: int = 2
+    steps: int = 360
+    seq_len: int = 1024
+    micro_batch: int = 4
+    documents: int = 20000
+    step_time: float = 0.1
+    max_lag: int = 60
+    checkpoint_every: int = 10
+    no_kill: bool = False
+    keep: bool = False
+    metrics_port: int | None = None
+    store_options: dict[str, Any] = field(default_factory=dict)
+
+
+def _default_base() -> Path:
+    base = Path.cwd() / "weave-data"
+    try:
+        base.mkdir(exist_ok=True)
+        probe = base / f".probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+        return base
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="weave-data-"))
+
+
+def _check(config: DemoConfig) -> None:
+    problems = []
+    if config.producers < 1:
+        problems.append("--producers must be >= 1")
+    if config.dp < 1 or config.cp < 1:
+        problems.append("--dp and --cp must be >= 1")
+    if config.seq_len % config.cp:
+        problems.append(f"--seq-len {config.seq_len} must be a multiple of --cp {config.cp}")
+    if config.steps < 2 * config.producers:
+        problems.append("--steps must be at least twice --producers")
+    if config.checkpoint_every < 1 or config.micro_batch < 1 or config.documents < 100:
+        problems.append("--checkpoint-every, --micro-batch >= 1 and --documents >= 100")
+    if problems:
+        raise CliFailure("; ".join(problems))
+
+
+class _Procs:
+    """The worker processes; every one is killed on exit, whatever happens."""
+
+    def __init__(self, config_path: Path, log_dir: Path) -> None:
+        self.config_path = config_path
+        self.log_dir = log_dir
+        self.running: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
+        self.finished: list[tuple[str, int, int]] = []
+
+    def start(self, role: str, index: int) -> None:
+        err = open(self.log_dir / f"{role}-{index}.stderr", "ab")  # noqa: SIM115
+        with err:
+            self.running[(role, index)] = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "batchweave.cli._demo_work",
+                    role,
+                    str(self.config_path),
+                    str(index),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "LANCE_LOG": "error"},
+            )
+
+    def kill(self, role: str, index: int) -> bool:
+        proc = self.running.get((role, index))
+        if proc is None or proc.poll() is not None:
+            return False
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        del self.running[(role, index)]
+        return True
+
+    def reap(self) -> list[tuple[str, int, int]]:
+        """Collect processes that exited: ``(role, index, returncode)``."""
+        done = []
+        for key, proc in list(self.running.items()):
+            code = proc.poll()
+            if code is not None:
+                del self.running[key]
+                done.append((key[0], key[1], code))
+        self.finished.extend(done)
+        return done
+
+    def alive(self, role: str) -> int:
+        return sum(1 for (r, _), p in self.running.items() if r == role and p.poll() is None)
+
+    def stderr_tail(self, role: str, index: int, lines: int = 5) -> str:
+        path = self.log_dir / f"{role}-{index}.stderr"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+
+    def close(self) -> None:
+        for proc in self.running.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        for proc in self.running.values():
+            proc.wait()
+        self.running.clear()
+
+
+class _RankLog:
+    """Incrementally parsed JSON-lines log of one consumer rank (every incarnation)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pos = 0
+        self._partial = b""
+        self.records: list[dict[str, Any]] = []
+        self.delivered = 0
+        """Highest step + 1 delivered by the current incarnation."""
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open("rb") as f:
+            f.seek(self._pos)
+            chunk = f.read()
+        self._pos += len(chunk)
+        data = self._partial + chunk
+        *lines, self._partial = data.split(b"\n")
+        for line in lines:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            self.records.append(record)
+            if "digest" in record:
+                self.delivered = max(self.delivered, record["step"] + 1)
+            elif record.get("event") == "start":
+                self.delivered = record["step"]
+
+
+@dataclass
+class _Sampler:
+    """Peak stored bytes under the namespace, sampled by a thread."""
+
+    store: ObjectStore
+    namespace: str
+    peak: int = 0
+    current: int = 0
+    published: int = 0
+    """Bytes of every TGB seen committed (counted by the supervisor)."""
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def sample(self) -> None:
+        total = sum(meta.size for meta in self.store.list(f"{self.namespace}/"))
+        self.current = total
+        self.peak = max(self.peak, total)
+
+    def loop(self) -> None:
+        while not self.stop.is_set():
+            with contextlib.suppress(BatchWeaveError):
+                self.sample()
+            self.stop.wait(_SAMPLE_INTERVAL)
+
+
+@dataclass
+class _Reclaiming:
+    reclaimer: Reclaimer
+    passes: int = 0
+    deleted_objects: int = 0
+    deleted_bytes: int = 0
+    errors: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def loop(self) -> None:
+        while not self.stop.is_set():
+            try:
+                report = self.reclaimer.run_once()
+                self.passes += 1
+                self.deleted_objects += report.objects_deleted
+                self.deleted_bytes += report.bytes_deleted
+            except BatchWeaveError:
+                self.errors += 1
+            self.stop.wait(_RECLAIM_INTERVAL)
+
+
+def run_demo(config: DemoConfig) -> bool:
+    """Run the demo; print the summary; return whether every check passed."""
+    _check(config)
+    console = err_console()
+    out = out_console()
+    base = _default_base() if config.store is None else Path(tempfile.mkdtemp(prefix="bw-demo-"))
+    url = (base / "store").as_uri() if config.store is None else store_url(config.store)
+    namespace = config.namespace or f"demo-{uuid.uuid4().hex[:8]}"
+    work = base / f"work-{namespace.replace('/', '-')}"
+    for sub in ("logs", "checkpoints", "stats"):
+        (work / sub).mkdir(parents=True, exist_ok=True)
+    store = open_cli_store(url, config.store_options, writes=True)
+    ManifestLog(store, namespace)  # validates the namespace name
+    if any(True for _ in store.list(f"{namespace}/")):
+        raise CliFailure(f"namespace {namespace!r} in {store.url} is not empty; pick a new one")
+
+    per_producer = -(-config.steps // config.producers)
+    total_steps = per_producer * config.producers
+    console.print(
+        f"[bold]batchweave demo[/bold]: {config.producers} producer processes, mesh dp={config.dp} "
+        f"cp={config.cp} ({config.dp * config.cp} consumer ranks), {total_steps} steps"
+    )
+    console.print(f"  store      {store.url}")
+    console.print(f"  namespace  {namespace}")
+    started = time.monotonic()
+    corpus = work / "corpus.lance"
+    tokens = make_corpus(corpus, config.documents, seed=7)
+    console.print(
+        f"  corpus     {config.documents} documents, {tokens} tokens (Lance dataset at {corpus}, "
+        f"{time.monotonic() - started:.1f}s)"
+    )
+    worker = WorkerConfig(
+        store_url=url,
+        store_options=config.store_options,
+        namespace=namespace,
+        corpus=str(corpus),
+        work_dir=str(work),
+        dp=config.dp,
+        cp=config.cp,
+        producers=config.producers,
+        per_producer=per_producer,
+        seq_len=config.seq_len,
+        micro_batch=config.micro_batch,
+        step_time=config.step_time,
+        max_lag=config.max_lag,
+        checkpoint_every=config.checkpoint_every,
+        metrics_port=config.metrics_port,
+    )
+    config_path = work / "config.json"
+    worker.save(config_path)
+    ranks = config.dp * config.cp
+    marks = Watermarks(store, namespace)
+    for rank in range(ranks):
+        marks.record(f"rank-{rank}", 0)  # nothing is reclaimed before every rank checkpoints
+
+    metrics_server = None
+    if config.metrics_port is not None:
+        metrics_server = start_metrics_server(config.metrics_port)
+        console.print(
+            f"  metrics    http://127.0.0.1:{config.metrics_port}/metrics (reclaimer), ports "
+            f"{config.metrics_port + 1}..{config.metrics_port + config.producers + ranks} (workers)"
+        )
+    reclaiming = _Reclaiming(track_metrics(Reclaimer(store, namespace, grace=_RECLAIM_GRACE)))
+    sampler = _Sampler(store, namespace)
+    threads = [
+        threading.Thread(target=reclaiming.loop, name="demo-reclaimer", daemon=True),
+        threading.Thread(target=sampler.loop, name="demo-sampler", daemon=True),
+    ]
+    procs = _Procs(config_path, work / "logs")
+    logs = [_RankLog(work / "logs" / f"rank-{r}.jsonl") for r in range(ranks)]
+    events: list[str] = []
+    failures: list[str] = []
+    run_started = time.monotonic()
+    try:
+        for t in threads:
+            t.start()
+        for rank in range(ranks):
+            procs.start("consumer", rank)
+        for index in range(config.producers):
+            procs.start("producer", index)
+        _supervise(
+            config, store, namespace, procs, logs, sampler, total_steps, events, failures, console
+        )
+    finally:
+        procs.close()
+        reclaiming.stop.set()
+        sampler.stop.set()
+        for t in threads:
+            t.join(10)
+        if metrics_server is not None:
+            metrics_server.close()
+    wall = time.monotonic() - run_started
+    with contextlib.suppress(BatchWeaveError):
+        sampler.sample()
+
+    if not failures:
+        console.print("verifying ...")
+        failures.extend(_verify_deliveries(worker, logs, total_steps))
+        report = verify_namespace(store, namespace)
+        failures.extend(f"store: {p}" for p in report.problems[:20])
+    _summary(
+        out, work, logs, total_steps, wall, sampler, reclaiming, events, report_ok=not failures
+    )
+    for failure in failures[:30]:
+        out.print(f"[red]FAILED[/red] {failure}")
+    ok = not failures
+    out.print(
+        "[bold green]PASS[/bold green]: exactly-once delivery verified"
+        if ok
+        else f"[bold red]FAIL[/bold red]: {len(failures)} problems"
+    )
+    location = str(base / "store") if config.store is None else url
+    out.print(f"inspect it: batchweave inspect {location} {namespace}")
+    if not config.keep:
+        shutil.rmtree(work, ignore_errors=True)
+        if config.store is not None:
+            shutil.rmtree(base, ignore_errors=True)
+    return ok
+
+
+def _supervise(
+    config: DemoConfig,
+    store: ObjectStore,
+    namespace: str,
+    procs: _Procs,
+    logs: list[_RankLog],
+    sampler: _Sampler,
+    total_steps: int,
+    events: list[str],
+    failures: list[str],
+    console: Console,
+) -> None:
+    """Watch the run, kill and restart halfway, seal when producers are done."""
+    from batchweave.cli._app import seal_namespace
+
+    log = ManifestLog(store, namespace)
+    killed_producer = killed_consumer = config.no_kill
+    sealed = False
+    manifest = None
+    ranks = len(logs)
+    victim_rank = min(1, ranks - 1)
+    with Progress(
+        TextColumn("{task.description:>10}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
+        console=console,
+        disable=not console.is_terminal,
+    ) as progress:
+        committed = progress.add_task("committed", total=total_steps, status="")
+        consumed = progress.add_task("consumed", total=total_steps, status="")
+        deadline = time.monotonic() + max(600.0, total_steps * (config.step_time + 0.5))
+        while True:
+            time.sleep(0.1)
+            for r in logs:
+                r.poll()
+            with contextlib.suppress(BatchWeaveError):
+                previous = manifest
+                manifest = log.latest(manifest) if manifest is not None else log.latest()
+                first = 0 if previous is None else previous.next_step
+                first = max(first, manifest.base_step)
+                for _, desc in log.descriptors(manifest, first, manifest.next_step):
+                    sampler.published += desc.bytes
+            slowest = min(r.delivered for r in logs)
+            next_step = 0 if manifest is None else manifest.next_step
+            progress.update(
+                committed, completed=next_step, status=f"v{getattr(manifest, 'version', 0)}"
+            )
+            progress.update(consumed, completed=slowest, status="")
+            for role, index, code in procs.reap():
+                if code != 0:
+                    failures.append(
+                        f"{role} {index} exited with status {code}: "
+                        f"{procs.stderr_tail(role, index)}"
+                    )
+            if failures:
+                return
+            if not killed_producer and next_step >= total_steps // 2:
+                killed_producer = True
+                _kill_producer(procs, config, events, console)
+            if not killed_consumer and slowest >= total_steps // 2:
+                killed_consumer = True
+                _kill_consumer(procs, victim_rank, logs, events, console)
+            if not sealed and procs.alive("producer") == 0:
+                manifest, _ = seal_namespace(store, namespace)
+                sealed = True
+                events.append(
+                    f"sealed at version {manifest.version} with {manifest.next_step} steps"
+                )
+            if sealed and procs.alive("consumer") == 0:
+                return
+            if time.monotonic() > deadline:
+                failures.append("the demo did not finish in time")
+                return
+
+
+def _kill_producer(procs: _Procs, config: DemoConfig, events: list[str], console: Console) -> None:
+    for victim in range(config.producers):
+        if procs.kill("producer", victim):
+            procs.start("producer", victim)
+            events.append(f"SIGKILLed producer prep-{victim} halfway and restarted it")
+            console.print(f"  [yellow]SIGKILL[/yellow] producer prep-{victim}; restarted")
+            return
+    events.append("every producer had already finished: none killed")
+
+
+def _kill_consumer(
+    procs: _Procs, rank: int, logs: list[_RankLog], events: list[str], console: Console
+) -> None:
+    at = logs[rank].delivered
+    if procs.kill("consumer", rank):
+        procs.start("consumer", rank)
+        events.append(f"SIGKILLed consumer rank {rank} after step {at - 1} and restarted it")
+        console.print(f"  [yellow]SIGKILL[/yellow] consumer rank {rank} at step {at}; restarted")
+
+
+def _verify_deliveries(config: WorkerConfig, logs: list[_RankLog], total: int) -> list[str]:
+    """Checks 1-4 of the module docstring."""
+    failures: list[str] = []
+    per_rank: list[dict[int, tuple[int, int, str]]] = []
+    for rank, rlog in enumerate(logs):
+        effective: dict[int, tuple[int, int, str]] = {}
+        before_crash: dict[int, tuple[int, int, str]] = {}
+        for record in rlog.records:
+            if record.get("event") == "start":
+                for step in [s for s in effective if s >= record["step"]]:
+                    before_crash[step] = effective.pop(step)
+            elif "digest" in record:
+                step = record["step"]
+                got = (record["producer"], record["offset"], record["digest"])
+                if step in effective:
+                    failures.append(f"rank {rank}: step {step} delivered twice in one incarnation")
+                if step in before_crash and before_crash[step] != got:
+                    failures.append(
+                        f"rank {rank}: step {step} re-read after the restart differs from before"
+                    )
+                effective[step] = got
+        if sorted(effective) != list(range(total)):
+            missing = sorted(set(range(total)) - set(effective))[:10]
+            failures.append(f"rank {rank}: steps not delivered exactly once (missing {missing})")
+        per_rank.append(effective)
+    if failures:
+        return failures
+    owners: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for step in range(total):
+        mapping = {(r[step][0], r[step][1]) for r in per_rank}
+        if len(mapping) != 1:
+            failures.append(f"step {step}: ranks disagree on the TGB: {sorted(mapping)}")
+            continue
+        owners[mapping.pop()].append(step)
+    expected = {(p, o) for p in range(config.producers) for o in range(config.per_producer)}
+    if set(owners) != expected:
+        lost = sorted(expected - set(owners))[:10]
+        extra = sorted(set(owners) - expected)[:10]
+        failures.append(f"(producer, offset) set wrong: lost {lost}, unexpected {extra}")
+    failures.extend(
+        f"{key} delivered at steps {steps}" for key, steps in owners.items() if len(steps) > 1
+    )
+    sources = {p: _source(config, p) for p in range(config.producers)}
+    for (producer, offset), steps in sorted(owners.items()):
+        digests = expected_digests(config, producer, offset, sources[producer])
+        for rank, effective in enumerate(per_rank):
+            if effective[steps[0]][2] != digests[rank]:
+                failures.append(
+                    f"step {steps[0]} rank {rank}: data differs from producer {producer} "
+                    f"offset {offset} recomputed from the corpus"
+                )
+    return failures
+
+
+def _stats(work: Path, prefix: str) -> list[dict[str, Any]]:
+    found = []
+    for path in sorted((work / "stats").glob(f"{prefix}-*.json")):
+        with contextlib.suppress(ValueError, OSError):
+            found.append(json.loads(path.read_text()))
+    return found
+
+
+def _summary(
+    out: Console,
+    work: Path,
+    logs: list[_RankLog],
+    total: int,
+    wall: float,
+    sampler: _Sampler,
+    reclaiming: _Reclaiming,
+    events: list[str],
+    *,
+    report_ok: bool,
+) -> None:
+    producers = _stats(work, "producer")
+    consumers = _stats(work, "consumer")
+    attempts = sum(p.get("attempts", 0) for p in producers)
+    commits = sum(p.get("commits", 0) for p in producers)
+    published = sampler.published
+    read = sum(c.get("bytes_read", 0) for c in consumers)
+    delivered = sum(c.get("bytes_delivered", 0) for c in consumers)
+    stall = [c.get("stall_seconds", 0.0) for c in consumers]
+    ranks = len(logs)
+    table = Table(title="batchweave demo summary", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_row("steps", f"{total} x {ranks} ranks in {wall:.1f}s")
+    table.add_row("throughput", f"{total / wall:.1f} steps/s")
+    rate = f"{commits / attempts:.1%} ({commits}/{attempts})" if attempts else "n/a"
+    table.add_row("commit success rate", rate)
+    table.add_row("read amplification", f"{read / delivered:.3f}" if delivered else "n/a")
+    table.add_row(
+        "consumer stall time",
+        f"{sum(stall):.1f}s total over {ranks} ranks ({sum(stall) / max(wall * ranks, 1e-9):.1%})",
+    )
+    table.add_row(
+        "peak storage",
+        f"{human_bytes(sampler.peak)} (published {human_bytes(published)}, now "
+        f"{human_bytes(sampler.current)})",
+    )
+    table.add_row(
+        "reclaimed",
+        f"{reclaiming.deleted_objects} objects, {human_bytes(reclaiming.deleted_bytes)} "
+        f"in {reclaiming.passes} passes",
+    )
+    for event in events:
+        table.add_row("event", event)
+    table.add_row("verification", "[green]passed[/green]" if report_ok else "[red]failed[/red]")
+    out.print(table)

@@ -1,0 +1,167 @@
+"""``batchweave inspect``: what a namespace holds, as rich tables or JSON."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from batchweave._manifest._log import ManifestLog
+from batchweave._store._base import ObjectStore
+from batchweave._watermarks import Watermarks
+
+__all__ = ["gather_inspection", "render_inspection", "storage_by_prefix"]
+
+
+def _iso(ts: float) -> str | None:
+    if ts <= 0:
+        return None
+    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def storage_by_prefix(store: ObjectStore, namespace: str) -> list[dict[str, Any]]:
+    """Object count and bytes per top-level prefix (``data/`` split per producer); one LIST."""
+    root = f"{namespace}/"
+    counts: Counter[str] = Counter()
+    sizes: Counter[str] = Counter()
+    for meta in store.list(root):
+        parts = meta.key[len(root) :].split("/")
+        group = "/".join(parts[:2]) + "/" if parts[0] == "data" and len(parts) > 2 else ""
+        group = group or (parts[0] + "/" if len(parts) > 1 else parts[0])
+        counts[group] += 1
+        sizes[group] += meta.size
+    return [
+        {"prefix": prefix, "objects": counts[prefix], "bytes": sizes[prefix]}
+        for prefix in sorted(counts)
+    ]
+
+
+def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
+    """Everything ``inspect`` shows, as plain JSON-ready data.
+
+    Raises :class:`NamespaceNotFound` if nothing was committed under ``namespace``.
+    """
+    log = ManifestLog(store, namespace)
+    manifest = log.latest()
+    versions = list(log.versions())
+    steps: Counter[str] = Counter()
+    tgb_bytes = 0
+    for _, desc in log.descriptors(manifest, manifest.base_step, manifest.next_step):
+        steps[desc.producer_id] += 1
+        tgb_bytes += desc.bytes
+    now = time.time()
+    producers = [
+        {
+            "producer_id": pid,
+            "epoch": state.epoch,
+            "committed_offset": state.offset,
+            "last_version": state.last_version,
+            "last_commit_at": _iso(state.last_commit_at),
+            "idle_seconds": round(now - state.last_commit_at, 1) if state.last_commit_at else None,
+            "live_steps": steps.get(pid, 0),
+        }
+        for pid, state in sorted(manifest.producers.items())
+    ]
+    marks = Watermarks(store, namespace).live()
+    storage = storage_by_prefix(store, namespace)
+    return {
+        "store": store.url,
+        "namespace": namespace,
+        "namespace_id": manifest.namespace_id,
+        "mesh": {"dp": manifest.mesh.dp, "cp": manifest.mesh.cp},
+        "latest_version": manifest.version,
+        "oldest_version": versions[0] if versions else manifest.version,
+        "versions": len(versions),
+        "created_at": _iso(manifest.created_at),
+        "base_step": manifest.base_step,
+        "next_step": manifest.next_step,
+        "live_steps": manifest.next_step - manifest.base_step,
+        "segments": len(manifest.segments),
+        "tail": len(manifest.tail),
+        "sealed": manifest.sealed,
+        "live_tgb_bytes": tgb_bytes,
+        "producers": producers,
+        "watermarks": [
+            {
+                "checkpoint_id": m.checkpoint_id,
+                "step": m.step,
+                "version": m.version,
+                "recorded_at": _iso(m.recorded_at),
+            }
+            for m in marks
+        ],
+        "boundary": marks[0].step if marks else 0,
+        "storage": storage,
+        "stored_bytes": sum(row["bytes"] for row in storage),
+        "stored_objects": sum(row["objects"] for row in storage),
+    }
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``1.5 KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def render_inspection(data: dict[str, Any], console: Console) -> None:
+    """Print ``data`` (from :func:`gather_inspection`) as tables."""
+    summary = Table(title=f"namespace {data['namespace']}", show_header=False, box=None)
+    summary.add_column(style="bold")
+    summary.add_column()
+    mesh = data["mesh"]
+    rows = [
+        ("store", data["store"]),
+        ("namespace id", data["namespace_id"]),
+        ("mesh", f"dp={mesh['dp']} cp={mesh['cp']}"),
+        (
+            "versions",
+            f"{data['oldest_version']}..{data['latest_version']} ({data['versions']} stored)",
+        ),
+        ("steps", f"{data['base_step']}..{data['next_step'] - 1} ({data['live_steps']} live)"),
+        ("base step", str(data["base_step"])),
+        ("boundary", f"{data['boundary']} (min watermark step)"),
+        ("segments / tail", f"{data['segments']} / {data['tail']}"),
+        ("sealed", "yes" if data["sealed"] else "no"),
+        ("stored", f"{human_bytes(data['stored_bytes'])} in {data['stored_objects']} objects"),
+    ]
+    for name, value in rows:
+        summary.add_row(name, value)
+    console.print(summary)
+
+    producers = Table(title="producers")
+    for col in ("producer", "epoch", "offset", "last version", "last commit", "live steps"):
+        producers.add_column(col, justify="left" if col in ("producer", "last commit") else "right")
+    for p in data["producers"]:
+        producers.add_row(
+            p["producer_id"],
+            str(p["epoch"]),
+            "-" if p["committed_offset"] is None else str(p["committed_offset"]),
+            str(p["last_version"]),
+            p["last_commit_at"] or "-",
+            str(p["live_steps"]),
+        )
+    console.print(producers)
+
+    marks = Table(title="watermarks")
+    for col in ("checkpoint", "step", "version", "recorded"):
+        marks.add_column(col, justify="right" if col in ("step", "version") else "left")
+    for m in data["watermarks"]:
+        marks.add_row(
+            m["checkpoint_id"], str(m["step"]), str(m["version"]), m["recorded_at"] or "-"
+        )
+    console.print(marks)
+
+    storage = Table(title="storage by prefix")
+    storage.add_column("prefix")
+    storage.add_column("objects", justify="right")
+    storage.add_column("bytes", justify="right")
+    for row in data["storage"]:
+        storage.add_row(row["prefix"], str(row["objects"]), human_bytes(row["bytes"]))
+    console.print(storage)

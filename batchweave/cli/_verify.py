@@ -1,0 +1,212 @@
+"""``batchweave verify``: is everything the newest manifest references readable and consistent?
+
+Checks, collecting every problem rather than stopping at the first:
+
+- every surviving manifest version decodes, belongs to the namespace, names its parent, and
+  never moves ``base_step`` or ``next_step`` backwards;
+- the live steps ``base_step .. next_step - 1`` are dense (segments plus tail, in order);
+- exactly-once per producer: no ``(producer_id, offset)`` twice, offsets strictly increasing in
+  step order, never above the producer's committed offset, epochs never above its committed one;
+- every referenced object exists, its footer matches the manifest (size, checksum, slice count,
+  mesh) and, unless ``slices=False``, every slice's bytes match their checksum and decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from batchweave._errors import FormatError, ObjectNotFound
+from batchweave._format._tgb import decode_slice, slice_range
+from batchweave._history import read_object_footer
+from batchweave._manifest._log import ManifestLog
+from batchweave._manifest._models import Manifest, TgbDescriptor
+from batchweave._store._base import ObjectStore
+
+__all__ = ["VerifyReport", "verify_namespace"]
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify_namespace` checked and found."""
+
+    latest_version: int = -1
+    versions: int = 0
+    base_step: int = 0
+    next_step: int = 0
+    steps: int = 0
+    objects: int = 0
+    slices: int = 0
+    bytes_read: int = 0
+    producers: dict[str, int] = field(default_factory=dict)
+    """Live steps per producer."""
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no problem was found."""
+        return not self.problems
+
+
+def _check_versions(log: ManifestLog, latest: Manifest, report: VerifyReport) -> None:
+    previous: Manifest | None = None
+    for version in log.versions():
+        if version > latest.version:
+            continue  # committed while we were verifying
+        report.versions += 1
+        try:
+            manifest = log.read(version)
+        except ObjectNotFound:
+            continue  # reclaimed while we were verifying
+        except FormatError as exc:
+            report.problems.append(f"manifest version {version}: {exc}")
+            continue
+        if previous is not None and previous.version == version - 1:
+            if manifest.parent != previous.version:
+                report.problems.append(
+                    f"manifest version {version} names parent {manifest.parent}, expected "
+                    f"{previous.version}"
+                )
+            if manifest.next_step < previous.next_step:
+                report.problems.append(
+                    f"manifest version {version} has {manifest.next_step} steps, fewer than "
+                    f"version {previous.version} ({previous.next_step}): steps were lost"
+                )
+            if manifest.base_step < previous.base_step:
+                report.problems.append(
+                    f"manifest version {version} lowers base_step from {previous.base_step} to "
+                    f"{manifest.base_step}"
+                )
+        previous = manifest
+
+
+def _check_object_set(step: int, desc: TgbDescriptor, slices: int) -> str | None:
+    expected = 0
+    for ref in desc.objects:
+        if ref.first_slice != expected:
+            return f"step {step}: objects do not cover slices contiguously at slice {expected}"
+        expected += ref.slice_count
+    if expected != slices:
+        return f"step {step}: objects hold {expected} slices, the mesh has {slices}"
+    if desc.bytes != sum(ref.size for ref in desc.objects):
+        return f"step {step}: descriptor says {desc.bytes} bytes, its objects sum to another size"
+    return None
+
+
+def _check_tgb(
+    store: ObjectStore,
+    log: ManifestLog,
+    latest: Manifest,
+    step: int,
+    desc: TgbDescriptor,
+    read_slices: bool,
+) -> tuple[list[str], int, int, int]:
+    """Problems, objects, slices and bytes read for one step."""
+    problems: list[str] = []
+    objects = slices = nread = 0
+    for ref in desc.objects:
+        key = log.key(ref.key)
+        where = f"step {step} ({desc.producer_id} offset {desc.offset})"
+        try:
+            footer = read_object_footer(store, key, ref)
+            objects += 1
+            nread += ref.footer_length
+            if footer.mesh != latest.mesh:
+                problems.append(f"{where}: object {key!r} was written for mesh ({footer.mesh})")
+                continue
+            if not read_slices:
+                continue
+            for j in range(len(footer.slices)):
+                rng = slice_range(footer, j)
+                raw = store.get_range(key, rng) if rng.end > rng.start else b""
+                nread += len(raw)
+                decode_slice(raw, footer, j, key=key)
+                slices += 1
+        except ObjectNotFound:
+            problems.append(f"{where}: object {key!r} is missing")
+        except FormatError as exc:
+            problems.append(f"{where}: {exc}")
+    return problems, objects, slices, nread
+
+
+def verify_namespace(
+    store: ObjectStore,
+    namespace: str,
+    *,
+    read_slices: bool = True,
+    workers: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> VerifyReport:
+    """Run every check on ``namespace``'s newest manifest; see the module docstring.
+
+    ``progress(done, total)`` is called as steps are checked. Store failures other than a
+    missing object propagate (the verification could not complete: neither pass nor fail).
+    """
+    log = ManifestLog(store, namespace)
+    latest = log.latest()
+    report = VerifyReport(
+        latest_version=latest.version, base_step=latest.base_step, next_step=latest.next_step
+    )
+    _check_versions(log, latest, report)
+
+    last_offset: dict[str, int] = {}
+    seen: set[tuple[str, int]] = set()
+    expected_step = latest.base_step
+    items: list[tuple[int, TgbDescriptor]] = []
+    for step, desc in log.descriptors(latest, latest.base_step, latest.next_step):
+        if step != expected_step:
+            report.problems.append(
+                f"steps are not dense: found step {step} after {expected_step - 1}"
+            )
+        expected_step = step + 1
+        items.append((step, desc))
+        pid = desc.producer_id
+        report.producers[pid] = report.producers.get(pid, 0) + 1
+        if (pid, desc.offset) in seen:
+            report.problems.append(f"step {step}: {pid} offset {desc.offset} appears twice")
+        seen.add((pid, desc.offset))
+        if pid in last_offset and desc.offset <= last_offset[pid]:
+            report.problems.append(
+                f"step {step}: {pid} offset {desc.offset} does not follow offset "
+                f"{last_offset[pid]} of an earlier step"
+            )
+        last_offset[pid] = max(desc.offset, last_offset.get(pid, desc.offset))
+        state = latest.producers.get(pid)
+        if state is None:
+            report.problems.append(f"step {step}: producer {pid!r} has no committed state")
+        else:
+            if state.offset is None or desc.offset > state.offset:
+                report.problems.append(
+                    f"step {step}: {pid} offset {desc.offset} is above its committed offset "
+                    f"{state.offset}"
+                )
+            if desc.epoch > state.epoch:
+                report.problems.append(
+                    f"step {step}: {pid} epoch {desc.epoch} is above its committed epoch "
+                    f"{state.epoch}"
+                )
+        problem = _check_object_set(step, desc, latest.mesh.slices)
+        if problem is not None:
+            report.problems.append(problem)
+    if expected_step != latest.next_step:
+        report.problems.append(
+            f"steps end at {expected_step - 1}, the manifest says {latest.next_step - 1}"
+        )
+    report.steps = len(items)
+
+    total = len(items)
+    done = 0
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        results = pool.map(
+            lambda item: _check_tgb(store, log, latest, item[0], item[1], read_slices), items
+        )
+        for problems, objects, slices, nread in results:
+            report.problems.extend(problems)
+            report.objects += objects
+            report.slices += slices
+            report.bytes_read += nread
+            done += 1
+            if progress is not None:
+                progress(done, total)
+    return report

@@ -1,0 +1,184 @@
+"""Lance integration: a resumable producer-side source, and the membership-history export.
+
+:class:`LanceSource` samples batches of rows from a Lance dataset with batched random access
+(``LanceDataset.take``): batch ``offset`` is a pure function of the dataset, the seed, the shard
+and ``offset``, so a producer restarted at ``Producer.resume_offset`` re-creates exactly the
+batches it had not committed yet (exactly-once from source to training step)::
+
+    source = LanceSource("corpus.lance", rows_per_batch=64, seed=7, shard=i, num_shards=n)
+    with bw.Producer(store, "run-1", producer_id=f"prep-{i}", mesh=mesh) as p:
+        for offset, table in source.iter_from(p.resume_offset, stop=1000):
+            p.append(pack(table), offset=offset)
+
+:func:`export_history` writes which producer batch (and which sample ids) every rank read at
+every step into a Lance dataset. Requires ``pylance`` (``pip install batchweave[lance]``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import lance
+import numpy as np
+import pyarrow as pa
+
+from batchweave._history import MEMBERSHIP_SCHEMA, membership_batches
+from batchweave._store._base import ObjectStore
+
+__all__ = ["LanceSource", "export_history"]
+
+
+class LanceSource:
+    """Deterministic, resumable batches of rows from a Lance dataset.
+
+    The shard's rows (``shard, shard + num_shards, ...`` of the dataset's row positions) are
+    visited epoch after epoch, each epoch in its own seeded permutation (or in order with
+    ``shuffle=False``); batch ``offset`` holds positions ``offset * rows_per_batch ...`` of that
+    endless sequence, so every row of the shard appears exactly once per epoch. With ``epochs``
+    set, the sequence ends after that many epochs (the last batch may be shorter).
+
+    ``dataset`` is a path/URI (opened with ``storage_options``) or an open ``LanceDataset``;
+    ``columns`` limits the columns read. The dataset must not change while a run uses it (pin a
+    version with ``version=``): offsets map to row positions.
+    """
+
+    def __init__(
+        self,
+        dataset: str | os.PathLike[str] | lance.LanceDataset,
+        *,
+        rows_per_batch: int,
+        seed: int = 0,
+        shard: int = 0,
+        num_shards: int = 1,
+        shuffle: bool = True,
+        epochs: int | None = None,
+        columns: Sequence[str] | None = None,
+        version: int | None = None,
+        storage_options: dict[str, str] | None = None,
+    ) -> None:
+        if rows_per_batch < 1:
+            raise ValueError(f"rows_per_batch must be >= 1, got {rows_per_batch}")
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"need 0 <= shard < num_shards, got shard {shard} of {num_shards}")
+        if epochs is not None and epochs < 1:
+            raise ValueError(f"epochs must be >= 1 or None, got {epochs}")
+        if isinstance(dataset, lance.LanceDataset):
+            self.dataset = dataset
+        else:
+            self.dataset = lance.dataset(
+                str(dataset), version=version, storage_options=storage_options
+            )
+        self.rows_per_batch = rows_per_batch
+        self.seed = seed
+        self.shard = shard
+        self.num_shards = num_shards
+        self.shuffle = shuffle
+        self.epochs = epochs
+        self.columns = None if columns is None else list(columns)
+        self._rows = np.arange(shard, self.dataset.count_rows(), num_shards, dtype=np.int64)
+        if len(self._rows) == 0:
+            raise ValueError(
+                f"shard {shard} of {num_shards} of dataset {self.dataset.uri!r} holds no rows"
+            )
+        self._perm_cache: tuple[int, np.ndarray] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"LanceSource({self.dataset.uri!r}, rows_per_batch={self.rows_per_batch}, "
+            f"seed={self.seed}, shard={self.shard}/{self.num_shards})"
+        )
+
+    @property
+    def rows_per_epoch(self) -> int:
+        """Rows of this shard (each is read once per epoch)."""
+        return len(self._rows)
+
+    @property
+    def num_batches(self) -> int | None:
+        """Number of batches before the end (``None``: endless, no ``epochs`` given)."""
+        if self.epochs is None:
+            return None
+        return -(-self.rows_per_epoch * self.epochs // self.rows_per_batch)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if self._perm_cache is not None and self._perm_cache[0] == epoch:
+            return self._perm_cache[1]
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, self.shard, epoch])
+            order = self._rows[rng.permutation(len(self._rows))]
+        else:
+            order = self._rows
+        self._perm_cache = (epoch, order)
+        return order
+
+    def indices(self, offset: int) -> np.ndarray:
+        """Row positions of batch ``offset`` (``IndexError`` past the last batch)."""
+        if offset < 0:
+            raise IndexError(f"batch offset must be >= 0, got {offset}")
+        total = self.num_batches
+        if total is not None and offset >= total:
+            raise IndexError(f"batch offset {offset} is past the last batch ({total - 1})")
+        n = self.rows_per_epoch
+        first = offset * self.rows_per_batch
+        last = first + self.rows_per_batch
+        if self.epochs is not None:
+            last = min(last, n * self.epochs)
+        parts: list[np.ndarray] = []
+        pos = first
+        while pos < last:
+            epoch, within = divmod(pos, n)
+            take = min(last - pos, n - within)
+            parts.append(self._epoch_order(epoch)[within : within + take])
+            pos += take
+        return np.concatenate(parts)
+
+    def take(self, offset: int) -> pa.Table:
+        """Batch ``offset``: one batched random-access read (``take``) of its rows, in order."""
+        return self.dataset.take(self.indices(offset), columns=self.columns)
+
+    def iter_from(self, offset: int, stop: int | None = None) -> Iterator[tuple[int, pa.Table]]:
+        """``(offset, table)`` for batches ``offset, offset + 1, ...`` up to ``stop`` (exclusive)
+        or the end of the last epoch."""
+        end = self.num_batches
+        if stop is not None:
+            end = stop if end is None else min(stop, end)
+        current = offset
+        while end is None or current < end:
+            yield current, self.take(current)
+            current += 1
+
+
+def export_history(
+    store: ObjectStore,
+    namespace: str,
+    uri: str | os.PathLike[str],
+    *,
+    start: int | None = None,
+    stop: int | None = None,
+    mode: str = "create",
+    storage_options: dict[str, str] | None = None,
+) -> int:
+    """Write the namespace's batch membership history to the Lance dataset ``uri``.
+
+    One row per ``(step, dp, cp)`` with the producer, epoch, offset, object key, slice bytes,
+    sample count and sample ids (see :mod:`batchweave._history`); ``mode`` is Lance's
+    (``create``, ``overwrite``, ``append``). Returns the number of rows written.
+    """
+    counted = 0
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        nonlocal counted
+        for batch in membership_batches(store, namespace, start=start, stop=stop):
+            counted += batch.num_rows
+            yield batch
+
+    reader = pa.RecordBatchReader.from_batches(MEMBERSHIP_SCHEMA, batches())
+    options: dict[str, Any] = {"mode": mode}
+    if storage_options is not None:
+        options["storage_options"] = storage_options
+    target = str(uri) if not isinstance(uri, Path) else str(uri.resolve())
+    lance.write_dataset(reader, target, schema=MEMBERSHIP_SCHEMA, **options)
+    return counted

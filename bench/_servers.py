@@ -1,0 +1,106 @@
+"""Storage backends for the benchmarks: a ``file://`` directory and a local SeaweedFS server.
+
+A :class:`StoreSpec` is a picklable description of how to open a store, so worker processes
+open their own client (one per process, as real producers and ranks do). The SeaweedFS server is
+started by :func:`storages` itself (``batchweave.testing.seaweedfs_server``: ``weed mini`` on
+127.0.0.1 free ports, stopped by its PID) and removed with its data when the run ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchweave import ObjectStore, open_store
+
+STORAGES = ("file", "seaweedfs")
+"""Where the data lives: a local directory, or SeaweedFS (``weed mini``) over S3."""
+
+BUCKET = "bench"
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """How to open one store: ``client`` is ``file``, ``boto3`` or ``obstore``.
+
+    ``label`` names the (storage, client) pair in result tables, e.g. ``seaweedfs/boto3``.
+    """
+
+    label: str
+    client: str
+    url: str
+    options: dict[str, Any] = field(default_factory=dict, repr=False)
+    root: str | None = None
+    """The local directory of a ``file://`` store (to delete namespaces between runs)."""
+
+    def open(self, **extra: Any) -> ObjectStore:
+        """A new store instance (a new client and connection pool)."""
+        if self.client == "obstore":
+            from batchweave import ObstoreS3Store
+
+            bucket, _, prefix = self.url.removeprefix("s3://").partition("/")
+            return ObstoreS3Store(bucket, prefix, **self.options)
+        return open_store(self.url, verify_conditional_writes=False, **self.options, **extra)
+
+    def clean(self, namespace: str) -> None:
+        """Free the disk space of ``namespace`` on a ``file://`` store (S3 data is left until
+        the server stops: deleting it would cost as much server time as writing it)."""
+        if self.root is not None:
+            shutil.rmtree(Path(self.root) / namespace, ignore_errors=True)
+
+
+def obstore_available() -> bool:
+    """Whether the optional obstore S3 backend can be used."""
+    try:
+        import obstore  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def storages(
+    names: Sequence[str], *, clients: Sequence[str] = ("boto3",)
+) -> Iterator[dict[str, list[StoreSpec]]]:
+    """Start the named storages; yield ``{storage: [StoreSpec per client]}``.
+
+    ``file`` always has the one ``file`` client; ``seaweedfs`` gets one spec per entry of
+    ``clients`` (``boto3``, and ``obstore`` when installed). Everything is removed on exit.
+    """
+    unknown = sorted(set(names) - set(STORAGES))
+    if unknown:
+        raise SystemExit(f"unknown storage(s) {unknown}; choose from {', '.join(STORAGES)}")
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bw-bench-")))
+        out: dict[str, list[StoreSpec]] = {}
+        for name in names:
+            if name == "file":
+                root = tmp / "file"
+                root.mkdir()
+                out[name] = [StoreSpec("file", "file", f"file://{root}", root=str(root))]
+                continue
+            from batchweave.testing import seaweedfs_server
+
+            endpoint = stack.enter_context(seaweedfs_server(tmp))
+            endpoint.create_bucket(BUCKET)
+            options = endpoint.store_options()
+            specs = []
+            for client in clients:
+                if client == "obstore" and not obstore_available():
+                    print("obstore is not installed: skipping the obstore client")
+                    continue
+                opts = dict(options)
+                if client == "boto3":
+                    opts["max_pool_connections"] = 256
+                specs.append(StoreSpec(f"{name}/{client}", client, f"s3://{BUCKET}", opts))
+            # Pay SeaweedFS's slow first PUT into a new bucket outside any measurement.
+            warm = specs[0].open()
+            warm.put("warmup", b"x")
+            warm.close()
+            out[name] = specs
+        yield out

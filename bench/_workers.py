@@ -1,0 +1,181 @@
+"""Worker processes for the benchmarks, and a store wrapper that times every request.
+
+:class:`WorkerPool` starts its processes once (importing batchweave and boto3 costs about a CPU
+second per process, which would dominate short runs on a 2-core machine) and reuses them. A run
+sends one task to each of ``n`` workers; every worker prepares (opens its store, starts its
+producer or consumers), reports ready, and waits for a common "go", so set-up is never timed and
+all workers start together. Times are ``time.monotonic()``, one system-wide clock on Linux, so
+timestamps from different workers are comparable.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from batchweave import ByteRange, ObjectMeta, ObjectStore, PutMode
+
+Task = Callable[[dict[str, Any], Callable[[], None]], Any]
+"""``task(params, ready)``: prepare, call ``ready()`` (blocks until go), measure, return a
+picklable result."""
+
+
+def _worker_main(inbox: Any, outbox: Any, wid: int) -> None:
+    while True:
+        item = inbox.get()
+        if item is None:
+            return
+        fn, params = item
+
+        def ready() -> None:
+            outbox.put(("ready", wid, None))
+            if inbox.get() != "go":
+                raise RuntimeError("worker expected 'go'")
+
+        try:
+            outbox.put(("done", wid, fn(params, ready)))
+        except BaseException:
+            outbox.put(("error", wid, traceback.format_exc()))
+
+
+class WorkerPool:
+    """``size`` spawned processes that run tasks in lock step (see the module docstring)."""
+
+    def __init__(self, size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(size)]
+        self._procs = [
+            ctx.Process(target=_worker_main, args=(q, self._outbox, i), daemon=True)
+            for i, q in enumerate(self._inboxes)
+        ]
+        for p in self._procs:
+            p.start()
+
+    @property
+    def size(self) -> int:
+        return len(self._procs)
+
+    def run(self, fn: Task, params: list[dict[str, Any]], *, timeout: float = 1800.0) -> list[Any]:
+        """Run ``fn`` with ``params[i]`` on worker ``i``; start all together; return results."""
+        if len(params) > self.size:
+            raise ValueError(f"{len(params)} tasks for a pool of {self.size} workers")
+        for inbox, p in zip(self._inboxes, params, strict=False):
+            inbox.put((fn, p))
+        n = len(params)
+        results: list[Any] = [None] * n
+        ready = done = 0
+        deadline = time.monotonic() + timeout
+        while done < n:
+            kind, wid, value = self._outbox.get(timeout=max(1.0, deadline - time.monotonic()))
+            if kind == "error":
+                self._drain(n - done - 1)
+                raise RuntimeError(f"benchmark worker {wid} failed:\n{value}")
+            if kind == "ready":
+                ready += 1
+                if ready == n:
+                    for inbox in self._inboxes[:n]:
+                        inbox.put("go")
+            else:
+                results[wid] = value
+                done += 1
+        return results
+
+    def _drain(self, others: int) -> None:
+        """After a failure, let the other workers finish (release them if they wait for go)."""
+        for inbox in self._inboxes:
+            inbox.put("go")
+        end = time.monotonic() + 120
+        while others > 0 and time.monotonic() < end:
+            try:
+                kind, _, _ = self._outbox.get(timeout=5)
+            except Exception:
+                break
+            if kind != "ready":
+                others -= 1
+
+    def close(self) -> None:
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for p in self._procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class Event:
+    """One request: operation, key, start and duration (seconds), bytes, success."""
+
+    op: str
+    key: str
+    start: float
+    seconds: float
+    nbytes: int
+    ok: bool
+
+
+class TimedStore(ObjectStore):
+    """Passes every call to ``inner`` and records an :class:`Event` for it. Thread-safe.
+
+    ``keep`` decides, per (op, key), whether to record (recording 100,000 events is cheap, but
+    there is no need to keep what no table reports).
+    """
+
+    def __init__(self, inner: ObjectStore, keep: Callable[[str, str], bool] | None = None) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.events: list[Event] = []
+        self._keep = keep or (lambda op, key: True)
+        self._lock = threading.Lock()
+
+    def _record(self, op: str, key: str, start: float, nbytes: int, ok: bool) -> None:
+        if self._keep(op, key):
+            event = Event(op, key, start, time.monotonic() - start, nbytes, ok)
+            with self._lock:
+                self.events.append(event)
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        start = time.monotonic()
+        ok = False
+        try:
+            self.inner.put(key, data, mode=mode)
+            ok = True
+        finally:
+            self._record("cput" if mode is PutMode.CREATE else "put", key, start, len(data), ok)
+
+    def get(self, key: str) -> bytes:
+        start = time.monotonic()
+        data = self.inner.get(key)
+        self._record("get", key, start, len(data), True)
+        return data
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        start = time.monotonic()
+        data = self.inner.get_range(key, rng)
+        self._record("get_range", key, start, len(data), True)
+        return data
+
+    def head(self, key: str) -> ObjectMeta:
+        return self.inner.head(key)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        return self.inner.list(prefix, start_after=start_after)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        self.inner.delete_many(keys)
+
+    def close(self) -> None:
+        self.inner.close()

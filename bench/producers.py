@@ -1,0 +1,552 @@
+"""Producer ingestion benchmark: commit policies x producers x payload sizes x storages.
+
+Every producer is a separate process (a persistent pool, so interpreter start-up is never
+timed). A run publishes a fixed number of TGBs split evenly over its producers, each with the
+real :class:`batchweave.Producer` (encode, upload threads, commit loop paced by the policy) and
+ends when every producer's ``close()`` returned, i.e. when everything is committed. In the same
+run and with the same client, each (storage, producers, payload) point also measures raw PUT
+throughput: the same encoded objects put by the same number of processes and threads, with no
+manifest at all. Reported per run:
+
+- ``MB/s``: encoded TGB bytes committed per second over the whole run (all producers), and
+  ``vs_raw``, its ratio to the raw PUT throughput of the same point;
+- ``success``: committed attempts / commit attempts (epoch commits at start-up excluded);
+- ``commit p50/p95``: duration of a commit attempt (read the base, write segments if the tail
+  rolls, conditional PUT), the DAC "fragile window";
+- ``visible p50/p95``: time from ``append()`` to the TGB being visible in a committed manifest;
+- ``mf KB/commit``: manifest and segment bytes sent per committed version, over the first and the
+  last tenth of the run's commits ("without segmented manifests" = an inline tail that never
+  rolls into segments, so it grows with history).
+
+``--long-run`` publishes 20,000 TGBs (segmented, DAC) and compares committed-TGB throughput over
+the last tenth of the run with the first tenth.
+
+    python bench/producers.py                 # the default subset (about 15-20 min, 2 cores)
+    python bench/producers.py --full          # the whole matrix of issue #3 (hours)
+    python bench/producers.py --long-run --only-long-run
+    python bench/producers.py --smoke         # seconds, for CI
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, ClassVar
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import Report, parser, percentile
+from _servers import STORAGES, StoreSpec, storages
+from _workers import TimedStore, WorkerPool
+
+from batchweave import AttemptOutcome, CommitPolicy, Mesh, Producer, encode_tgb
+from batchweave._policy import make_policy, policy_names
+
+PAYLOADS = {"100KB": 100_000, "1MB": 1_000_000, "10MB": 10_000_000}
+MESH = Mesh(dp=4)
+"""Each TGB holds four slices of payload/4 bytes (the payload size is the TGB size)."""
+UNSEGMENTED = 1 << 40
+"""A ``tail_limit`` no run reaches: the inline tail never rolls into segments."""
+UPLOAD_THREADS = 4
+MAX_INFLIGHT = 64 << 20
+MIB = 1 << 20
+
+COLUMNS = [
+    "storage",
+    "producers",
+    "payload",
+    "policy",
+    "segmented",
+    "tgbs",
+    "MB/s",
+    "raw MB/s",
+    "vs_raw",
+    "success",
+    "attempts",
+    "commit p50 ms",
+    "commit p95 ms",
+    "visible p50 ms",
+    "visible p95 ms",
+    "mf KB/commit first",
+    "mf KB/commit last",
+]
+LONG_COLUMNS = [
+    "storage",
+    "producers",
+    "payload",
+    "policy",
+    "segmented",
+    "tgbs",
+    "MB/s",
+    "first tenth TGB/s",
+    "last tenth TGB/s",
+    "last/first",
+    "success",
+    "commit p50 ms",
+    "commit p95 ms",
+    "mf KB/commit first",
+    "mf KB/commit last",
+]
+
+
+class RecordingPolicy(CommitPolicy):
+    """Delegates to ``inner`` and logs every attempt: ``(end time, committed, window, tgbs)``."""
+
+    name: ClassVar[str] = "recording"
+
+    def __init__(self, inner: CommitPolicy) -> None:
+        self.inner = inner
+        self.log: list[tuple[float, bool, float, int]] = []
+
+    def ready(self, pending: int, since_last_attempt: float) -> bool:
+        return self.inner.ready(pending, since_last_attempt)
+
+    def record(self, outcome: AttemptOutcome) -> None:
+        self.log.append((time.monotonic(), outcome.committed, outcome.fragile_window, outcome.tgbs))
+        self.inner.record(outcome)
+
+    @property
+    def gap(self) -> float:
+        return self.inner.gap
+
+
+def _slices(payload: int) -> list[bytes]:
+    blob = os.urandom(payload)
+    step = payload // MESH.slices
+    return [blob[i * step : (i + 1) * step] for i in range(MESH.slices)]
+
+
+def _is_manifest_write(op: str, key: str) -> bool:
+    return (op == "cput" and "/_manifests/" in key) or "/_segments/" in key
+
+
+def produce_task(params: dict[str, Any], ready: Callable[[], None]) -> dict[str, Any]:
+    """One producer process: publish ``tgbs`` TGBs with the real Producer, then close."""
+    spec: StoreSpec = params["spec"]
+    store = TimedStore(spec.open(), keep=_is_manifest_write)
+    slices = _slices(params["payload"])
+    policy = RecordingPolicy(make_policy(params["policy"]))
+    producer = Producer(
+        store,
+        params["namespace"],
+        producer_id=params["producer_id"],
+        mesh=MESH,
+        policy=policy,
+        upload_threads=UPLOAD_THREADS,
+        max_inflight_bytes=MAX_INFLIGHT,
+    )
+    if not params["segmented"]:
+        # The producer has no public knob for its manifest log's tail limit; a benchmark may
+        # reach in to switch segmentation off.
+        producer._log.tail_limit = UNSEGMENTED
+        producer._log.max_segment_tgbs = UNSEGMENTED
+    ready()
+    t0 = time.monotonic()
+    appended: list[float] = []
+    for offset in range(params["tgbs"]):
+        appended.append(time.monotonic())
+        producer.append(slices, offset=offset)
+    producer.close()
+    t1 = time.monotonic()
+    stats = producer.stats()
+    store.close()
+    return {
+        "t0": t0,
+        "t1": t1,
+        "bytes": stats.bytes_published,
+        "tgbs": stats.tgbs_published,
+        "attempts": stats.attempts,
+        "commits": stats.commits,
+        "conflicts": stats.conflicts,
+        "ambiguous": stats.ambiguous,
+        "transient": stats.transient_errors,
+        "log": policy.log,
+        "appended": appended,
+        "writes": [(e.start, e.nbytes) for e in store.events if e.start >= t0],
+    }
+
+
+def raw_put_task(params: dict[str, Any], ready: Callable[[], None]) -> dict[str, Any]:
+    """The baseline: put the same encoded TGB ``tgbs`` times with the same threads, no manifest."""
+    spec: StoreSpec = params["spec"]
+    store = spec.open()
+    data = encode_tgb(_slices(params["payload"]), MESH).data
+    prefix = f"{params['namespace']}/raw/{params['producer_id']}"
+    ready()
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+        list(pool.map(lambda i: store.put(f"{prefix}/{i}.tgb", data), range(params["tgbs"])))
+    t1 = time.monotonic()
+    store.close()
+    return {"t0": t0, "t1": t1, "bytes": len(data) * params["tgbs"]}
+
+
+def _throughput(results: Sequence[dict[str, Any]]) -> float:
+    start = min(r["t0"] for r in results)
+    end = max(r["t1"] for r in results)
+    return sum(r["bytes"] for r in results) / 1e6 / (end - start)
+
+
+def _split(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def _visibility(result: dict[str, Any]) -> list[float]:
+    """Seconds from append to visibility of each TGB of one producer (commits are in order)."""
+    commit_times: list[float] = []
+    cumulative: list[int] = []
+    total = 0
+    for t, committed, _, tgbs in result["log"]:
+        if committed and tgbs:
+            total += tgbs
+            commit_times.append(t)
+            cumulative.append(total)
+    out = []
+    for i, appended in enumerate(result["appended"]):
+        j = bisect.bisect_left(cumulative, i + 1)
+        if j < len(commit_times):
+            out.append(commit_times[j] - appended)
+    return out
+
+
+def _manifest_kb_per_commit(results: Sequence[dict[str, Any]]) -> list[float]:
+    """Manifest + segment KB sent per committed version, in ten buckets of the run's commits.
+
+    A write belongs to the first commit that ends after it started (failed attempts are charged
+    to the next success). With fewer than ten commits some buckets are empty (NaN).
+    """
+    commits = sorted(t for r in results for t, ok, _, n in r["log"] if ok and n)
+    if not commits:
+        return [float("nan")] * 10
+    sent = [0.0] * len(commits)
+    for r in results:
+        for start, nbytes in r["writes"]:
+            sent[min(len(commits) - 1, bisect.bisect_left(commits, start))] += nbytes
+    buckets: list[list[float]] = [[] for _ in range(10)]
+    for i, s in enumerate(sent):
+        buckets[i * 10 // len(commits)].append(s)
+    return [sum(b) / 1e3 / len(b) if b else float("nan") for b in buckets]
+
+
+def _tenths(results: Sequence[dict[str, Any]]) -> tuple[float, float]:
+    """Committed TGBs per second over the first and the last tenth of all committed TGBs.
+
+    Commits publish TGBs in batches, so each tenth is widened to whole commits: the first runs
+    from the start to the first commit reaching 10% of the TGBs, the last from the last commit
+    at or below 90% to the end.
+    """
+    events = sorted((t, n) for r in results for t, ok, _, n in r["log"] if ok and n)
+    start = min(r["t0"] for r in results)
+    times = [start]
+    cumulative = [0]
+    for t, n in events:
+        times.append(t)
+        cumulative.append(cumulative[-1] + n)
+    total = cumulative[-1]
+    i_first = bisect.bisect_left(cumulative, total / 10)
+    i_last = bisect.bisect_right(cumulative, total - total / 10) - 1
+    first = cumulative[i_first] / (times[i_first] - start)
+    last = (total - cumulative[i_last]) / (times[-1] - times[i_last])
+    return first, last
+
+
+def _summary(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    attempts = sum(r["attempts"] for r in results)
+    commits = sum(r["commits"] for r in results)
+    windows = [w * 1e3 for r in results for _, _, w, _ in r["log"]]
+    visible = [v * 1e3 for r in results for v in _visibility(r)]
+    mf = _manifest_kb_per_commit(results)
+    return {
+        "tgbs": sum(r["tgbs"] for r in results),
+        "MB/s": _throughput(results),
+        "success": commits / attempts if attempts else float("nan"),
+        "attempts": attempts,
+        "conflicts": sum(r["conflicts"] for r in results),
+        "ambiguous": sum(r["ambiguous"] for r in results),
+        "transient": sum(r["transient"] for r in results),
+        "commit p50 ms": percentile(windows, 50),
+        "commit p95 ms": percentile(windows, 95),
+        "visible p50 ms": percentile(visible, 50),
+        "visible p95 ms": percentile(visible, 95),
+        "mf KB/commit first": mf[0],
+        "mf KB/commit last": mf[-1],
+        "mf KB/commit by tenth": mf,
+    }
+
+
+def run_producers(
+    pool: WorkerPool,
+    spec: StoreSpec,
+    *,
+    producers: int,
+    payload: int,
+    policy: str,
+    segmented: bool,
+    tgbs: int,
+) -> list[dict[str, Any]]:
+    namespace = f"prod-{uuid.uuid4().hex[:10]}"
+    params = [
+        {
+            "spec": spec,
+            "namespace": namespace,
+            "producer_id": f"p{i}",
+            "policy": policy,
+            "payload": payload,
+            "segmented": segmented,
+            "tgbs": n,
+        }
+        for i, n in enumerate(_split(tgbs, producers))
+    ]
+    try:
+        return pool.run(produce_task, params)
+    finally:
+        spec.clean(namespace)
+
+
+def run_raw(pool: WorkerPool, spec: StoreSpec, *, producers: int, payload: int, tgbs: int) -> float:
+    namespace = f"raw-{uuid.uuid4().hex[:10]}"
+    params = [
+        {
+            "spec": spec,
+            "namespace": namespace,
+            "producer_id": f"p{i}",
+            "payload": payload,
+            "tgbs": n,
+        }
+        for i, n in enumerate(_split(tgbs, producers))
+    ]
+    try:
+        return _throughput(pool.run(raw_put_task, params))
+    finally:
+        spec.clean(namespace)
+
+
+def tgbs_for(payload: int, producers: int, budget: int, max_tgbs: int) -> int:
+    """TGBs per run: ``budget`` bytes, at most ``max_tgbs``, at least four per producer."""
+    return max(4 * producers, min(max_tgbs, budget // payload))
+
+
+def plan(args: Any) -> list[tuple[int, str, str, bool]]:
+    """The (producers, payload, policy, segmented) points to run, in order."""
+    matrix_flags = (args.producers, args.payloads, args.policies, args.segmented)
+    if args.full or any(f is not None for f in matrix_flags):
+        full = args.full
+        producers = args.producers or ([4, 8, 16] if full else [16])
+        payloads = args.payloads or (list(PAYLOADS) if full else ["100KB"])
+        policies = args.policies or (policy_names() if full else ["dac"])
+        segmented = args.segmented or ([True, False] if full else [True])
+        return list(itertools.product(producers, payloads, policies, segmented))
+    if args.smoke:
+        return [(2, "100KB", p, s) for p in ("dac", "naive") for s in (True, False)]
+    # Default subset: every policy at the contended point the targets name (16 producers,
+    # 100 KB), with and without segments; DAC across all producer counts and payload sizes.
+    points = [(16, "100KB", p, s) for p in policy_names() for s in (True, False)]
+    points += [
+        (n, size, "dac", True)
+        for n in (4, 8, 16)
+        for size in PAYLOADS
+        if (n, size) != (16, "100KB")
+    ]
+    return points
+
+
+def _csv(cast: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    return lambda text: [cast(x) for x in text.split(",") if x]
+
+
+def _yes_no(text: str) -> bool:
+    if text not in ("yes", "no"):
+        raise ValueError(text)
+    return text == "yes"
+
+
+def _check_payload(text: str) -> str:
+    if text not in PAYLOADS:
+        raise ValueError(text)
+    return text
+
+
+def _check_policy(text: str) -> str:
+    if text not in policy_names():
+        raise ValueError(text)
+    return text
+
+
+def _fmt_target(met: bool | None) -> str:
+    return "not measured" if met is None else ("MET" if met else "NOT MET")
+
+
+def targets(rows: Sequence[dict[str, Any]], long_rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The issue's targets, evaluated on whatever this run measured."""
+    notes = []
+    for storage in sorted({r["storage"] for r in rows} | {r["storage"] for r in long_rows}):
+        mine = [r for r in rows if r["storage"] == storage]
+        dac16 = [r for r in mine if r["policy"] == "dac" and r["producers"] == 16]
+        ok = min((r["success"] for r in dac16), default=None)
+        notes.append(
+            f"[{storage}] DAC commit success >= 90% at 16 producers: "
+            f"{_fmt_target(None if ok is None else ok >= 0.9)}"
+            + ("" if ok is None else f" (lowest {ok:.0%})")
+        )
+        for seg in (True, False):
+            point = [
+                r
+                for r in mine
+                if r["producers"] == 16 and r["payload"] == "100KB" and r["segmented"] == seg
+            ]
+            dac = [r["MB/s"] for r in point if r["policy"] == "dac"]
+            base = [(r["MB/s"], r["policy"]) for r in point if r["policy"] != "dac"]
+            if dac and base:
+                best, name = max(base)
+                ratio = dac[0] / best
+                notes.append(
+                    f"[{storage}] DAC >= 1.5x best baseline MB/s at 16 producers, 100 KB "
+                    f"(segmented={'yes' if seg else 'no'}): {_fmt_target(ratio >= 1.5)} "
+                    f"({ratio:.2f}x {name})"
+                )
+            elif seg:
+                notes.append(
+                    f"[{storage}] DAC >= 1.5x best baseline at 16 producers, 100 KB: not measured"
+                )
+        big = [r["vs_raw"] for r in mine if r["payload"] == "10MB" and r["policy"] == "dac"]
+        worst = min(big, default=None)
+        notes.append(
+            f"[{storage}] ingestion >= 80% of raw PUT at 10 MB: "
+            f"{_fmt_target(None if worst is None else worst >= 0.8)}"
+            + ("" if worst is None else f" (lowest {worst:.0%})")
+        )
+        longs = [r for r in long_rows if r["storage"] == storage and r["segmented"] == "yes"]
+        for r in longs:
+            notes.append(
+                f"[{storage}] segmented long run ({r['tgbs']} TGBs): last tenth within 15% of "
+                f"the first: {_fmt_target(r['last/first'] >= 0.85)} "
+                f"(last/first = {r['last/first']:.2f})"
+            )
+    return notes
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--full", action="store_true", help="the whole matrix of issue #3")
+    p.add_argument("--storages", type=_csv(str), default=None, help="file,seaweedfs")
+    p.add_argument("--producers", type=_csv(int), default=None, help="e.g. 4,8,16")
+    p.add_argument("--payloads", type=_csv(_check_payload), default=None, help="100KB,1MB,10MB")
+    p.add_argument("--policies", type=_csv(_check_policy), default=None, help="dac,naive,...")
+    p.add_argument("--segmented", type=_csv(_yes_no), default=None, help="yes,no")
+    p.add_argument("--budget-mb", type=int, default=200, help="payload MB per run")
+    p.add_argument("--max-tgbs", type=int, default=2000, help="TGBs per run at most")
+    p.add_argument("--long-run", action="store_true", help="also run the 20,000-TGB run")
+    p.add_argument("--only-long-run", action="store_true", help="skip the matrix")
+    p.add_argument("--long-run-tgbs", type=int, default=20_000)
+    p.add_argument("--long-run-producers", type=int, default=4)
+    p.add_argument("--long-run-payload", type=_check_payload, default="100KB")
+    p.add_argument(
+        "--long-run-unsegmented", action="store_true", help="also the long run without segments"
+    )
+    args = p.parse_args()
+    if args.smoke:
+        args.storages = args.storages or ["file"]
+        args.budget_mb, args.max_tgbs = 2, 24
+        args.long_run, args.long_run_tgbs, args.long_run_producers = True, 200, 2
+    names = args.storages or list(STORAGES)
+    points = [] if args.only_long_run else plan(args)
+    long_run = args.long_run or args.only_long_run
+    pool_size = max([n for n, *_ in points] + ([args.long_run_producers] if long_run else []))
+
+    command = "python bench/producers.py " + " ".join(sys.argv[1:])
+    report = Report("producers", COLUMNS)
+    long_report = Report("producers_longrun", LONG_COLUMNS)
+    with storages(names) as specs, WorkerPool(pool_size) as pool:
+        for name in names:
+            spec = specs[name][0]
+            raw_cache: dict[tuple[int, str], float] = {}
+            for producers, size, policy, segmented in points:
+                payload = PAYLOADS[size]
+                tgbs = tgbs_for(payload, producers, args.budget_mb * 1_000_000, args.max_tgbs)
+                if (producers, size) not in raw_cache:
+                    raw_cache[(producers, size)] = run_raw(
+                        pool, spec, producers=producers, payload=payload, tgbs=tgbs
+                    )
+                raw = raw_cache[(producers, size)]
+                results = run_producers(
+                    pool,
+                    spec,
+                    producers=producers,
+                    payload=payload,
+                    policy=policy,
+                    segmented=segmented,
+                    tgbs=tgbs,
+                )
+                row = {
+                    "storage": spec.label,
+                    "producers": producers,
+                    "payload": size,
+                    "policy": policy,
+                    "segmented": "yes" if segmented else "no",
+                    **_summary(results),
+                    "raw MB/s": raw,
+                }
+                row["vs_raw"] = row["MB/s"] / raw
+                report.add(**row)
+                print(_progress(row), flush=True)
+            if long_run:
+                for segmented in (True, False) if args.long_run_unsegmented else (True,):
+                    payload = PAYLOADS[args.long_run_payload]
+                    results = run_producers(
+                        pool,
+                        spec,
+                        producers=args.long_run_producers,
+                        payload=payload,
+                        policy="dac",
+                        segmented=segmented,
+                        tgbs=args.long_run_tgbs,
+                    )
+                    first, last = _tenths(results)
+                    row = {
+                        "storage": spec.label,
+                        "producers": args.long_run_producers,
+                        "payload": args.long_run_payload,
+                        "policy": "dac",
+                        "segmented": "yes" if segmented else "no",
+                        **_summary(results),
+                        "first tenth TGB/s": first,
+                        "last tenth TGB/s": last,
+                        "last/first": last / first,
+                    }
+                    long_report.add(**row)
+                    print(_progress(row), flush=True)
+    notes = [
+        f"command: {command}",
+        f"machine: {os.cpu_count()} cores shared with other engineers' test runs; every "
+        "producer is a process; TGB = 4 slices of payload/4 bytes, raw codec; "
+        f"{UPLOAD_THREADS} upload threads and {MAX_INFLIGHT // MIB} MiB in flight per producer",
+        *targets(
+            [{**r, "segmented": r["segmented"] == "yes"} for r in report.rows], long_report.rows
+        ),
+    ]
+    report.notes = notes
+    report.emit(args.out)
+    if long_report.rows:
+        long_report.notes = [f"command: {command}"]
+        out = None if args.out is None else args.out.with_name(args.out.stem + "_longrun.json")
+        long_report.emit(out)
+
+
+def _progress(row: dict[str, Any]) -> str:
+    keys: Iterable[str] = ("storage", "producers", "payload", "policy", "segmented", "tgbs")
+    head = " ".join(f"{row[k]}" for k in keys)
+    return (
+        f"[{time.strftime('%H:%M:%S')}] {head}: {row['MB/s']:.1f} MB/s, success "
+        f"{row['success']:.0%}, commit p50 {row['commit p50 ms']:.0f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()

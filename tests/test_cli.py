@@ -1,0 +1,205 @@
+"""Every ``batchweave`` command, run as a subprocess on a ``file://`` store."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lance
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+import batchweave as bw
+from batchweave._history import SAMPLE_IDS_KEY, sample_ids_metadata
+
+MESH = bw.Mesh(dp=2, cp=2)
+NAMESPACE = "runs/cli"
+
+
+def run(*args: str, check: int | None = 0) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchweave.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if check is not None:
+        assert proc.returncode == check, (proc.returncode, proc.stdout, proc.stderr)
+    return proc
+
+
+def publish(root: Path, steps: int = 12, producers: int = 2) -> bw.ObjectStore:
+    store = bw.open_store(root.as_uri())
+    for p in range(producers):
+        with bw.Producer(
+            store, NAMESPACE, producer_id=f"prep-{p}", mesh=MESH, codec="tensors"
+        ) as producer:
+            for offset in range(steps // producers):
+                slices = [{"x": np.full(8, offset, dtype=np.int64)} for _ in range(MESH.slices)]
+                ids = [[f"doc-{p}-{offset}-{i}"] for i in range(MESH.slices)]
+                producer.append(
+                    slices, offset=offset, metadata={SAMPLE_IDS_KEY: sample_ids_metadata(ids)}
+                )
+    return store
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+def test_inspect_json_reports_steps_producers_watermarks_and_storage(root: Path) -> None:
+    store = publish(root)
+    bw.Watermarks(store, NAMESPACE).record("ckpt-4", step=4)
+    data = json.loads(run("inspect", str(root), NAMESPACE, "--json").stdout)
+    assert data["next_step"] == 12
+    assert data["base_step"] == 0
+    assert data["mesh"] == {"dp": 2, "cp": 2}
+    assert {p["producer_id"]: p["committed_offset"] for p in data["producers"]} == {
+        "prep-0": 5,
+        "prep-1": 5,
+    }
+    assert all(p["live_steps"] == 6 for p in data["producers"])
+    assert data["watermarks"][0]["checkpoint_id"] == "ckpt-4"
+    assert data["boundary"] == 4
+    prefixes = {row["prefix"]: row["objects"] for row in data["storage"]}
+    assert prefixes["data/prep-0/"] == 6
+    assert prefixes["data/prep-1/"] == 6
+    assert prefixes["_watermarks/"] == 1
+    assert data["latest_version"] >= 1
+
+
+def test_inspect_tables_accept_a_file_url(root: Path) -> None:
+    publish(root)
+    out = run("inspect", root.as_uri(), NAMESPACE).stdout
+    assert "producers" in out
+    assert "prep-1" in out
+    assert "storage by prefix" in out
+
+
+def test_verify_passes_then_fails_on_a_corrupt_slice(root: Path) -> None:
+    publish(root)
+    ok = run("verify", str(root), NAMESPACE, "--json")
+    report = json.loads(ok.stdout)
+    assert report["ok"] is True
+    assert report["steps"] == 12
+    assert report["slices"] == 12 * MESH.slices
+    assert report["producers"] == {"prep-0": 6, "prep-1": 6}
+
+    victim = sorted((root / NAMESPACE / "data" / "prep-1").rglob("*.tgb"))[0]
+    raw = bytearray(victim.read_bytes())
+    raw[3] ^= 0xFF  # inside the first slice's payload
+    victim.write_bytes(bytes(raw))
+    bad = run("verify", str(root), NAMESPACE, check=1)
+    assert "FAILED" in bad.stdout
+    assert "checksum" in bad.stdout.lower()
+    # footers alone are intact: the footer-only mode still passes
+    run("verify", str(root), NAMESPACE, "--footers-only")
+
+
+def test_verify_fails_on_a_missing_object(root: Path) -> None:
+    publish(root)
+    victim = sorted((root / NAMESPACE / "data" / "prep-0").rglob("*.tgb"))[2]
+    victim.unlink()
+    bad = run("verify", str(root), NAMESPACE, "--json", check=1)
+    report = json.loads(bad.stdout)
+    assert report["ok"] is False
+    assert any("missing" in p for p in report["problems"])
+
+
+def test_reclaim_cuts_to_the_watermark_and_deletes_the_objects(root: Path) -> None:
+    store = publish(root)
+    bw.Watermarks(store, NAMESPACE).record("ckpt-5", step=5)
+    report = json.loads(run("reclaim", str(root), NAMESPACE, "--grace", "0", "--json").stdout)
+    assert report["base_step_before"] == 0
+    assert report["base_step_after"] == 5
+    assert report["tgbs_deleted"] == 5
+    data = json.loads(run("inspect", str(root), NAMESPACE, "--json").stdout)
+    assert data["base_step"] == 5
+    assert sum(row["objects"] for row in data["storage"] if row["prefix"].startswith("data/")) == 7
+    run("verify", str(root), NAMESPACE)
+
+
+def test_seal_stops_producers_and_is_idempotent(root: Path) -> None:
+    store = publish(root)
+    first = run("seal", str(root), NAMESPACE).stdout
+    assert "sealed at version" in first
+    assert "already sealed" in run("seal", str(root), NAMESPACE).stdout
+    with pytest.raises(bw.NamespaceSealed):
+        bw.Producer(store, NAMESPACE, producer_id="late", mesh=MESH)
+    consumer = bw.Consumer(store, NAMESPACE, mesh=MESH, dp_rank=0, cp_rank=0, timeout=5)
+    assert [step for step, _ in consumer] == list(range(12))
+
+
+def test_export_parquet_holds_one_row_per_slice_with_sample_ids(
+    root: Path, tmp_path: Path
+) -> None:
+    publish(root)
+    dest = tmp_path / "history.parquet"
+    out = run("export", str(root), NAMESPACE, str(dest)).stdout
+    assert "exported 48 rows (parquet)" in out
+    table = pq.read_table(dest)
+    rows = table.to_pylist()
+    assert len(rows) == 12 * MESH.slices
+    assert [(r["step"], r["dp"], r["cp"]) for r in rows[:4]] == [
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+    ]
+    first = rows[0]
+    assert first["sample_ids"] == [f"doc-{first['producer_id'][-1]}-{first['offset']}-0"]
+    keys = {(r["producer_id"], r["offset"]) for r in rows}
+    assert keys == {(f"prep-{p}", o) for p in range(2) for o in range(6)}
+    assert all(r["bytes"] > 0 and r["samples"] == 8 for r in rows)
+    # an existing destination is refused without --overwrite
+    refused = run("export", str(root), NAMESPACE, str(dest), check=2)
+    assert "--overwrite" in refused.stderr
+
+
+def test_export_lance_with_a_step_range(root: Path, tmp_path: Path) -> None:
+    publish(root)
+    dest = tmp_path / "history.lance"
+    run("export", str(root), NAMESPACE, str(dest), "--start", "3", "--stop", "6")
+    table = lance.dataset(str(dest)).to_table()
+    assert table.num_rows == 3 * MESH.slices
+    assert sorted(set(table.column("step").to_pylist())) == [3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("inspect", "ftp://host/x", NAMESPACE), "unsupported scheme"),
+        (("inspect", "s3://", NAMESPACE), "no bucket"),
+        (("verify", "{root}", "runs/missing"), "NamespaceNotFound"),
+        (("inspect", "{root}", "../escape"), "InvalidKey"),
+        (("seal", "{root}", "runs/missing"), "NamespaceNotFound"),
+        (("reclaim", "{root}", "runs/missing"), "NamespaceNotFound"),
+        (("inspect", "{root}-nowhere", NAMESPACE), "no store directory"),
+        (("inspect", "{root}", NAMESPACE, "--endpoint-url", "http://x"), "s3:// only"),
+    ],
+)
+def test_errors_are_one_line_with_exit_status_2(
+    root: Path, args: tuple[str, ...], needle: str
+) -> None:
+    publish(root, steps=2)
+    proc = run(*(a.format(root=root) for a in args), check=2)
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith("batchweave: error: ")
+
+
+def test_console_script_is_installed() -> None:
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("batchweave")), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for command in ("demo", "inspect", "verify", "reclaim", "seal", "export"):
+        assert command in proc.stdout
