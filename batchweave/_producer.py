@@ -368,6 +368,8 @@ class Producer:
         except RuntimeError as exc:  # executor shut down by a concurrent abort
             with self._cond:
                 self._inflight_bytes -= entry.size
+                if self._entries and self._entries[-1] is entry:
+                    self._entries.pop()
             raise ProducerError(
                 f"producer {self._producer_id!r} was stopped while appending offset {offset}"
             ) from exc
@@ -751,9 +753,9 @@ class Producer:
 
     def _next_work(self) -> bool | None:
         """Block until an attempt should start; return whether it seals, or None to stop."""
+        # Set once the whole remaining gap was slept: a clock too coarse to show it (or a fake one
+        # advancing by less than float resolution) must not keep the loop waiting forever.
         gap_waited = False
-        """Set once the whole remaining gap was slept: a clock too coarse to show it (or a fake
-        one advancing by less than float resolution) must not keep the loop waiting forever."""
         with self._cond:
             while True:
                 if self._error is not None or self._aborted:

@@ -28,6 +28,7 @@ from batchweave._manifest._models import Manifest
 from batchweave._store._base import ByteRange, ObjectMeta
 from batchweave._store._memory import MemoryStore
 from batchweave._store._wrappers import FaultInjectingStore
+from batchweave._watermarks import Watermarks
 
 MESH = Mesh(dp=2, cp=2)
 NS = "runs/unit"
@@ -159,6 +160,26 @@ def test_encoded_tgb_and_builder_are_accepted(store: MemoryStore) -> None:
             p.append(encode_tgb([b"x"], Mesh(dp=1)), offset=2)
     log, m = latest(store)
     assert [d.samples for _, d in log.descriptors(m, 0, 2)] == [4, 12]
+
+
+def test_codec_compression_sample_counts_and_metadata_reach_the_footer(store: MemoryStore) -> None:
+    with make(store, compression="zstd") as p:
+        p.append(
+            [b"z" * 500] * MESH.slices, offset=0, sample_counts=[1, 2, 3, 4], metadata={"k": "v"}
+        )
+    log, m = latest(store)
+    desc = log.descriptor(m, 0)
+    ref = desc.objects[0]
+    key = log.key(ref.key)
+    footer = read_footer(
+        store, key, footer_offset=ref.footer_offset, footer_length=ref.footer_length
+    )
+    assert footer.compression == "zstd"
+    assert footer.metadata == {"k": "v"}
+    assert [e.sample_count for e in footer.slices] == [1, 2, 3, 4]
+    assert desc.samples == 10
+    assert desc.bytes < 500 * MESH.slices  # compressed
+    assert read_slice(store, key, footer, 3) == b"z" * 500
 
 
 def test_wrong_slice_count_is_a_clear_error(store: MemoryStore) -> None:
@@ -519,13 +540,32 @@ def test_max_lag_blocks_until_the_boundary_moves(
     assert committed_offsets(store, "p0") == [0, 1, 2, 3, 4]
 
 
-def test_default_boundary_reads_watermark_objects(store: MemoryStore) -> None:
-    with make(store) as p:
-        assert p._watermark_boundary() == 0
-        store.put(f"{NS}/_watermarks/ckpt-10.json", b'{"checkpoint_id": "ckpt-10", "step": 10}')
-        store.put(f"{NS}/_watermarks/ckpt-4.json", b'{"checkpoint_id": "ckpt-4", "step": 4}')
-        store.put(f"{NS}/_watermarks/bad.json", b"not json")
-        assert p._watermark_boundary() == 4
+def test_default_boundary_comes_from_the_namespace_watermarks(store: MemoryStore) -> None:
+    lagging = threading.Event()
+    fake = FakeTime()
+
+    def sleep(seconds: float) -> None:
+        fake.sleep(seconds)
+        lagging.set()
+
+    with make(store, fake=fake, sleep=sleep, max_lag=2) as p:
+        for off in range(3):
+            p.append(payloads(off), offset=off)
+        p.flush()
+        marks = Watermarks(store, NS)
+        marks.record("ckpt-1", step=1)
+        marks.record("ckpt-3", step=3)
+        p.append(payloads(3), offset=3)  # 3 visible - boundary 1 <= 2
+        p.flush()
+        assert not lagging.is_set()
+        blocked = threading.Thread(target=p.append, args=(payloads(4),), kwargs={"offset": 4})
+        blocked.start()
+        assert lagging.wait(10)  # 4 visible - boundary 1 > 2: blocked
+        assert blocked.is_alive()
+        marks.release("ckpt-1")  # boundary becomes 3
+        blocked.join(10)
+        assert not blocked.is_alive()
+    assert committed_offsets(store, "p0") == [0, 1, 2, 3, 4]
 
 
 # ---------------------------------------------------------------------------------------------

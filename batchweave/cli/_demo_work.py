@@ -104,8 +104,9 @@ def pack_tgb(
 ) -> tuple[list[dict[str, np.ndarray]], list[list[int]]]:
     """Token-pack ``table``'s documents into one TGB: ``dp * cp`` slices and their doc ids.
 
-    First-fit decreasing into ``dp * micro_batch`` bins of ``seq_len`` tokens (documents longer
-    than a bin are truncated; what fits nowhere is dropped), padding with ``PAD``. Each slice
+    Documents longer than ``seq_len`` are split into ``seq_len`` pieces; the pieces go first-fit
+    decreasing into ``dp * micro_batch`` bins of ``seq_len`` tokens (what fits nowhere is
+    dropped), padding with ``PAD``. Each slice
     holds ``tokens``, ``doc_ids`` (-1 on padding) and ``positions`` (within the document) of shape
     ``(micro_batch, seq_len // cp)``, plus ``tag = [producer, offset, d, c]``.
     """
@@ -117,20 +118,25 @@ def pack_tgb(
     fill = np.zeros(bins, dtype=np.int64)
     ids = table.column("doc_id").to_numpy()
     docs = table.column("tokens").combine_chunks()
-    lengths = np.minimum(np.diff(docs.offsets.to_numpy()), seq)
+    offsets = docs.offsets.to_numpy()
     values = docs.values.to_numpy()
-    starts = docs.offsets.to_numpy()[:-1]
-    for i in np.argsort(-lengths, kind="stable"):
-        n = int(lengths[i])
-        free = seq - fill
-        fits = np.nonzero(free >= n)[0]
+    # (doc index, start within the doc, length): documents longer than a sequence are split
+    pieces = [
+        (i, at, min(seq, int(offsets[i + 1] - offsets[i]) - at))
+        for i in range(len(ids))
+        for at in range(0, int(offsets[i + 1] - offsets[i]), seq)
+    ]
+    pieces.sort(key=lambda piece: -piece[2])  # stable: ties keep document order
+    for i, start, n in pieces:
+        fits = np.nonzero(seq - fill >= n)[0]
         if len(fits) == 0:
             continue
         b = int(fits[0])
         at = int(fill[b])
-        tokens[b, at : at + n] = values[starts[i] : starts[i] + n]
+        src = int(offsets[i]) + start
+        tokens[b, at : at + n] = values[src : src + n]
         doc_ids[b, at : at + n] = ids[i]
-        positions[b, at : at + n] = np.arange(n, dtype=np.int32)
+        positions[b, at : at + n] = np.arange(start, start + n, dtype=np.int32)
         fill[b] += n
     chunk = seq // cp
     slices: list[dict[str, np.ndarray]] = []
