@@ -21,7 +21,13 @@ from typing import Any
 
 from batchweave._consumer import Consumer
 from batchweave._errors import NamespaceNotFound, ObjectNotFound, TransientStoreError
-from batchweave._manifest._log import MANIFESTS_DIR, Committed, ManifestLog, manifest_key
+from batchweave._manifest._log import (
+    MANIFESTS_DIR,
+    PROBE_TRUST_SECONDS,
+    Committed,
+    ManifestLog,
+    manifest_key,
+)
 from batchweave._manifest._models import Manifest
 from batchweave._manifest._segments import SEGMENTS_DIR
 from batchweave._store._base import ObjectMeta, ObjectStore
@@ -160,6 +166,14 @@ class Reclaimer:
     ) -> None:
         if grace < 0:
             raise ValueError(f"grace must be >= 0 seconds, got {grace}")
+        if grace < 2 * PROBE_TRUST_SECONDS:
+            _log.warning(
+                "Reclaimer grace %.0f s is below %.0f s: a reader that holds a manifest version "
+                "longer than that may not see newer versions once it is reclaimed; use a longer "
+                "grace outside tests",
+                grace,
+                2 * PROBE_TRUST_SECONDS,
+            )
         if max_commit_attempts < 1:
             raise ValueError(f"max_commit_attempts must be >= 1, got {max_commit_attempts}")
         if delete_batch < 1:

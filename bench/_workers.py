@@ -10,7 +10,11 @@ timestamps from different workers are comparable.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing as mp
+import signal
+import sys
 import threading
 import time
 import traceback
@@ -25,7 +29,15 @@ Task = Callable[[dict[str, Any], Callable[[], None]], Any]
 picklable result."""
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this worker when the benchmark process dies (no orphans)."""
+    if sys.platform == "linux":
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PDEATHSIG
+
+
 def _worker_main(inbox: Any, outbox: Any, wid: int) -> None:
+    _die_with_parent()
     while True:
         item = inbox.get()
         if item is None:

@@ -116,9 +116,8 @@ def main() -> None:
                     assert data.endswith(f"slice{d * MESH.cp + c}".encode())
                     got.append(data.split(b" slice")[0])
                 orders.append(got)
-                print(
-                    f"rank ({d}, {c}): {len(got)} steps, read amp {consumer.stats.read_amplification:.2f}"
-                )
+                amp = consumer.stats.read_amplification
+                print(f"rank ({d}, {c}): {len(got)} steps, read amplification {amp:.2f}")
         assert all(order == orders[0] for order in orders), "ranks disagree"
         assert len(orders[0]) == 2 * args.steps
         # the CLI reads credentials from the usual AWS environment variables

@@ -134,9 +134,7 @@ def test_seal_stops_producers_and_is_idempotent(root: Path) -> None:
     assert [step for step, _ in consumer] == list(range(12))
 
 
-def test_export_parquet_holds_one_row_per_slice_with_sample_ids(
-    root: Path, tmp_path: Path
-) -> None:
+def test_export_parquet_holds_one_row_per_slice_with_sample_ids(root: Path, tmp_path: Path) -> None:
     publish(root)
     dest = tmp_path / "history.parquet"
     out = run("export", str(root), NAMESPACE, str(dest)).stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from batchweave.cli._demo_work import (
     make_corpus,
     pack_tgb,
 )
+from batchweave.testing import S3Endpoint
 
 SMALL = [
     "--steps",
@@ -170,3 +172,29 @@ def test_delivery_checks_catch_every_kind_of_damage(
     else:
         assert failures
         assert any(needle in f for f in failures), failures
+
+
+@pytest.mark.slow
+@pytest.mark.moto_server
+@pytest.mark.filterwarnings("ignore:lance is not fork-safe")  # moto's fixture forks after import
+def test_demo_on_s3(moto_endpoint: S3Endpoint, s3_bucket: str, s3_prefix: str) -> None:
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": moto_endpoint.access_key_id,
+        "AWS_SECRET_ACCESS_KEY": moto_endpoint.secret_access_key,
+        "AWS_DEFAULT_REGION": moto_endpoint.region,
+    }
+    url = f"s3://{s3_bucket}/{s3_prefix}"
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "batchweave.cli", "demo", "--store", url, *SMALL),
+            *("--endpoint-url", moto_endpoint.endpoint_url, "--addressing-style", "path"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS: exactly-once delivery verified" in proc.stdout
+    assert f"--endpoint-url {moto_endpoint.endpoint_url}" in proc.stdout

@@ -300,6 +300,27 @@ def test_a_stale_producer_paused_across_a_reclaim_rebases(
     assert read_step(store, 7) == b"c"
 
 
+def test_a_consumer_holding_a_reclaimed_manifest_still_finds_new_steps(
+    store: bw.MemoryStore, clock: FakeClock
+) -> None:
+    writer = Writer(store, NS, MESH)
+    writer.log = ManifestLog(store, NS, clock=clock)  # versions stamped with the fake clock
+    writer.publish(4)
+    with bw.Consumer(store, NS, mesh=MESH, dp_rank=0, prefetch=1, timeout=5) as consumer:
+        assert [next(consumer)[0] for _ in range(2)] == [0, 1]
+        held = consumer.manifest_version
+        for _ in range(6):  # a long evaluation: the consumer does not refresh meanwhile
+            writer.publish(1)
+            clock.advance(GRACE)
+        bw.Watermarks(store, NS).record("c", 2)
+        reclaimer(store, clock).run_once()
+        assert held is not None
+        assert {held, held + 1}.isdisjoint(ManifestLog(store, NS).versions())
+        steps = [next(consumer) for _ in range(6)]
+    assert [s for s, _ in steps] == list(range(2, 8))
+    assert [d for _, d in steps] == [expected_slice("w0", s, 0) for s in range(2, 8)]
+
+
 # -- orphans of crashed producers ----------------------------------------------------------
 
 _CRASHING_PRODUCER = textwrap.dedent(

@@ -109,8 +109,8 @@ def test_http_endpoint_serves_the_metrics(registry: CollectorRegistry) -> None:
     store = bw.MemoryStore()
     producer = publish(store, registry, 1)
     with bw.start_metrics_server(0, registry=registry) as server:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
-            body = r.read().decode()
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
     producer.close()
     assert 'batchweave_tgbs_published_total{namespace="ns",producer_id="p0"} 1.0' in body
     assert "batchweave_reclaimed_bytes_total" in body or "batchweave_reclaimed_bytes" in body

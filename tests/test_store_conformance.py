@@ -13,12 +13,6 @@ from moto import mock_aws
 from batchweave import FileStore, MemoryStore, ObjectStore, S3Store
 from batchweave.testing import S3Endpoint, StoreTests, serialize_moto_puts
 
-MOTO_OVERWRITE_RACE = pytest.mark.skip(
-    reason="moto (5.2) closes an overwritten object's buffer (FakeKey.dispose) while concurrent "
-    "GETs still read it: 'I/O operation on closed file'. A fake-server bug, not an S3 behaviour; "
-    "memory, file and SeaweedFS run this test"
-)
-
 
 class TestMemoryStore(StoreTests):
     @pytest.fixture
@@ -34,10 +28,6 @@ class TestFileStore(StoreTests):
 
 
 class TestMotoInProcessStore(StoreTests):
-    @MOTO_OVERWRITE_RACE
-    def test_readers_never_see_partial_objects(self, store: ObjectStore) -> None:
-        super().test_readers_never_see_partial_objects(store)
-
     @pytest.fixture
     def store(self, s3_bucket: str) -> Iterator[ObjectStore]:
         serialize_moto_puts()  # moto's own create is check-then-set; see batchweave.testing._moto
@@ -50,10 +40,6 @@ class TestMotoInProcessStore(StoreTests):
 @pytest.mark.moto_server
 class TestMotoServerStore(StoreTests):
     range_examples = 50
-
-    @MOTO_OVERWRITE_RACE
-    def test_readers_never_see_partial_objects(self, store: ObjectStore) -> None:
-        super().test_readers_never_see_partial_objects(store)
 
     @pytest.fixture
     def store(

@@ -37,6 +37,7 @@ from batchweave._store._base import ObjectStore, validate_key
 __all__ = [
     "MANIFESTS_DIR",
     "NAMESPACE_DIRS",
+    "PROBE_TRUST_SECONDS",
     "CommitResult",
     "Committed",
     "Conflict",
@@ -50,6 +51,11 @@ _log = logging.getLogger("batchweave.manifest")
 MANIFESTS_DIR = "_manifests"
 NAMESPACE_DIRS = frozenset({MANIFESTS_DIR, "_segments", "_watermarks", "data"})
 """Top-level names BatchWeave creates under a namespace; anything else makes a prefix foreign."""
+
+PROBE_TRUST_SECONDS = 60.0
+"""``latest(known)`` trusts a missing ``known.version + 1`` only for a ``known`` committed this
+recently; older ones are confirmed with a LIST, since the reclaimer may have deleted versions
+superseded more than its grace period (default 600 s, which must stay well above this) ago."""
 
 _VERSION_RE = re.compile(r"([0-9]{20})\.manifest")
 _AMBIGUOUS_RESENDS = 3
@@ -232,8 +238,14 @@ class ManifestLog:
             try:
                 found = self.read(known.version + 1)
             except ObjectNotFound:
-                return known
-            start_after = self.key(manifest_key(found.version))
+                if self._clock() - known.created_at <= PROBE_TRUST_SECONDS:
+                    return known
+                # An old ``known`` may have had its successor reclaimed, so a missing
+                # ``known.version + 1`` proves nothing: one LIST after it decides.
+                found = known
+                start_after = self.key(manifest_key(known.version))
+            else:
+                start_after = self.key(manifest_key(found.version))
         newest: int | None = None
         for version, _ in self._version_keys(start_after):
             newest = version if newest is None else max(newest, version)  # not trusting order

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -143,7 +144,7 @@ def verify(
         for pid, count in sorted(report.producers.items()):
             out.print(f"  {pid}: {count} live steps")
         for problem in report.problems[:100]:
-            out.print(f"[red]problem[/red]: {problem}")
+            out.print(f"[red]problem[/red]: {escape(problem)}")
         if len(report.problems) > 100:
             out.print(f"... and {len(report.problems) - 100} more problems")
         out.print(

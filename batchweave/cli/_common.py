@@ -43,7 +43,7 @@ class CliFailure(Exception):
 
 def out_console() -> Console:
     """The console for results (stdout); plain text when not a terminal."""
-    return Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
+    return Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
 
 
 def err_console() -> Console:

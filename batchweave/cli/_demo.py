@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -351,7 +352,7 @@ def run_demo(config: DemoConfig) -> bool:
         out, work, logs, total_steps, wall, sampler, reclaiming, events, report_ok=not failures
     )
     for failure in failures[:30]:
-        out.print(f"[red]FAILED[/red] {failure}")
+        out.print(f"[red]FAILED[/red] {escape(failure)}")
     ok = not failures
     out.print(
         "[bold green]PASS[/bold green]: exactly-once delivery verified"
@@ -359,7 +360,10 @@ def run_demo(config: DemoConfig) -> bool:
         else f"[bold red]FAIL[/bold red]: {len(failures)} problems"
     )
     location = str(base / "store") if config.store is None else url
-    out.print(f"inspect it: batchweave inspect {location} {namespace}")
+    flags = "".join(
+        f" --{name.replace('_', '-')} {value}" for name, value in config.store_options.items()
+    )
+    out.print(f"inspect it: batchweave inspect {location} {namespace}{flags}", markup=False)
     if not config.keep:
         shutil.rmtree(work, ignore_errors=True)
         if config.store is not None:
@@ -570,6 +574,6 @@ def _summary(
         f"in {reclaiming.passes} passes",
     )
     for event in events:
-        table.add_row("event", event)
+        table.add_row("event", escape(event))
     table.add_row("verification", "[green]passed[/green]" if report_ok else "[red]failed[/red]")
     out.print(table)

@@ -1,0 +1,430 @@
+"""Consumer read benchmark: world sizes x slice sizes x storages x S3 clients, three read modes.
+
+For each (storage, world size W, slice size S) a namespace of ``steps`` TGBs with mesh
+``dp=W`` (one slice of S bytes per rank) is written and sealed. Then, with the ranks as threads
+spread over a few worker processes (one store client per process), each read mode runs and
+every rank reads its data of every step, with the same prefetch depth:
+
+- ``batchweave``: one :class:`batchweave.Consumer` per rank (manifest, cached footer, one range
+  read per slice, checksums verified, parallel part reads for slices >= 8 MiB);
+- ``dense``: the paper's dense-read baseline, each rank GETs the whole TGB object, parses the
+  footer and keeps (and verifies) its own slice;
+- ``raw-range``: the same client issuing exactly the rank's slice range per step, nothing else
+  (no manifest, no footer, no checksum): the ceiling for ``batchweave``.
+
+Reported: per-rank MB/s (mean and slowest rank), aggregate MB/s, request latency p50/p95 (data
+requests: slices, parts, whole objects), the time a rank waited in each step p50/p95, time to
+first batch, and read amplification = bytes fetched (every GET and range GET through a
+``CountingStore``, manifests and footers included) / slice bytes delivered.
+
+    python bench/consumers.py                 # the default subset (about 10 min, 2 cores)
+    python bench/consumers.py --full          # every world size and slice size
+    python bench/consumers.py --smoke         # seconds, for CI
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import Report, parser, percentile
+from _servers import STORAGES, StoreSpec, obstore_available, storages
+from _workers import TimedStore, WorkerPool
+
+from batchweave import (
+    Bounded,
+    Consumer,
+    CountingStore,
+    Mesh,
+    Producer,
+    decode_slice,
+    parse_footer,
+    read_footer,
+)
+from batchweave._manifest._log import ManifestLog
+
+SLICES = {"100KB": 100_000, "1MB": 1_000_000, "10MB": 10_000_000}
+MODES = ("batchweave", "dense", "raw-range")
+PREFETCH = 4
+COLUMNS = [
+    "client",
+    "world",
+    "slice",
+    "mode",
+    "steps",
+    "rank MB/s",
+    "slowest rank MB/s",
+    "agg MB/s",
+    "req p50 ms",
+    "req p95 ms",
+    "wait p50 ms",
+    "wait p95 ms",
+    "ttfb ms",
+    "amp",
+    "vs dense",
+    "vs raw",
+]
+
+
+def _is_data_read(op: str, key: str) -> bool:
+    return op in ("get", "get_range") and "/_manifests/" not in key and "/_segments/" not in key
+
+
+def _ordered(pool: ThreadPoolExecutor, calls: Sequence[Callable[[], Any]], window: int) -> Any:
+    """Yield ``calls`` results in order with up to ``window`` of them running ahead."""
+    pending: deque[Future[Any]] = deque()
+    it = iter(calls)
+    for call in itertools.islice(it, window):
+        pending.append(pool.submit(call))
+    while pending:
+        result = pending.popleft().result()
+        nxt = next(it, None)
+        if nxt is not None:
+            pending.append(pool.submit(nxt))
+        yield result
+
+
+def read_task(params: dict[str, Any], ready: Callable[[], None]) -> dict[str, Any]:
+    """One process: ``len(ranks)`` rank threads read ``steps`` steps in one mode."""
+    spec: StoreSpec = params["spec"]
+    counting = CountingStore(spec.open())
+    store = TimedStore(counting, keep=_is_data_read)
+    world, steps, mode = params["world"], params["steps"], params["mode"]
+    keys: list[str] = params["keys"]
+    ranges: list[tuple[int, int]] = params["ranges"]
+    footer_size: int = params["footer_size"]
+    go = threading.Event()
+    results: dict[int, dict[str, Any]] = {}
+    errors: list[BaseException] = []
+    consumers = (
+        {
+            r: Consumer(
+                store,
+                params["namespace"],
+                mesh=Mesh(dp=world),
+                dp_rank=r,
+                prefetch=PREFETCH,
+                max_workers=PREFETCH,
+                timeout=120,
+            )
+            for r in params["ranks"]
+        }
+        if mode == "batchweave"
+        else {}
+    )
+
+    def source(rank: int, pool: ThreadPoolExecutor) -> Any:
+        if mode == "batchweave":
+            return (data for _, data in itertools.islice(consumers[rank], steps))
+        start, length = ranges[rank]
+        if mode == "raw-range":
+            calls = [(lambda k=k: store.get_range(k, Bounded(start, start + length))) for k in keys]
+            return _ordered(pool, calls, PREFETCH)
+
+        def dense(key: str) -> bytes:
+            whole = store.get(key)
+            footer = parse_footer(whole, key=key)
+            view = memoryview(whole)[start : start + length]
+            return bytes(decode_slice(view, footer, rank, key=key))
+
+        window = params["dense_window"]
+        return _ordered(pool, [(lambda k=k: dense(k)) for k in keys], window)
+
+    def rank_loop(rank: int) -> None:
+        try:
+            with ThreadPoolExecutor(PREFETCH) as pool:
+                go.wait()
+                t0 = time.monotonic()
+                waits: list[float] = []
+                delivered = 0
+                first = None
+                it = source(rank, pool)
+                while True:
+                    before = time.monotonic()
+                    try:
+                        data = next(it)
+                    except StopIteration:
+                        break
+                    now = time.monotonic()
+                    waits.append(now - before)
+                    first = first if first is not None else now - t0
+                    delivered += len(data)
+                end = time.monotonic()
+            if len(waits) != steps:
+                raise RuntimeError(f"rank {rank} read {len(waits)} steps, expected {steps}")
+            results[rank] = {
+                "t0": t0,
+                "end": end,
+                "delivered": delivered,
+                "first": first,
+                "waits": waits,
+            }
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_loop, args=(r,)) for r in params["ranks"]]
+    for t in threads:
+        t.start()
+    ready()
+    go.set()
+    for t in threads:
+        t.join()
+    for c in consumers.values():
+        c.close()
+    if errors:
+        raise errors[0]
+    counts = counting.snapshot()
+    store.close()
+    requests = [e.seconds for e in store.events if e.nbytes != footer_size]
+    return {"ranks": results, "bytes_read": counts.bytes_read, "requests": requests}
+
+
+def write_namespace(
+    spec: StoreSpec, namespace: str, world: int, size: int, steps: int
+) -> tuple[list[str], list[tuple[int, int]], int]:
+    """Publish and seal ``steps`` TGBs of ``world`` slices; return keys, slice ranges, footer
+    read size."""
+    store = spec.open()
+    blob = os.urandom(size * world)
+    slices = [blob[i * size : (i + 1) * size] for i in range(world)]
+    with Producer(
+        store,
+        namespace,
+        producer_id="writer",
+        mesh=Mesh(dp=world),
+        policy="fixed10",
+        upload_threads=8,
+        max_inflight_bytes=max(256 << 20, 2 * size * world),
+    ) as producer:
+        for offset in range(steps):
+            producer.append(slices, offset=offset)
+        producer.seal()
+    log = ManifestLog(store, namespace)
+    manifest = log.latest()
+    descriptors = [d for _, d in log.descriptors(manifest, 0, steps)]
+    keys = [log.key(d.objects[0].key) for d in descriptors]
+    ref = descriptors[0].objects[0]
+    footer = read_footer(
+        store, keys[0], footer_offset=ref.footer_offset, footer_length=ref.footer_length
+    )
+    store.close()
+    ranges = [(s.offset, s.length) for s in footer.slices]
+    return keys, ranges, ref.size - ref.footer_offset
+
+
+def run_mode(
+    pool: WorkerPool,
+    spec: StoreSpec,
+    *,
+    namespace: str,
+    mode: str,
+    world: int,
+    steps: int,
+    keys: list[str],
+    ranges: list[tuple[int, int]],
+    footer_size: int,
+    tgb_bytes: int,
+    procs: int,
+    dense_memory: int,
+) -> dict[str, Any]:
+    procs = min(procs, world)
+    groups = [list(range(world))[i::procs] for i in range(procs)]
+    window = max(1, min(PREFETCH, dense_memory // (len(groups[0]) * tgb_bytes)))
+    params = [
+        {
+            "spec": spec,
+            "namespace": namespace,
+            "mode": mode,
+            "world": world,
+            "steps": steps,
+            "ranks": group,
+            "keys": keys[:steps],
+            "ranges": ranges,
+            "footer_size": footer_size,
+            "dense_window": window,
+        }
+        for group in groups
+    ]
+    out = pool.run(read_task, params)
+    ranks = [r for o in out for r in o["ranks"].values()]
+    per_rank = [r["delivered"] / 1e6 / (r["end"] - r["t0"]) for r in ranks]
+    delivered = sum(r["delivered"] for r in ranks)
+    start = min(r["t0"] for r in ranks)
+    end = max(r["end"] for r in ranks)
+    requests = [s * 1e3 for o in out for s in o["requests"]]
+    waits = [w * 1e3 for r in ranks for w in r["waits"]]
+    return {
+        "steps": steps,
+        "rank MB/s": sum(per_rank) / len(per_rank),
+        "slowest rank MB/s": min(per_rank),
+        "agg MB/s": delivered / 1e6 / (end - start),
+        "req p50 ms": percentile(requests, 50),
+        "req p95 ms": percentile(requests, 95),
+        "wait p50 ms": percentile(waits, 50),
+        "wait p95 ms": percentile(waits, 95),
+        "ttfb ms": sum(r["first"] for r in ranks) / len(ranks) * 1e3,
+        "amp": sum(o["bytes_read"] for o in out) / delivered,
+        "dense window": window if mode == "dense" else None,
+    }
+
+
+def plan(args: Any) -> list[tuple[int, str]]:
+    if args.smoke:
+        return [(4, "100KB")]
+    if args.full or args.worlds or args.slices:
+        worlds = args.worlds or [8, 32, 128]
+        sizes = args.slices or list(SLICES)
+        return list(itertools.product(worlds, sizes))
+    return [(8, "100KB"), (8, "1MB"), (8, "10MB"), (32, "100KB"), (32, "1MB"), (128, "100KB")]
+
+
+def _csv(cast: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    return lambda text: [cast(x) for x in text.split(",") if x]
+
+
+def _check_slice(text: str) -> str:
+    if text not in SLICES:
+        raise ValueError(text)
+    return text
+
+
+def targets(rows: Sequence[dict[str, Any]]) -> list[str]:
+    def fmt(met: bool | None, detail: str) -> str:
+        verdict = "not measured" if met is None else ("MET" if met else "NOT MET")
+        return verdict + (f" ({detail})" if detail else "")
+
+    notes = []
+    for client in sorted({r["client"] for r in rows}):
+        mine = [r for r in rows if r["client"] == client and r["mode"] == "batchweave"]
+        amp = [r["amp"] for r in mine if r["slice"] == "1MB"]
+        worst = max(amp, default=None)
+        notes.append(
+            f"[{client}] read amplification <= 1.02 at 1 MB slices: "
+            + fmt(
+                None if worst is None else worst <= 1.02,
+                "" if worst is None else f"worst {worst:.4f}",
+            )
+        )
+        dense = [r["vs dense"] for r in mine if r["world"] == 32 and math.isfinite(r["vs dense"])]
+        low = min(dense, default=None)
+        notes.append(
+            f"[{client}] >= 5x dense-read per-rank throughput at world size 32: "
+            + fmt(None if low is None else low >= 5, "" if low is None else f"lowest {low:.1f}x")
+        )
+        raw = [r["vs raw"] for r in mine]
+        low = min(raw, default=None)
+        notes.append(
+            f"[{client}] consumer throughput >= 85% of raw ranged GET: "
+            + fmt(None if low is None else low >= 0.85, "" if low is None else f"lowest {low:.0%}")
+        )
+    return notes
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--full", action="store_true", help="every world size and slice size")
+    p.add_argument("--storages", type=_csv(str), default=None, help="file,seaweedfs")
+    p.add_argument("--clients", type=_csv(str), default=None, help="S3 clients: boto3,obstore")
+    p.add_argument("--worlds", type=_csv(int), default=None, help="e.g. 8,32,128")
+    p.add_argument("--slices", type=_csv(_check_slice), default=None, help="100KB,1MB,10MB")
+    p.add_argument("--procs", type=int, default=2, help="worker processes holding the ranks")
+    p.add_argument("--budget-mb", type=int, default=256, help="TGB bytes written per point")
+    p.add_argument("--max-steps", type=int, default=48)
+    p.add_argument("--max-tgb-mb", type=int, default=128, help="skip bigger TGBs (W*S)")
+    p.add_argument("--dense-budget-mb", type=int, default=2048, help="dense bytes per point")
+    p.add_argument("--dense-memory-mb", type=int, default=512, help="dense buffers per process")
+    args = p.parse_args()
+    if args.smoke:
+        args.storages = args.storages or ["file"]
+        args.budget_mb, args.max_steps = 1, 4
+    names = args.storages or list(STORAGES)
+    clients = args.clients or (["boto3", "obstore"] if obstore_available() else ["boto3"])
+    command = "python bench/consumers.py " + " ".join(sys.argv[1:])
+    report = Report("consumers", COLUMNS)
+    skipped: list[str] = []
+    with storages(names, clients=clients) as specs, WorkerPool(args.procs) as pool:
+        for name in names:
+            for world, size_name in plan(args):
+                size = SLICES[size_name]
+                tgb = world * size
+                if tgb > args.max_tgb_mb * 1_000_000:
+                    skipped.append(f"{name} W={world} S={size_name}: TGB of {tgb / 1e6:.0f} MB")
+                    continue
+                steps = max(4, min(args.max_steps, args.budget_mb * 1_000_000 // tgb))
+                namespace = f"cons-{uuid.uuid4().hex[:10]}"
+                keys, ranges, footer_size = write_namespace(
+                    specs[name][0], namespace, world, size, steps
+                )
+                for spec in specs[name]:
+                    rows: dict[str, dict[str, Any]] = {}
+                    for mode in MODES:
+                        mode_steps = steps
+                        if mode == "dense":
+                            mode_steps = min(
+                                steps, args.dense_budget_mb * 1_000_000 // (world * tgb)
+                            )
+                            if mode_steps < 1:
+                                skipped.append(
+                                    f"{spec.label} W={world} S={size_name} dense: one step "
+                                    f"would read {world * tgb / 1e9:.0f} GB"
+                                )
+                                continue
+                        row = run_mode(
+                            pool,
+                            spec,
+                            namespace=namespace,
+                            mode=mode,
+                            world=world,
+                            steps=mode_steps,
+                            keys=keys,
+                            ranges=ranges,
+                            footer_size=footer_size,
+                            tgb_bytes=tgb,
+                            procs=args.procs,
+                            dense_memory=args.dense_memory_mb * 1_000_000,
+                        )
+                        rows[mode] = {
+                            "client": spec.label,
+                            "world": world,
+                            "slice": size_name,
+                            "mode": mode,
+                            **row,
+                        }
+                        print(
+                            f"[{time.strftime('%H:%M:%S')}] {spec.label} W={world} S={size_name} "
+                            f"{mode}: {row['rank MB/s']:.2f} MB/s per rank, amp {row['amp']:.3f}",
+                            flush=True,
+                        )
+                    dense = rows.get("dense", {}).get("rank MB/s", math.nan)
+                    for row in rows.values():
+                        row["vs dense"] = row["rank MB/s"] / dense
+                        row["vs raw"] = row["agg MB/s"] / rows["raw-range"]["agg MB/s"]
+                    for mode in MODES:
+                        if mode in rows:
+                            report.add(**rows[mode])
+                specs[name][0].clean(namespace)
+    report.notes = [
+        f"command: {command}",
+        f"machine: {os.cpu_count()} cores shared with other engineers' test runs; ranks are "
+        f"threads in {args.procs} processes (one store client per process); prefetch {PREFETCH} "
+        "steps for every mode (dense: fewer when its buffers would exceed --dense-memory-mb)",
+        *(f"skipped: {s}" for s in skipped),
+        *targets(report.rows),
+    ]
+    report.emit(args.out)
+
+
+if __name__ == "__main__":
+    main()
