@@ -73,7 +73,12 @@ from batchweave._store._memory import MemoryStore
 from batchweave._store._obstore import ObstoreS3Store
 from batchweave._store._open import open_store
 from batchweave._store._s3 import S3Store
-from batchweave._store._wrappers import CountingStore, FaultInjectingStore, StoreCounts
+from batchweave._store._wrappers import (
+    CountingStore,
+    FaultInjectingStore,
+    StoreCounts,
+    StoreWrapper,
+)
 from batchweave._watermarks import Watermark, Watermarks
 
 __version__ = "0.1.0"
@@ -128,6 +133,7 @@ __all__ = [
     "StoreCounts",
     "StoreError",
     "StoreUnavailable",
+    "StoreWrapper",
     "Suffix",
     "TgbBuilder",
     "TgbFooter",

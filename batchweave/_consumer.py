@@ -37,6 +37,7 @@ from batchweave._format._tgb import TRAILER_SIZE, TgbFooter, decode_slice, parse
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, TgbDescriptor, TgbObjectRef
 from batchweave._mesh import Mesh
+from batchweave._outage import OutageLog
 from batchweave._prefetch import SingleFlightCache, gather
 from batchweave._projection import (
     DEFAULT_RANK_ORDER,
@@ -167,8 +168,11 @@ class Consumer:
     one and adding one per ``ramp_every`` delivered steps. Reads of at least ``split_threshold``
     bytes are split into ``part_size`` range reads filling one preallocated buffer. Transient
     store errors are retried with exponential backoff (``retry_backoff`` doubling up to
-    ``max_retry_backoff``), at most ``retry_budget`` times per step. ``clock`` and ``sleep`` are
-    injectable so tests need no real waiting.
+    ``max_retry_backoff``), at most ``retry_budget`` times per step. An unreachable store
+    (:class:`StoreUnavailable`: an outage) spends no budget: the consumer keeps its position and
+    waits for the store to return (bounded only by ``timeout`` at the head of the stream), logging
+    when the outage starts and ends. ``clock`` and ``sleep`` are injectable so tests need no real
+    waiting.
 
     Implements torch's ``Stateful`` protocol (:meth:`state_dict`, :meth:`load_state_dict`).
     """
@@ -248,6 +252,9 @@ class Consumer:
         self._footers: SingleFlightCache[str, TgbFooter] = SingleFlightCache(footer_cache)
         self._counters = _Counters()
         self._created_at = clock()
+        self._outage = OutageLog(
+            _log, f"consumer dp_rank={self.dp_rank} cp_rank={self.cp_rank}", clock=clock
+        )
 
         self._manifest: Manifest | None = None
         self._projection: Projection | None = None
@@ -513,6 +520,12 @@ class Consumer:
             try:
                 self._refresh()
                 failures = 0
+                self._outage.recovered()
+            except StoreUnavailable as exc:
+                # An outage is waited out (bounded only by ``timeout``), polling ever slower.
+                self._counters.add(retries=1)
+                self._outage.failed(f"waiting for step {step}", exc)
+                self._poll_delay = min(2 * self._poll_delay, self.max_poll_interval)
             except _RETRYABLE as exc:
                 failures += 1
                 self._counters.add(retries=1)
@@ -569,10 +582,14 @@ class Consumer:
         while True:
             try:
                 manifest = self._log.latest()
+                self._outage.recovered()
                 break
             except NamespaceNotFound:
                 if not wait:
                     raise
+            except StoreUnavailable as exc:
+                self._counters.add(retries=1)
+                self._outage.failed(f"opening {self._where}", exc)
             except _RETRYABLE as exc:
                 failures += 1
                 self._counters.add(retries=1)
@@ -798,7 +815,17 @@ class Consumer:
         attempt = 0
         while True:
             try:
-                return fn()
+                result = fn()
+                self._outage.recovered()
+                return result
+            except StoreUnavailable as exc:
+                # An outage does not spend the step's budget: the read is retried until the
+                # store is back (``docs/guarantees.md``, "Outages").
+                self._counters.add(retries=1)
+                self._outage.failed(f"reading {what}", exc)
+                delay = min(self.max_retry_backoff, self.retry_backoff * (2**attempt))
+                attempt += 1
+                self._sleep(delay)
             except _RETRYABLE as exc:
                 used = budget.spend()
                 if used is None:

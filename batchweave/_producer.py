@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
@@ -44,8 +44,10 @@ from batchweave._format._tgb import EncodedTgb, TgbBuilder, encode_tgb
 from batchweave._manifest._log import Committed, Conflict, ManifestLog, active_producers
 from batchweave._manifest._models import Manifest, ProducerState, TgbDescriptor, TgbObjectRef
 from batchweave._mesh import Mesh
+from batchweave._outage import OutageLog
 from batchweave._policy import AttemptOutcome, CommitPolicy, make_policy
-from batchweave._store._base import ByteRange, ObjectMeta, ObjectStore, PutMode, validate_key
+from batchweave._store._base import ObjectStore, PutMode, validate_key
+from batchweave._store._wrappers import StoreWrapper
 from batchweave._watermarks import Watermarks
 
 __all__ = ["Producer", "ProducerStats"]
@@ -109,7 +111,7 @@ class _Entry:
     """Set once the object is uploaded: only then may a commit reference it."""
 
 
-class _AmbiguityCounter(ObjectStore):
+class _AmbiguityCounter(StoreWrapper):
     """Passes every call to ``inner``; counts writes whose outcome came back unknown.
 
     The manifest log resolves ambiguous conditional writes itself; this is how the producer
@@ -117,8 +119,7 @@ class _AmbiguityCounter(ObjectStore):
     """
 
     def __init__(self, inner: ObjectStore, on_ambiguous: Callable[[], None]) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self._on_ambiguous = on_ambiguous
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
@@ -128,20 +129,8 @@ class _AmbiguityCounter(ObjectStore):
             self._on_ambiguous()
             raise
 
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
-
-    def get_range(self, key: str, rng: ByteRange) -> bytes:
-        return self.inner.get_range(key, rng)
-
-    def head(self, key: str) -> ObjectMeta:
-        return self.inner.head(key)
-
-    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
-        return self.inner.list(prefix, start_after=start_after)
-
-    def delete_many(self, keys: Iterable[str]) -> None:
-        self.inner.delete_many(keys)
+    def close(self) -> None:
+        """Do nothing: the store belongs to the caller, who closes it."""
 
 
 def _default_backoff(attempt: int) -> float:
@@ -181,7 +170,10 @@ class Producer:
       (see ``docs/lifecycle.md``).
     - ``max_retries``: transient store failures tolerated per upload and while starting, with
       ``backoff(attempt)`` seconds between tries; commits retry transient failures
-      indefinitely (nothing pending is ever dropped), logging each one.
+      indefinitely (nothing pending is ever dropped), logging each one. An unreachable store
+      (:class:`~batchweave.StoreUnavailable`, an outage) is waited out however long it lasts:
+      pending TGBs are kept, ``append`` blocks once ``max_inflight_bytes`` wait for upload, and
+      one log line says when the outage started and one when the store is back.
     - ``active_horizon``: producers whose last commit is older than this many seconds do not
       count as active for the DAC policy.
     """
@@ -243,6 +235,7 @@ class Producer:
         """Consecutive conflicts whose winner could not be read (409s, transient failures)."""
 
         self._cond = threading.Condition()
+        self._outage = OutageLog(_LOG, f"producer {producer_id!r}", clock=clock)
         self._log = ManifestLog(
             _AmbiguityCounter(store, self._count_ambiguous), namespace, clock=wall_clock
         )
@@ -515,7 +508,7 @@ class Producer:
         """Join the namespace and commit ``epoch = old + 1`` for this id, retried until it lands."""
         manifest: Manifest | None = None
         conflicts = 0
-        failures = 0
+        failures = attempts = 0
         while True:
             try:
                 if manifest is None:
@@ -534,10 +527,11 @@ class Producer:
                 if isinstance(result, Conflict) and result.winner is None:
                     result = Conflict(self._log.latest(manifest))
             except _RETRYABLE as exc:
-                failures += 1
+                attempts += 1
+                failures += not isinstance(exc, StoreUnavailable)  # an outage is waited out
                 if failures > self._max_retries:
                     raise
-                self._note_transient("starting (epoch commit)", exc, failures)
+                self._note_transient("starting (epoch commit)", exc, attempts)
                 manifest = None
                 continue
             if isinstance(result, Committed):
@@ -659,20 +653,24 @@ class Producer:
 
     def _upload(self, entry: _Entry, encoded: EncodedTgb) -> None:
         key = self._store_key(entry.key)
-        attempt = 0
+        attempt = failures = 0
         try:
             while True:
                 if self._aborted:
                     return
                 try:
                     self._store.put(key, encoded.data)
+                    self._outage.recovered()
                     break
                 except _RETRYABLE as exc:
                     attempt += 1
-                    if attempt > self._max_retries:
+                    # An unreachable store is an outage: waited out however long it lasts, keeping
+                    # the TGB (append blocks on max_inflight_bytes meanwhile: memory stays bounded).
+                    failures += not isinstance(exc, StoreUnavailable)
+                    if failures > self._max_retries:
                         raise ProducerError(
                             f"producer {self._producer_id!r}: upload of {key!r} (offset "
-                            f"{entry.offset}) failed {attempt} times; last error: {exc}"
+                            f"{entry.offset}) failed {failures} times; last error: {exc}"
                         ) from exc
                     self._note_transient(f"uploading {key!r}", exc, attempt)
             descriptor = self._descriptor(entry, encoded)
@@ -701,6 +699,10 @@ class Producer:
         delay = self._backoff(attempt)
         with self._cond:
             self._stats["transient_errors"] += 1
+        if isinstance(exc, StoreUnavailable):
+            self._outage.failed(what, exc)  # one line per outage, not one per retry
+            self._sleep(delay)
+            return
         _LOG.warning(
             "producer %r: %s failed (attempt %d, %s: %s); retrying in %.2f s, nothing pending "
             "is dropped",
@@ -736,6 +738,7 @@ class Producer:
                 try:
                     self._attempt(seal)
                     transient_attempt = 0
+                    self._outage.recovered()
                 except _RETRYABLE as exc:
                     transient_attempt += 1
                     self._base_read_at = -math.inf  # re-read the base before retrying

@@ -464,7 +464,7 @@ def main() -> None:
     p.add_argument("--payloads", type=_csv(_check_payload), default=None, help="100KB,1MB,10MB")
     p.add_argument("--policies", type=_csv(_check_policy), default=None, help="dac,naive,...")
     p.add_argument("--segmented", type=_csv(_yes_no), default=None, help="yes,no")
-    p.add_argument("--budget-mb", type=int, default=200, help="payload MB per run")
+    p.add_argument("--budget-mb", type=int, default=600, help="payload MB per run")
     p.add_argument("--max-tgbs", type=int, default=2000, help="TGBs per run at most")
     p.add_argument("--long-run", action="store_true", help="also run the 20,000-TGB run")
     p.add_argument("--only-long-run", action="store_true", help="skip the matrix")

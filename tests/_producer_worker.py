@@ -22,11 +22,9 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Iterable, Iterator
 
-from batchweave import Mesh, ObjectStore, Producer, PutMode
+from batchweave import Mesh, ObjectStore, Producer, PutMode, StoreWrapper
 from batchweave._manifest._codec import decode_manifest
-from batchweave._store._base import ByteRange, ObjectMeta
 from batchweave._store._open import open_store
 
 MESH = Mesh(dp=2, cp=1)
@@ -42,12 +40,11 @@ def report(line: str) -> None:
     sys.stdout.flush()
 
 
-class HoldingStore(ObjectStore):
+class HoldingStore(StoreWrapper):
     """Blocks forever in the first manifest PUT that commits ``producer_id`` past ``offset``."""
 
     def __init__(self, inner: ObjectStore, producer_id: str, where: str, offset: int) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self._pid = producer_id
         self._where = where
         self._offset = offset
@@ -73,21 +70,6 @@ class HoldingStore(ObjectStore):
             self._held = True
             report(f"hold after {offset}")
             threading.Event().wait()  # the PUT landed; the producer never learns it
-
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
-
-    def get_range(self, key: str, rng: ByteRange) -> bytes:
-        return self.inner.get_range(key, rng)
-
-    def head(self, key: str) -> ObjectMeta:
-        return self.inner.head(key)
-
-    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
-        return self.inner.list(prefix, start_after=start_after)
-
-    def delete_many(self, keys: Iterable[str]) -> None:
-        self.inner.delete_many(keys)
 
 
 def main() -> int:

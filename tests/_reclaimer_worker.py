@@ -17,10 +17,9 @@ import sys
 import uuid
 from collections.abc import Iterable
 
-from batchweave import FileStore, Mesh, ObjectStore, Reclaimer, encode_tgb
+from batchweave import FileStore, Mesh, ObjectStore, Reclaimer, StoreWrapper, encode_tgb
 from batchweave._format._checksum import checksum
 from batchweave._manifest import Committed, Manifest, ManifestLog, TgbDescriptor, TgbObjectRef
-from batchweave._store._base import ByteRange, ObjectMeta, PutMode
 
 __all__ = ["FakeClock", "KillingStore", "Writer", "expected_slice", "main"]
 
@@ -100,29 +99,13 @@ class Writer:
         return self.log.key(desc.objects[0].key)
 
 
-class KillingStore(ObjectStore):
+class KillingStore(StoreWrapper):
     """Deletes keys one at a time and SIGKILLs this process right after the ``kill_after``-th."""
 
     def __init__(self, inner: ObjectStore, kill_after: int | None) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.kill_after = kill_after
         self.deleted = 0
-
-    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
-        self.inner.put(key, data, mode=mode)
-
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
-
-    def get_range(self, key: str, rng: ByteRange) -> bytes:
-        return self.inner.get_range(key, rng)
-
-    def head(self, key: str) -> ObjectMeta:
-        return self.inner.head(key)
-
-    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterable[ObjectMeta]:
-        return self.inner.list(prefix, start_after=start_after)
 
     def delete_many(self, keys: Iterable[str]) -> None:
         for key in keys:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
-from batchweave import ObjectStore, PutMode
+from batchweave import ObjectStore, PutMode, StoreWrapper
 from batchweave._manifest import TgbDescriptor, TgbObjectRef
-from batchweave._store._base import ByteRange, ObjectMeta
+from batchweave._store._base import ObjectMeta
 
 __all__ = ["CountingStore", "FaultyPutStore", "descriptor", "landed_then"]
 
@@ -34,31 +34,7 @@ def descriptor(producer: str, offset: int, *, epoch: int = 0, size: int = 1000) 
     )
 
 
-class _Delegating(ObjectStore):
-    def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
-        self.url = inner.url
-
-    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
-        self.inner.put(key, data, mode=mode)
-
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
-
-    def get_range(self, key: str, rng: ByteRange) -> bytes:
-        return self.inner.get_range(key, rng)
-
-    def head(self, key: str) -> ObjectMeta:
-        return self.inner.head(key)
-
-    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
-        return self.inner.list(prefix, start_after=start_after)
-
-    def delete_many(self, keys: Iterable[str]) -> None:
-        self.inner.delete_many(keys)
-
-
-class CountingStore(_Delegating):
+class CountingStore(StoreWrapper):
     """Counts requests by kind (``get``, ``put``, ``head``, ``list``...) and the keys read."""
 
     def __init__(self, inner: ObjectStore) -> None:
@@ -95,7 +71,7 @@ class CountingStore(_Delegating):
         return super().list(prefix, start_after=start_after)
 
 
-class FaultyPutStore(_Delegating):
+class FaultyPutStore(StoreWrapper):
     """Conditional PUTs whose outcome is reported wrongly, as a flaky network or SDK would.
 
     ``fault(key) -> (land, error)`` decides per conditional PUT whether the write really happens

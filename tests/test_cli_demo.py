@@ -13,20 +13,21 @@ import pytest
 from batchweave.cli._demo import _RankLog, _verify_deliveries
 from batchweave.cli._demo_work import (
     WorkerConfig,
-    _source,
+    demo_source,
     expected_digests,
     make_corpus,
     pack_tgb,
 )
 from batchweave.testing import S3Endpoint
 
+# max_lag 4 holds producers back until consumers pass the middle, so one is alive to be killed
 SMALL = [
     "--steps",
     "24",
     "--producers",
     "2",
     "--step-time",
-    "0.03",
+    "0.05",
     "--documents",
     "400",
     "--seq-len",
@@ -36,7 +37,7 @@ SMALL = [
     "--checkpoint-every",
     "3",
     "--max-lag",
-    "6",
+    "4",
 ]
 
 
@@ -107,7 +108,7 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> WorkerConfig:
 
 
 def test_packing_is_deterministic_and_fills_sequences(config: WorkerConfig) -> None:
-    source = _source(config, 1)
+    source = demo_source(config, 1)
     slices, ids = pack_tgb(source.take(2), config, 1, 2)
     again, ids_again = pack_tgb(source.take(2), config, 1, 2)
     assert ids == ids_again
@@ -123,7 +124,7 @@ def test_packing_is_deterministic_and_fills_sequences(config: WorkerConfig) -> N
 
 
 def _write_logs(config: WorkerConfig, tmp: Path, tamper: str | None) -> list[_RankLog]:
-    sources = {p: _source(config, p) for p in range(config.producers)}
+    sources = {p: demo_source(config, p) for p in range(config.producers)}
     order = [(p, o) for o in range(config.per_producer) for p in range(config.producers)]
     logs = []
     for rank in range(config.dp * config.cp):

@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from test_consumer import parse, produce
 
-from batchweave import ByteRange, Consumer, MemoryStore, Mesh, ObjectMeta, ObjectStore, PutMode
+from batchweave import ByteRange, Consumer, MemoryStore, Mesh, ObjectStore, StoreWrapper
 from batchweave._prefetch import SingleFlightCache, gather
 
 
-class ConcurrencyProbe(ObjectStore):
+class ConcurrencyProbe(StoreWrapper):
     """Passes through to ``inner`` and records the most range reads ever in flight at once."""
 
     def __init__(self, inner: ObjectStore, latency: float) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.latency = latency
         self._lock = threading.Lock()
         self.in_flight = 0
@@ -35,21 +33,6 @@ class ConcurrencyProbe(ObjectStore):
         finally:
             with self._lock:
                 self.in_flight -= 1
-
-    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
-        self.inner.put(key, data, mode=mode)
-
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
-
-    def head(self, key: str) -> ObjectMeta:
-        return self.inner.head(key)
-
-    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
-        return self.inner.list(prefix, start_after=start_after)
-
-    def delete_many(self, keys: object) -> None:
-        raise NotImplementedError
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,15 @@ SMALL_ARGS: dict[str, list[list[str]]] = {
 }
 """Arguments per example (one run per entry); a new example must be added here."""
 
+_MARKS = {"moto": pytest.mark.moto_server, "seaweedfs": pytest.mark.seaweedfs}
+
 CASES = [
-    pytest.param(name, args, id=f"{name}-{i}")
+    pytest.param(
+        name,
+        args,
+        id=f"{name}-{i}",
+        marks=[_MARKS[a] for a in args if a in _MARKS],
+    )
     for name, runs in sorted(SMALL_ARGS.items())
     for i, args in enumerate(runs)
 ]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -23,9 +22,6 @@ from batchweave import (
     FormatError,
     MemoryStore,
     Mesh,
-    ObjectMeta,
-    ObjectStore,
-    PutMode,
     Suffix,
     TgbBuilder,
     UnsupportedFormatVersion,
@@ -51,41 +47,20 @@ from batchweave._store._base import ByteRange
 KEY = "data/p0/1/7-abc.tgb"
 
 
-class CountingStore(ObjectStore):
-    """Counts get/get_range calls and the ranges asked for; delegates to a MemoryStore."""
+class RangeRecordingStore(bw.CountingStore):
+    """The library's request counter over a MemoryStore that also records each range asked for."""
 
     def __init__(self) -> None:
-        self.inner = MemoryStore()
-        self.url = self.inner.url
+        super().__init__(MemoryStore())
         self.ranges: list[ByteRange] = []
-        self.gets = 0
-        self.bytes_read = 0
-
-    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
-        self.inner.put(key, data, mode=mode)
-
-    def get(self, key: str) -> bytes:
-        self.gets += 1
-        return self.inner.get(key)
 
     def get_range(self, key: str, rng: ByteRange) -> bytes:
         self.ranges.append(rng)
-        out = self.inner.get_range(key, rng)
-        self.bytes_read += len(out)
-        return out
-
-    def head(self, key: str) -> ObjectMeta:
-        return self.inner.head(key)
-
-    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
-        return self.inner.list(prefix, start_after=start_after)
-
-    def delete_many(self, keys: Iterable[str]) -> None:
-        self.inner.delete_many(keys)
+        return super().get_range(key, rng)
 
     def reset(self) -> None:
+        super().reset()
         self.ranges.clear()
-        self.gets = self.bytes_read = 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,7 +227,7 @@ def test_read_costs_one_request_per_slice_and_per_located_footer() -> None:
     mesh = Mesh(dp=4, cp=2)
     payloads = [bytes([i]) * (1000 + i) for i in range(mesh.slices)]
     enc = encode_tgb(payloads, mesh, codec="raw")
-    store = CountingStore()
+    store = RangeRecordingStore()
     store.put(KEY, enc.data)
 
     footer = read_footer(
@@ -261,13 +236,13 @@ def test_read_costs_one_request_per_slice_and_per_located_footer() -> None:
     assert store.ranges == [
         Bounded(enc.footer_offset, enc.footer_offset + enc.footer_length + TRAILER_SIZE)
     ]
-    assert store.gets == 0
+    assert store.snapshot().gets == 0
     store.reset()
 
     assert read_slice(store, KEY, footer, (2, 1)) == payloads[5]
     assert store.ranges == [slice_range(footer, 5)]
-    assert store.bytes_read == len(payloads[5]), "read amplification is exactly 1"
-    assert store.gets == 0
+    assert store.snapshot().bytes_read == len(payloads[5]), "read amplification is exactly 1"
+    assert store.snapshot().gets == 0
     store.reset()
 
     assert read_footer(store, KEY) == footer
@@ -278,7 +253,7 @@ def test_large_footer_costs_exactly_two_blind_reads() -> None:
     mesh = Mesh(dp=2)
     big = {"notes": "x" * (FOOTER_READ_GUESS * 2)}
     enc = encode_tgb([b"a", b"b"], mesh, metadata=big)
-    store = CountingStore()
+    store = RangeRecordingStore()
     store.put(KEY, enc.data)
     footer = read_footer(store, KEY)
     assert footer.metadata == big
@@ -290,7 +265,7 @@ def test_large_footer_costs_exactly_two_blind_reads() -> None:
 
 def test_empty_slice_needs_no_request() -> None:
     enc = encode_tgb([b"", b"x"], Mesh(dp=2))
-    store = CountingStore()
+    store = RangeRecordingStore()
     store.put(KEY, enc.data)
     assert read_slice(store, KEY, enc.footer, 0) == b""
     assert store.ranges == []
@@ -575,7 +550,7 @@ def test_unparsable_footers_are_rejected(raw: bytes, match: str) -> None:
 def test_absurd_footer_length_is_rejected_before_reading_it() -> None:
     trailer = bytearray(_pack_trailer(b"{}", 1, "crc32c"))
     trailer[0:8] = (1 << 62).to_bytes(8, "little")
-    store = CountingStore()
+    store = RangeRecordingStore()
     store.put(KEY, b"{}" + bytes(trailer))
     with pytest.raises(FormatError, match=f"over the {MAX_FOOTER_LENGTH}-byte limit"):
         read_footer(store, KEY)

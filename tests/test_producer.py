@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -20,12 +19,12 @@ from batchweave import (
     ProducerError,
     ProducerFenced,
     PutMode,
+    StoreWrapper,
     TransientStoreError,
 )
 from batchweave._format._tgb import TgbBuilder, encode_tgb, read_footer, read_slice
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest
-from batchweave._store._base import ByteRange, ObjectMeta
 from batchweave._store._memory import MemoryStore
 from batchweave._store._wrappers import FaultInjectingStore
 from batchweave._watermarks import Watermarks
@@ -572,14 +571,13 @@ def test_default_boundary_comes_from_the_namespace_watermarks(store: MemoryStore
 # helpers
 
 
-class GatedStore(ObjectStore):
+class GatedStore(StoreWrapper):
     """Delegates to ``inner``; data PUTs (optionally only some offsets) wait for ``gate``."""
 
     def __init__(
         self, inner: ObjectStore, gate: threading.Event, gate_offsets: set[int] | None = None
     ) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.gate = gate
         self.gate_offsets = gate_offsets
         self.data_puts_started = 0
@@ -593,21 +591,6 @@ class GatedStore(ObjectStore):
             if self.gate_offsets is None or offset in self.gate_offsets:
                 assert self.gate.wait(30), "test gate never opened"
         self.inner.put(key, data, mode=mode)
-
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
-
-    def get_range(self, key: str, rng: ByteRange) -> bytes:
-        return self.inner.get_range(key, rng)
-
-    def head(self, key: str) -> ObjectMeta:
-        return self.inner.head(key)
-
-    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
-        return self.inner.list(prefix, start_after=start_after)
-
-    def delete_many(self, keys: object) -> None:
-        self.inner.delete_many(keys)  # type: ignore[arg-type]
 
 
 class TickingStore(GatedStore):

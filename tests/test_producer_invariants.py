@@ -15,7 +15,6 @@ every step the committed history is checked against the commit protocol's invari
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -27,12 +26,11 @@ from hypothesis.stateful import (
     rule,
 )
 
-from batchweave import Mesh, ObjectStore, Producer, ProducerError, ProducerFenced, PutMode
+from batchweave import Mesh, Producer, ProducerError, ProducerFenced, PutMode, StoreWrapper
 from batchweave._errors import AmbiguousWriteError, TransientStoreError
 from batchweave._manifest._codec import decode_manifest
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest
-from batchweave._store._base import ByteRange, ObjectMeta
 from batchweave._store._memory import MemoryStore
 from batchweave._store._wrappers import FaultInjectingStore
 
@@ -64,12 +62,11 @@ class FakeTime:
             self._now += max(0.0, seconds)
 
 
-class AuditingStore(ObjectStore):
+class AuditingStore(StoreWrapper):
     """Memory store that checks, at each manifest create, that every referenced TGB exists."""
 
     def __init__(self) -> None:
-        self.inner = MemoryStore()
-        self.url = self.inner.url
+        super().__init__(MemoryStore())
         self.violations: list[str] = []
         self._log = ManifestLog(self.inner, NS)
 
@@ -86,21 +83,6 @@ class AuditingStore(ObjectStore):
                     if size != ref.size:
                         self.violations.append(f"{key}: {ref.key} is {size} B, not {ref.size}")
         self.inner.put(key, data, mode=mode)
-
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
-
-    def get_range(self, key: str, rng: ByteRange) -> bytes:
-        return self.inner.get_range(key, rng)
-
-    def head(self, key: str) -> ObjectMeta:
-        return self.inner.head(key)
-
-    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
-        return self.inner.list(prefix, start_after=start_after)
-
-    def delete_many(self, keys: Iterable[str]) -> None:
-        self.inner.delete_many(keys)
 
 
 class Incarnation:

@@ -2,56 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
+from test_store_conformance import MotoServerSuite, SeaweedFSSuite
 
 from batchweave import (
     AmbiguousWriteError,
     Consumer,
     InvalidStoreURL,
     Mesh,
-    ObjectStore,
     Producer,
     S3Store,
     StoreUnavailable,
 )
 from batchweave._store._obstore import ObstoreS3Store
-from batchweave.testing import S3Endpoint, StoreTests, free_port
+from batchweave.testing import S3Endpoint, free_port
 
 
 @pytest.mark.moto_server
-class TestObstoreMotoServer(StoreTests):
-    range_examples = 50
-
-    @pytest.fixture
-    def store(
-        self, moto_endpoint: S3Endpoint, s3_bucket: str, s3_prefix: str
-    ) -> Iterator[ObjectStore]:
-        with ObstoreS3Store(s3_bucket, s3_prefix, **moto_endpoint.store_options()) as store:
-            yield store
+class TestObstoreMotoServer(MotoServerSuite):
+    backend = ObstoreS3Store
 
 
 @pytest.mark.seaweedfs
-class TestObstoreSeaweedFS(StoreTests):
+class TestObstoreSeaweedFS(SeaweedFSSuite):
+    backend = ObstoreS3Store
     race_rounds = 5  # contended conditional PUTs stall ~1 s each on SeaweedFS; boto3 runs 10
-    race_threads = 16
-    range_examples = 50
-
-    @pytest.mark.xfail(
-        strict=True,
-        reason="SeaweedFS 4.48 lists the keys under a directory 'a/' before siblings such as "
-        "'a-b' that sort lower bytewise (a server trait, the same with boto3)",
-    )
-    def test_list_order_is_bytewise_across_directories(self, store: ObjectStore) -> None:
-        super().test_list_order_is_bytewise_across_directories(store)
-
-    @pytest.fixture
-    def store(
-        self, seaweedfs_endpoint: S3Endpoint, s3_bucket: str, s3_prefix: str
-    ) -> Iterator[ObjectStore]:
-        with ObstoreS3Store(s3_bucket, s3_prefix, **seaweedfs_endpoint.store_options()) as store:
-            yield store
 
 
 def test_unreachable_endpoint_and_missing_bucket_are_clear_errors(

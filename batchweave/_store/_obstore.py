@@ -32,12 +32,11 @@ from batchweave._store._base import (
     Bounded,
     ByteRange,
     ObjectMeta,
-    ObjectStore,
     Offset,
     PutMode,
     resolve_range,
-    validate_key,
 )
+from batchweave._store._s3_location import S3Location
 
 __all__ = ["ObstoreS3Store"]
 
@@ -63,7 +62,7 @@ def _import_obstore() -> Any:
     return obstore
 
 
-class ObstoreS3Store(ObjectStore):
+class ObstoreS3Store(S3Location):
     """Objects under ``s3://bucket/prefix`` through obstore. Thread-safe.
 
     Options mirror :class:`~batchweave.S3Store`: ``endpoint_url`` (MinIO, SeaweedFS, RGW, ...),
@@ -87,8 +86,12 @@ class ObstoreS3Store(ObjectStore):
         max_attempts: int = 5,
         addressing_style: str | None = None,
     ) -> None:
-        if not bucket:
-            raise InvalidStoreURL("an S3 store needs a bucket: use s3://bucket/prefix")
+        super().__init__(
+            bucket,
+            prefix,
+            endpoint_url=endpoint_url,
+            secrets=(access_key_id, secret_access_key, session_token),
+        )
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         if addressing_style not in (None, "path", "virtual"):
@@ -96,14 +99,6 @@ class ObstoreS3Store(ObjectStore):
                 f"addressing_style must be 'path' or 'virtual', got {addressing_style!r}"
             )
         obs = _import_obstore()
-        prefix = prefix.strip("/")
-        if prefix:
-            validate_key(prefix)
-        self.bucket = bucket
-        self.prefix = f"{prefix}/" if prefix else ""
-        self.endpoint_url = endpoint_url
-        self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
-        self._secrets = tuple(s for s in (access_key_id, secret_access_key, session_token) if s)
         self._obs = obs
         self._errors = obs.exceptions
         config: dict[str, Any] = {"region": region or "us-east-1", "conditional_put": "etag"}
@@ -139,30 +134,18 @@ class ObstoreS3Store(ObjectStore):
                 f"cannot configure obstore for {self.url}: {self._scrub(str(exc))}"
             ) from exc
 
-    def __repr__(self) -> str:
-        endpoint = f", endpoint_url={self.endpoint_url!r}" if self.endpoint_url else ""
-        return f"ObstoreS3Store({self.url!r}{endpoint})"
-
     # -- error translation -------------------------------------------------------------------
-
-    def _scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
 
     def _translate(self, exc: Exception, *, op: str, key: str | None) -> StoreError:
         """Map an obstore exception to the store error tree. The single place that does so."""
-        what = f"{op} {key!r} in {self.url}" if key is not None else f"{op} in {self.url}"
+        what = self._describe(op, key)
         message = self._scrub(str(exc)).strip()
         # obstore appends a multi-line debug dump; the first line is the useful part
         detail = f"{what}: {message.splitlines()[0] if message else type(exc).__name__}"
         errors = self._errors
         write = op in ("put", "put_if_absent", "delete")
         if "NoSuchBucket" in message:
-            return InvalidStoreURL(
-                f"{detail}: bucket {self.bucket!r} does not exist at "
-                f"{self.endpoint_url or 'AWS S3'}; create it or fix the store URL"
-            )
+            return self._missing_bucket(detail)
         exists = (errors.AlreadyExistsError, errors.PreconditionError, FileExistsError)
         if op == "put_if_absent" and isinstance(exc, exists):
             return ObjectExists(detail)
@@ -182,9 +165,6 @@ class ObstoreS3Store(ObjectStore):
         return StoreError(detail)
 
     # -- operations --------------------------------------------------------------------------
-
-    def _key(self, key: str) -> str:
-        return self.prefix + validate_key(key)
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
         full = self._key(key)

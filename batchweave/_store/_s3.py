@@ -37,13 +37,12 @@ from batchweave._store._base import (
     Bounded,
     ByteRange,
     ObjectMeta,
-    ObjectStore,
     Offset,
     PutMode,
     Suffix,
     resolve_range,
-    validate_key,
 )
+from batchweave._store._s3_location import S3Location
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -80,7 +79,7 @@ _THROTTLED = frozenset(
 _WRITE_OPS = frozenset({"put", "put_if_absent"})
 
 
-class S3Store(ObjectStore):
+class S3Store(S3Location):
     """Objects under ``s3://bucket/prefix`` on AWS S3 or an S3-compatible server.
 
     Credentials come from the arguments if given, else from boto3's normal chain (environment,
@@ -112,16 +111,12 @@ class S3Store(ObjectStore):
         addressing_style: str | None = None,
         client: S3Client | None = None,
     ) -> None:
-        if not bucket:
-            raise InvalidStoreURL("an S3 store needs a bucket: use s3://bucket/prefix")
-        prefix = prefix.strip("/")
-        if prefix:
-            validate_key(prefix)
-        self.bucket = bucket
-        self.prefix = f"{prefix}/" if prefix else ""
-        self.endpoint_url = endpoint_url
-        self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
-        self._secrets = tuple(s for s in (access_key_id, secret_access_key, session_token) if s)
+        super().__init__(
+            bucket,
+            prefix,
+            endpoint_url=endpoint_url,
+            secrets=(access_key_id, secret_access_key, session_token),
+        )
         self._local = threading.local()
         if client is None:
             client = self._make_client(
@@ -190,10 +185,6 @@ class S3Store(ObjectStore):
         """The underlying boto3 client (for tests and advanced use)."""
         return self._client
 
-    def __repr__(self) -> str:
-        endpoint = f", endpoint_url={self.endpoint_url!r}" if self.endpoint_url else ""
-        return f"S3Store({self.url!r}{endpoint})"
-
     def close(self) -> None:
         self._client.close()
 
@@ -203,14 +194,9 @@ class S3Store(ObjectStore):
         if not isinstance(caught_exception, bex.ConnectionError):
             self._local.put_maybe_sent = True
 
-    def _scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
-
     def _translate(self, exc: Exception, *, op: str, key: str | None) -> StoreError:
         """Map a botocore exception to the store error tree. The single place that does so."""
-        what = f"{op} {key!r} in {self.url}" if key is not None else f"{op} in {self.url}"
+        what = self._describe(op, key)
         write = op in _WRITE_OPS
         if isinstance(exc, bex.ClientError):
             error = exc.response.get("Error", {})
@@ -249,10 +235,7 @@ class S3Store(ObjectStore):
         if code == "ConditionalRequestConflict" or (status == 409 and op == "put_if_absent"):
             return ConcurrentWriteConflict(detail)
         if code == "NoSuchBucket":
-            return InvalidStoreURL(
-                f"{detail}: bucket {self.bucket!r} does not exist at "
-                f"{self.endpoint_url or 'AWS S3'}; create it or fix the store URL"
-            )
+            return self._missing_bucket(detail)
         if code in _NOT_FOUND or status == 404:
             return ObjectNotFound(detail)
         if code in _DENIED or status == 403:
@@ -269,9 +252,6 @@ class S3Store(ObjectStore):
         return StoreError(detail)
 
     # -- operations --------------------------------------------------------------------------
-
-    def _key(self, key: str) -> str:
-        return self.prefix + validate_key(key)
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
         full = self._key(key)

@@ -1,6 +1,6 @@
-"""Stores that wrap another store: request counting and fault injection.
+"""Stores that wrap another store: a pass-through base, request counting and fault injection.
 
-Both are plain :class:`ObjectStore` implementations, so anything that takes a store can be
+All are plain :class:`ObjectStore` implementations, so anything that takes a store can be
 measured (``CountingStore``: how many requests and bytes did this operation cost?) or stressed
 (``FaultInjectingStore``: does the commit protocol survive timeouts, ambiguous PUTs, latency?).
 """
@@ -20,10 +20,46 @@ from typing import Literal, NoReturn
 from batchweave._errors import AmbiguousWriteError, ObjectExists, TransientStoreError
 from batchweave._store._base import ByteRange, ObjectMeta, ObjectStore, PutMode
 
-__all__ = ["CountingStore", "FaultInjectingStore", "StoreCounts"]
+__all__ = ["CountingStore", "FaultInjectingStore", "StoreCounts", "StoreWrapper"]
 
 LIST_PAGE_SIZE = 1000
 """Keys per LIST page assumed when converting listed entries into S3 LIST requests."""
+
+
+class StoreWrapper(ObjectStore):
+    """Passes every call through to ``inner``; subclass it and override what you intercept.
+
+    Tests and tools wrap stores to gate, observe or break single operations; this base keeps the
+    other six methods out of each wrapper.
+    """
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.url = inner.url
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        self.inner.put(key, data, mode=mode)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        return self.inner.get_range(key, rng)
+
+    def head(self, key: str) -> ObjectMeta:
+        return self.inner.head(key)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        return self.inner.list(prefix, start_after=start_after)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        self.inner.delete_many(keys)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner!r})"
 
 
 @dataclass(frozen=True)
@@ -73,15 +109,14 @@ class StoreCounts:
         )
 
 
-class CountingStore(ObjectStore):
+class CountingStore(StoreWrapper):
     """Counts every request and byte that passes through to ``inner``. Thread-safe.
 
     ``snapshot()`` returns the totals; subtract two snapshots to measure one operation.
     """
 
     def __init__(self, inner: ObjectStore) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
 
@@ -139,12 +174,6 @@ class CountingStore(ObjectStore):
             self._add(deletes=pages, deleted_keys=len(materialized))
         self.inner.delete_many(materialized)
 
-    def close(self) -> None:
-        self.inner.close()
-
-    def __repr__(self) -> str:
-        return f"CountingStore({self.inner!r})"
-
 
 Op = Literal["put", "get", "get_range", "head", "list", "delete_many"]
 ErrorFactory = Callable[[], BaseException] | BaseException
@@ -158,7 +187,7 @@ class _ScriptedFault:
     key_prefix: str
 
 
-class FaultInjectingStore(ObjectStore):
+class FaultInjectingStore(StoreWrapper):
     """Injects latency and failures in front of ``inner``, reproducibly from ``seed``.
 
     Random faults, each decided per call with the seeded RNG:
@@ -195,8 +224,7 @@ class FaultInjectingStore(ObjectStore):
         ):
             if not 0.0 <= rate <= 1.0:
                 raise ValueError(f"{name} must be within [0, 1], got {rate}")
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self._latency = latency
         self._transient = transient_error_rate
         self._ambiguous = ambiguous_put_rate
@@ -324,9 +352,3 @@ class FaultInjectingStore(ObjectStore):
                 self.inner.delete_many(materialized)
             self._raise(fault, "delete_many", first)
         self.inner.delete_many(materialized)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def __repr__(self) -> str:
-        return f"FaultInjectingStore({self.inner!r})"

@@ -7,8 +7,6 @@ Exit status: 0 success; 1 a check failed (``verify``, ``demo``); 2 the command c
 
 from __future__ import annotations
 
-import random
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -21,8 +19,7 @@ from rich.table import Table
 from batchweave._errors import BatchWeaveError
 from batchweave._history import write_parquet
 from batchweave._lifecycle import Reclaimer
-from batchweave._manifest._log import Committed, ManifestLog
-from batchweave._manifest._models import Manifest
+from batchweave._manifest._log import ManifestLog
 from batchweave._store._base import ObjectStore
 from batchweave.cli._common import (
     CliFailure,
@@ -35,10 +32,16 @@ from batchweave.cli._common import (
     store_options,
     validate_namespace,
 )
-from batchweave.cli._inspect import gather_inspection, human_bytes, render_inspection
+from batchweave.cli._inspect import (
+    gather_inspection,
+    human_bytes,
+    render_inspection,
+    step_range,
+)
+from batchweave.cli._seal import seal_namespace
 from batchweave.cli._verify import verify_namespace
 
-__all__ = ["cli", "main", "seal_namespace"]
+__all__ = ["cli", "main"]
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -137,7 +140,7 @@ def verify(
         out = out_console()
         out.print(
             f"checked {report.versions} manifest versions (latest {report.latest_version}), "
-            f"steps {report.base_step}..{report.next_step - 1} ({report.steps}), "
+            f"steps {step_range(report.base_step, report.next_step)} ({report.steps}), "
             f"{report.objects} objects, {report.slices} slices, "
             f"{human_bytes(report.bytes_read)} read"
         )
@@ -202,28 +205,6 @@ def reclaim(store: str, namespace: str, grace: float, as_json: bool, **options: 
 # -- seal ---------------------------------------------------------------------------------------
 
 
-def seal_namespace(
-    store: ObjectStore, namespace: str, *, attempts: int = 50, sleep: Any = time.sleep
-) -> tuple[Manifest, bool]:
-    """Commit the sealed flag on the newest version; return it and whether this call sealed it.
-
-    Producers still running then fail with ``NamespaceSealed`` at their next commit; consumers
-    stop cleanly after the last step. Lost races are retried on the winner.
-    """
-    log = ManifestLog(store, namespace)
-    latest = log.latest()
-    rng = random.Random()
-    for attempt in range(attempts):
-        if latest.sealed:
-            return latest, False
-        result = log.commit(latest, seal=True)
-        if isinstance(result, Committed):
-            return result.manifest, True
-        sleep(rng.uniform(0.0, min(1.0, 0.01 * 2**attempt)))
-        latest = log.latest(result.winner or latest)
-    raise CliFailure(f"could not seal {namespace!r} after {attempts} lost races; retry")
-
-
 @cli.command()
 @click.argument("store")
 @click.argument("namespace")
@@ -236,7 +217,7 @@ def seal(store: str, namespace: str, **options: Any) -> None:
     what = "sealed" if sealed_now else "was already sealed"
     click.echo(
         f"{namespace} {what} at version {manifest.version} "
-        f"(steps {manifest.base_step}..{manifest.next_step - 1})"
+        f"(steps {step_range(manifest.base_step, manifest.next_step)})"
     )
 
 

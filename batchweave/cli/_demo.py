@@ -20,6 +20,7 @@ done it seals the namespace; consumers then finish. Finally it checks:
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -47,8 +48,9 @@ from batchweave._metrics import start_metrics_server, track_metrics
 from batchweave._store._base import ObjectStore
 from batchweave._watermarks import Watermarks
 from batchweave.cli._common import CliFailure, err_console, open_cli_store, out_console, store_url
-from batchweave.cli._demo_work import WorkerConfig, _source, expected_digests, make_corpus
+from batchweave.cli._demo_work import WorkerConfig, demo_source, expected_digests, make_corpus
 from batchweave.cli._inspect import human_bytes
+from batchweave.cli._seal import seal_namespace
 from batchweave.cli._verify import verify_namespace
 
 __all__ = ["DemoConfig", "run_demo"]
@@ -106,6 +108,11 @@ def _check(config: DemoConfig) -> None:
         problems.append("--checkpoint-every, --micro-batch >= 1 and --documents >= 100")
     if problems:
         raise CliFailure("; ".join(problems))
+    if importlib.util.find_spec("lance") is None:
+        raise CliFailure(
+            "the demo generates its corpus as a Lance dataset and needs pylance: "
+            "pip install 'batchweave[lance]'"
+        )
 
 
 class _Procs:
@@ -384,8 +391,6 @@ def _supervise(
     console: Console,
 ) -> None:
     """Watch the run, kill and restart halfway, seal when producers are done."""
-    from batchweave.cli._app import seal_namespace
-
     log = ManifestLog(store, namespace)
     killed_producer = killed_consumer = config.no_kill
     sealed = False
@@ -510,7 +515,7 @@ def _verify_deliveries(config: WorkerConfig, logs: list[_RankLog], total: int) -
     failures.extend(
         f"{key} delivered at steps {steps}" for key, steps in owners.items() if len(steps) > 1
     )
-    sources = {p: _source(config, p) for p in range(config.producers)}
+    sources = {p: demo_source(config, p) for p in range(config.producers)}
     for (producer, offset), steps in sorted(owners.items()):
         digests = expected_digests(config, producer, offset, sources[producer])
         for rank, effective in enumerate(per_rank):

@@ -22,14 +22,18 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import xxhash
 
+if TYPE_CHECKING:
+    from batchweave.lance import LanceSource
+
 __all__ = [
     "WorkerConfig",
+    "demo_source",
     "expected_digests",
     "make_corpus",
     "pack_tgb",
@@ -166,7 +170,8 @@ def slice_digest(data: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def _source(config: WorkerConfig, producer: int) -> Any:
+def demo_source(config: WorkerConfig, producer: int) -> LanceSource:
+    """Producer ``producer``'s shard of the corpus, as the demo samples it."""
     from batchweave.lance import LanceSource
 
     return LanceSource(
@@ -179,7 +184,9 @@ def _source(config: WorkerConfig, producer: int) -> Any:
     )
 
 
-def expected_digests(config: WorkerConfig, producer: int, offset: int, source: Any) -> list[str]:
+def expected_digests(
+    config: WorkerConfig, producer: int, offset: int, source: LanceSource
+) -> list[str]:
     """The digest of every slice of producer ``producer``'s TGB ``offset``, recomputed."""
     slices, _ = pack_tgb(source.take(offset), config, producer, offset)
     return [slice_digest(s) for s in slices]
@@ -216,7 +223,7 @@ def run_producer(config: WorkerConfig, index: int) -> None:
 
     _serve_metrics(config, 1 + index)
     store = _open(config)
-    source = _source(config, index)
+    source = demo_source(config, index)
     stats_path = Path(config.work_dir) / "stats" / f"producer-{index}-{os.getpid()}.json"
     mesh = Mesh(dp=config.dp, cp=config.cp)
     with Producer(

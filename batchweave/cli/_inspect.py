@@ -14,7 +14,13 @@ from batchweave._manifest._log import ManifestLog
 from batchweave._store._base import ObjectStore
 from batchweave._watermarks import Watermarks
 
-__all__ = ["gather_inspection", "render_inspection", "storage_by_prefix"]
+__all__ = [
+    "gather_inspection",
+    "human_bytes",
+    "render_inspection",
+    "step_range",
+    "storage_by_prefix",
+]
 
 
 def _iso(ts: float) -> str | None:
@@ -101,6 +107,11 @@ def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
     }
 
 
+def step_range(first: int, stop: int) -> str:
+    """``first..stop-1``, or ``none`` for an empty range."""
+    return f"{first}..{stop - 1}" if stop > first else "none"
+
+
 def human_bytes(n: float) -> str:
     """``1536`` -> ``1.5 KiB``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -124,7 +135,10 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
             "versions",
             f"{data['oldest_version']}..{data['latest_version']} ({data['versions']} stored)",
         ),
-        ("steps", f"{data['base_step']}..{data['next_step'] - 1} ({data['live_steps']} live)"),
+        (
+            "steps",
+            f"{step_range(data['base_step'], data['next_step'])} ({data['live_steps']} live)",
+        ),
         ("base step", str(data["base_step"])),
         ("boundary", f"{data['boundary']} (min watermark step)"),
         ("segments / tail", f"{data['segments']} / {data['tail']}"),

@@ -1,0 +1,65 @@
+"""What both ``s3://`` backends share: where the objects live and how to name them safely.
+
+:class:`~batchweave.S3Store` (boto3) and :class:`~batchweave.ObstoreS3Store` differ only in the
+client; the bucket/prefix location, the key mapping, the credential-free ``url``/``repr`` and the
+error wording live here once, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from batchweave._errors import InvalidStoreURL
+from batchweave._store._base import ObjectStore, validate_key
+
+__all__ = ["S3Location"]
+
+
+class S3Location(ObjectStore):
+    """An object store whose objects live under ``s3://bucket/prefix``.
+
+    ``secrets`` (credentials; ``None`` entries are skipped) are masked by :meth:`_scrub` in every
+    message built from server or client text, so they never reach logs or errors.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str,
+        *,
+        endpoint_url: str | None,
+        secrets: Iterable[str | None],
+    ) -> None:
+        if not bucket:
+            raise InvalidStoreURL("an S3 store needs a bucket: use s3://bucket/prefix")
+        prefix = prefix.strip("/")
+        if prefix:
+            validate_key(prefix)
+        self.bucket = bucket
+        self.prefix = f"{prefix}/" if prefix else ""
+        self.endpoint_url = endpoint_url
+        self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+        self._secrets = tuple(s for s in secrets if s)
+
+    def __repr__(self) -> str:
+        endpoint = f", endpoint_url={self.endpoint_url!r}" if self.endpoint_url else ""
+        return f"{type(self).__name__}({self.url!r}{endpoint})"
+
+    def _key(self, key: str) -> str:
+        """The full object key of the store-relative ``key`` (validated)."""
+        return self.prefix + validate_key(key)
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _describe(self, op: str, key: str | None) -> str:
+        """``op`` on ``key`` (or on the store) in words, for error messages."""
+        return f"{op} {key!r} in {self.url}" if key is not None else f"{op} in {self.url}"
+
+    def _missing_bucket(self, detail: str) -> InvalidStoreURL:
+        return InvalidStoreURL(
+            f"{detail}: bucket {self.bucket!r} does not exist at "
+            f"{self.endpoint_url or 'AWS S3'}; create it or fix the store URL"
+        )

@@ -1,0 +1,275 @@
+"""Object-store outages: producers and consumers wait them out, say so, and lose nothing.
+
+``OutageStore`` plays the store going down (every request raises ``StoreUnavailable``, or a 503
+``TransientStoreError``) and coming back. Tests flip it back up only after the client was seen
+retrying a number of times (an event, not a sleep), then check the data arrived exactly once.
+The SeaweedFS restart in ``tests/test_soak.py`` covers the same behaviour on a real server.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import pytest
+
+from batchweave import (
+    ByteRange,
+    Consumer,
+    ConsumerTimeout,
+    Mesh,
+    MemoryStore,
+    ObjectMeta,
+    ObjectStore,
+    Producer,
+    PutMode,
+    StoreUnavailable,
+    StoreWrapper,
+    TransientStoreError,
+)
+from batchweave._manifest._log import ManifestLog
+
+MESH = Mesh(dp=2, cp=1)
+NS = "runs/outage"
+
+
+class OutageStore(StoreWrapper):
+    """A store that can be switched down (every request fails) and up again, thread-safely.
+
+    ``failures`` counts requests refused while down; ``wait_failures(n)`` blocks until ``n``
+    more have been refused, which is how a test knows the client is retrying.
+    """
+
+    def __init__(
+        self, inner: ObjectStore, error: Callable[[str], Exception] = StoreUnavailable
+    ) -> None:
+        super().__init__(inner)
+        self._error = error
+        self._down = False
+        self._only = ""
+        self.failures = 0
+        self._cond = threading.Condition()
+
+    def down(self, only_prefix: str = "") -> None:
+        with self._cond:
+            self._down, self._only = True, only_prefix
+
+    def up(self) -> None:
+        with self._cond:
+            self._down = False
+
+    def wait_failures(self, n: int, timeout: float = 20.0) -> None:
+        with self._cond:
+            target = self.failures + n
+            if not self._cond.wait_for(lambda: self.failures >= target, timeout):
+                raise AssertionError(f"the client retried only {self.failures} times")
+
+    def _gate(self, op: str, key: str) -> None:
+        with self._cond:
+            if self._down and key.startswith(self._only):
+                self.failures += 1
+                self._cond.notify_all()
+                raise self._error(f"injected outage: {op} {key!r} refused")
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        self._gate("put", key)
+        self.inner.put(key, data, mode=mode)
+
+    def get(self, key: str) -> bytes:
+        self._gate("get", key)
+        return self.inner.get(key)
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        self._gate("get_range", key)
+        return self.inner.get_range(key, rng)
+
+    def head(self, key: str) -> ObjectMeta:
+        self._gate("head", key)
+        return self.inner.head(key)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        self._gate("list", prefix)
+        return self.inner.list(prefix, start_after=start_after)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        self._gate("delete_many", keys[0] if keys else "")
+        self.inner.delete_many(keys)
+
+
+class Sleeps:
+    """An injected sleep that records every delay and yields the CPU without really waiting."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, seconds: float) -> None:
+        with self._lock:
+            self.delays.append(seconds)
+        time.sleep(0.001)
+
+
+def payloads(offset: int) -> list[bytes]:
+    return [f"{offset}/{i}".encode() * 64 for i in range(MESH.slices)]
+
+
+def committed(store: ObjectStore, pid: str) -> list[int]:
+    log = ManifestLog(store, NS)
+    m = log.latest()
+    return [d.offset for _, d in log.descriptors(m, m.base_step, m.next_step) if d.producer_id == pid]
+
+
+def test_producer_keeps_pending_tgbs_through_an_outage_and_append_blocks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    inner = MemoryStore()
+    store = OutageStore(inner)
+    sleeps = Sleeps()
+    size = len(b"".join(payloads(0))) + 4096  # one TGB, generously
+    p = Producer(
+        store,
+        NS,
+        producer_id="p0",
+        mesh=MESH,
+        policy="naive",
+        max_retries=2,  # far fewer than the outage's failures: an outage spends none of them
+        max_inflight_bytes=2 * size,
+        sleep=sleeps,
+    )
+    p.append(payloads(0), offset=0)
+    p.flush()
+    caplog.set_level(logging.INFO, logger="batchweave")
+    store.down()
+    p.append(payloads(1), offset=1)
+    p.append(payloads(2), offset=2)
+    blocked = threading.Thread(target=p.append, args=(payloads(3),), kwargs={"offset": 3})
+    blocked.start()
+    store.wait_failures(50)
+    # Bounded memory: the third append waits for upload room instead of buffering.
+    assert blocked.is_alive()
+    assert p.stats().inflight_bytes <= 2 * size
+    assert committed(inner, "p0") == [0]
+    store.up()
+    blocked.join(10)
+    assert not blocked.is_alive()
+    p.close()
+    assert committed(inner, "p0") == [0, 1, 2, 3]
+    text = caplog.text
+    assert "producer 'p0': the object store is unreachable while uploading" in text
+    assert "reachable again" in text
+    # one line when the outage starts, not one per retry
+    assert text.count("is unreachable while") == 1
+    assert max(sleeps.delays) <= 5.0  # capped backoff
+
+
+def test_producer_commits_retry_through_a_503_outage_of_the_manifests(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    inner = MemoryStore()
+    store = OutageStore(inner, error=TransientStoreError)
+    p = Producer(
+        store, NS, producer_id="p0", mesh=MESH, policy="naive", max_retries=1, sleep=Sleeps()
+    )
+    store.down(only_prefix=f"{NS}/_manifests/")
+    for offset in range(3):
+        p.append(payloads(offset), offset=offset)
+    store.wait_failures(30)
+    assert committed(inner, "p0") == []
+    store.up()
+    p.flush(timeout=20)
+    p.close()
+    assert committed(inner, "p0") == [0, 1, 2]
+    assert "committing failed" in caplog.text
+
+
+def test_producer_starts_once_an_outage_at_startup_ends() -> None:
+    inner = MemoryStore()
+    store = OutageStore(inner)
+    store.down()
+    made: list[Producer] = []
+    starter = threading.Thread(
+        target=lambda: made.append(
+            Producer(store, NS, producer_id="p0", mesh=MESH, max_retries=1, sleep=Sleeps())
+        )
+    )
+    starter.start()
+    store.wait_failures(20)
+    assert starter.is_alive() and not made
+    store.up()
+    starter.join(10)
+    assert made and made[0].epoch == 0
+    made[0].close()
+
+
+def _produce(store: ObjectStore, tgbs: int, *, seal: bool) -> None:
+    with Producer(store, NS, producer_id="p0", mesh=MESH, policy="naive") as p:
+        for offset in range(tgbs):
+            p.append(payloads(offset), offset=offset)
+        if seal:
+            p.seal()
+
+
+@pytest.mark.parametrize("where", ["slice reads", "manifest polling"])
+def test_consumer_waits_out_an_outage_and_resumes(
+    where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    inner = MemoryStore()
+    _produce(inner, 3, seal=False)
+    store = OutageStore(inner)
+    c = Consumer(
+        store,
+        NS,
+        mesh=MESH,
+        dp_rank=1,
+        prefetch=0,
+        retry_budget=1,  # an outage must not spend it
+        max_poll_interval=0.01,
+        sleep=Sleeps(),
+    )
+    got = [next(c) for _ in range(2 if where == "slice reads" else 3)]
+    caplog.set_level(logging.INFO, logger="batchweave")
+    store.down()
+    results: list[tuple[int, bytes]] = []
+    errors: list[BaseException] = []
+
+    def read_rest() -> None:
+        try:
+            results.extend(c)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    reader = threading.Thread(target=read_rest)
+    reader.start()
+    store.wait_failures(40)
+    assert reader.is_alive() and not errors
+    store.up()
+    with Producer(inner, NS, producer_id="p0", mesh=MESH, policy="naive") as p:
+        p.append(payloads(3), offset=3)
+        p.seal()
+    reader.join(10)
+    assert not errors, errors
+    assert [s for s, _ in got + results] == [0, 1, 2, 3]
+    assert [d for _, d in got + results] == [payloads(o)[1] for o in range(4)]
+    assert "consumer dp_rank=1 cp_rank=0: the object store is unreachable" in caplog.text
+    assert "reachable again" in caplog.text
+
+
+def test_consumer_timeout_still_bounds_the_wait_during_an_outage() -> None:
+    inner = MemoryStore()
+    _produce(inner, 1, seal=False)
+    store = OutageStore(inner)
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    c = Consumer(store, NS, mesh=MESH, dp_rank=0, timeout=5.0, clock=lambda: now[0], sleep=sleep)
+    assert next(c)[0] == 0
+    store.down()
+    with pytest.raises(ConsumerTimeout, match="step 1"):
+        next(c)
+    assert store.failures > 0
+    assert 5.0 <= now[0] < 10.0
