@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
 
+from batchweave._checks import check_at_least
 from batchweave._errors import (
     ChecksumMismatch,
     ConsumerError,
@@ -206,8 +207,8 @@ class Consumer:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        _check_at_least(0, prefetch=prefetch, retry_budget=retry_budget, start_step=start_step)
-        _check_at_least(
+        check_at_least(0, prefetch=prefetch, retry_budget=retry_budget, start_step=start_step)
+        check_at_least(
             1,
             stride=stride,
             ramp_every=ramp_every,
@@ -527,13 +528,20 @@ class Consumer:
                 self._outage.failed(f"waiting for step {step}", exc)
                 self._poll_delay = min(2 * self._poll_delay, self.max_poll_interval)
             except _RETRYABLE as exc:
-                failures += 1
-                self._counters.add(retries=1)
-                if failures > self.retry_budget:
-                    raise ConsumerError(
-                        f"{self._where}: cannot read the manifest while waiting for step {step}: "
-                        f"{failures} consecutive failures, last: {exc}"
-                    ) from exc
+                failures = self._manifest_read_failed(
+                    failures, exc, f" while waiting for step {step}"
+                )
+
+    def _manifest_read_failed(self, failures: int, exc: Exception, during: str) -> int:
+        """Count one more consecutive failure to read the manifest; past the budget, give up."""
+        failures += 1
+        self._counters.add(retries=1)
+        if failures > self.retry_budget:
+            raise ConsumerError(
+                f"{self._where}: cannot read the manifest{during}: {failures} consecutive "
+                f"failures, last: {exc}"
+            ) from exc
+        return failures
 
     def _sleep_or_time_out(
         self, started: float, delay: float, error: Callable[[], ConsumerError]
@@ -591,13 +599,7 @@ class Consumer:
                 self._counters.add(retries=1)
                 self._outage.failed(f"opening {self._where}", exc)
             except _RETRYABLE as exc:
-                failures += 1
-                self._counters.add(retries=1)
-                if failures > self.retry_budget:
-                    raise ConsumerError(
-                        f"{self._where}: cannot read the manifest: {failures} consecutive "
-                        f"failures, last: {exc}"
-                    ) from exc
+                failures = self._manifest_read_failed(failures, exc, "")
             self._sleep_or_time_out(
                 started,
                 self._poll_delay,
@@ -862,12 +864,6 @@ def _group_by_object(
         else:
             groups.append((ref, [index]))
     return groups
-
-
-def _check_at_least(minimum: int, **values: int) -> None:
-    for name, value in values.items():
-        if value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _resolve_coordinates(

@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchweave._checks import check_at_least
 from batchweave._consumer import Consumer
 from batchweave._errors import NamespaceNotFound, ObjectNotFound, TransientStoreError
 from batchweave._manifest._log import (
@@ -38,6 +40,12 @@ __all__ = ["DATA_DIR", "ReclaimReport", "Reclaimer", "checkpoint_hook"]
 _log = logging.getLogger("batchweave.lifecycle")
 
 DATA_DIR = "data"
+
+_OWN_KEYS = re.compile(
+    rf"{DATA_DIR}/[^/]+/\d+/\d{{20}}-[0-9a-f]{{32}}\.tgb|{SEGMENTS_DIR}/\d{{20}}-[0-9a-f]{{32}}\.seg"
+)
+"""Names of the data and segment objects BatchWeave writes. Unreferenced objects are deleted
+only if they match: another tool's files under the namespace are never touched."""
 
 
 def checkpoint_hook(
@@ -140,6 +148,7 @@ class Reclaimer:
        cut was committed on, or after a crash in the newest surviving version below the cut);
     4. deletes *orphans*: data objects the latest manifest does not reference, last modified more
        than ``grace`` seconds ago (uploads of crashed producers, leftovers of a crashed pass);
+       objects not named the way BatchWeave names its own (another tool's files) are left alone;
     5. deletes segment objects referenced neither by the latest manifest nor by the version that
        was latest ``grace`` seconds ago, and older than ``2 * grace``;
     6. deletes manifest versions, oldest first, that were superseded more than ``grace`` seconds
@@ -174,10 +183,7 @@ class Reclaimer:
                 grace,
                 2 * PROBE_TRUST_SECONDS,
             )
-        if max_commit_attempts < 1:
-            raise ValueError(f"max_commit_attempts must be >= 1, got {max_commit_attempts}")
-        if delete_batch < 1:
-            raise ValueError(f"delete_batch must be >= 1, got {delete_batch}")
+        check_at_least(1, max_commit_attempts=max_commit_attempts, delete_batch=delete_batch)
         self.store = store
         self.namespace = namespace
         self.grace = grace
@@ -366,7 +372,7 @@ class Reclaimer:
                 continue
             if rel in below:
                 reclaimed.append(meta)
-            elif meta.last_modified <= cutoff:
+            elif meta.last_modified <= cutoff and _OWN_KEYS.fullmatch(rel):
                 orphans.append(meta)
         self._delete(reclaimed)
         tally.add("tgb", reclaimed)
@@ -437,7 +443,9 @@ class Reclaimer:
         doomed = [
             meta
             for meta in self._list(f"{SEGMENTS_DIR}/")
-            if self._relative(meta.key) not in keep and meta.last_modified <= cutoff
+            if self._relative(meta.key) not in keep
+            and meta.last_modified <= cutoff
+            and _OWN_KEYS.fullmatch(self._relative(meta.key))
         ]
         self._delete(doomed)
         tally.add("segment", doomed)

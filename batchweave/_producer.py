@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from batchweave._checks import check_at_least
 from batchweave._errors import (
     AmbiguousWriteError,
     NamespaceSealed,
@@ -206,10 +207,7 @@ class Producer:
         validate_key(producer_id)
         if max_lag is not None and max_lag < 0:
             raise ValueError(f"max_lag must be >= 0 or None, got {max_lag}")
-        if upload_threads < 1:
-            raise ValueError(f"upload_threads must be >= 1, got {upload_threads}")
-        if max_inflight_bytes < 1:
-            raise ValueError(f"max_inflight_bytes must be >= 1, got {max_inflight_bytes}")
+        check_at_least(1, upload_threads=upload_threads, max_inflight_bytes=max_inflight_bytes)
         self._store = store
         self._namespace = namespace
         self._producer_id = producer_id

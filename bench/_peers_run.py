@@ -31,16 +31,22 @@ _CTX = mp.get_context("spawn")
 
 
 def cpu_seconds() -> float:
-    """This process's user+system CPU, plus that of its waited-for children."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    """User+system CPU of this process and of its waited-for children (microsecond resolution)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def peak_rss_mb() -> float:
-    """Peak RSS of this process (MB), or of its largest child if that was larger."""
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return max(own, kids) / 1024
+    """Peak RSS of this process in MB (``VmHWM``: unlike ``ru_maxrss`` it is not inherited
+    across the ``exec`` that starts a spawned process), or of its largest child if larger."""
+    hwm = 0.0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) / 1024
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return max(hwm, kids)
 
 
 def _entry(fn: Callable[..., dict[str, Any]], params: dict[str, Any], rank: int, q: Any, go: Any) -> None:
@@ -110,8 +116,11 @@ def run_ranks(
                 errors.append(f"rank {rank}:\n{payload}")
         server = server_cpu(server_pids) - server_before
     finally:
+        # Results are in: a rank still alive is only tearing down (MosaicML's exit can take
+        # seconds), so bound the total wait and kill what is left.
+        stop = time.monotonic() + (5.0 if not errors else 0.5)
         for p in procs:
-            p.join(timeout=10 if not errors else 0.5)
+            p.join(timeout=max(0.0, stop - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -58,7 +58,9 @@ class Report:
             "| " + " | ".join(self.columns) + " |",
             "|" + "---|" * len(self.columns),
         ]
-        lines += ["| " + " | ".join(cell(r.get(c, "")) for c in self.columns) + " |" for r in self.rows]
+        lines += [
+            "| " + " | ".join(cell(r.get(c, "")) for c in self.columns) + " |" for r in self.rows
+        ]
         return "\n".join(lines)
 
     def save(self, path: Path | None = None) -> Path:

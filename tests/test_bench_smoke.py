@@ -70,6 +70,10 @@ def test_producers_smoke(tmp_path: Path) -> None:
     assert _positive(row["first tenth TGB/s"])
     assert _positive(row["last tenth TGB/s"])
     assert row["last/first"] == pytest.approx(row["last tenth TGB/s"] / row["first tenth TGB/s"])
+    assert _positive(row["ingest first TGB/s"])
+    assert row["ingest last/first"] == pytest.approx(
+        row["ingest last TGB/s"] / row["ingest first TGB/s"]
+    )
 
 
 @pytest.mark.timeout(150)

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fake_time import FakeTime
 
 from batchweave import (
     ChecksumMismatch,
@@ -85,24 +86,6 @@ def produce(
     if seal:
         with Producer(store, namespace, producer_id="p0", mesh=mesh, policy="naive") as p:
             p.seal()
-
-
-class FakeTime:
-    """A clock that only moves when the code under test sleeps."""
-
-    def __init__(self, on_sleep: Callable[[], None] | None = None) -> None:
-        self.now = 0.0
-        self.sleeps: list[float] = []
-        self.on_sleep = on_sleep
-
-    def clock(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-        if self.on_sleep is not None:
-            self.on_sleep()
 
 
 def consume(store: ObjectStore, namespace: str, mesh: Mesh, **kw: Any) -> list[tuple[int, Any]]:

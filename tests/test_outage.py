@@ -19,8 +19,8 @@ from batchweave import (
     ByteRange,
     Consumer,
     ConsumerTimeout,
-    Mesh,
     MemoryStore,
+    Mesh,
     ObjectMeta,
     ObjectStore,
     Producer,
@@ -29,6 +29,7 @@ from batchweave import (
     StoreWrapper,
     TransientStoreError,
 )
+from batchweave._format._tgb import encode_tgb
 from batchweave._manifest._log import ManifestLog
 
 MESH = Mesh(dp=2, cp=1)
@@ -119,7 +120,8 @@ def payloads(offset: int) -> list[bytes]:
 def committed(store: ObjectStore, pid: str) -> list[int]:
     log = ManifestLog(store, NS)
     m = log.latest()
-    return [d.offset for _, d in log.descriptors(m, m.base_step, m.next_step) if d.producer_id == pid]
+    steps = log.descriptors(m, m.base_step, m.next_step)
+    return [d.offset for _, d in steps if d.producer_id == pid]
 
 
 def test_producer_keeps_pending_tgbs_through_an_outage_and_append_blocks(
@@ -128,7 +130,7 @@ def test_producer_keeps_pending_tgbs_through_an_outage_and_append_blocks(
     inner = MemoryStore()
     store = OutageStore(inner)
     sleeps = Sleeps()
-    size = len(b"".join(payloads(0))) + 4096  # one TGB, generously
+    size = encode_tgb(payloads(1), MESH).size  # every TGB here has this size
     p = Producer(
         store,
         NS,
@@ -139,23 +141,27 @@ def test_producer_keeps_pending_tgbs_through_an_outage_and_append_blocks(
         max_inflight_bytes=2 * size,
         sleep=sleeps,
     )
-    p.append(payloads(0), offset=0)
-    p.flush()
-    caplog.set_level(logging.INFO, logger="batchweave")
-    store.down()
-    p.append(payloads(1), offset=1)
-    p.append(payloads(2), offset=2)
-    blocked = threading.Thread(target=p.append, args=(payloads(3),), kwargs={"offset": 3})
-    blocked.start()
-    store.wait_failures(50)
-    # Bounded memory: the third append waits for upload room instead of buffering.
-    assert blocked.is_alive()
-    assert p.stats().inflight_bytes <= 2 * size
-    assert committed(inner, "p0") == [0]
-    store.up()
-    blocked.join(10)
-    assert not blocked.is_alive()
-    p.close()
+    try:
+        p.append(payloads(0), offset=0)
+        p.flush()
+        caplog.set_level(logging.INFO, logger="batchweave")
+        store.down()
+        p.append(payloads(1), offset=1)
+        p.append(payloads(2), offset=2)
+        blocked = threading.Thread(target=p.append, args=(payloads(3),), kwargs={"offset": 3})
+        blocked.start()
+        store.wait_failures(50)
+        # Bounded memory: the third append waits for upload room instead of buffering.
+        assert blocked.is_alive()
+        assert p.stats().inflight_bytes == 2 * size
+        assert committed(inner, "p0") == [0]
+        store.up()
+        blocked.join(10)
+        assert not blocked.is_alive()
+        p.close()
+    finally:
+        store.up()
+        p.abort()
     assert committed(inner, "p0") == [0, 1, 2, 3]
     text = caplog.text
     assert "producer 'p0': the object store is unreachable while uploading" in text
@@ -197,10 +203,12 @@ def test_producer_starts_once_an_outage_at_startup_ends() -> None:
     )
     starter.start()
     store.wait_failures(20)
-    assert starter.is_alive() and not made
+    assert starter.is_alive()
+    assert not made
     store.up()
     starter.join(10)
-    assert made and made[0].epoch == 0
+    assert made
+    assert made[0].epoch == 0
     made[0].close()
 
 
@@ -226,6 +234,7 @@ def test_consumer_waits_out_an_outage_and_resumes(
         dp_rank=1,
         prefetch=0,
         retry_budget=1,  # an outage must not spend it
+        poll_interval=0.005,
         max_poll_interval=0.01,
         sleep=Sleeps(),
     )
@@ -244,7 +253,8 @@ def test_consumer_waits_out_an_outage_and_resumes(
     reader = threading.Thread(target=read_rest)
     reader.start()
     store.wait_failures(40)
-    assert reader.is_alive() and not errors
+    assert reader.is_alive()
+    assert not errors
     store.up()
     with Producer(inner, NS, producer_id="p0", mesh=MESH, policy="naive") as p:
         p.append(payloads(3), offset=3)

@@ -6,6 +6,7 @@ import logging
 import threading
 
 import pytest
+from fake_time import FakeTime
 
 import batchweave as bw
 from batchweave import (
@@ -33,34 +34,12 @@ MESH = Mesh(dp=2, cp=2)
 NS = "runs/unit"
 
 
-class FakeTime:
-    """A monotonic clock that only moves when something sleeps; records every sleep."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self.sleeps: list[float] = []
-        self._lock = threading.Lock()
-
-    def clock(self) -> float:
-        with self._lock:
-            return self.now
-
-    def wall(self) -> float:
-        with self._lock:
-            return 1.7e9 + self.now
-
-    def sleep(self, seconds: float) -> None:
-        with self._lock:
-            self.sleeps.append(seconds)
-            self.now += max(0.0, seconds)
-
-
 def payloads(offset: int, size: int = 16) -> list[bytes]:
     return [bytes([offset % 251]) * size + f"{offset}/{i}".encode() for i in range(MESH.slices)]
 
 
 def make(store: ObjectStore, pid: str = "p0", **kw: object) -> Producer:
-    fake = kw.pop("fake", None) or FakeTime()
+    fake = kw.pop("fake", None) or FakeTime(1000.0)
     assert isinstance(fake, FakeTime)
     opts: dict[str, object] = {
         "policy": "naive",
@@ -343,7 +322,7 @@ def test_flush_timeout_raises_timeout_error(store: MemoryStore) -> None:
 def test_transient_upload_failures_are_retried_with_backoff(
     store: MemoryStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fake = FakeTime()
+    fake = FakeTime(1000.0)
     faulty = FaultInjectingStore(store)
     faulty.fail_next("put", TransientStoreError("injected 503"), times=3, key_prefix=f"{NS}/data/")
     with (
@@ -445,7 +424,7 @@ def test_ambiguous_commit_that_landed_is_not_committed_twice(store: MemoryStore)
 
 
 def test_transient_errors_reading_the_base_keep_pending(store: MemoryStore) -> None:
-    fake = FakeTime()
+    fake = FakeTime(1000.0)
     faulty = FaultInjectingStore(store)
     with make(faulty, fake=fake) as p:
         faulty.fail_next("get", times=2, key_prefix=f"{NS}/_manifests/")
@@ -456,7 +435,7 @@ def test_transient_errors_reading_the_base_keep_pending(store: MemoryStore) -> N
 
 
 def test_conflicting_producers_rebase_and_record_outcomes(store: MemoryStore) -> None:
-    fake = FakeTime()
+    fake = FakeTime(1000.0)
     a = make(store, pid="a", fake=fake)
     b = make(store, pid="b", fake=fake, refresh_age=1e9)  # never refreshes: stale bases
     a.append(payloads(0), offset=0)
@@ -477,7 +456,7 @@ def test_conflicting_producers_rebase_and_record_outcomes(store: MemoryStore) ->
 
 
 def test_dac_gap_is_waited_with_the_injected_sleep(store: MemoryStore) -> None:
-    fake = FakeTime()
+    fake = FakeTime(1000.0)
     ticking = TickingStore(store, fake, put_seconds=0.01)
     with make(ticking, fake=fake, policy="dac") as p:
         for off in range(3):
@@ -502,7 +481,7 @@ def test_max_lag_blocks_until_the_boundary_moves(
     boundary = {"step": 0}
     slept = threading.Event()
     tick = threading.Event()
-    fake = FakeTime()
+    fake = FakeTime(1000.0)
 
     def sleep(seconds: float) -> None:
         fake.sleep(seconds)
@@ -541,7 +520,7 @@ def test_max_lag_blocks_until_the_boundary_moves(
 
 def test_default_boundary_comes_from_the_namespace_watermarks(store: MemoryStore) -> None:
     lagging = threading.Event()
-    fake = FakeTime()
+    fake = FakeTime(1000.0)
 
     def sleep(seconds: float) -> None:
         fake.sleep(seconds)
@@ -603,8 +582,7 @@ class TickingStore(GatedStore):
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
         if mode is PutMode.CREATE:
-            with self.fake._lock:
-                self.fake.now += self.put_seconds
+            self.fake.advance(self.put_seconds)
         super().put(key, data, mode=mode)
 
 

@@ -14,8 +14,7 @@ every step the committed history is checked against the commit protocol's invari
 
 from __future__ import annotations
 
-import threading
-
+from fake_time import FakeTime
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -40,26 +39,6 @@ PIDS = ("a", "b")
 
 TgbKey = tuple[str, int, int, str]
 """``(producer_id, epoch, offset, object key)`` of one committed TGB."""
-
-
-class FakeTime:
-    """Monotonic time that moves only when something sleeps (shared by all producers)."""
-
-    def __init__(self) -> None:
-        self._now = 0.0
-        self._lock = threading.Lock()
-
-    def clock(self) -> float:
-        with self._lock:
-            return self._now
-
-    def wall(self) -> float:
-        with self._lock:
-            return 1.7e9 + self._now
-
-    def sleep(self, seconds: float) -> None:
-        with self._lock:
-            self._now += max(0.0, seconds)
 
 
 class AuditingStore(StoreWrapper):

@@ -1,4 +1,4 @@
-"""CountingStore and FaultInjectingStore: numbers, faults, determinism, and conformance."""
+"""The store wrappers (pass-through, counting, fault injection): numbers, faults, conformance."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from batchweave import (
     ObjectNotFound,
     ObjectStore,
     StoreCounts,
+    StoreWrapper,
     Suffix,
     TransientStoreError,
 )
@@ -35,6 +36,29 @@ class TestFaultInjectingStoreConformance(StoreTests):
     @pytest.fixture
     def store(self) -> ObjectStore:
         return FaultInjectingStore(MemoryStore(), seed=1)
+
+
+class TestStoreWrapperConformance(StoreTests):
+    """The bare pass-through base must be invisible."""
+
+    @pytest.fixture
+    def store(self) -> ObjectStore:
+        return StoreWrapper(MemoryStore())
+
+
+def test_wrappers_close_the_inner_store_and_name_it_in_their_repr() -> None:
+    class ClosableStore(MemoryStore):
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    for wrapper in (StoreWrapper, CountingStore, FaultInjectingStore):
+        inner = ClosableStore()
+        with wrapper(inner) as store:
+            assert store.url == inner.url
+            assert repr(store) == f"{wrapper.__name__}({inner!r})"
+        assert inner.closed, wrapper
 
 
 # -- CountingStore ---------------------------------------------------------------------------

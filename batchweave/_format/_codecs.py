@@ -322,6 +322,24 @@ def compress(data: Buffer, compression: str) -> bytes:
     return zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_content_size=True).compress(data)
 
 
+_ONE_SHOT_LIMIT: Final = 64 << 20
+"""Largest claimed size decompressed into one buffer of that size. Above it, output grows only as
+real data comes out: a frame and a footer that both lie about a huge size allocate nothing."""
+_STREAM_CHUNK: Final = 4 << 20
+
+
+def _decompress_streaming(data: bytes | memoryview, uncompressed_length: int) -> bytearray:
+    """Decompress at most ``uncompressed_length + 1`` bytes, chunk by chunk (see above)."""
+    out = bytearray()
+    with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+        while len(out) <= uncompressed_length:
+            chunk = reader.read(min(_STREAM_CHUNK, uncompressed_length + 1 - len(out)))
+            if not chunk:
+                break
+            out += chunk
+    return out
+
+
 def decompress(data: bytes | memoryview, compression: str, uncompressed_length: int) -> bytes:
     """Decompress one slice, never producing (or allocating) more than ``uncompressed_length``.
 
@@ -336,11 +354,14 @@ def decompress(data: bytes | memoryview, compression: str, uncompressed_length: 
             raise FormatError(
                 f"zstd frame claims {frame_size} bytes but the footer records {uncompressed_length}"
             )
-        # Every writer sets the content size; 0 needs special care because python-zstandard
-        # treats max_output_size=0 as "unlimited".
-        out = zstandard.ZstdDecompressor().decompress(
-            data, max_output_size=max(uncompressed_length, 1)
-        )
+        if uncompressed_length <= _ONE_SHOT_LIMIT:
+            # Every writer sets the content size; 0 needs special care because python-zstandard
+            # treats max_output_size=0 as "unlimited".
+            out: bytes | bytearray = zstandard.ZstdDecompressor().decompress(
+                data, max_output_size=max(uncompressed_length, 1)
+            )
+        else:
+            out = _decompress_streaming(data, uncompressed_length)
     except zstandard.ZstdError as exc:
         raise FormatError(f"corrupt zstd data: {exc}") from exc
     if len(out) != uncompressed_length:
