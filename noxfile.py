@@ -42,3 +42,15 @@ def bench(session: nox.Session) -> None:
     full = "--full" in session.posargs
     for script in sorted(Path("bench").glob("[!_]*.py")):
         session.run("python", str(script), *([] if full else ["--smoke"]))
+
+
+@nox.session(python=PYTHON)
+def peers(session: nox.Session) -> None:
+    """BatchWeave vs MosaicML Streaming, WebDataset and NATS JetStream (issue #8).
+
+    Rewrites the ``## Peers`` section of docs/benchmarks.md and docs/img/peers_*.png. Needs the
+    ``bench`` extra and the Debian ``nats-server`` package (its rows are skipped without it).
+    ``-- --smoke`` for a tiny run; other arguments go to ``bench/peers.py``.
+    """
+    session.install("-e", ".[test,bench]", "torch==2.13.0")
+    session.run("python", "bench/peers.py", *session.posargs)

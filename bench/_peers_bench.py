@@ -7,6 +7,7 @@ entry script: it must stay free of heavy imports so each rank's RSS is its own s
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import shutil
 import statistics
@@ -153,8 +154,7 @@ class Bench:
         self.rows.append(row)
         self.log(
             f"{corpus.name} {storage} {system}: agg {row['agg MB/s']:.0f} MB/s, ttfb "
-            f"{row['ttfb s']:.2f}s, amp {row['amp'] if isinstance(row['amp'], str) else round(row['amp'], 3)}, "
-            f"resume {row['resume exact']}"
+            f"{row['ttfb s']:.2f}s, amp {_fmt(row['amp'])}, resume {row['resume exact']}"
         )
         return row
 
@@ -166,10 +166,12 @@ class Bench:
         mid = corpus.steps // 2
         writer = specs[0]
         base = {"corpus": corpus, "ns": ns}
-        out, wserver = run_one(
+        out, _ = run_one(
             _peers_systems().bw_write, {**base, "spec": writer}, server_pids=self.server(storage)
         )
-        self.log(f"{corpus.name} {storage} batchweave write ({writer.client}): {out['seconds']:.1f}s")
+        self.log(
+            f"{corpus.name} {storage} batchweave write ({writer.client}): {out['seconds']:.1f}s"
+        )
         for k, spec in enumerate(specs):
             p = {**base, "spec": spec, "mid": mid, "prefetch": BW_PREFETCH}
             full, server = run_ranks(
@@ -187,8 +189,15 @@ class Bench:
             fetched = sum(r["fetched"] for r in full)
             name = "batchweave" if storage == "file" else f"batchweave/{spec.client}"
             row = self.row(
-                corpus, storage, name, out["seconds"] if k == 0 else None, full, server, fetched,
-                resumed, mid,
+                corpus,
+                storage,
+                name,
+                out["seconds"] if k == 0 else None,
+                full,
+                server,
+                fetched,
+                resumed,
+                mid,
             )
             row["write MB/s"] = corpus.total_bytes / 1e6 / out["seconds"]
             row["write client"] = writer.client
@@ -217,8 +226,6 @@ class Bench:
         specs[0].clean(ns)
 
     def mosaicml(self, corpus: Corpus, storage: str) -> None:
-        if "mosaicml" in self.skipped:
-            return
         mid = corpus.steps // 2
         work = self.tmp / f"mds-{corpus.name}-{storage}"
         shutil.rmtree(work, ignore_errors=True)
@@ -257,7 +264,9 @@ class Bench:
                 cached = tree_bytes(Path(p["local"]))
                 phases.append((ranks, server, cached))
             (full, server, cached), (resumed, _, _) = phases
-            row = self.row(corpus, storage, "mosaicml", out["seconds"], full, server, cached, resumed, mid)
+            row = self.row(
+                corpus, storage, "mosaicml", out["seconds"], full, server, cached, resumed, mid
+            )
             row["write MB/s"] = corpus.total_bytes / 1e6 / out["seconds"]
         finally:
             _clean_mosaic_shm()
@@ -292,7 +301,9 @@ class Bench:
                 client = _boto3(self.specs[storage][0].options)
                 urls = [
                     client.generate_presigned_url(
-                        "get_object", Params={"Bucket": BUCKET, "Key": f"{prefix}/{n}"}, ExpiresIn=7200
+                        "get_object",
+                        Params={"Bucket": BUCKET, "Key": f"{prefix}/{n}"},
+                        ExpiresIn=7200,
                     )
                     for n in names
                 ]
@@ -308,7 +319,9 @@ class Bench:
             )
             # split_by_node: rank r streams shards r, r + W, ... end to end.
             fetched = sum(sizes)
-            row = self.row(corpus, storage, "webdataset", out["seconds"], full, server, fetched, resumed, mid)
+            row = self.row(
+                corpus, storage, "webdataset", out["seconds"], full, server, fetched, resumed, mid
+            )
             row["write MB/s"] = corpus.total_bytes / 1e6 / out["seconds"]
             row["shards"] = len(names)
         finally:
@@ -336,7 +349,9 @@ class Bench:
             url, pid = server
             p = {"corpus": corpus, "url": url, "stream": f"peers{corpus.name}"}
             out, wcpu = run_one(_peers_systems().nats_write, p, server_pids=[pid])
-            full, server_cpu = run_ranks(_peers_systems().nats_read, p, corpus.ranks, server_pids=[pid])
+            full, server_cpu = run_ranks(
+                _peers_systems().nats_read, p, corpus.ranks, server_pids=[pid]
+            )
         s = summarize(full)
         gb = s["delivered"] / 1e9
         self.mq_rows.append(
@@ -356,6 +371,10 @@ class Bench:
             }
         )
         self.log(f"{corpus.name} nats: ingest {self.mq_rows[-1]['ingest MB/s']:.0f} MB/s")
+
+
+def _fmt(value: Any) -> str:
+    return value if isinstance(value, str) else f"{value:.3f}"
 
 
 def _peers_systems() -> Any:
@@ -387,16 +406,22 @@ def _clean_mosaic_shm() -> None:
         clean_stale_shared_memory()
 
 
-def mosaic_problem() -> str | None:
-    """Why MosaicML Streaming cannot run here, or ``None``."""
-    try:
-        from _peers_systems import stub_torchvision_users
+def unavailable() -> dict[str, str]:
+    """Peers that cannot run here, each with the reason (``pip install -e '.[bench]'``)."""
+    from _peers_systems import stub_torchvision_users
 
-        stub_torchvision_users()
-        import streaming  # noqa: F401
-    except Exception as exc:
-        return f"`import streaming` failed: {type(exc).__name__}: {exc}"
-    return None
+    stub_torchvision_users()
+    out = {}
+    for system, module in (
+        ("mosaicml", "streaming"),
+        ("webdataset", "webdataset"),
+        ("nats", "nats"),
+    ):
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            out[system] = f"`import {module}` failed ({type(exc).__name__}: {exc}); not run"
+    return out
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -416,33 +441,59 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         peers = {r["system"]: r for r in group if not r["system"].startswith("batchweave")}
         base = {"corpus": key[0], "storage": key[1]}
 
-        def add(target: str, ours_v: str, peer_v: str, met: bool) -> None:
-            out.append({**base, "target": target, "batchweave": ours_v, "peer": peer_v,
-                        "met": "met" if met else "NOT met"})
+        def add(
+            target: str, ours_v: str, peer_v: str, met: bool, base: dict[str, str] = base
+        ) -> None:
+            out.append(
+                {
+                    **base,
+                    "target": target,
+                    "batchweave": ours_v,
+                    "peer": peer_v,
+                    "met": "met" if met else "NOT met",
+                }
+            )
 
         wds, mds = peers.get("webdataset"), peers.get("mosaicml")
         name = bw["system"]
         if wds:
-            add("agg MB/s >= WebDataset", f"{bw['agg MB/s']:.0f} ({name})", f"{wds['agg MB/s']:.0f}",
-                bw["agg MB/s"] >= wds["agg MB/s"])
+            add(
+                "agg MB/s >= WebDataset",
+                f"{bw['agg MB/s']:.0f} ({name})",
+                f"{wds['agg MB/s']:.0f}",
+                bw["agg MB/s"] >= wds["agg MB/s"],
+            )
         if mds:
-            add("agg MB/s >= 2.5x MosaicML", f"{bw['agg MB/s']:.0f}",
+            add(
+                "agg MB/s >= 2.5x MosaicML",
+                f"{bw['agg MB/s']:.0f}",
                 f"2.5 x {mds['agg MB/s']:.0f} = {2.5 * mds['agg MB/s']:.0f}",
-                bw["agg MB/s"] >= 2.5 * mds["agg MB/s"])
+                bw["agg MB/s"] >= 2.5 * mds["agg MB/s"],
+            )
         others = [r for r in (wds, mds) if r]
         if others:
-            add("ttfb < both", f"{bw['ttfb s']:.2f}s",
+            add(
+                "ttfb < both",
+                f"{bw['ttfb s']:.2f}s",
                 ", ".join(f"{r['system']} {r['ttfb s']:.2f}s" for r in others),
-                all(bw["ttfb s"] < r["ttfb s"] for r in others))
+                all(bw["ttfb s"] < r["ttfb s"] for r in others),
+            )
         if wds:
-            add("CPU s/GB (client+server) <= WebDataset", f"{bw['_cpu_total']:.2f}",
-                f"{wds['_cpu_total']:.2f}", bw["_cpu_total"] <= wds["_cpu_total"])
+            add(
+                "CPU s/GB (client+server) <= WebDataset",
+                f"{bw['_cpu_total']:.2f}",
+                f"{wds['_cpu_total']:.2f}",
+                bw["_cpu_total"] <= wds["_cpu_total"],
+            )
         amp = max(r["amp"] for r in ours)
         add("read amplification <= 1.02", f"{amp:.4f}", "-", amp <= 1.02)
         exact = [r for r in ours if r["resume exact"] != "-"]
-        add("exact resume", ", ".join(r["resume exact"] for r in exact),
+        add(
+            "exact resume",
+            ", ".join(r["resume exact"] for r in exact),
             ", ".join(f"{r['system']} {r['resume exact']}" for r in others),
-            all(r["resume exact"] == "yes" for r in exact))
+            all(r["resume exact"] == "yes" for r in exact),
+        )
     return out
 
 
@@ -468,7 +519,11 @@ def plots(rows: list[dict[str, Any]]) -> list[str]:
         for k, system in enumerate(systems):
             xs, ys = [], []
             for g, group in enumerate(groups):
-                match = [r for r in rows if (r["corpus"], r["storage"]) == group and r["system"] == system]
+                match = [
+                    r
+                    for r in rows
+                    if (r["corpus"], r["storage"]) == group and r["system"] == system
+                ]
                 if match and isinstance(match[0][col], float):
                     xs.append(g + k * width)
                     ys.append(match[0][col])
@@ -509,18 +564,37 @@ def section(bench: Bench, args: Any, corpora: list[Corpus], images: list[str]) -
     )
     mq = Report(
         "peers_mq",
-        ["corpus", "system", "storage", "ingest MB/s", "lat p50 ms", "lat p95 ms", "rank MB/s", "amp", "note"],
-        rows=bench.mq_rows + [
-            {"corpus": r["corpus"], "system": f"{r['system']} (prefetch {BW_PREFETCH})",
-             "storage": r["storage"], "ingest MB/s": r.get("write MB/s", "-"),
-             "lat p50 ms": r["lat p50 ms"], "lat p95 ms": r["lat p95 ms"],
-             "rank MB/s": r["rank MB/s"], "amp": r["amp"]}
-            for r in bench.rows if r["system"].startswith("batchweave") and r["write s"] != "-"
+        [
+            "corpus",
+            "system",
+            "storage",
+            "ingest MB/s",
+            "lat p50 ms",
+            "lat p95 ms",
+            "rank MB/s",
+            "amp",
+            "note",
+        ],
+        rows=bench.mq_rows
+        + [
+            {
+                "corpus": r["corpus"],
+                "system": f"{r['system']} (prefetch {BW_PREFETCH})",
+                "storage": r["storage"],
+                "ingest MB/s": r.get("write MB/s", "-"),
+                "lat p50 ms": r["lat p50 ms"],
+                "lat p95 ms": r["lat p95 ms"],
+                "rank MB/s": r["rank MB/s"],
+                "amp": r["amp"],
+            }
+            for r in bench.rows
+            if r["system"].startswith("batchweave") and r["write s"] != "-"
         ],
     )
     sizes = ", ".join(
-        f"{c.name}: {c.steps} steps x {c.ranks} ranks x {c.batch} samples = {c.n_samples:,} samples, "
-        f"{c.total_bytes / 1e9:.2f} GB" for c in corpora
+        f"{c.name}: {c.steps} steps x {c.ranks} ranks x {c.batch} samples = "
+        f"{c.n_samples:,} samples, {c.total_bytes / 1e9:.2f} GB"
+        for c in corpora
     )
     lines = [
         "## Peers",
@@ -533,7 +607,8 @@ def section(bench: Bench, args: Any, corpora: list[Corpus], images: list[str]) -
         "",
         f"Setup: {args.ranks} ranks as separate processes, 32 samples per rank per step, "
         f"sample sizes uniform in [avg/2, 3avg/2]. Corpora: {sizes}. Storages: "
-        + ", ".join(args.storages) + " (SeaweedFS 4.48 `weed mini` on 127.0.0.1, started by the "
+        + ", ".join(args.storages)
+        + " (SeaweedFS 4.48 `weed mini` on 127.0.0.1, started by the "
         "benchmark; `file://` reads come from the page cache for every system alike). The machine "
         "has 2 cores shared with other work, so absolute numbers are noisy; all systems ran "
         "back to back in the same run.",
@@ -543,9 +618,10 @@ def section(bench: Bench, args: Any, corpora: list[Corpus], images: list[str]) -
         "clients (obstore and boto3). MosaicML Streaming: `MDSWriter` (64 MB shards), "
         "`StreamingDataset(batch_size=32, shuffle=False)` per rank with its own partitioning; on "
         "S3 the shards are downloaded to a fresh local cache per run, on `file://` it reads the "
-        "shard directory in place. WebDataset: tar shards of at most 100 MB, as many as a multiple "
-        "of the rank count, `WebDataset(urls, nodesplitter=split_by_node)`; on S3 through `curl` on "
-        "presigned URLs (WebDataset's own `http` opener). Writes are one process per system.",
+        "shard directory in place. WebDataset: tar shards of at most 100 MB, as many as a "
+        "multiple of the rank count, `WebDataset(urls, nodesplitter=split_by_node)`; on S3 "
+        "through `curl` on presigned URLs (WebDataset's own `http` opener). Writes are one "
+        "process per system.",
         "",
         "Columns: `agg MB/s` = bytes delivered by all ranks / (last rank done - common start); "
         "`ttfb s` = slowest rank's time from start (dataset construction included) to its first "
@@ -616,7 +692,7 @@ def write_section(text: str) -> None:
         doc = "# Benchmarks\n\n" + "".join(f"## {s}\n\n" for s in SECTIONS)
     if "\n## Peers" not in "\n" + doc:
         doc = doc.rstrip("\n") + "\n\n## Peers\n"
-    start = ("\n" + doc).index("\n## Peers") 
+    start = ("\n" + doc).index("\n## Peers")
     rest = doc[start + len("## Peers") :]
     nxt = rest.find("\n## ")
     tail = rest[nxt + 1 :] if nxt >= 0 else ""
@@ -648,19 +724,18 @@ def main() -> None:
     ]
     clients = ("obstore", "boto3") if obstore_available() else ("boto3",)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="bw-peers-") as tmp, storages(
-        args.storages, clients=clients
-    ) as specs:
+    with (
+        tempfile.TemporaryDirectory(prefix="bw-peers-") as tmp,
+        storages(args.storages, clients=clients) as specs,
+    ):
         bench = Bench(args, Path(tmp), specs)
-        problem = mosaic_problem()
-        if problem:
-            bench.skipped["mosaicml"] = problem
+        bench.skipped.update(unavailable())
         for corpus in corpora:
             for storage in args.storages:
                 for system in ("batchweave", "mosaicml", "webdataset"):
-                    if system in systems:
+                    if system in systems and system not in bench.skipped:
                         getattr(bench, system)(corpus, storage)
-            if "nats" in systems:
+            if "nats" in systems and "nats" not in bench.skipped:
                 bench.nats(corpus)
     bench.log(f"done in {time.monotonic() - started:.0f}s")
     report = Report("peers", READ_COLUMNS, rows=bench.rows, notes=bench.notes)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import queue
 import resource
 import shutil
 import signal
@@ -98,8 +99,20 @@ def run_ranks(
     try:
         ready = 0
         deadline = time.monotonic() + timeout
+
+        def get() -> tuple[str, int, Any]:
+            while True:
+                try:
+                    return q.get(timeout=1.0)  # type: ignore[no-any-return]
+                except queue.Empty:
+                    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    if dead:
+                        return ("error", dead[0][0], f"process died with exit code {dead[0][1]}")
+                    if time.monotonic() > deadline:
+                        return ("error", -1, f"timed out after {timeout:.0f}s")
+
         while ready < n:
-            kind, rank, payload = q.get(timeout=max(1.0, deadline - time.monotonic()))
+            kind, rank, payload = get()
             if kind == "ready":
                 ready += 1
             elif kind == "error":
@@ -109,7 +122,7 @@ def run_ranks(
         if not errors:
             go.set()
         while len(results) + len(errors) < n and not (errors and not go.is_set()):
-            kind, rank, payload = q.get(timeout=max(1.0, deadline - time.monotonic()))
+            kind, rank, payload = get()
             if kind == "done":
                 results[rank] = payload
             elif kind == "error":

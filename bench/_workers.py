@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import multiprocessing as mp
+import os
 import signal
 import sys
 import threading
@@ -29,15 +30,17 @@ Task = Callable[[dict[str, Any], Callable[[], None]], Any]
 picklable result."""
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     """Ask Linux to SIGTERM this worker when the benchmark process dies (no orphans)."""
     if sys.platform == "linux":
         with contextlib.suppress(Exception):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the request above took effect
+        os._exit(1)
 
 
-def _worker_main(inbox: Any, outbox: Any, wid: int) -> None:
-    _die_with_parent()
+def _worker_main(inbox: Any, outbox: Any, wid: int, parent: int) -> None:
+    _die_with_parent(parent)
     while True:
         item = inbox.get()
         if item is None:
@@ -63,7 +66,7 @@ class WorkerPool:
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(size)]
         self._procs = [
-            ctx.Process(target=_worker_main, args=(q, self._outbox, i), daemon=True)
+            ctx.Process(target=_worker_main, args=(q, self._outbox, i, os.getpid()), daemon=True)
             for i, q in enumerate(self._inboxes)
         ]
         for p in self._procs:

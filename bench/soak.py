@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
-import glob
 import hashlib
 import json
 import logging
@@ -208,7 +207,9 @@ class Stats:
     """A worker's fault counters, rewritten atomically every couple of seconds (a SIGKILL loses
     at most the last interval's counts)."""
 
-    def __init__(self, cfg: Config, name: str, faulty: FaultInjectingStore, slow: SlowStore):
+    def __init__(
+        self, cfg: Config, name: str, faulty: FaultInjectingStore, slow: SlowStore
+    ) -> None:
         self.path = cfg.dir / "stats" / f"{name}-{os.getpid()}.json"
         self.path.parent.mkdir(exist_ok=True)
         self.faulty, self.slow = faulty, slow
@@ -789,6 +790,47 @@ def seal(admin: ObjectStore, cfg: Config) -> None:
         p.seal(timeout=120)
 
 
+Delivery = tuple[int, int, int]
+"""One line of a rank's delivery log: step, producer index, source offset."""
+
+
+def delivery_problems(
+    logs: list[list[Delivery]], steps: int, expected: list[tuple[int, int]]
+) -> list[tuple[str, str]]:
+    """Judge the ranks' delivery logs: ``(invariant, message)`` for every violation found.
+
+    ``expected`` is every committed ``(producer, offset)``, sorted; ``steps`` the sealed count.
+    """
+    found: list[tuple[str, str]] = []
+    for rank, rows in enumerate(logs):
+        delivered = [s for s, _, _ in rows]
+        if delivered != list(range(steps)):
+            missing = sorted(set(range(steps)) - set(delivered))[:5]
+            repeated = len(delivered) - len(set(delivered))
+            found.append(
+                (
+                    "every step delivered once per rank, in order",
+                    f"rank {rank}: {len(delivered)} deliveries for {steps} steps (missing "
+                    f"{missing}..., {repeated} repeated)",
+                )
+            )
+        got = sorted((p, o) for _, p, o in rows)
+        if got != expected:
+            extra = sorted(set(got) - set(expected))[:5]
+            lost = sorted(set(expected) - set(got))[:5]
+            found.append(
+                (
+                    "every committed offset delivered exactly once per rank",
+                    f"rank {rank}: {len(got)} deliveries, {len(expected)} committed offsets; "
+                    f"unexpected {extra}, missing {lost}, duplicates {len(got) - len(set(got))}",
+                )
+            )
+    disagree = [s for s in range(steps) if len({rows[s][1:] for rows in logs if len(rows) > s}) > 1]
+    if disagree:
+        found.append(("all ranks agree on every step", f"steps {disagree[:10]} differ"))
+    return found
+
+
 def judge(
     driver: Driver, admin: ObjectStore, log: ManifestLog, fault_seconds: float, args: Any
 ) -> int:
@@ -847,41 +889,21 @@ def judge(
         lines = path.read_text().split() if path.exists() else []
         rows = [tuple(int(x) for x in lines[i : i + 3]) for i in range(0, len(lines), 3)]
         logs.append(rows)  # type: ignore[arg-type]
-    for rank, rows in enumerate(logs):
-        steps = [s for s, _, _ in rows]
-        if steps != list(range(n)):
-            missing = sorted(set(range(n)) - set(steps))[:5]
-            dup = len(steps) - len(set(steps))
-            driver.problem(
-                "every step delivered once per rank, in order",
-                f"rank {rank}: {len(steps)} deliveries for {n} steps (missing {missing}..., "
-                f"{dup} repeated)",
-            )
-        got = sorted((p, o) for _, p, o in rows)
-        if got != expected:
-            extra = sorted(set(got) - set(expected))[:5]
-            lost = sorted(set(expected) - set(got))[:5]
-            driver.problem(
-                "every committed offset delivered exactly once per rank",
-                f"rank {rank}: {len(got)} deliveries, {len(expected)} committed offsets; "
-                f"unexpected {extra}, missing {lost}, duplicates {len(got) - len(set(got))}",
-            )
+    for invariant, message in delivery_problems(logs, n, expected):
+        driver.problem(invariant, message)
     checks["every step delivered once per rank, in order"] = f"{n} steps x {ranks} ranks"
     checks["every committed offset delivered exactly once per rank"] = (
         f"{len(expected)} offsets of {len(committed)} producers x {ranks} ranks"
     )
-    disagree = [s for s in range(n) if len({rows[s][1:] for rows in logs if len(rows) > s}) > 1]
-    if disagree:
-        driver.problem("all ranks agree on every step", f"steps {disagree[:10]} differ")
     checks["all ranks agree on every step"] = f"{n} steps"
     checks["payloads intact (checked by every rank)"] = f"{n * ranks} slices"
     checks["no worker failed"] = f"{sum(w.incarnation for w in driver.workers)} processes"
     checks["nothing readable lost before its boundary"] = (
         f"{len(driver.samples)} samples of base_step vs. every rank's checkpoint"
     )
-    for path in sorted(glob.glob(str(cfg.dir / "violations" / "*.txt"))):
-        text = Path(path).read_text()[-1500:]
-        driver.problem("payloads intact (checked by every rank)", f"{Path(path).name}: {text}")
+    for found in sorted((cfg.dir / "violations").glob("*.txt")):
+        text = found.read_text()[-1500:]
+        driver.problem("payloads intact (checked by every rank)", f"{found.name}: {text}")
 
     # 3. storage: live steps stayed within max_lag; a final pass leaves no data objects
     peak_live = max((s["next_step"] - s["base_step"] for s in driver.samples), default=0)
@@ -902,12 +924,12 @@ def judge(
 
     # fault counts from the workers
     injected: dict[str, int] = {}
-    for path in glob.glob(str(cfg.dir / "stats" / "*.json")):
-        for k, v in json.loads(Path(path).read_text()).items():
+    for found in (cfg.dir / "stats").glob("*.json"):
+        for k, v in json.loads(found.read_text()).items():
             injected[k] = injected.get(k, 0) + int(v)
     outage_lines = {"unreachable": 0, "reachable again": 0}
-    for path in glob.glob(str(cfg.dir / "logs" / "*.log")):
-        text = Path(path).read_text(errors="replace")
+    for found in (cfg.dir / "logs").glob("*.log"):
+        text = found.read_text(errors="replace")
         outage_lines["unreachable"] += text.count("the object store is unreachable")
         outage_lines["reachable again"] += text.count("the object store is reachable again")
 

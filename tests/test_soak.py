@@ -9,14 +9,33 @@ silently stopped injecting could not pass.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 
+from batchweave import Mesh
+
 SOAK = Path(__file__).resolve().parent.parent / "bench" / "soak.py"
+
+
+def _load_soak() -> ModuleType:
+    sys.path.insert(0, str(SOAK.parent))
+    spec = importlib.util.spec_from_file_location("bench_soak", SOAK)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+soak = _load_soak()
 
 INVARIANTS = {
     "batchweave verify passes",
@@ -30,6 +49,8 @@ INVARIANTS = {
 }
 
 
+@pytest.mark.seaweedfs
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_minute_soak_with_every_fault_kind(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
@@ -58,3 +79,48 @@ def test_two_minute_soak_with_every_fault_kind(tmp_path: Path) -> None:
     assert result["outage_log_lines"]["reachable again"] >= 1
     last = result["samples"][-1]
     assert last["next_step"] > 100, "the soak published too little to mean anything"
+
+
+# The judge must be able to fail: each tampering of correct logs is caught by its invariant.
+
+EXPECTED = [(0, 0), (0, 1), (1, 0)]
+GOOD = [(0, 0, 0), (1, 1, 0), (2, 0, 1)]
+
+
+def _judge(logs: list[list[tuple[int, int, int]]]) -> set[str]:
+    return {invariant for invariant, _ in soak.delivery_problems(logs, 3, EXPECTED)}
+
+
+def test_judge_accepts_correct_logs() -> None:
+    assert _judge([GOOD, list(GOOD)]) == set()
+
+
+ORDER = "every step delivered once per rank, in order"
+ONCE = "every committed offset delivered exactly once per rank"
+AGREE = "all ranks agree on every step"
+
+
+@pytest.mark.parametrize(
+    ("tamper", "caught"),
+    [
+        (lambda rows: [*rows, rows[-1]], ORDER),
+        (lambda rows: rows[:-1], ORDER),
+        (lambda rows: [rows[1], rows[0], rows[2]], ORDER),
+        (lambda rows: [*rows[:2], (2, 0, 0)], ONCE),
+        (lambda rows: [*rows[:2], (2, 1, 0)], AGREE),
+    ],
+)
+def test_judge_catches_each_violation(tamper: Any, caught: str) -> None:
+    assert caught in _judge([GOOD, tamper(list(GOOD))])
+
+
+def test_slice_check_rejects_foreign_and_corrupt_payloads() -> None:
+    mesh = Mesh(dp=2, cp=2)
+    slices = soak.tgb_payloads(3, 17, mesh, 256)
+    assert soak.check_slice(slices[3], 1, 1, 256) == (3, 17)
+    with pytest.raises(ValueError, match=r"rank \(0, 1\) got slice \(1, 1\)"):
+        soak.check_slice(slices[3], 0, 1, 256)
+    corrupt = bytearray(slices[3])
+    corrupt[-1] ^= 1
+    with pytest.raises(ValueError, match="corrupt bytes"):
+        soak.check_slice(bytes(corrupt), 1, 1, 256)
