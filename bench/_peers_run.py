@@ -50,7 +50,9 @@ def peak_rss_mb() -> float:
     return max(hwm, kids)
 
 
-def _entry(fn: Callable[..., dict[str, Any]], params: dict[str, Any], rank: int, q: Any, go: Any) -> None:
+def _entry(
+    fn: Callable[..., dict[str, Any]], params: dict[str, Any], rank: int, q: Any, go: Any
+) -> None:
     try:
         os.environ.update(params.get("env", {}))
 
@@ -105,7 +107,9 @@ def run_ranks(
                 try:
                     return q.get(timeout=1.0)  # type: ignore[no-any-return]
                 except queue.Empty:
-                    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    dead = [
+                        (r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                    ]
                     if dead:
                         return ("error", dead[0][0], f"process died with exit code {dead[0][1]}")
                     if time.monotonic() > deadline:
@@ -142,7 +146,9 @@ def run_ranks(
     return [results[r] for r in range(n)], server
 
 
-def run_one(fn: Callable[..., dict[str, Any]], params: dict[str, Any], **kw: Any) -> tuple[dict[str, Any], float]:
+def run_one(
+    fn: Callable[..., dict[str, Any]], params: dict[str, Any], **kw: Any
+) -> tuple[dict[str, Any], float]:
     """:func:`run_ranks` with one process (writers)."""
     results, server = run_ranks(fn, params, 1, **kw)
     return results[0], server
@@ -204,7 +210,10 @@ def nats_server() -> Iterator[tuple[str, int] | None]:
         try:
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline:
-                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                with (
+                    contextlib.suppress(OSError),
+                    socket.create_connection(("127.0.0.1", port), 0.2),
+                ):
                     break
                 if proc.poll() is not None:
                     raise RuntimeError((Path(tmp) / "nats.log").read_text()[-2000:])

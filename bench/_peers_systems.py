@@ -283,7 +283,9 @@ def nats_write(p: dict[str, Any], _rank: int, ready: Ready) -> dict[str, Any]:
         js = nc.jetstream(timeout=120)
         await js.add_stream(
             StreamConfig(
-                name=p["stream"], subjects=[f"{p['stream']}.{_SUBJECT}"], max_msg_size=NATS_MAX_PAYLOAD
+                name=p["stream"],
+                subjects=[f"{p['stream']}.{_SUBJECT}"],
+                max_msg_size=NATS_MAX_PAYLOAD,
             )
         )
         corpus.sample(0)
@@ -294,7 +296,9 @@ def nats_write(p: dict[str, Any], _rank: int, ready: Ready) -> dict[str, Any]:
                 pack_batch([corpus.sample(i) for i in corpus.rank_batch(step, r)])
                 for r in range(corpus.ranks)
             ]
-            tgb = encode_tgb(slices, mesh, codec="tensors", sample_counts=[corpus.batch] * corpus.ranks)
+            tgb = encode_tgb(
+                slices, mesh, codec="tensors", sample_counts=[corpus.batch] * corpus.ranks
+            )
             await js.publish(f"{p['stream']}.{_SUBJECT}", tgb.data, timeout=120)
             nbytes += tgb.size
         end = time.monotonic()

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
+import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +78,9 @@ def storages(
     unknown = sorted(set(names) - set(STORAGES))
     if unknown:
         raise SystemExit(f"unknown storage(s) {unknown}; choose from {', '.join(STORAGES)}")
+    if threading.current_thread() is threading.main_thread():
+        # Make `kill <pid>` unwind the context managers: stop SeaweedFS, delete the data.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bw-bench-")))
         out: dict[str, list[StoreSpec]] = {}

@@ -19,11 +19,11 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from batchweave import ByteRange, ObjectMeta, ObjectStore, PutMode
+from batchweave import ByteRange, ObjectStore, PutMode, StoreWrapper
 
 Task = Callable[[dict[str, Any], Callable[[], None]], Any]
 """``task(params, ready)``: prepare, call ``ready()`` (blocks until go), measure, return a
@@ -114,11 +114,13 @@ class WorkerPool:
             if kind != "ready":
                 others -= 1
 
-    def close(self) -> None:
+    def close(self, *, wait: float = 10.0) -> None:
+        """Stop the workers: let each finish its task for up to ``wait`` seconds, then kill it."""
         for inbox in self._inboxes:
             inbox.put(None)
+        deadline = time.monotonic() + wait
         for p in self._procs:
-            p.join(10)
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -126,8 +128,9 @@ class WorkerPool:
     def __enter__(self) -> WorkerPool:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # After a failure or an interrupt nothing the workers do is wanted any more.
+        self.close(wait=10.0 if exc_type is None else 0.0)
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,7 @@ class Event:
     ok: bool
 
 
-class TimedStore(ObjectStore):
+class TimedStore(StoreWrapper):
     """Passes every call to ``inner`` and records an :class:`Event` for it. Thread-safe.
 
     ``keep`` decides, per (op, key), whether to record (recording 100,000 events is cheap, but
@@ -150,8 +153,7 @@ class TimedStore(ObjectStore):
     """
 
     def __init__(self, inner: ObjectStore, keep: Callable[[str, str], bool] | None = None) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.events: list[Event] = []
         self._keep = keep or (lambda op, key: True)
         self._lock = threading.Lock()
@@ -182,15 +184,3 @@ class TimedStore(ObjectStore):
         data = self.inner.get_range(key, rng)
         self._record("get_range", key, start, len(data), True)
         return data
-
-    def head(self, key: str) -> ObjectMeta:
-        return self.inner.head(key)
-
-    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
-        return self.inner.list(prefix, start_after=start_after)
-
-    def delete_many(self, keys: Iterable[str]) -> None:
-        self.inner.delete_many(keys)
-
-    def close(self) -> None:
-        self.inner.close()

@@ -18,7 +18,7 @@ latency p50/p95 (data requests: slices, parts, whole objects), the time a rank w
 step p50/p95, time to first batch, and read amplification = bytes fetched (every GET and range
 GET through a ``CountingStore``, manifests and footers included) / slice bytes delivered.
 
-    python bench/consumers.py                 # the default subset (about 10 min, 2 cores)
+    python bench/consumers.py                 # the default subset (about 3-5 min, 2 cores)
     python bench/consumers.py --full          # every world size and slice size
     python bench/consumers.py --smoke         # seconds, for CI
 """

@@ -24,8 +24,8 @@ manifest at all. Reported per run:
 
 ``--long-run`` publishes 20,000 TGBs (segmented, DAC) and compares throughput over the last
 tenth of the TGBs with the first tenth, both as ingestion (appends, which block while the upload
-queue is full) and as visibility (TGBs committed per second; the last tenth includes the final
-drain of ``close()``).
+queue is full; the first tenth starts once the queue has filled) and as visibility (TGBs
+committed per second; the last tenth includes the final drain of ``close()``).
 
     python bench/producers.py                 # the default subset (about 15-20 min, 2 cores)
     python bench/producers.py --full          # the whole matrix of issue #3 (hours)
@@ -61,7 +61,6 @@ MESH = Mesh(dp=4)
 UNSEGMENTED = 1 << 40
 """A ``tail_limit`` no run reaches: the inline tail never rolls into segments."""
 UPLOAD_THREADS = 4
-MAX_INFLIGHT = 64 << 20
 MIB = 1 << 20
 
 COLUMNS = [
@@ -151,7 +150,7 @@ def produce_task(params: dict[str, Any], ready: Callable[[], None]) -> dict[str,
         mesh=MESH,
         policy=policy,
         upload_threads=UPLOAD_THREADS,
-        max_inflight_bytes=MAX_INFLIGHT,
+        max_inflight_bytes=params["max_inflight"],
     )
     if not params["segmented"]:
         # The producer has no public knob for its manifest log's tail limit; a benchmark may
@@ -277,17 +276,23 @@ def _success(logs: Iterable[Sequence[tuple[float, bool, float, int]]]) -> float:
     return sum(outcomes) / len(outcomes) if outcomes else float("nan")
 
 
-def _ingest_tenths(results: Sequence[dict[str, Any]]) -> tuple[float, float]:
+def _ingest_tenths(
+    results: Sequence[dict[str, Any]], payload: int, max_inflight: int
+) -> tuple[float, float]:
     """Appended TGBs per second over the first and the last tenth of the run's TGBs.
 
-    ``append`` blocks while the upload queue is full, so this is the ingestion rate, free of the
-    final drain of commits that ``close()`` adds at the very end.
+    ``append`` blocks while the upload queue is full, so once the queue has filled (the first
+    ``max_inflight // payload`` appends of each producer return at once) the append rate is the
+    ingestion rate, free of the final drain of commits that ``close()`` adds at the very end.
     """
     times = sorted(t for r in results for t in r["appended"])
-    start = min(r["t0"] for r in results)
-    end = max(r["t_uploaded"] for r in results)
+    queued = len(results) * max(1, max_inflight // payload)
     tenth = len(times) // 10
-    return tenth / (times[tenth] - start), tenth / (end - times[-tenth])
+    if len(times) < queued + 2 * tenth:
+        return float("nan"), float("nan")
+    first = tenth / (times[queued + tenth] - times[queued])
+    last = tenth / (times[-1] - times[-1 - tenth])
+    return first, last
 
 
 def _summary(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -325,6 +330,7 @@ def run_producers(
     policy: str,
     segmented: bool,
     tgbs: int,
+    max_inflight: int,
 ) -> list[dict[str, Any]]:
     namespace = f"prod-{uuid.uuid4().hex[:10]}"
     params = [
@@ -336,6 +342,7 @@ def run_producers(
             "payload": payload,
             "segmented": segmented,
             "tgbs": n,
+            "max_inflight": max_inflight,
         }
         for i, n in enumerate(_split(tgbs, producers))
     ]
@@ -457,13 +464,18 @@ def targets(rows: Sequence[dict[str, Any]], long_rows: Sequence[dict[str, Any]])
                 notes.append(
                     f"[{storage}] DAC >= 1.5x best baseline at 16 producers, 100 KB: not measured"
                 )
-        big = [r["vs_raw"] for r in mine if r["payload"] == "10MB" and r["policy"] == "dac"]
-        worst = min(big, default=None)
-        notes.append(
-            f"[{storage}] ingestion >= 80% of raw PUT at 10 MB: "
-            f"{_fmt_target(None if worst is None else worst >= 0.8)}"
-            + ("" if worst is None else f" (lowest {worst:.0%})")
-        )
+        for what, key in (("until visible", "MB/s"), ("uploads only", "ingest MB/s")):
+            big = [
+                r[key] / r["raw MB/s"]
+                for r in mine
+                if r["payload"] == "10MB" and r["policy"] == "dac"
+            ]
+            worst = min(big, default=None)
+            notes.append(
+                f"[{storage}] ingestion >= 80% of raw PUT at 10 MB ({what}): "
+                f"{_fmt_target(None if worst is None else worst >= 0.8)}"
+                + ("" if worst is None else f" (lowest {worst:.0%})")
+            )
         longs = [r for r in long_rows if r["storage"] == storage and r["segmented"] == "yes"]
         for r in longs:
             for what, key in (("ingestion", "ingest last/first"), ("visible", "last/first")):
@@ -485,6 +497,7 @@ def main() -> None:
     p.add_argument("--segmented", type=_csv(_yes_no), default=None, help="yes,no")
     p.add_argument("--budget-mb", type=int, default=600, help="payload MB per run")
     p.add_argument("--max-tgbs", type=int, default=2000, help="TGBs per run at most")
+    p.add_argument("--max-inflight-mb", type=int, default=64, help="upload queue per producer")
     p.add_argument("--long-run", action="store_true", help="also run the 20,000-TGB run")
     p.add_argument("--only-long-run", action="store_true", help="skip the matrix")
     p.add_argument("--long-run-tgbs", type=int, default=20_000)
@@ -496,7 +509,7 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.storages = args.storages or ["file"]
-        args.budget_mb, args.max_tgbs = 2, 24
+        args.budget_mb, args.max_tgbs, args.max_inflight_mb = 2, 24, 1
         args.long_run, args.long_run_tgbs, args.long_run_producers = True, 200, 2
     names = args.storages or list(STORAGES)
     plans = {name: [] if args.only_long_run else plan(args, name) for name in names}
@@ -529,6 +542,7 @@ def main() -> None:
                     policy=policy,
                     segmented=segmented,
                     tgbs=tgbs,
+                    max_inflight=args.max_inflight_mb * MIB,
                 )
                 row = {
                     "storage": spec.label,
@@ -553,9 +567,12 @@ def main() -> None:
                         policy="dac",
                         segmented=segmented,
                         tgbs=args.long_run_tgbs,
+                        max_inflight=args.max_inflight_mb * MIB,
                     )
                     first, last = _tenths(results)
-                    ingest_first, ingest_last = _ingest_tenths(results)
+                    ingest_first, ingest_last = _ingest_tenths(
+                        results, payload, args.max_inflight_mb * MIB
+                    )
                     row = {
                         "storage": spec.label,
                         "producers": args.long_run_producers,
@@ -576,7 +593,7 @@ def main() -> None:
         f"command: {command}",
         f"machine: {os.cpu_count()} cores shared with other engineers' test runs; every "
         "producer is a process; TGB = 4 slices of payload/4 bytes, raw codec; "
-        f"{UPLOAD_THREADS} upload threads and {MAX_INFLIGHT // MIB} MiB in flight per producer",
+        f"{UPLOAD_THREADS} upload threads and {args.max_inflight_mb} MiB in flight per producer",
         *targets(
             [{**r, "segmented": r["segmented"] == "yes"} for r in report.rows], long_report.rows
         ),
