@@ -497,6 +497,13 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def summary(rows: list[dict[str, Any]]) -> str:
+    """One sentence: how many targets were met, and which were not."""
+    missed = [f"{r['target']} ({r['corpus']}, {r['storage']})" for r in rows if r["met"] != "met"]
+    text = f"**Targets: {len(rows) - len(missed)} of {len(rows)} met in this run.**"
+    return text + (" Not met: " + "; ".join(missed) + "." if missed else "")
+
+
 def plots(rows: list[dict[str, Any]]) -> list[str]:
     """Bar charts of aggregate MB/s, time to first batch and CPU per GB; returns PNG names."""
     import matplotlib
@@ -565,8 +572,9 @@ PROFILE = [
     "CPU s/GB column): (1) each rank issues two GETs per step, the footer of the new TGB and "
     "then its slice; at 100 KB samples the slice is 3.2 MB, so footer reads double the request "
     "count (256 footer + 256 slice GETs for 32 steps x 8 ranks) while WebDataset issues one "
-    "GET per ~77 MB shard; (2) a slice is a range of a 25-256 MB object that SeaweedFS stores "
-    "in chunks, against WebDataset's whole-object streams. On a 2-core machine shared by 8 "
+    "GET per ~77 MB shard; (2) probably (not verified in SeaweedFS's code) the cost of serving "
+    "a range of a 25-256 MB object that SeaweedFS stores in chunks, against WebDataset's "
+    "whole-object streams. On a 2-core machine shared by 8 "
     "ranks and the server, total CPU per GB sets the aggregate throughput, so the two end up "
     "close on SeaweedFS.",
     "On `file://` with 1 MB samples a rank's 32 MB slice is read as eight parallel 4 MB "
@@ -670,6 +678,8 @@ def section(
         "first half). `resume exact` compares the sample ids every rank got after resuming with "
         "the uninterrupted run's.",
         "",
+        summary(tgt.rows),
+        "",
         "### Read, write and resume",
         "",
         read.markdown(),
@@ -693,7 +703,10 @@ def section(
         "waits for the JetStream ack), and each rank's pull consumer fetches every message, "
         "parses the TGB footer and keeps its own slice. `lat` is the time a rank waited for each "
         "batch (NATS: one `fetch(1)`; BatchWeave: one `next()`, with and without prefetch). "
-        "`ingest MB/s` for BatchWeave is its producer's write throughput on that store.",
+        "`ingest MB/s` for BatchWeave is its producer's write throughput on that store. Both "
+        "sides ran one producer: the paper's ingestion gap comes from many producers committing "
+        "concurrently (see the Producers section for BatchWeave's scaling), which one NATS "
+        "server on this 2-core machine cannot be compared against fairly.",
         "",
         mq.markdown(),
         "",
@@ -701,7 +714,7 @@ def section(
         "",
         "### Where BatchWeave's time goes",
         "",
-        *PROFILE,
+        *[f"- {paragraph}" for paragraph in PROFILE],
         "",
         "### Live producers",
         "",
