@@ -169,7 +169,10 @@ class Consumer:
     one and adding one per ``ramp_every`` delivered steps. Reads of at least ``split_threshold``
     bytes are split into ``part_size`` range reads filling one preallocated buffer. Transient
     store errors are retried with exponential backoff (``retry_backoff`` doubling up to
-    ``max_retry_backoff``), at most ``retry_budget`` times per step. An unreachable store
+    ``max_retry_backoff``), at most ``retry_budget`` times per step. The last ``footer_cache``
+    parsed footers are kept: while streaming each TGB is needed only by consecutive steps, and a
+    footer holds one object per slice, so keeping many costs memory and garbage-collector time
+    that grows with the world size. An unreachable store
     (:class:`StoreUnavailable`: an outage) spends no budget: the consumer keeps its position and
     waits for the store to return (bounded only by ``timeout`` at the head of the stream), logging
     when the outage starts and ends. ``clock`` and ``sleep`` are injectable so tests need no real
@@ -197,7 +200,7 @@ class Consumer:
         max_workers: int = 8,
         split_threshold: int = 8 * _MIB,
         part_size: int = 4 * _MIB,
-        footer_cache: int = 256,
+        footer_cache: int = 16,
         poll_interval: float = 0.05,
         max_poll_interval: float = 2.0,
         timeout: float | None = None,

@@ -434,11 +434,103 @@ def _footer_from_json(footer_bytes: bytes, key: str) -> TgbFooter:
     version = doc.get("format_version") if isinstance(doc, dict) else None
     if isinstance(version, int):
         _check_version(version, key)
+    fast = _fast_footer(doc)
+    if fast is not None:
+        return fast
     try:
         footer = TgbFooter.model_validate(doc)
     except ValidationError as exc:
         raise FormatError(f"object {key!r}: invalid TGB footer: {exc}") from exc
     _check_footer(footer, key)
+    return footer
+
+
+_ENTRY_FIELDS: Final = frozenset(SliceEntry.model_fields)
+_ALL_ENTRY_FIELDS_SET: Final = set(_ENTRY_FIELDS)
+_U64_LIMIT: Final = 1 << 64
+_new_object = object.__new__
+_set_attr = object.__setattr__
+
+
+def _entry(fields: dict[str, Any]) -> SliceEntry:
+    """Wrap already-validated ``fields`` (exactly SliceEntry's, all ints) without revalidating.
+
+    Sets exactly what ``SliceEntry.model_construct`` sets, minus its per-call field bookkeeping:
+    footers hold one entry per slice and are parsed once per step on every rank. All entries
+    share one fields-set (every field is always set, and frozen models never add to it), which
+    halves the objects the garbage collector tracks per parsed footer.
+    """
+    entry: SliceEntry = _new_object(SliceEntry)
+    _set_attr(entry, "__dict__", fields)
+    _set_attr(entry, "__pydantic_fields_set__", _ALL_ENTRY_FIELDS_SET)
+    _set_attr(entry, "__pydantic_extra__", None)
+    _set_attr(entry, "__pydantic_private__", None)
+    return entry
+
+
+def _fast_footer(doc: Any) -> TgbFooter | None:
+    """Validate a footer as this library writes it, with plain integer checks per slice.
+
+    Returns ``None`` (the caller then runs full pydantic validation and :func:`_check_footer`,
+    which raise the precise error or accept a lax-but-valid footer) on anything unusual: an
+    invalid or non-canonical value, slices out of offset order, any failed check. Everything it
+    accepts satisfies every rule :func:`_check_footer` and :class:`SliceEntry` enforce.
+    """
+    if not isinstance(doc, dict):
+        return None
+    raw_slices = doc.get("slices")
+    if type(raw_slices) is not list:
+        return None
+    algo = doc.get("checksum_algo")
+    payload_length = doc.get("payload_length")
+    if type(algo) is not str or algo not in _ALGO_IDS or type(payload_length) is not int:
+        return None
+    limit = min(1 << checksum_bits(algo), _U64_LIMIT)
+    same_lengths = doc.get("compression") is None
+    prev_end = 0
+    entries: list[SliceEntry] = []
+    for raw in raw_slices:
+        if type(raw) is not dict or raw.keys() != _ENTRY_FIELDS:
+            return None
+        offset = raw["offset"]
+        length = raw["length"]
+        uncompressed = raw["uncompressed_length"]
+        digest = raw["checksum"]
+        samples = raw["sample_count"]
+        if not (
+            type(offset) is int
+            and type(length) is int
+            and type(uncompressed) is int
+            and type(digest) is int
+            and type(samples) is int
+            and length >= 0
+            and uncompressed >= 0
+            and samples >= 0
+            and 0 <= digest < limit
+            and (not same_lengths or uncompressed == length)
+        ):
+            return None
+        if length:
+            # Non-empty slices in ascending, non-overlapping offset order (the writer's
+            # layout); anything else takes the general path.
+            if offset < prev_end:
+                return None
+            prev_end = offset + length
+            if prev_end > payload_length:
+                return None
+        elif not 0 <= offset <= payload_length:
+            return None
+        entries.append(_entry(raw))
+    try:
+        footer = TgbFooter.model_validate({**doc, "slices": tuple(entries)})
+    except ValidationError:
+        return None
+    if (
+        footer.codec not in CODECS
+        or (footer.compression is not None and footer.compression not in COMPRESSIONS)
+        or len(entries) != footer.mesh.slices
+    ):
+        return None
     return footer
 
 
