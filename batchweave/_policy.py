@@ -51,6 +51,26 @@ per TGB, while keeping TGBs visible within about ``10 W`` (half a second for a 5
 conflict budget decides and the duty budget is slack.
 """
 
+DEFAULT_MAX_GAP = 10.0
+"""``G``: the longest post-attempt gap in seconds, the bound on how long DAC keeps TGBs invisible.
+
+``g*`` grows like ``W (N-1) / k``: 141 ``W`` at 16 producers, minutes on a store whose fragile
+window is a second. Past ten seconds freshness matters more than the conflict budget; a lost
+attempt costs one more conditional PUT, an invisible TGB stalls consumers.
+"""
+
+DEFAULT_MAX_FORCED_GAP = 1.0
+"""The longest gap ``flush()``/``close()`` wait: they end a stream and a caller is waiting."""
+
+DEFAULT_WINDOW_CLAMP = 4.0
+"""A lost attempt's fragile window counts as at most this many times the current estimate ``W``.
+
+Losers' windows measured while contended conditional PUTs stall (SeaweedFS holds them for about a
+second) are outliers, not the window of a typical attempt. Clamped, one of them raises ``W`` by at
+most ``a (4 - 1) = 60 %`` (``a = 0.2``); won attempts count in full, so a real slowdown is
+tracked as fast as the EMA allows.
+"""
+
 
 @dataclass(frozen=True)
 class AttemptOutcome:
@@ -87,10 +107,24 @@ class CommitPolicy(abc.ABC):
     def record(self, outcome: AttemptOutcome) -> None:
         """Learn from an attempt's outcome."""
 
+    def start(self, window: float, active_producers: int) -> None:  # noqa: B027
+        """Called once when the producer has joined, before its first data attempt.
+
+        ``window`` is the duration of the producer's start-up (epoch) commit, ``active_producers``
+        the active count of the manifest it started on. The producer then counts the time since
+        start-up against :attr:`gap`, so a policy can delay (and desynchronize) first attempts.
+        The default ignores it.
+        """
+
     @property
     def gap(self) -> float:
         """The current post-attempt gap in seconds (0 for count-based policies)."""
         return 0.0
+
+    @property
+    def forced_gap(self) -> float:
+        """The gap ``flush()``/``close()`` wait for (never more than :attr:`gap`; default equal)."""
+        return self.gap
 
 
 class UniformSource(Protocol):
@@ -210,13 +244,24 @@ def dac_gap(
 
 @_register
 class DacPolicy(CommitPolicy):
-    """Decentralized Adaptive Commit: wait ``g = g*(1+u)`` after every attempt.
+    """Decentralized Adaptive Commit: wait ``g = min(g*, G)(1+u)`` after every attempt.
 
-    ``W`` is an exponential moving average of measured fragile windows (``W <- (1-a)W + a w``),
-    ``N`` the active producer count of the latest committed manifest; ``g*`` is :func:`dac_gap`
-    and ``u ~ Uniform(-jitter, jitter)`` keeps producers from falling into lock step. The gap is
-    recomputed after every attempt, so growing manifests (larger ``W``) and joining producers
-    (larger ``N``) widen it with no messages between producers.
+    ``W`` is an exponential moving average of measured fragile windows (``W <- (1-a)W + a w``,
+    a lost attempt's ``w`` clamped to ``window_clamp * W`` so a single window measured in a
+    conflict storm cannot dominate it), ``N`` the active producer count of the latest committed
+    manifest; ``g*`` is :func:`dac_gap` and ``u ~ Uniform(-jitter, jitter)`` keeps producers from
+    falling into lock step. The gap is recomputed after every attempt, so growing manifests
+    (larger ``W``) and joining producers (larger ``N``) widen it with no messages between
+    producers.
+
+    ``max_gap`` (``G``) bounds the jittered gap: it is the visibility-latency bound. When
+    ``W * N`` is so large that ``g*`` exceeds it, DAC deliberately lets the conflict rate exceed
+    ``eps`` rather than leave TGBs invisible for minutes. ``flush()``/``close()`` wait at most
+    ``max_forced_gap``: they end a stream, and a caller is waiting for visibility.
+
+    :meth:`start` seeds ``W`` with the start-up commit's window (unless ``initial_window`` was
+    given) and makes the first gap a uniformly random fraction of the seeded gap, so producers
+    started together do not all attempt at once. See ``docs/dac.md``.
     """
 
     name: ClassVar[str] = "dac"
@@ -230,6 +275,9 @@ class DacPolicy(CommitPolicy):
         initial_window: float | None = None,
         rng: UniformSource | None = None,
         seed: int | None = None,
+        max_gap: float = DEFAULT_MAX_GAP,
+        max_forced_gap: float = DEFAULT_MAX_FORCED_GAP,
+        window_clamp: float = DEFAULT_WINDOW_CLAMP,
     ) -> None:
         _check_budgets(conflict_budget, duty_budget)
         if not 0 < ema_alpha <= 1:
@@ -240,15 +288,30 @@ class DacPolicy(CommitPolicy):
             _check_window(initial_window)
         if rng is not None and seed is not None:
             raise ValueError("pass either rng or seed to DacPolicy, not both")
+        if not max_gap > 0:
+            raise ValueError(f"max_gap must be > 0 seconds (or math.inf), got {max_gap!r}")
+        if not 0 <= max_forced_gap <= max_gap:
+            raise ValueError(
+                f"max_forced_gap must be in [0, max_gap={max_gap!r}] seconds, "
+                f"got {max_forced_gap!r}"
+            )
+        if not window_clamp >= 1:
+            raise ValueError(
+                f"window_clamp must be >= 1 (or math.inf to disable it), got {window_clamp!r}"
+            )
         self.conflict_budget = conflict_budget
         self.duty_budget = duty_budget
         self.ema_alpha = ema_alpha
         self.jitter = jitter
+        self.max_gap = max_gap
+        self.max_forced_gap = max_forced_gap
+        self.window_clamp = window_clamp
         self._rng: UniformSource = rng if rng is not None else random.Random(seed)
         self._window = initial_window
         self._producers = 1
         self._target = 0.0
         self._gap = 0.0
+        self._forced_gap = 0.0
 
     @property
     def window(self) -> float | None:
@@ -262,16 +325,32 @@ class DacPolicy(CommitPolicy):
 
     @property
     def target_gap(self) -> float:
-        """``g*``, the gap before jitter."""
+        """``g*``, the gap before jitter and before the ``max_gap`` bound."""
         return self._target
 
     @property
     def gap(self) -> float:
-        """``g = g*(1+u)``, the gap the next attempt waits for."""
+        """``g = min(g*, G')(1+u)`` with ``G' = max_gap / (1+jitter)``: at most ``max_gap``."""
         return self._gap
+
+    @property
+    def forced_gap(self) -> float:
+        """The gap ``flush()``/``close()`` wait: like :attr:`gap`, bounded by ``max_forced_gap``."""
+        return self._forced_gap
 
     def ready(self, pending: int, since_last_attempt: float) -> bool:
         return pending >= 1 and since_last_attempt >= self._gap
+
+    def start(self, window: float, active_producers: int) -> None:
+        _check_window(window)
+        _check_producers(active_producers)
+        if self._window is None:
+            self._window = window
+        self._producers = active_producers
+        # Producers started together would all attempt at once and all but one would lose (and
+        # measure their windows under that contention): spread first attempts over one gap.
+        fraction = self._rng.uniform(0.0, 1.0)
+        self._set_gaps(self._window, fraction)
 
     def record(self, outcome: AttemptOutcome) -> None:
         _check_window(outcome.fragile_window)
@@ -279,19 +358,27 @@ class DacPolicy(CommitPolicy):
         if self._window is None:
             self._window = outcome.fragile_window
         else:
+            sample = outcome.fragile_window
+            if not outcome.committed and self._window > 0:
+                sample = min(sample, self.window_clamp * self._window)
             a = self.ema_alpha
-            self._window = (1 - a) * self._window + a * outcome.fragile_window
+            self._window = (1 - a) * self._window + a * sample
         self._producers = outcome.active_producers
-        self._target = dac_gap(
-            self._window, self._producers, self.conflict_budget, self.duty_budget
-        )
         u = self._rng.uniform(-self.jitter, self.jitter) if self.jitter else 0.0
-        self._gap = self._target * (1 + u)
+        self._set_gaps(self._window, 1 + u)
+
+    def _set_gaps(self, window: float, factor: float) -> None:
+        """``g*`` from ``window`` and ``N``; the gaps are the bounded target times ``factor``."""
+        self._target = dac_gap(window, self._producers, self.conflict_budget, self.duty_budget)
+        spread = 1 + self.jitter  # the largest factor, so the bounds hold after jitter
+        self._gap = min(self._target, self.max_gap / spread) * factor
+        self._forced_gap = min(self._target, self.max_forced_gap / spread) * factor
 
     def __repr__(self) -> str:
         return (
             f"DacPolicy(conflict_budget={self.conflict_budget}, duty_budget={self.duty_budget}, "
-            f"window={self._window}, producers={self._producers}, gap={self._gap:.6g})"
+            f"max_gap={self.max_gap}, window={self._window}, producers={self._producers}, "
+            f"gap={self._gap:.6g})"
         )
 
 

@@ -42,7 +42,13 @@ from batchweave._errors import (
 )
 from batchweave._format._checksum import checksum
 from batchweave._format._tgb import EncodedTgb, TgbBuilder, encode_tgb
-from batchweave._manifest._log import Committed, Conflict, ManifestLog, active_producers
+from batchweave._manifest._log import (
+    DEFAULT_TAIL_LIMIT,
+    Committed,
+    Conflict,
+    ManifestLog,
+    active_producers,
+)
 from batchweave._manifest._models import Manifest, ProducerState, TgbDescriptor, TgbObjectRef
 from batchweave._mesh import Mesh
 from batchweave._outage import OutageLog
@@ -177,6 +183,9 @@ class Producer:
       one log line says when the outage started and one when the store is back.
     - ``active_horizon``: producers whose last commit is older than this many seconds do not
       count as active for the DAC policy.
+    - ``tail_limit``: TGB descriptors kept inline in the manifest before a commit rolls them
+      into a segment object (``docs/protocol.md``); larger means fewer segment writes and a
+      larger manifest per commit. Every producer of a namespace should use the same value.
     """
 
     def __init__(
@@ -201,6 +210,7 @@ class Producer:
         max_retries: int = 8,
         backoff: Callable[[int], float] = _default_backoff,
         lag_log_interval: float = 5.0,
+        tail_limit: int = DEFAULT_TAIL_LIMIT,
     ) -> None:
         if "/" in producer_id:
             raise ValueError(f"producer_id {producer_id!r} must not contain '/'")
@@ -235,7 +245,10 @@ class Producer:
         self._cond = threading.Condition()
         self._outage = OutageLog(_LOG, f"producer {producer_id!r}", clock=clock)
         self._log = ManifestLog(
-            _AmbiguityCounter(store, self._count_ambiguous), namespace, clock=wall_clock
+            _AmbiguityCounter(store, self._count_ambiguous),
+            namespace,
+            clock=wall_clock,
+            tail_limit=tail_limit,
         )
         self._entries: deque[_Entry] = deque()
         self._inflight_bytes = 0
@@ -265,8 +278,16 @@ class Producer:
         self._lag_blocked_seconds = 0.0
         self._lag_blocked = False
 
+        self._start_window = 0.0
         self._base, self._epoch = self._start()
         self._base_read_at = self._clock()
+        # The epoch commit is the policy's first (uncontended, once it won) window measurement;
+        # the first data attempt is then paced from start-up like any later one.
+        self._policy.start(
+            self._start_window,
+            max(1, active_producers(self._base, self._wall_clock(), self._active_horizon)),
+        )
+        self._last_attempt_end = self._base_read_at
         state = self._base.producers[producer_id]
         self._committed_offset: int | None = state.offset
         self._resume_offset = 0 if state.offset is None else state.offset + 1
@@ -368,9 +389,9 @@ class Producer:
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every TGB appended so far is committed (visible to consumers).
 
-        Forces commits regardless of the policy's TGB-count condition (its time gap still
-        applies). ``timeout`` is in seconds of real time; raises ``TimeoutError`` when it passes.
-        Re-raises any background failure.
+        Forces commits regardless of the policy's TGB-count condition; the policy's (shorter)
+        :attr:`~batchweave.CommitPolicy.forced_gap` still applies. ``timeout`` is in seconds of
+        real time; raises ``TimeoutError`` when it passes. Re-raises any background failure.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -521,7 +542,9 @@ class Producer:
                     last_version=manifest.version + 1,
                     last_commit_at=self._wall_clock(),
                 )
+                began = self._clock()
                 result = self._log.commit(manifest, producers={self._producer_id: state})
+                self._start_window = self._clock() - began
                 if isinstance(result, Conflict) and result.winner is None:
                     result = Conflict(self._log.latest(manifest))
             except _RETRYABLE as exc:
@@ -757,6 +780,7 @@ class Producer:
         # Set once the whole remaining gap was slept: a clock too coarse to show it (or a fake one
         # advancing by less than float resolution) must not keep the loop waiting forever.
         gap_waited = False
+        woke_for_forced = False
         with self._cond:
             while True:
                 if self._error is not None or self._aborted:
@@ -769,7 +793,8 @@ class Producer:
                     self._cond.wait(_EVENT_WAIT)
                     continue
                 forced = seal_now or self._flush_waiters > 0 or self._closing
-                gap = self._policy.gap
+                # flush()/close() end a stream: they wait the policy's (shorter) forced gap.
+                gap = self._policy.forced_gap if forced else self._policy.gap
                 since = self._clock() - self._last_attempt_end
                 if gap_waited:
                     since = max(since, gap)
@@ -778,6 +803,12 @@ class Producer:
                 remaining = gap - since
                 if remaining > 0:
                     chunk = min(remaining, _TIME_WAIT_CHUNK)
+                    until_forced = self._policy.forced_gap - since
+                    if not forced and not woke_for_forced and 0 < until_forced < chunk:
+                        # A flush()/close() arriving during this sleep need only wait the forced
+                        # gap: wake when it expires and re-check (once per wait).
+                        chunk = until_forced
+                        woke_for_forced = True
                     self._cond.release()
                     try:
                         self._sleep(chunk)

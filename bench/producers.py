@@ -53,6 +53,7 @@ from _servers import STORAGES, StoreSpec, storages
 from _workers import TimedStore, WorkerPool
 
 from batchweave import AttemptOutcome, CommitPolicy, Mesh, Producer, encode_tgb
+from batchweave._manifest._log import DEFAULT_TAIL_LIMIT
 from batchweave._policy import make_policy, policy_names
 
 PAYLOADS = {"100KB": 100_000, "1MB": 1_000_000, "10MB": 10_000_000}
@@ -122,9 +123,16 @@ class RecordingPolicy(CommitPolicy):
         self.log.append((time.monotonic(), outcome.committed, outcome.fragile_window, outcome.tgbs))
         self.inner.record(outcome)
 
+    def start(self, window: float, active_producers: int) -> None:
+        self.inner.start(window, active_producers)
+
     @property
     def gap(self) -> float:
         return self.inner.gap
+
+    @property
+    def forced_gap(self) -> float:
+        return self.inner.forced_gap
 
 
 def _slices(payload: int) -> list[bytes]:
@@ -151,12 +159,8 @@ def produce_task(params: dict[str, Any], ready: Callable[[], None]) -> dict[str,
         policy=policy,
         upload_threads=UPLOAD_THREADS,
         max_inflight_bytes=params["max_inflight"],
+        tail_limit=DEFAULT_TAIL_LIMIT if params["segmented"] else UNSEGMENTED,
     )
-    if not params["segmented"]:
-        # The producer has no public knob for its manifest log's tail limit; a benchmark may
-        # reach in to switch segmentation off.
-        producer._log.tail_limit = UNSEGMENTED
-        producer._log.max_segment_tgbs = UNSEGMENTED
     ready()
     t0 = time.monotonic()
     appended: list[float] = []

@@ -208,14 +208,90 @@ def test_alpha_one_tracks_the_last_window() -> None:
 
 
 def test_conflict_burst_widens_the_gap() -> None:
-    policy = DacPolicy(jitter=0.0)
+    policy = DacPolicy(jitter=0.0, max_gap=math.inf)
     policy.record(outcome(window=0.1, producers=4))
     before = policy.gap
-    policy.record(outcome(committed=False, window=0.5, producers=8))
+    policy.record(outcome(committed=False, window=0.3, producers=8))
     assert policy.producers == 8
     assert policy.gap > before
-    # W = 0.8*0.1 + 0.2*0.5 = 0.18, N=8 -> 0.18 * (7/0.105360515657826 - 1) = 11.7789391921
-    assert policy.gap == pytest.approx(11.7789391921, rel=1e-9)
+    # W = 0.8*0.1 + 0.2*0.3 = 0.14, N=8 -> 0.14 * (7/0.105360515657826 - 1) = 9.1614...
+    assert policy.gap == pytest.approx(0.14 * (7 / 0.105360515657826 - 1), rel=1e-9)
+
+
+def test_one_outlier_window_is_clamped_to_k_times_the_estimate() -> None:
+    # A window measured while contended PUTs stall (1 s against a typical 0.1 s) counts as at
+    # most window_clamp (4) x W: W = 0.8*0.1 + 0.2*0.4 = 0.16, not 0.28.
+    policy = DacPolicy(jitter=0.0, initial_window=0.1)
+    policy.record(outcome(committed=False, window=1.0, producers=8))
+    assert policy.window == pytest.approx(0.16)
+    # A sustained slowdown is still followed: each sample may raise W by up to 60 %.
+    for _ in range(20):
+        policy.record(outcome(window=1.0, producers=8))
+    assert policy.window == pytest.approx(1.0, rel=0.05)
+    unclamped = DacPolicy(jitter=0.0, initial_window=0.1, window_clamp=math.inf)
+    unclamped.record(outcome(committed=False, window=1.0, producers=8))
+    assert unclamped.window == pytest.approx(0.28)
+
+
+def test_won_attempts_and_a_zero_estimate_are_not_clamped() -> None:
+    # A won attempt measures what an attempt costs: it counts in full (0.8*0.1 + 0.2*1.0).
+    policy = DacPolicy(jitter=0.0, initial_window=0.1)
+    policy.record(outcome(committed=True, window=1.0, producers=8))
+    assert policy.window == pytest.approx(0.28)
+    # A start-up window too short for the clock (0) must not pin W at 0 for ever.
+    seeded_zero = DacPolicy(jitter=0.0, rng=FixedDraw(0.5))
+    seeded_zero.start(0.0, 4)
+    assert seeded_zero.gap == 0.0
+    seeded_zero.record(outcome(committed=False, window=0.5, producers=4))
+    assert seeded_zero.window == pytest.approx(0.1)
+
+
+def test_max_gap_bounds_the_jittered_gap_but_not_the_target() -> None:
+    # W = 1 s, N = 16: g* = 141 s. The default bound (10 s) holds after jitter, too.
+    for fraction in (0.0, 0.5, 1.0):
+        policy = DacPolicy(rng=FixedDraw(fraction))
+        policy.record(outcome(window=1.0, producers=16))
+        assert policy.target_gap == pytest.approx(dac_gap(1.0, 16))
+        assert policy.gap == pytest.approx(10.0 / 1.2 * (0.8 + 0.4 * fraction))
+        assert policy.gap <= policy.max_gap == 10.0
+        assert policy.forced_gap == pytest.approx(1.0 / 1.2 * (0.8 + 0.4 * fraction))
+        assert policy.forced_gap <= policy.max_forced_gap == 1.0
+
+
+def test_forced_gap_equals_the_gap_when_the_gap_is_short() -> None:
+    policy = DacPolicy(jitter=0.0)
+    policy.record(outcome(window=0.01, producers=1))  # g* = 9 W = 0.09 s
+    assert policy.forced_gap == policy.gap == pytest.approx(0.09)
+
+
+def test_start_seeds_the_window_and_desynchronizes_the_first_attempt() -> None:
+    draw = FixedDraw(0.25)
+    policy = DacPolicy(rng=draw)
+    policy.start(0.1, 8)
+    assert draw.calls == [(0.0, 1.0)]
+    assert policy.window == pytest.approx(0.1)
+    assert policy.producers == 8
+    # A quarter of the (bounded) start gap: producers started together spread their attempts.
+    assert policy.gap == pytest.approx(0.25 * 6.5438551067, rel=1e-9)
+    assert not policy.ready(3, 0.25 * 6.5)
+    assert policy.ready(1, 0.25 * 6.55)
+    # The next measurement updates the seeded EMA as usual (its window is not clamped: < 4 W).
+    policy.record(outcome(window=0.2, producers=8))
+    assert policy.window == pytest.approx(0.12)
+
+
+def test_start_keeps_an_explicit_initial_window() -> None:
+    policy = DacPolicy(jitter=0.0, initial_window=0.05, rng=FixedDraw(1.0))
+    policy.start(3.0, 1)
+    assert policy.window == 0.05
+    assert policy.gap == pytest.approx(0.45)
+
+
+def test_count_policies_ignore_start() -> None:
+    for name in ("naive", "fixed10", "incr", "aimd"):
+        policy = make_policy(name)
+        policy.start(1.0, 16)
+        assert policy.gap == policy.forced_gap == 0.0
 
 
 def test_producers_leaving_shrinks_the_gap() -> None:
@@ -253,7 +329,7 @@ def test_zero_jitter_draws_nothing() -> None:
 def test_jittered_gap_stays_within_bounds(
     jitter: float, seed: int, window: float, producers: int
 ) -> None:
-    policy = DacPolicy(jitter=jitter, seed=seed)
+    policy = DacPolicy(jitter=jitter, seed=seed, max_gap=math.inf)
     for _ in range(5):
         policy.record(outcome(window=window, producers=producers))
         target = policy.target_gap
@@ -293,6 +369,10 @@ def test_random_random_is_an_accepted_source() -> None:
         ({"ema_alpha": 1.5}, "ema_alpha"),
         ({"initial_window": -1.0}, "fragile window"),
         ({"rng": random.Random(1), "seed": 1}, "either rng or seed"),
+        ({"max_gap": 0.0}, "max_gap"),
+        ({"max_forced_gap": -1.0}, "max_forced_gap"),
+        ({"max_gap": 0.5, "max_forced_gap": 1.0}, "max_forced_gap"),
+        ({"window_clamp": 0.5}, "window_clamp"),
     ],
 )
 def test_dac_validates_parameters(kwargs: dict[str, object], message: str) -> None:

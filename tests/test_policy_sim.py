@@ -14,12 +14,17 @@ import pytest
 from batchweave._dac_sim import SimResult, format_table, policy_factory, simulate, sweep
 from batchweave._policy import AttemptOutcome, CommitPolicy, DacPolicy
 
+# Time here is in units of the mean window W, so DAC's absolute visibility bound (``max_gap``,
+# 10 s by default) would cap g* at 10 W: these tests check the conflict model itself, unbounded.
+# ``test_max_gap_bounds_visibility_and_lets_conflicts_exceed_the_budget`` covers the bound.
+DAC = policy_factory("dac", max_gap=math.inf)
+
 
 def dac_run(producers: int, eps: float, seed: int, **options: Any) -> SimResult:
     # With eps=0.1 and N=16 one attempt cycle is W + g* ~ 143 W, so 12,000 W give each producer
     # ~85 attempts, ~1,300 in all; tgb_rate=0.1 per W keeps a TGB pending at every gap expiry.
     return simulate(
-        policy_factory("dac", conflict_budget=eps),
+        policy_factory("dac", conflict_budget=eps, max_gap=math.inf),
         producers,
         window=1.0,
         duration=12_000 * (0.1 / eps),
@@ -62,7 +67,7 @@ def test_dac_keeps_its_budget_as_the_window_grows() -> None:
     # (~800 commits).
     # DAC's EMA follows it, so the conflict rate stays on budget; FIXED10 does not adapt.
     options: dict[str, Any] = {"window_growth": 0.005, "tgb_rate": 2.0, "warmup": 200.0}
-    dac = simulate("dac", 8, 1.0, 20_000.0, seed=3, **options)
+    dac = simulate(DAC, 8, 1.0, 20_000.0, seed=3, **options)
     fixed = simulate("fixed10", 8, 1.0, 20_000.0, seed=3, **options)
     assert dac.commits > 250
     assert LOW * 0.1 <= dac.conflict_rate <= HIGH * 0.1, dac
@@ -75,7 +80,7 @@ def test_naive_conflicts_far_more_than_dac(producers: int) -> None:
     # so most of its attempts lose. Same store, same TGB stream, same seed.
     options: dict[str, Any] = {"tgb_rate": 5.0, "warmup": 50.0}
     naive = simulate("naive", producers, 1.0, 1_000.0, seed=1, **options)
-    dac = simulate("dac", producers, 1.0, 1_000.0, seed=1, **options)
+    dac = simulate(DAC, producers, 1.0, 1_000.0, seed=1, **options)
     assert naive.conflict_rate > 0.6
     assert naive.conflict_rate > 5 * dac.conflict_rate
     assert naive.attempts_per_second > 20 * dac.attempts_per_second
@@ -86,10 +91,26 @@ def test_blocking_producers_lose_throughput_to_naive_retries() -> None:
     # most of its time in doomed attempts, DAC about d(g*) = k/(N-1) = 1.5% of it.
     options: dict[str, Any] = {"tgb_rate": 0.5, "warmup": 50.0, "blocking": True}
     naive = simulate("naive", 8, 1.0, 2_000.0, seed=2, **options)
-    dac = simulate("dac", 8, 1.0, 2_000.0, seed=2, **options)
+    dac = simulate(DAC, 8, 1.0, 2_000.0, seed=2, **options)
     assert naive.duty > 0.5
     assert dac.duty < 0.05
     assert dac.tgbs_per_second > 2 * naive.tgbs_per_second
+
+
+def test_max_gap_bounds_visibility_and_lets_conflicts_exceed_the_budget() -> None:
+    # A 1 s window at N=16 asks for g* = 141 s; the default max_gap (10 s) bounds the jittered
+    # gap instead, trading conflicts (p(10 s) = 1 - exp(-15/11) = 74% in the model) for TGBs
+    # visible within seconds rather than minutes.
+    options: dict[str, Any] = {"tgb_rate": 1.0, "warmup": 100.0}
+    bounded = simulate("dac", 16, 1.0, 2_000.0, seed=4, **options)
+    unbounded = simulate(DAC, 16, 1.0, 2_000.0, seed=4, **options)
+    assert bounded.mean_gap <= 10.0
+    assert unbounded.mean_gap > 100.0
+    assert bounded.conflict_rate > 0.2
+    assert unbounded.conflict_rate < 0.2
+    # Measured: p50 15 W against 78 W, p95 62 W against 203 W.
+    assert bounded.latency_p50 < unbounded.latency_p50 / 3
+    assert bounded.latency_p95 < unbounded.latency_p95 / 2
 
 
 def test_count_based_policies_commit_in_batches() -> None:
@@ -103,7 +124,7 @@ def test_count_based_policies_commit_in_batches() -> None:
 
 def test_single_dac_producer_is_paced_by_the_duty_budget() -> None:
     # N=1: never a conflict, and g* = W (1/delta - 1) = 9 W, so about one attempt per 10 W.
-    result = simulate("dac", 1, 1.0, 10_000.0, seed=6, tgb_rate=1.0, warmup=100.0)
+    result = simulate(DAC, 1, 1.0, 10_000.0, seed=6, tgb_rate=1.0, warmup=100.0)
     assert result.conflicts == 0
     assert result.attempts_per_second == pytest.approx(0.1, rel=0.1)
     assert result.duty == pytest.approx(0.1, rel=0.1)

@@ -471,6 +471,59 @@ def test_dac_gap_is_waited_with_the_injected_sleep(store: MemoryStore) -> None:
     assert len(gap_waits) >= 2, fake.sleeps  # flushes 2 and 3 each waited out a gap
 
 
+class FixedDraw:
+    """A UniformSource returning the same fraction of every interval."""
+
+    def __init__(self, fraction: float) -> None:
+        self.fraction = fraction
+
+    def uniform(self, a: float, b: float) -> float:
+        return a + (b - a) * self.fraction
+
+
+def test_first_dac_attempt_waits_a_random_fraction_of_the_start_gap(store: MemoryStore) -> None:
+    fake = FakeTime(1000.0)
+    ticking = TickingStore(store, fake, put_seconds=0.01)
+    policy = bw.DacPolicy(jitter=0.0, rng=FixedDraw(0.5))
+    with make(ticking, fake=fake, policy=policy) as p:
+        # The epoch commit measured W = 0.01 s: g* = 9 W = 0.09 s, and the draw picked half.
+        assert policy.window == pytest.approx(0.01)
+        assert policy.gap == pytest.approx(0.045)
+        p.append(payloads(0), offset=0)
+        p.flush()
+    assert committed_offsets(store, "p0") == [0]
+    assert fake.sleeps[0] == pytest.approx(0.045), fake.sleeps
+
+
+def test_flush_wakes_when_the_forced_gap_expires(store: MemoryStore) -> None:
+    fake = FakeTime(1000.0)
+    ticking = TickingStore(store, fake, put_seconds=0.01)
+    policy = bw.DacPolicy(jitter=0.0, max_forced_gap=0.02, rng=FixedDraw(1.0))
+    with make(ticking, fake=fake, policy=policy) as p:
+        for off in range(3):
+            p.append(payloads(off), offset=off)
+            p.flush()
+        stats = p.stats()
+    assert committed_offsets(store, "p0") == [0, 1, 2]
+    assert stats.gap == pytest.approx(0.09)  # what a non-forced attempt would wait
+    assert policy.forced_gap == pytest.approx(0.02)
+    # Each attempt's wait ends (or, if the commit loop saw the TGB before flush() registered,
+    # first wakes) when the forced gap expires; a flush never needs the full 0.09 s gap.
+    assert sum(1 for s in fake.sleeps if s == pytest.approx(0.02)) >= 3, fake.sleeps
+    assert all(s <= 0.09 + 1e-9 for s in fake.sleeps), fake.sleeps
+
+
+def test_tail_limit_is_passed_to_the_manifest_log(store: MemoryStore) -> None:
+    with make(store, tail_limit=2) as p:
+        for off in range(5):
+            p.append(payloads(off), offset=off)
+            p.flush()
+    _, m = latest(store)
+    assert m.next_step == 5
+    assert len(m.tail) < 2
+    assert sum(r.count for r in m.segments) >= 4
+
+
 # ---------------------------------------------------------------------------------------------
 # max_lag
 

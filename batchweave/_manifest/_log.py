@@ -30,7 +30,12 @@ from batchweave._errors import (
 )
 from batchweave._manifest._codec import decode_manifest, encode_manifest
 from batchweave._manifest._models import Manifest, ProducerState, TgbDescriptor
-from batchweave._manifest._segments import SegmentFiles, cut_below, find_segment
+from batchweave._manifest._segments import (
+    DEFAULT_MERGE_FANOUT,
+    SegmentFiles,
+    cut_below,
+    find_segment,
+)
 from batchweave._mesh import Mesh
 from batchweave._store._base import ObjectStore, validate_key
 
@@ -38,6 +43,8 @@ __all__ = [
     "MANIFESTS_DIR",
     "NAMESPACE_DIRS",
     "PROBE_TRUST_SECONDS",
+    "DEFAULT_MERGE_FANOUT",
+    "DEFAULT_TAIL_LIMIT",
     "CommitResult",
     "Committed",
     "Conflict",
@@ -56,6 +63,9 @@ PROBE_TRUST_SECONDS = 60.0
 """``latest(known)`` trusts a missing ``known.version + 1`` only for a ``known`` committed this
 recently; older ones are confirmed with a LIST, since the reclaimer may have deleted versions
 superseded more than its grace period (default 600 s, which must stay well above this) ago."""
+
+DEFAULT_TAIL_LIMIT = 256
+"""Descriptors kept inline in a manifest before a commit rolls them into a segment object."""
 
 _VERSION_RE = re.compile(r"([0-9]{20})\.manifest")
 _AMBIGUOUS_RESENDS = 3
@@ -103,6 +113,7 @@ class ManifestLog:
     ``f"{namespace}/"``. Thread-safe; segment reads are cached (``segment_cache`` segments).
     ``tail_limit`` descriptors stay inline before the tail rolls into a segment object, and
     merged segments hold at most ``max_segment_tgbs`` descriptors (default ``64 * tail_limit``).
+    ``merge_fanout`` segments of one level merge into one of the next (``docs/protocol.md``).
     """
 
     def __init__(
@@ -111,9 +122,10 @@ class ManifestLog:
         namespace: str,
         *,
         clock: Callable[[], float] = time.time,
-        tail_limit: int = 256,
+        tail_limit: int = DEFAULT_TAIL_LIMIT,
         segment_cache: int = 64,
         max_segment_tgbs: int | None = None,
+        merge_fanout: int = DEFAULT_MERGE_FANOUT,
     ) -> None:
         if namespace.endswith("/"):
             raise ValueError(f"namespace {namespace!r} must not end with '/'")
@@ -129,6 +141,9 @@ class ManifestLog:
             raise ValueError(
                 f"max_segment_tgbs ({self.max_segment_tgbs}) must be >= tail_limit ({tail_limit})"
             )
+        if merge_fanout < 2:
+            raise ValueError(f"merge_fanout must be >= 2, got {merge_fanout}")
+        self.merge_fanout = merge_fanout
         self._segments = SegmentFiles(store, self.key, cache=segment_cache)
         self._namespace_id: str | None = None
         self._reclaimed_below = 0
@@ -437,6 +452,7 @@ class ManifestLog:
                 base_step=new_base,
                 tail_limit=self.tail_limit,
                 max_segment_tgbs=self.max_segment_tgbs,
+                fanout=self.merge_fanout,
             )
             tail, tail_start = (), next_step
         return Manifest(

@@ -2,19 +2,28 @@
 
 A manifest lists its TGBs as segment references plus an inline tail. When a commit makes the tail
 reach ``tail_limit`` descriptors, the committer writes the tail as a new segment object *before*
-its conditional PUT. So that the number of references stays small, the new run absorbs the newest
-existing segments while they are not bigger than it (a binary counter, as in LSM tiering):
+its conditional PUT. So that the number of references stays small, the new run may absorb the
+newest existing segments (size-tiered merging with fanout ``F``, default 8):
 
-* the *level* of a run of ``n`` descriptors is ``floor(log2(n / tail_limit))`` (0 below that);
-* the new run absorbs the newest reference while that reference's level is <= the run's level
-  and the merged run stays within ``max_segment_tgbs``;
-* so levels strictly decrease from old to new among unfrozen segments: at most
-  ``log2(max_segment_tgbs / tail_limit) + 1`` of them, plus one frozen (full) segment per
-  ``max_segment_tgbs`` steps of retained history, which reclamation cuts.
+* the *level* of a run of ``n`` descriptors is ``floor(log_F(n / tail_limit))`` (0 below that);
+  a segment is *full* once it holds more than ``max_segment_tgbs / 2`` descriptors and is never
+  rewritten again;
+* the new run absorbs the newest reference if that reference is of a lower level, or, when it
+  is of the run's own level, only together with the ``F - 1`` newest references, all of that
+  level (``F`` runs of one level become one of the next); merged runs stay within
+  ``max_segment_tgbs``: a group that would exceed it contributes its newest references that fit
+  (the result is full);
+* so, between full segments, levels do not increase from old to new and each level holds at
+  most ``F - 1`` references: at most ``(F - 1)(log_F(max_segment_tgbs / tail_limit) + 1)`` of
+  them, plus about two references per ``max_segment_tgbs`` steps of retained history, which
+  reclamation cuts.
 
-Each descriptor is rewritten at most ``log2(max_segment_tgbs / tail_limit)`` times, and a merge
-writes one object however many references it absorbs. A committer that loses its race leaves its
-segment unreferenced; the reclaimer deletes such orphans after a grace period.
+A level merge happens once per ``F`` runs of that level, so each descriptor is rewritten at most
+``log_F(max_segment_tgbs / tail_limit)`` times (2 with the defaults; fanout 2 would be 6) and
+the bytes a commit writes for segments, amortized over a run, stay proportional to the
+descriptors it appends. A merge writes one object however many references it absorbs. A
+committer that loses its race leaves its segment unreferenced; the reclaimer deletes such
+orphans after a grace period.
 
 Segments are immutable, so readers cache them by key (:class:`SegmentFiles`): looking up any step
 costs at most one segment read.
@@ -34,6 +43,7 @@ from batchweave._manifest._models import Segment, SegmentRef, TgbDescriptor
 from batchweave._store._base import ObjectStore
 
 __all__ = [
+    "DEFAULT_MERGE_FANOUT",
     "SEGMENTS_DIR",
     "SegmentFiles",
     "cut_below",
@@ -45,29 +55,63 @@ __all__ = [
 
 SEGMENTS_DIR = "_segments"
 
+DEFAULT_MERGE_FANOUT = 8
+"""``F``: segments of one level that merge into one of the next (see the module docstring)."""
+
 
 def segment_key(first_step: int) -> str:
     """A fresh key (relative to the namespace) for a segment starting at ``first_step``."""
     return f"{SEGMENTS_DIR}/{first_step:020d}-{uuid.uuid4().hex}.seg"
 
 
-def segment_level(count: int, tail_limit: int) -> int:
-    """``floor(log2(count / tail_limit))``, and 0 for runs shorter than ``tail_limit``."""
-    return max(count // tail_limit, 1).bit_length() - 1
+def segment_level(count: int, tail_limit: int, fanout: int = DEFAULT_MERGE_FANOUT) -> int:
+    """``floor(log_fanout(count / tail_limit))``, and 0 for runs shorter than ``tail_limit``."""
+    ratio, level = count // tail_limit, 0
+    while ratio >= fanout:
+        ratio //= fanout
+        level += 1
+    return level
 
 
 def merge_run_length(
-    segments: Sequence[SegmentRef], new_count: int, *, tail_limit: int, max_segment_tgbs: int
+    segments: Sequence[SegmentRef],
+    new_count: int,
+    *,
+    tail_limit: int,
+    max_segment_tgbs: int,
+    fanout: int = DEFAULT_MERGE_FANOUT,
 ) -> int:
     """How many of the newest ``segments`` a new run of ``new_count`` descriptors absorbs."""
-    absorbed, count = 0, new_count
-    for ref in reversed(segments):
-        merged = count + ref.count
-        if merged > max_segment_tgbs:
+
+    def level(count: int) -> int:
+        return segment_level(count, tail_limit, fanout)
+
+    absorbed, count, end = 0, new_count, len(segments)
+    while end > 0:
+        ref = segments[end - 1]
+        if 2 * ref.count > max_segment_tgbs:
+            break  # full
+        run_level = level(count)
+        if level(ref.count) < run_level:
+            group = [ref]
+        elif level(ref.count) == run_level:
+            group = list(segments[max(0, end - (fanout - 1)) : end])
+            if len(group) < fanout - 1 or any(
+                2 * r.count > max_segment_tgbs or level(r.count) != run_level for r in group
+            ):
+                break  # fewer than F runs of this level yet
+        else:
             break
-        if segment_level(ref.count, tail_limit) > segment_level(count, tail_limit):
-            break
-        absorbed, count = absorbed + 1, merged
+        taken = 0
+        for r in reversed(group):
+            if count + r.count > max_segment_tgbs:
+                break
+            count += r.count
+            taken += 1
+        absorbed += taken
+        end -= taken
+        if taken < len(group):
+            break  # the cap cut the group short: the merged run is full
     return absorbed
 
 
@@ -166,6 +210,7 @@ class SegmentFiles:
         base_step: int,
         tail_limit: int,
         max_segment_tgbs: int,
+        fanout: int = DEFAULT_MERGE_FANOUT,
     ) -> tuple[SegmentRef, ...]:
         """Write ``tail`` (plus the newest segments it absorbs) as one segment.
 
@@ -173,7 +218,11 @@ class SegmentFiles:
         Descriptors below ``base_step`` are dropped from a merged run.
         """
         absorbed = merge_run_length(
-            segments, len(tail), tail_limit=tail_limit, max_segment_tgbs=max_segment_tgbs
+            segments,
+            len(tail),
+            tail_limit=tail_limit,
+            max_segment_tgbs=max_segment_tgbs,
+            fanout=fanout,
         )
         keep = tuple(segments[: len(segments) - absorbed])
         run: list[TgbDescriptor] = []
