@@ -826,11 +826,7 @@ class Consumer:
             except StoreUnavailable as exc:
                 # An outage does not spend the step's budget: the read is retried until the
                 # store is back (``docs/guarantees.md``, "Outages").
-                self._counters.add(retries=1)
                 self._outage.failed(f"reading {what}", exc)
-                delay = min(self.max_retry_backoff, self.retry_backoff * (2**attempt))
-                attempt += 1
-                self._sleep(delay)
             except _RETRYABLE as exc:
                 used = budget.spend()
                 if used is None:
@@ -838,16 +834,17 @@ class Consumer:
                         f"{what}: read failed and the step's retry budget ({budget.limit}) is "
                         f"spent; last error: {exc}"
                     ) from exc
-                self._counters.add(retries=1)
-                delay = min(self.max_retry_backoff, self.retry_backoff * (2**attempt))
-                _log.debug("%s: %s; retry %d in %.3f s", what, exc, used, delay)
-                attempt += 1
-                self._sleep(delay)
+                _log.debug("%s: %s; retry %d", what, exc, used)
             except ObjectNotFound as exc:
                 raise ConsumerError(
                     f"{what}: the object is gone: it was reclaimed (this consumer fell behind "
                     "the checkpoint watermarks) or deleted by hand; resume from a later checkpoint"
                 ) from exc
+            self._counters.add(retries=1)
+            # The exponent is capped: an outage can last thousands of retries, and 2.0**1024
+            # overflows a float.
+            self._sleep(min(self.max_retry_backoff, self.retry_backoff * 2.0 ** min(attempt, 30)))
+            attempt += 1
 
 
 def _group_by_object(

@@ -283,3 +283,32 @@ def test_consumer_timeout_still_bounds_the_wait_during_an_outage() -> None:
         next(c)
     assert store.failures > 0
     assert 5.0 <= now[0] < 10.0
+
+
+def test_a_consumer_outage_longer_than_a_thousand_retries_is_still_waited_out() -> None:
+    # Each retry waits at most max_retry_backoff, so a half-hour outage means over a thousand
+    # retries; the exponential backoff must stay capped rather than overflow.
+    inner = MemoryStore()
+    _produce(inner, 2, seal=True)
+    store = OutageStore(inner)
+    sleeps = Sleeps()
+    c = Consumer(store, NS, mesh=MESH, dp_rank=0, prefetch=0, retry_budget=1, sleep=sleeps)
+    first = next(c)
+    store.down(only_prefix=f"{NS}/data/")
+    results: list[tuple[int, bytes]] = []
+    errors: list[BaseException] = []
+
+    def read_rest() -> None:
+        try:
+            results.extend(c)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    reader = threading.Thread(target=read_rest)
+    reader.start()
+    store.wait_failures(1100, timeout=60.0)
+    store.up()
+    reader.join(10)
+    assert not errors, errors
+    assert [s for s, _ in [first, *results]] == [0, 1]
+    assert max(sleeps.delays) <= c.max_retry_backoff
