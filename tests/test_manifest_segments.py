@@ -189,6 +189,15 @@ def test_amortized_bytes_per_descriptor_stay_bounded_with_large_batches() -> Non
     assert whole < 0.85 * binary_whole, (whole, binary_whole)
 
 
+def _contiguous_refs(counts: list[int]) -> list[SegmentRef]:
+    """Segment references of the given sizes, back to back from step 0."""
+    refs, step = [], 0
+    for c in counts:
+        refs.append(SegmentRef(key=f"k{step}", first_step=step, count=c, bytes=1, checksum=0))
+        step += c
+    return refs
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     counts=st.lists(st.integers(1, 300), max_size=12),
@@ -200,10 +209,7 @@ def test_merge_run_length_respects_cap_and_fanout(
     counts: list[int], new: int, tail_limit: int, fanout: int
 ) -> None:
     cap = 64 * tail_limit
-    refs, step = [], 0
-    for c in counts:
-        refs.append(SegmentRef(key=f"k{step}", first_step=step, count=c, bytes=1, checksum=0))
-        step += c
+    refs = _contiguous_refs(counts)
     k = merge_run_length(refs, new, tail_limit=tail_limit, max_segment_tgbs=cap, fanout=fanout)
     assert 0 <= k <= len(refs)
     absorbed = refs[len(refs) - k :]
@@ -227,10 +233,7 @@ def test_merge_run_length_with_fanout_2_respects_cap_and_levels(
     counts: list[int], new: int, tail_limit: int
 ) -> None:
     cap = 64 * tail_limit
-    refs, step = [], 0
-    for c in counts:
-        refs.append(SegmentRef(key=f"k{step}", first_step=step, count=c, bytes=1, checksum=0))
-        step += c
+    refs = _contiguous_refs(counts)
     k = merge_run_length(refs, new, tail_limit=tail_limit, max_segment_tgbs=cap, fanout=2)
     assert 0 <= k <= len(refs)
     absorbed = refs[len(refs) - k :]
