@@ -34,7 +34,13 @@ from batchweave._errors import (
     TransientStoreError,
 )
 from batchweave._format._checksum import checksum
-from batchweave._format._tgb import TRAILER_SIZE, TgbFooter, decode_slice, parse_footer
+from batchweave._format._tgb import (
+    TRAILER_SIZE,
+    SliceEntry,
+    TgbFooter,
+    decode_entry,
+    parse_footer,
+)
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, TgbDescriptor, TgbObjectRef
 from batchweave._mesh import Mesh
@@ -694,6 +700,37 @@ class Consumer:
     ) -> tuple[list[Any], int]:
         key = self._log.key(ref.key)
         what = f"step {step} (TGB step {loc.tgb_step}), object {key!r}"
+        layout = ref.slices if ref.slices is not None else self._layout(key, ref, what, budget)
+        entries = [layout.entry(i - ref.first_slice) for i in indices]
+        runs: list[list[tuple[int, SliceEntry]]] = [[(indices[0], entries[0])]]
+        for prev, cur, i in zip(entries, entries[1:], indices[1:], strict=False):
+            if cur.offset == prev.offset + prev.length:
+                runs[-1].append((i, cur))
+            else:
+                runs.append([(i, cur)])
+        values: list[Any] = []
+        nbytes = 0
+        for run in runs:
+            start, end = run[0][1].offset, run[-1][1].offset + run[-1][1].length
+            numbers = ", ".join(str(i) for i, _ in run)
+            where = f"{what}, slice{'s' if len(run) > 1 else ''} {numbers}"
+            try:
+                buf = self._read_range(key, start, end, where, budget)
+            except FormatError as exc:
+                raise type(exc)(f"{where}: {exc}") from exc
+            view = memoryview(buf)
+            for i, entry in run:
+                raw: bytes | memoryview = view[
+                    entry.offset - start : entry.offset - start + entry.length
+                ]
+                if isinstance(buf, bytes) and len(run) == 1:
+                    raw = buf  # checksums and raw decoding take bytes without a copy
+                values.append(decode_entry(raw, entry, layout, where=f"{what}, slice {i}"))
+            nbytes += end - start
+        return values, nbytes
+
+    def _layout(self, key: str, ref: TgbObjectRef, what: str, budget: _Budget) -> TgbFooter:
+        """The footer of ``ref``'s object, from the cache or fetched (the manifest has no table)."""
         try:
             footer, hit = self._footers.get(
                 key,
@@ -707,49 +744,7 @@ class Consumer:
                 f"{what}: the manifest records {ref.slice_count} slices in the object, its footer "
                 f"{len(footer.slices)}; manifest and object disagree"
             )
-        entries = [footer.slices[i - ref.first_slice] for i in indices]
-        runs: list[list[int]] = [[indices[0]]]
-        for prev, cur, i in zip(entries, entries[1:], indices[1:], strict=False):
-            if cur.offset == prev.offset + prev.length:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        values: list[Any] = []
-        nbytes = 0
-        for run in runs:
-            first = footer.slices[run[0] - ref.first_slice]
-            last = footer.slices[run[-1] - ref.first_slice]
-            start, end = first.offset, last.offset + last.length
-            where = f"{what}, slice{'s' if len(run) > 1 else ''} {', '.join(map(str, run))}"
-            try:
-                buf = self._read_range(key, start, end, where, budget)
-            except FormatError as exc:
-                raise type(exc)(f"{where}: {exc}") from exc
-            view = memoryview(buf)
-            for i in run:
-                entry = footer.slices[i - ref.first_slice]
-                raw: bytes | memoryview = view[
-                    entry.offset - start : entry.offset - start + entry.length
-                ]
-                if isinstance(buf, bytes) and len(run) == 1:
-                    raw = buf  # checksums and raw decoding take bytes without a copy
-                values.append(self._decode(raw, footer, i - ref.first_slice, key, what, i))
-            nbytes += end - start
-        return values, nbytes
-
-    def _decode(
-        self,
-        raw: bytes | memoryview,
-        footer: TgbFooter,
-        local: int,
-        key: str,
-        what: str,
-        index: int,
-    ) -> Any:
-        try:
-            return decode_slice(raw, footer, local, key=key)
-        except FormatError as exc:
-            raise type(exc)(f"{what}, slice {index}: {exc}") from exc
+        return footer
 
     def _footer(self, key: str, ref: TgbObjectRef) -> TgbFooter:
         """Fetch ``ref``'s footer and trailer with one exact range read and verify both."""
@@ -792,8 +787,9 @@ class Consumer:
         view = memoryview(buf)
 
         def part(lo: int, hi: int) -> None:
-            data = self._retrying(budget, where, lambda: self._get_exact(key, lo, hi))
-            view[lo - start : hi - start] = data
+            self._retrying(
+                budget, where, lambda: self._get_into(key, lo, view[lo - start : hi - start])
+            )
 
         bounds = range(start, end, self.part_size)
         gather(
@@ -803,12 +799,14 @@ class Consumer:
 
     def _get_exact(self, key: str, start: int, end: int) -> bytes:
         data = self._get(key, Bounded(start, end))
-        if len(data) != end - start:
-            raise FormatError(
-                f"object {key!r} is truncated: bytes [{start}, {end}) requested, "
-                f"{len(data)} returned"
-            )
+        _check_complete(key, start, end, len(data))
         return data
+
+    def _get_into(self, key: str, start: int, target: memoryview) -> None:
+        self._counters.add(requests=1)
+        n = self._store.get_range_into(key, start, target)
+        self._counters.add(bytes_read=n)
+        _check_complete(key, start, start + len(target), n)
 
     def _get(self, key: str, rng: Bounded) -> bytes:
         self._counters.add(requests=1)
@@ -845,6 +843,13 @@ class Consumer:
             # overflows a float.
             self._sleep(min(self.max_retry_backoff, self.retry_backoff * 2.0 ** min(attempt, 30)))
             attempt += 1
+
+
+def _check_complete(key: str, start: int, end: int, got: int) -> None:
+    if got != end - start:
+        raise FormatError(
+            f"object {key!r} is truncated: bytes [{start}, {end}) requested, {got} returned"
+        )
 
 
 def _group_by_object(

@@ -49,7 +49,13 @@ from batchweave._manifest._log import (
     ManifestLog,
     active_producers,
 )
-from batchweave._manifest._models import Manifest, ProducerState, TgbDescriptor, TgbObjectRef
+from batchweave._manifest._models import (
+    Manifest,
+    ProducerState,
+    SliceTable,
+    TgbDescriptor,
+    TgbObjectRef,
+)
 from batchweave._mesh import Mesh
 from batchweave._outage import OutageLog
 from batchweave._policy import AttemptOutcome, CommitPolicy, make_policy
@@ -65,6 +71,10 @@ _RETRYABLE = (TransientStoreError, AmbiguousWriteError, StoreUnavailable)
 """Store failures after which retrying later may succeed; nothing pending is dropped."""
 
 _MIB = 1 << 20
+
+DEFAULT_SLICE_TABLE_LIMIT = 32
+"""Meshes of up to 32 slices copy their slice table into the manifest (about 0.8 KB a TGB)."""
+
 _TIME_WAIT_CHUNK = 0.25
 """Longest single sleep of the commit loop, so ``abort()`` is never delayed by a long gap."""
 _EVENT_WAIT = 0.5
@@ -186,6 +196,10 @@ class Producer:
     - ``tail_limit``: TGB descriptors kept inline in the manifest before a commit rolls them
       into a segment object (``docs/protocol.md``); larger means fewer segment writes and a
       larger manifest per commit. Every producer of a namespace should use the same value.
+    - ``slice_table_limit``: a TGB of at most this many slices carries its slice table
+      (offsets, lengths, checksums) in its manifest descriptor, so a consumer reads its slice
+      with one request instead of fetching the footer first; each slice adds about 25 bytes to
+      the descriptor. Larger meshes keep only the footer's location. 0 never copies the table.
     """
 
     def __init__(
@@ -211,6 +225,7 @@ class Producer:
         backoff: Callable[[int], float] = _default_backoff,
         lag_log_interval: float = 5.0,
         tail_limit: int = DEFAULT_TAIL_LIMIT,
+        slice_table_limit: int = DEFAULT_SLICE_TABLE_LIMIT,
     ) -> None:
         if "/" in producer_id:
             raise ValueError(f"producer_id {producer_id!r} must not contain '/'")
@@ -238,6 +253,7 @@ class Producer:
         self._max_retries = max_retries
         self._backoff = backoff
         self._lag_log_interval = lag_log_interval
+        self._slice_table_limit = slice_table_limit
         self._rng = random.Random()
         self._unknown_conflicts = 0
         """Consecutive conflicts whose winner could not be read (409s, transient failures)."""
@@ -656,6 +672,11 @@ class Producer:
             footer_offset=encoded.footer_offset,
             footer_length=encoded.footer_length,
             footer_checksum=checksum(footer_bytes, footer.checksum_algo),
+            slices=(
+                SliceTable.from_footer(footer)
+                if len(footer.slices) <= self._slice_table_limit
+                else None
+            ),
         )
         return TgbDescriptor(
             producer_id=self._producer_id,

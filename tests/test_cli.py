@@ -201,3 +201,26 @@ def test_console_script_is_installed() -> None:
     assert proc.returncode == 0, proc.stderr
     for command in ("demo", "inspect", "verify", "reclaim", "seal", "export"):
         assert command in proc.stdout
+
+
+def test_verify_reports_a_slice_table_that_disagrees_with_the_footer(root: Path) -> None:
+    from batchweave._manifest._codec import encode_manifest
+    from batchweave._manifest._log import ManifestLog, manifest_key
+    from batchweave.cli._verify import verify_namespace
+
+    store = publish(root)
+    log = ManifestLog(store, NAMESPACE)
+    latest = log.latest()
+    ref = latest.tail[3].objects[0]
+    assert ref.slices is not None
+    wrong = ref.slices.model_copy(update={"checksums": (0,) * len(ref.slices.checksums)})
+    tail = list(latest.tail)
+    tail[3] = tail[3].model_copy(update={"objects": (ref.model_copy(update={"slices": wrong}),)})
+    store.put(
+        log.key(manifest_key(latest.version)),
+        encode_manifest(latest.model_copy(update={"tail": tuple(tail)})),
+    )
+    report = verify_namespace(store, NAMESPACE, read_slices=False)
+    assert len(report.problems) == 1
+    assert "step 3" in report.problems[0]
+    assert "slice table" in report.problems[0]

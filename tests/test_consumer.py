@@ -58,15 +58,26 @@ def produce(
     size: int = 0,
     seal: bool = True,
     start: threading.Event | None = None,
+    slice_table_limit: int = 32,
 ) -> None:
-    """``producers`` concurrent producers each publish ``tgbs`` TGBs (offsets 0..tgbs-1)."""
+    """``producers`` concurrent producers each publish ``tgbs`` TGBs (offsets 0..tgbs-1).
+
+    ``slice_table_limit=0`` keeps slice tables out of the manifest (consumers read footers).
+    """
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
             if start is not None:
                 start.wait()
-            with Producer(store, namespace, producer_id=f"p{i}", mesh=mesh, policy="naive") as p:
+            with Producer(
+                store,
+                namespace,
+                producer_id=f"p{i}",
+                mesh=mesh,
+                policy="naive",
+                slice_table_limit=slice_table_limit,
+            ) as p:
                 for offset in range(tgbs):
                     slices = [
                         payload(i, offset, d, c, size)
@@ -322,14 +333,19 @@ def test_corrupt_slice_is_detected_naming_step_object_and_slice() -> None:
     assert len(consume(store, "run", mesh, dp_rank=0, cp_rank=0)) == 3
 
 
-def test_replaced_object_fails_the_manifest_footer_check() -> None:
+@pytest.mark.parametrize(
+    ("slice_table_limit", "detected_by"),
+    [(0, r"step 1 .*footer.*manifest recorded"), (32, r"step 1 .*slice 0 is corrupt")],
+    ids=["footer-check", "slice-table-check"],
+)
+def test_replaced_object_is_detected(slice_table_limit: int, detected_by: str) -> None:
     store = MemoryStore()
     mesh = Mesh(dp=2)
-    produce(store, "run", mesh, tgbs=2, size=32)
+    produce(store, "run", mesh, tgbs=2, size=32, slice_table_limit=slice_table_limit)
     key0, _ = _object_of(store, "run", 0)
     key1, _ = _object_of(store, "run", 1)
     store.put(key1, store.get(key0))  # a valid TGB, but not the one committed at step 1
-    with pytest.raises(ChecksumMismatch, match=r"step 1 .*manifest recorded"):
+    with pytest.raises(ChecksumMismatch, match=detected_by):
         consume(store, "run", mesh, dp_rank=0)
 
 
@@ -413,7 +429,7 @@ def test_one_request_per_slice_once_the_footer_is_cached(
     consumer_mesh: Mesh, rank: tuple[int, int], steps: int, reads_per_step: int
 ) -> None:
     inner = MemoryStore()
-    produce(inner, "run", Mesh(dp=2, cp=2), tgbs=4, size=MIB)
+    produce(inner, "run", Mesh(dp=2, cp=2), tgbs=4, size=MIB, slice_table_limit=0)
     store = CountingStore(inner)
     before = store.snapshot()
     c = Consumer(store, "run", mesh=consumer_mesh, dp_rank=rank[0], cp_rank=rank[1])
@@ -434,6 +450,40 @@ def test_one_request_per_slice_once_the_footer_is_cached(
     assert stats.read_amplification <= 1.02
 
 
+@pytest.mark.parametrize(
+    ("consumer_mesh", "rank", "steps"),
+    [(Mesh(dp=2, cp=2), (1, 1), 4), (Mesh(dp=1, cp=2), (0, 1), 8), (Mesh(dp=2, cp=1), (1, 0), 4)],
+    ids=["identity", "dp-halved", "cp-halved"],
+)
+def test_one_request_per_step_with_a_slice_table(
+    consumer_mesh: Mesh, rank: tuple[int, int], steps: int
+) -> None:
+    inner = MemoryStore()
+    produce(inner, "run", Mesh(dp=2, cp=2), tgbs=4, size=MIB)
+    m = ManifestLog(inner, "run").latest()
+    assert all(ref.slices is not None for ref in m.tail[0].objects)
+    store = CountingStore(inner)
+    before = store.snapshot()
+    c = Consumer(store, "run", mesh=consumer_mesh, dp_rank=rank[0], cp_rank=rank[1])
+    got = list(c)
+    counts = store.snapshot() - before
+    delivered = steps * (2 // consumer_mesh.cp) * MIB
+    assert len(got) == steps
+    assert c.stats.footer_reads == 0
+    assert counts.range_gets == c.stats.requests == steps  # no footer: one read per step
+    assert counts.range_bytes == c.stats.bytes_read == c.stats.bytes_delivered == delivered
+
+
+def test_a_large_mesh_keeps_its_slice_table_out_of_the_manifest() -> None:
+    store = MemoryStore()
+    produce(store, "run", Mesh(dp=4, cp=2), tgbs=1, slice_table_limit=7)
+    ref = ManifestLog(store, "run").latest().tail[0].objects[0]
+    assert ref.slice_count == 8
+    assert ref.slices is None
+    got = consume(store, "run", Mesh(dp=4, cp=2), dp_rank=3, cp_rank=1)
+    assert [d for _, d in got] == [payload(0, 0, 3, 1, 0)]
+
+
 def test_large_slices_are_split_into_parallel_parts() -> None:
     inner = MemoryStore()
     size = 100 * 1024
@@ -445,7 +495,7 @@ def test_large_slices_are_split_into_parallel_parts() -> None:
     got = list(c)
     assert [d for _, d in got] == [payload(0, o, 1, 0, size) for o in range(3)]
     parts = -(-size // (32 * 1024))
-    assert store.snapshot().range_gets == 3 + 3 * parts
+    assert store.snapshot().range_gets == 3 * parts  # the manifest's slice table: no footers
     assert c.stats.bytes_delivered == 3 * size
 
 
@@ -499,13 +549,18 @@ def test_strided_consumers_split_the_steps_of_one_rank() -> None:
     assert sorted(item for part in parts for item in part) == reference
 
 
-def test_truncated_object_is_a_format_error_naming_step_and_object() -> None:
+@pytest.mark.parametrize(
+    ("slice_table_limit", "read"), [(0, "footer"), (32, "slice 1")], ids=["footer", "table"]
+)
+def test_truncated_object_is_a_format_error_naming_step_and_object(
+    slice_table_limit: int, read: str
+) -> None:
     store = MemoryStore()
     mesh = Mesh(dp=2)
-    produce(store, "run", mesh, tgbs=2, size=64)
+    produce(store, "run", mesh, tgbs=2, size=64, slice_table_limit=slice_table_limit)
     key, _ = _object_of(store, "run", 1)
     store.put(key, store.get(key)[:100])
     c = Consumer(store, "run", mesh=mesh, dp_rank=1)
     assert next(c)[0] == 0
-    with pytest.raises(FormatError, match=rf"step 1 .*{key}.*footer.*truncated"):
+    with pytest.raises(FormatError, match=rf"step 1 .*{key}.*{read}.*truncated"):
         next(c)

@@ -43,7 +43,10 @@ class _GatedStore(MemoryStore):
 def test_next_steps_footer_read_overlaps_the_current_steps_slice_read() -> None:
     store = _GatedStore()
     mesh = Mesh(dp=2)
-    with Producer(store, "run", producer_id="p", mesh=mesh, policy="naive") as producer:
+    # slice_table_limit=0: consumers read footers, the two-request path this test is about.
+    with Producer(
+        store, "run", producer_id="p", mesh=mesh, policy="naive", slice_table_limit=0
+    ) as producer:
         for offset in range(4):
             producer.append([bytes([offset, d]) * 64 for d in range(2)], offset=offset)
         producer.seal()

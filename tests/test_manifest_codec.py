@@ -18,6 +18,7 @@ from batchweave._manifest import (
     ProducerState,
     Segment,
     SegmentRef,
+    SliceTable,
     TgbDescriptor,
     TgbObjectRef,
     _codec,
@@ -45,12 +46,42 @@ objects = st.builds(
     footer_length=st.integers(1, 1 << 30),
     footer_checksum=u64,
 )
+
+
+@st.composite
+def objects_with_tables(draw: st.DrawFn) -> TgbObjectRef:
+    """Object references whose slice table is consistent with their slice count and footer."""
+    lengths = draw(st.lists(st.integers(0, 1 << 40), min_size=1, max_size=40).map(tuple))
+    compressed = draw(st.booleans())
+    n = len(lengths)
+    table = SliceTable(
+        codec=draw(st.sampled_from(["raw", "arrow", "tensors"])),
+        compression="zstd" if compressed else None,
+        checksum_algo="crc32c",
+        lengths=lengths,
+        checksums=draw(st.lists(u32, min_size=n, max_size=n).map(tuple)),
+        uncompressed_lengths=(
+            draw(st.lists(u64, min_size=n, max_size=n).map(tuple)) if compressed else None
+        ),
+        sample_counts=draw(st.lists(u32, min_size=n, max_size=n).map(tuple)),
+    )
+    return TgbObjectRef(
+        key=draw(names),
+        size=draw(u64),
+        slice_count=n,
+        footer_offset=sum(lengths),
+        footer_length=draw(st.integers(1, 1 << 30)),
+        footer_checksum=draw(u64),
+        slices=table,
+    )
+
+
 descriptors = st.builds(
     TgbDescriptor,
     producer_id=names,
     epoch=u32,
     offset=u64,
-    objects=st.lists(objects, min_size=1, max_size=3).map(tuple),
+    objects=st.lists(objects | objects_with_tables(), min_size=1, max_size=3).map(tuple),
     bytes=u64,
     samples=st.none() | u32,
 )
@@ -264,3 +295,34 @@ def test_segment_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_codec, "MAX_SEGMENT_BYTES", len(data) - 1)
     with pytest.raises(FormatError, match="far larger than any segment"):
         decode_segment(data, key=SEG_KEY)
+
+
+def _format_1_body() -> dict[str, object]:
+    """A manifest as format 1 wrote it: descriptors without slice tables."""
+    body = json.loads(encode_manifest(_sample_manifest()).split(b"\n", 1)[1])
+    body["format"] = 1
+    body["tail"] = [json.loads(_descriptor().model_dump_json(exclude={"objects": {0: {"slices"}}}))]
+    return body
+
+
+def test_a_format_1_manifest_is_still_read() -> None:
+    manifest = decode_manifest(_reenvelope(json.dumps(_format_1_body()).encode()), key=KEY)
+    assert manifest.format == 1
+    assert manifest.tail[0].objects[0].slices is None
+
+
+def test_an_inconsistent_slice_table_is_a_format_error_naming_the_key() -> None:
+    body = _format_1_body()
+    body["format"] = MANIFEST_FORMAT
+    ref = body["tail"][0]["objects"][0]  # type: ignore[index]
+    ref["slices"] = {
+        "codec": "raw",
+        "checksum_algo": "crc32c",
+        "lengths": [1] * ref["slice_count"],
+        "checksums": [0] * ref["slice_count"],
+        "sample_counts": [0] * ref["slice_count"],
+    }
+    ref["footer_offset"] = ref["slice_count"] + 1  # the table says the footer starts earlier
+    with pytest.raises(FormatError, match="slice table ends at byte") as err:
+        decode_manifest(_reenvelope(json.dumps(body).encode()), key=KEY)
+    assert KEY in str(err.value)

@@ -23,7 +23,7 @@ import json
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -56,7 +56,9 @@ __all__ = [
     "SliceEntry",
     "SliceIndex",
     "TgbBuilder",
+    "SliceLayout",
     "TgbFooter",
+    "decode_entry",
     "decode_slice",
     "encode_tgb",
     "parse_footer",
@@ -637,6 +639,17 @@ def slice_range(footer: TgbFooter, index: SliceIndex) -> Bounded:
     return Bounded(entry.offset, entry.offset + entry.length)
 
 
+class SliceLayout(Protocol):
+    """How every slice of one object is stored: a :class:`TgbFooter`, or a copy of its fields."""
+
+    @property
+    def codec(self) -> str: ...
+    @property
+    def compression(self) -> str | None: ...
+    @property
+    def checksum_algo(self) -> ChecksumAlgo: ...
+
+
 def decode_slice(raw: bytes | memoryview, footer: TgbFooter, index: SliceIndex, *, key: str) -> Any:
     """Verify, decompress and decode the stored bytes of slice ``index``.
 
@@ -646,24 +659,32 @@ def decode_slice(raw: bytes | memoryview, footer: TgbFooter, index: SliceIndex, 
     """
     i = footer.index(index)
     d, c = footer.coords(i)
-    entry = footer.slices[i]
-    where = f"slice ({d}, {c}) of object {key!r}"
+    return decode_entry(raw, footer.slices[i], footer, where=f"slice ({d}, {c}) of object {key!r}")
+
+
+def decode_entry(
+    raw: bytes | memoryview, entry: SliceEntry, layout: SliceLayout, *, where: str
+) -> Any:
+    """Verify ``raw`` against ``entry`` and decode it with ``layout``'s codec; see decode_slice.
+
+    ``where`` names the slice and object in error messages.
+    """
     if len(raw) != entry.length:
         raise FormatError(
             f"{where}: got {len(raw)} bytes, the footer records {entry.length} (truncated "
             "object or a footer from another object)"
         )
-    computed = checksum(raw, footer.checksum_algo)
+    computed = checksum(raw, layout.checksum_algo)
     if computed != entry.checksum:
         raise ChecksumMismatch(
-            f"{where} is corrupt: stored {footer.checksum_algo} checksum {entry.checksum:#x}, "
+            f"{where} is corrupt: stored {layout.checksum_algo} checksum {entry.checksum:#x}, "
             f"computed {computed:#x}; the object was damaged in storage or transit, rewrite it"
         )
     try:
         body: bytes | memoryview = raw
-        if footer.compression is not None:
-            body = decompress(raw, footer.compression, entry.uncompressed_length)
-        return CODECS[footer.codec].decode(body)
+        if layout.compression is not None:
+            body = decompress(raw, layout.compression, entry.uncompressed_length)
+        return CODECS[layout.codec].decode(body)
     except FormatError as exc:
         raise type(exc)(f"{where}: {exc}") from exc
 

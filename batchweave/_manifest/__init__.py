@@ -25,6 +25,7 @@ from batchweave._manifest._models import (
     ProducerState,
     Segment,
     SegmentRef,
+    SliceTable,
     TgbDescriptor,
     TgbObjectRef,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "ProducerState",
     "Segment",
     "SegmentRef",
+    "SliceTable",
     "TgbDescriptor",
     "TgbObjectRef",
     "active_producers",

@@ -8,8 +8,18 @@ that list; steps are assigned at commit and never change.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from batchweave._format import (
+    CODECS,
+    COMPRESSIONS,
+    ChecksumAlgo,
+    SliceEntry,
+    TgbFooter,
+    checksum_bits,
+)
 from batchweave._mesh import Mesh
 
 __all__ = [
@@ -19,17 +29,110 @@ __all__ = [
     "ProducerState",
     "Segment",
     "SegmentRef",
+    "SliceTable",
     "TgbDescriptor",
     "TgbObjectRef",
 ]
 
-MANIFEST_FORMAT = 1
-"""Manifest format this library writes and the newest it reads."""
+MANIFEST_FORMAT = 2
+"""Manifest format this library writes and the newest it reads.
 
-SEGMENT_FORMAT = 1
-"""Segment format this library writes and the newest it reads."""
+Format 2 added the optional :class:`SliceTable` of an object reference; format 1 is still read.
+"""
+
+SEGMENT_FORMAT = 2
+"""Segment format this library writes and the newest it reads (2: descriptors as in manifest 2)."""
 
 _STRICT = ConfigDict(frozen=True, extra="forbid")
+
+
+class SliceTable(BaseModel):
+    """The slice entries of one object's footer, copied into the manifest in compact columns.
+
+    With it a consumer reads its slice with one request and never fetches the footer: a step
+    costs one dependent request instead of two. Slices are stored back to back from byte 0, so
+    offsets are the running sums of ``lengths``. The manifest's own checksum covers the table, and
+    each slice is still verified against its checksum here, so nothing goes unchecked.
+    """
+
+    model_config = _STRICT
+
+    codec: str
+    compression: str | None = None
+    checksum_algo: ChecksumAlgo
+    lengths: tuple[int, ...] = Field(min_length=1)
+    """Stored (possibly compressed) length of each slice, in slice order."""
+    checksums: tuple[int, ...]
+    uncompressed_lengths: tuple[int, ...] | None = None
+    """Only when ``compression`` is set: each slice's length after decompression."""
+    sample_counts: tuple[int, ...]
+
+    @model_validator(mode="after")
+    def _check_columns(self) -> SliceTable:
+        if self.codec not in CODECS:
+            raise ValueError(f"unknown codec {self.codec!r}; expected one of {sorted(CODECS)}")
+        if self.compression is not None and self.compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {self.compression!r}")
+        if (self.compression is None) != (self.uncompressed_lengths is None):
+            raise ValueError("uncompressed_lengths must be given exactly when compression is set")
+        columns = [self.lengths, self.checksums, self.sample_counts]
+        if self.uncompressed_lengths is not None:
+            columns.append(self.uncompressed_lengths)
+        if any(len(column) != len(self.lengths) for column in columns):
+            raise ValueError(f"each slice table column must have {len(self.lengths)} entries")
+        if any(v < 0 for column in columns for v in column):
+            raise ValueError("slice table values must not be negative")
+        limit = 1 << checksum_bits(self.checksum_algo)
+        if any(v >= limit for v in self.checksums):
+            raise ValueError(f"a checksum does not fit {self.checksum_algo}")
+        return self
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """Byte offset of each slice in the object."""
+        offsets, at = [], 0
+        for length in self.lengths:
+            offsets.append(at)
+            at += length
+        return tuple(offsets)
+
+    @property
+    def payload_length(self) -> int:
+        """Bytes before the footer: where the object's footer starts."""
+        return self.offsets[-1] + self.lengths[-1]
+
+    def entry(self, index: int) -> SliceEntry:
+        """Return slice ``index`` (counted within this object) as a footer entry."""
+        return SliceEntry.model_construct(
+            offset=self.offsets[index],
+            length=self.lengths[index],
+            uncompressed_length=(self.uncompressed_lengths or self.lengths)[index],
+            checksum=self.checksums[index],
+            sample_count=self.sample_counts[index],
+        )
+
+    @classmethod
+    def from_footer(cls, footer: TgbFooter) -> SliceTable | None:
+        """The table of ``footer``, or None if its slices are not stored back to back from 0."""
+        at = 0
+        for entry in footer.slices:
+            if entry.offset != at:
+                return None
+            at += entry.length
+        if not footer.slices:
+            return None
+        entries = footer.slices
+        return cls(
+            codec=footer.codec,
+            compression=footer.compression,
+            checksum_algo=footer.checksum_algo,
+            lengths=tuple(e.length for e in entries),
+            checksums=tuple(e.checksum for e in entries),
+            uncompressed_lengths=(
+                tuple(e.uncompressed_length for e in entries) if footer.compression else None
+            ),
+            sample_counts=tuple(e.sample_count for e in entries),
+        )
 
 
 class TgbObjectRef(BaseModel):
@@ -47,6 +150,23 @@ class TgbObjectRef(BaseModel):
     footer_length: int = Field(ge=1)
     footer_checksum: int = Field(ge=0)
     """Checksum of the footer bytes, checked when the footer is fetched by exact range."""
+    slices: SliceTable | None = None
+    """The footer's slice entries, when the producer copied them here (small meshes)."""
+
+    @model_validator(mode="after")
+    def _check_table(self) -> TgbObjectRef:
+        if self.slices is not None:
+            if len(self.slices.lengths) != self.slice_count:
+                raise ValueError(
+                    f"object {self.key!r}: slice table has {len(self.slices.lengths)} entries, "
+                    f"slice_count is {self.slice_count}"
+                )
+            if self.slices.payload_length != self.footer_offset:
+                raise ValueError(
+                    f"object {self.key!r}: slice table ends at byte {self.slices.payload_length}, "
+                    f"the footer starts at {self.footer_offset}"
+                )
+        return self
 
 
 class TgbDescriptor(BaseModel):

@@ -148,6 +148,17 @@ class ObjectStore(abc.ABC):
     def get_range(self, key: str, rng: ByteRange) -> bytes:
         """Return the bytes ``rng`` selects, clamped to the object; ``ObjectNotFound`` if absent."""
 
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        """Read the object's bytes from ``start`` into ``buffer``; return how many were read.
+
+        Fewer than ``len(buffer)`` only when the object ends first. Large reads use it to land
+        in one preallocated buffer without an intermediate copy; this default reads with
+        :meth:`get_range` and copies, stores that can read into memory directly override it.
+        """
+        data = self.get_range(key, Bounded(start, start + len(buffer)))
+        buffer[: len(data)] = data
+        return len(data)
+
     @abc.abstractmethod
     def head(self, key: str) -> ObjectMeta:
         """Return the object's metadata; raise ``ObjectNotFound`` if absent."""

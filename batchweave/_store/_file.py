@@ -231,6 +231,24 @@ class FileStore(ObjectStore):
             finally:
                 os.close(fd)
 
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        path = self._path(key)
+        target = buffer.cast("B")
+        filled = 0
+        with self._errors(key, "read"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                while filled < len(target):
+                    n = os.preadv(fd, [target[filled:]], start + filled)
+                    if n == 0:
+                        break
+                    filled += n
+            finally:
+                os.close(fd)
+        return filled
+
     def head(self, key: str) -> ObjectMeta:
         path = self._path(key)
         with self._errors(key, "stat"):

@@ -29,6 +29,9 @@ LIST_PAGE_SIZE = 1000
 class StoreWrapper(ObjectStore):
     """Passes every call through to ``inner``; subclass it and override what you intercept.
 
+    ``get_range_into`` is deliberately not forwarded: the base implementation calls this
+    wrapper's ``get_range``, so a subclass that intercepts ``get_range`` sees every range read.
+
     Tests and tools wrap stores to gate, observe or break single operations; this base keeps the
     other six methods out of each wrapper.
     """
@@ -154,6 +157,12 @@ class CountingStore(StoreWrapper):
         data = self.inner.get_range(key, rng)
         self._add(range_bytes=len(data))
         return data
+
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        self._add(range_gets=1)
+        n = self.inner.get_range_into(key, start, buffer)
+        self._add(range_bytes=n)
+        return n
 
     def head(self, key: str) -> ObjectMeta:
         self._add(heads=1)

@@ -8,7 +8,8 @@ Checks, collecting every problem rather than stopping at the first:
 - exactly-once per producer: no ``(producer_id, offset)`` twice, offsets strictly increasing in
   step order, never above the producer's committed offset, epochs never above its committed one;
 - every referenced object exists, its footer matches the manifest (size, checksum, slice count,
-  mesh) and, unless ``slices=False``, every slice's bytes match their checksum and decode.
+  mesh, and the slice table when the manifest carries one) and, unless ``slices=False``, every
+  slice's bytes match their checksum and decode.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from batchweave._errors import FormatError, ObjectNotFound
 from batchweave._format._tgb import decode_slice, slice_range
 from batchweave._history import read_object_footer
 from batchweave._manifest._log import ManifestLog
-from batchweave._manifest._models import Manifest, TgbDescriptor
+from batchweave._manifest._models import Manifest, SliceTable, TgbDescriptor
 from batchweave._store._base import ObjectStore
 
 __all__ = ["VerifyReport", "verify_namespace"]
@@ -115,6 +116,11 @@ def _check_tgb(
             if footer.mesh != latest.mesh:
                 problems.append(f"{where}: object {key!r} was written for mesh ({footer.mesh})")
                 continue
+            if ref.slices is not None and ref.slices != SliceTable.from_footer(footer):
+                problems.append(
+                    f"{where}: the manifest's slice table for object {key!r} disagrees with the "
+                    "object's footer; consumers would reject its slices"
+                )
             if not read_slices:
                 continue
             for j in range(len(footer.slices)):

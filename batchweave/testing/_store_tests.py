@@ -222,6 +222,20 @@ class StoreTests:
         for rng in cases:
             assert store.get_range("obj", rng) == expected_range(data, rng), rng
 
+    @pytest.mark.parametrize("size", [0, 1, 1000])
+    def test_get_range_into_fills_the_buffer(self, store: ObjectStore, size: int) -> None:
+        data = random.Random(size).randbytes(size)
+        store.put("obj", data)
+        for start, length in [(0, 0), (0, size), (size // 3, size // 3 + 1), (size // 2, size)]:
+            buf = bytearray(b"\xee" * length)
+            n = store.get_range_into("obj", start, memoryview(buf))
+            got = data[start : start + length]
+            assert n == len(got), (start, length)
+            assert bytes(buf[:n]) == got, (start, length)
+            assert buf[n:] == b"\xee" * (length - n), "bytes past the object's end were written"
+        with pytest.raises(ObjectNotFound):
+            store.get_range_into("missing/key", 0, memoryview(bytearray(4)))
+
     def test_random_ranges_match_reference(self, store: ObjectStore) -> None:
         data = random.Random(1).randbytes(4099)
         store.put("ref", data)
