@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -45,7 +45,7 @@ from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, TgbDescriptor, TgbObjectRef
 from batchweave._mesh import Mesh
 from batchweave._outage import OutageLog
-from batchweave._prefetch import SingleFlightCache, gather
+from batchweave._prefetch import Job, SingleFlightCache, gather
 from batchweave._projection import (
     DEFAULT_RANK_ORDER,
     Projection,
@@ -150,7 +150,7 @@ class _Budget:
 class _Pending:
     step: int
     location: SliceLocation
-    future: Future[tuple[Any, int]]
+    job: Job[tuple[Any, int]]
 
 
 class Consumer:
@@ -462,7 +462,8 @@ class Consumer:
         pending = self._window[0]
         assert pending.step == step
         try:
-            data, nbytes = pending.future.result()
+            pending.job.run_if_unclaimed()  # not started by a worker yet: run it here
+            data, nbytes = pending.job.done.result()
         except BaseException:
             self._drop_window()  # the step is retried from scratch by the next call
             raise
@@ -660,12 +661,13 @@ class Consumer:
                 max_workers=self.max_workers, thread_name_prefix="batchweave-consumer"
             )
         location = self._projection.locate(step, self.dp_rank, self.cp_rank)
-        future = self._pool.submit(self._fetch_step, step, location, self._manifest)
-        self._window.append(_Pending(step, location, future))
+        job = Job(functools.partial(self._fetch_step, step, location, self._manifest))
+        self._pool.submit(job.run_if_unclaimed)
+        self._window.append(_Pending(step, location, job))
 
     def _drop_window(self) -> None:
         while self._window:
-            self._window.popleft().future.cancel()
+            self._window.popleft().job.cancel()
 
     def _fetch_step(self, step: int, loc: SliceLocation, manifest: Manifest) -> tuple[Any, int]:
         """Read and decode this rank's slices of ``step``; return ``(data, stored bytes)``."""

@@ -16,14 +16,19 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Generic, TypeVar
 
-__all__ = ["SingleFlightCache", "gather"]
+__all__ = ["Job", "SingleFlightCache", "gather"]
 
 T = TypeVar("T")
 K = TypeVar("K")
 
 
-class _Job(Generic[T]):
-    """One callable that runs exactly once, on whichever thread claims it first."""
+class Job(Generic[T]):
+    """One callable that runs at most once, on whichever thread claims it first.
+
+    Submit :meth:`run_if_unclaimed` to a pool and call it again from the thread that needs the
+    result: if no worker has started the job yet, the caller runs it itself instead of waiting
+    for a worker to be scheduled.
+    """
 
     def __init__(self, fn: Callable[[], T]) -> None:
         self._fn = fn
@@ -40,6 +45,11 @@ class _Job(Generic[T]):
         else:
             self.done.set_result(result)
 
+    def cancel(self) -> None:
+        """Make sure the job never starts; one already running finishes and is ignored."""
+        if self._claim.acquire(blocking=False):
+            self.done.cancel()
+
 
 def gather(executor: Executor | None, fns: Sequence[Callable[[], T]]) -> list[T]:
     """Run ``fns`` concurrently on ``executor`` and the calling thread; return results in order.
@@ -50,7 +60,7 @@ def gather(executor: Executor | None, fns: Sequence[Callable[[], T]]) -> list[T]
     """
     if executor is None or len(fns) <= 1:
         return [fn() for fn in fns]
-    jobs = [_Job(fn) for fn in fns]
+    jobs = [Job(fn) for fn in fns]
     for job in jobs[1:]:
         try:
             executor.submit(job.run_if_unclaimed)

@@ -10,7 +10,7 @@ import pytest
 from test_consumer import parse, produce
 
 from batchweave import ByteRange, Consumer, MemoryStore, Mesh, ObjectStore, StoreWrapper
-from batchweave._prefetch import SingleFlightCache, gather
+from batchweave._prefetch import Job, SingleFlightCache, gather
 
 
 class ConcurrencyProbe(StoreWrapper):
@@ -140,3 +140,25 @@ def test_single_flight_cache_failure_is_not_cached_and_lru_is_bounded() -> None:
     assert len(cache) == 2
     assert cache.get(2, lambda: 20) == (20, False)  # 2 was evicted
     assert cache.get(3, lambda: -3) == (3, True)
+
+
+def test_a_job_no_worker_has_started_runs_on_the_caller() -> None:
+    release = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(release.wait)  # the only worker is busy
+        job = Job(threading.get_ident)
+        pool.submit(job.run_if_unclaimed)
+        job.run_if_unclaimed()
+        assert job.done.result(timeout=0) == threading.get_ident()
+        release.set()
+    # the worker reached the job after the caller had run it: nothing ran twice
+    assert job.done.result() == threading.get_ident()
+
+
+def test_a_cancelled_job_never_runs() -> None:
+    ran: list[int] = []
+    job = Job(lambda: ran.append(1))
+    job.cancel()
+    job.run_if_unclaimed()
+    assert ran == []
+    assert job.done.cancelled()
