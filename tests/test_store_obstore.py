@@ -13,6 +13,7 @@ from batchweave import (
     Producer,
     S3Store,
     StoreUnavailable,
+    open_store,
 )
 from batchweave._store._obstore import ObstoreS3Store
 from batchweave.testing import S3Endpoint, free_port
@@ -59,3 +60,19 @@ def test_consumer_reads_through_obstore(
     with ObstoreS3Store(s3_bucket, s3_prefix, **moto_endpoint.store_options()) as store:
         got = list(Consumer(store, "run", mesh=mesh, dp_rank=1, cp_rank=1))
     assert got == [(o, f"{o}:3".encode()) for o in range(3)]
+
+
+def test_open_store_selects_obstore_by_name(
+    moto_endpoint: S3Endpoint, s3_bucket: str, s3_prefix: str
+) -> None:
+    url = f"s3://{s3_bucket}/{s3_prefix}"
+    with open_store(url, s3_client="obstore", **moto_endpoint.store_options()) as store:
+        assert isinstance(store, ObstoreS3Store)
+        store.put("k", b"v")  # the conditional-write probe passed on the way in
+    with open_store(url, **moto_endpoint.store_options()) as store:
+        assert isinstance(store, S3Store)
+        assert store.get("k") == b"v"
+    with pytest.raises(InvalidStoreURL, match="max_pool_connections"):
+        open_store(url, s3_client="obstore", max_pool_connections=4)  # a boto3-only option
+    with pytest.raises(ValueError, match="s3_client 'aiobotocore'"):
+        open_store(url, s3_client="aiobotocore")

@@ -21,6 +21,7 @@ from batchweave._errors import (
 from batchweave._store._base import ObjectStore
 from batchweave._store._file import FileStore
 from batchweave._store._memory import MemoryStore
+from batchweave._store._obstore import ObstoreS3Store
 from batchweave._store._s3 import S3Store
 
 __all__ = ["PROBE_PREFIX", "ensure_conditional_writes", "open_store"]
@@ -31,6 +32,9 @@ PROBE_PREFIX = "_batchweave/probe-"
 """Keys of the conditional-write probe objects (deleted right after the probe)."""
 
 _SCHEMES = ("file", "s3", "memory")
+
+S3_CLIENTS = ("boto3", "obstore")
+"""Backends ``open_store`` can use for ``s3://``: boto3 (the default) or obstore (optional)."""
 
 
 def _keyword_options(factory: Callable[..., Any], *, exclude: tuple[str, ...] = ()) -> list[str]:
@@ -43,17 +47,22 @@ def _keyword_options(factory: Callable[..., Any], *, exclude: tuple[str, ...] = 
 _OPTIONS: dict[str, list[str]] = {
     "file": _keyword_options(FileStore),
     "s3": _keyword_options(S3Store, exclude=("client",)),
+    "s3+obstore": _keyword_options(ObstoreS3Store),
     "memory": [],
 }
 
 
-def open_store(url: str, *, verify_conditional_writes: bool = True, **options: Any) -> ObjectStore:
+def open_store(
+    url: str, *, verify_conditional_writes: bool = True, s3_client: str = "boto3", **options: Any
+) -> ObjectStore:
     """Open the store at ``url``: ``file:///abs/path``, ``s3://bucket/prefix`` or ``memory://name``.
 
     ``options`` go to the backend (for S3: ``endpoint_url``, ``region``, credentials,
     ``profile``, pool size, timeouts, ``max_attempts``; for files: ``fsync``); an unknown option
     raises ``InvalidStoreURL`` naming the accepted ones. ``memory://name`` returns the process-wide
-    store of that name. A missing ``file://`` root directory is created.
+    store of that name. A missing ``file://`` root directory is created. ``s3_client="obstore"``
+    serves ``s3://`` with :class:`ObstoreS3Store` (``pip install 'batchweave[obstore]'``):
+    several times boto3's small-GET rate at less CPU per request (``docs/benchmarks.md``).
 
     With ``verify_conditional_writes`` (the default) the store is probed once: a second
     create-if-absent of a fresh probe key must fail, else ``ConditionalWritesUnsupported`` is
@@ -61,7 +70,7 @@ def open_store(url: str, *, verify_conditional_writes: bool = True, **options: A
     endpoint (``StoreUnavailable``) and a missing bucket (``InvalidStoreURL``) here rather than
     at the first commit.
     """
-    store = _construct(url, options)
+    store = _construct(url, options, s3_client)
     if verify_conditional_writes:
         try:
             ensure_conditional_writes(store)
@@ -71,7 +80,9 @@ def open_store(url: str, *, verify_conditional_writes: bool = True, **options: A
     return store
 
 
-def _construct(url: str, options: dict[str, Any]) -> ObjectStore:
+def _construct(url: str, options: dict[str, Any], s3_client: str) -> ObjectStore:
+    if s3_client not in S3_CLIENTS:
+        raise ValueError(f"unknown s3_client {s3_client!r}; expected one of {S3_CLIENTS}")
     if not isinstance(url, str) or "://" not in url:
         raise InvalidStoreURL(
             f"store URL {url!r} has no scheme; use file:///absolute/path, s3://bucket/prefix "
@@ -88,11 +99,13 @@ def _construct(url: str, options: dict[str, Any]) -> ObjectStore:
         raise InvalidStoreURL(
             f"store URL {url!r} has a query or fragment; pass options as keyword arguments"
         )
-    unknown = sorted(set(options) - set(_OPTIONS[scheme]))
+    kind = "s3+obstore" if scheme == "s3" and s3_client == "obstore" else scheme
+    unknown = sorted(set(options) - set(_OPTIONS[kind]))
     if unknown:
-        accepted = ", ".join(_OPTIONS[scheme]) or "none"
+        accepted = ", ".join(_OPTIONS[kind]) or "none"
         raise InvalidStoreURL(
-            f"unknown option(s) {', '.join(unknown)} for {scheme}:// stores; accepted: {accepted}"
+            f"unknown option(s) {', '.join(unknown)} for {scheme}:// stores"
+            f"{' on obstore' if kind == 's3+obstore' else ''}; accepted: {accepted}"
         )
     if scheme == "memory":
         return MemoryStore.named(parts.netloc + parts.path)
@@ -108,6 +121,8 @@ def _construct(url: str, options: dict[str, Any]) -> ObjectStore:
         return FileStore(path, **options)
     if not parts.netloc:
         raise InvalidStoreURL(f"S3 URL {url!r} has no bucket; use s3://bucket/prefix")
+    if kind == "s3+obstore":
+        return ObstoreS3Store(parts.netloc, unquote(parts.path), **options)
     return S3Store(parts.netloc, unquote(parts.path), **options)
 
 
