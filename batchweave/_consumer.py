@@ -63,6 +63,10 @@ STATE_FORMAT: Final = 1
 
 _MIB: Final = 1 << 20
 _RETRYABLE: Final = (TransientStoreError, StoreUnavailable)
+
+_MAP_MIN_BYTES: Final = _MIB
+"""Reads this large are mapped when the store can (``file://``): no copy, no fresh buffer."""
+
 # The trailer starts with the footer length, a little-endian u64 (docs/format.md).
 _U64: Final = struct.Struct("<Q")
 
@@ -454,11 +458,11 @@ class Consumer:
         self._ensure_open(wait=True)
         step = self._next_step
         self._check_not_reclaimed(step)
-        self._top_up(max(1, self._depth))
+        self._top_up(max(1, self._depth), inline_head=True)
         if not self._window:
             if not self._await_step(step):
                 raise StopIteration
-            self._top_up(max(1, self._depth))
+            self._top_up(max(1, self._depth), inline_head=True)
         pending = self._window[0]
         assert pending.step == step
         try:
@@ -483,8 +487,12 @@ class Consumer:
             self._delivered_since_ramp = 0
             self._depth += 1
 
-    def _top_up(self, depth: int) -> None:
-        """Schedule steps until ``depth`` are in flight or the visible steps run out."""
+    def _top_up(self, depth: int, *, inline_head: bool = False) -> None:
+        """Schedule steps until ``depth`` are in flight or the visible steps run out.
+
+        With ``inline_head`` the step the caller is about to wait for is not handed to a worker
+        if it is scheduled now: the caller runs it, saving a thread hand-off per step.
+        """
         assert self._manifest is not None
         assert self._projection is not None
         limit = self._next_step + depth * self.stride
@@ -504,7 +512,7 @@ class Consumer:
                 _log.debug("%s: manifest refresh failed, will retry: %s", self._where, exc)
             end = self._projection.end_step(self._manifest.next_step)
         while nxt < min(limit, end):
-            self._schedule(nxt)
+            self._schedule(nxt, submit=not (inline_head and nxt == self._next_step))
             nxt += self.stride
 
     def _await_step(self, step: int) -> bool:
@@ -653,7 +661,7 @@ class Consumer:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def _schedule(self, step: int) -> None:
+    def _schedule(self, step: int, *, submit: bool = True) -> None:
         assert self._manifest is not None
         assert self._projection is not None
         if self._pool is None:
@@ -662,7 +670,8 @@ class Consumer:
             )
         location = self._projection.locate(step, self.dp_rank, self.cp_rank)
         job = Job(functools.partial(self._fetch_step, step, location, self._manifest))
-        self._pool.submit(job.run_if_unclaimed)
+        if submit:
+            self._pool.submit(job.run_if_unclaimed)
         self._window.append(_Pending(step, location, job))
 
     def _drop_window(self) -> None:
@@ -777,11 +786,17 @@ class Consumer:
 
     def _read_range(
         self, key: str, start: int, end: int, where: str, budget: _Budget
-    ) -> bytes | bytearray:
-        """Bytes ``[start, end)`` of ``key``: one range read, or parallel parts when large."""
+    ) -> bytes | bytearray | memoryview:
+        """Bytes ``[start, end)`` of ``key``: mapped, one range read, or parallel parts."""
         length = end - start
         if length == 0:
             return b""
+        if length >= _MAP_MIN_BYTES:
+            mapped: memoryview | None = self._retrying(
+                budget, where, lambda: self._map(key, start, end)
+            )
+            if mapped is not None:
+                return mapped
         if length < self.split_threshold or length <= self.part_size:
             data: bytes = self._retrying(budget, where, lambda: self._get_exact(key, start, end))
             return data
@@ -803,6 +818,13 @@ class Consumer:
         data = self._get(key, Bounded(start, end))
         _check_complete(key, start, end, len(data))
         return data
+
+    def _map(self, key: str, start: int, end: int) -> memoryview | None:
+        view = self._store.map_range(key, start, end)
+        if view is not None:
+            self._counters.add(requests=1, bytes_read=len(view))
+            _check_complete(key, start, end, len(view))
+        return view
 
     def _get_into(self, key: str, start: int, target: memoryview) -> None:
         self._counters.add(requests=1)

@@ -564,3 +564,30 @@ def test_truncated_object_is_a_format_error_naming_step_and_object(
     assert next(c)[0] == 0
     with pytest.raises(FormatError, match=rf"step 1 .*{key}.*{read}.*truncated"):
         next(c)
+
+
+def test_large_slices_on_files_are_mapped_not_copied(tmp_path: Path) -> None:
+    inner = FileStore(tmp_path, fsync=False)
+    mesh = Mesh(dp=2)
+    size = 2 * MIB
+    with Producer(inner, "run", producer_id="p", mesh=mesh, codec="tensors") as p:
+        for o in range(3):
+            p.append(
+                [{"x": np.full(size // 8, 10 * o + d, dtype=np.int64)} for d in range(2)],
+                offset=o,
+            )
+        p.seal()
+    store = CountingStore(inner)
+    c = Consumer(store, "run", mesh=mesh, dp_rank=1, split_threshold=MIB, part_size=MIB // 2)
+    got = [data for _, data in c]
+    assert [int(d["x"][0]) for d in got] == [1, 11, 21]
+    assert all(d["x"].size == size // 8 for d in got)
+    assert not got[0]["x"].flags.writeable  # a view of the read-only mapping
+    assert store.snapshot().range_gets == c.stats.requests == 3  # one mapping per step, no parts
+    victim, _ = _object_of(inner, "run", 2)
+    inner.put(victim, inner.get(victim)[: size // 2])  # a shorter object behind step 2
+    c2 = Consumer(inner, "run", mesh=mesh, dp_rank=1)
+    assert next(c2)[0] == 0
+    next(c2)
+    with pytest.raises(FormatError, match=rf"step 2 .*{victim}.*truncated"):
+        next(c2)

@@ -159,6 +159,16 @@ class ObjectStore(abc.ABC):
         buffer[: len(data)] = data
         return len(data)
 
+    def map_range(self, key: str, start: int, end: int) -> memoryview | None:
+        """A read-only view of bytes ``[start, end)`` mapped from the store without a copy.
+
+        ``None`` means this store cannot map objects (the default; S3 cannot): read with
+        :meth:`get_range` or :meth:`get_range_into` instead. A store that maps (``file://``
+        through ``mmap``) clamps the range to the object like ``get_range``. The view stays
+        valid after the object is deleted; it keeps the mapping alive until released.
+        """
+        return None
+
     @abc.abstractmethod
     def head(self, key: str) -> ObjectMeta:
         """Return the object's metadata; raise ``ObjectNotFound`` if absent."""

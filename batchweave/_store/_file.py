@@ -9,6 +9,7 @@ and are then published atomically: ``os.replace`` for overwrites, ``os.link`` fo
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import stat
 import uuid
@@ -248,6 +249,23 @@ class FileStore(ObjectStore):
             finally:
                 os.close(fd)
         return filled
+
+    def map_range(self, key: str, start: int, end: int) -> memoryview | None:
+        # Objects are never modified in place (a put links a new file), so a mapping cannot
+        # shrink under a reader unless someone truncates files in the root by hand.
+        if not 0 <= start <= end:
+            raise ValueError(f"invalid range [{start}, {end})")
+        path = self._path(key)
+        with self._errors(key, "map"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                if min(end, size) <= start:
+                    return memoryview(b"")
+                mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+        return memoryview(mapped)[start : min(end, size)]
 
     def head(self, key: str) -> ObjectMeta:
         path = self._path(key)

@@ -29,8 +29,9 @@ LIST_PAGE_SIZE = 1000
 class StoreWrapper(ObjectStore):
     """Passes every call through to ``inner``; subclass it and override what you intercept.
 
-    ``get_range_into`` is deliberately not forwarded: the base implementation calls this
-    wrapper's ``get_range``, so a subclass that intercepts ``get_range`` sees every range read.
+    ``get_range_into`` and ``map_range`` are deliberately not forwarded: the base
+    implementations call this wrapper's ``get_range`` (or decline), so a subclass that intercepts
+    ``get_range`` sees every range read.
 
     Tests and tools wrap stores to gate, observe or break single operations; this base keeps the
     other six methods out of each wrapper.
@@ -163,6 +164,12 @@ class CountingStore(StoreWrapper):
         n = self.inner.get_range_into(key, start, buffer)
         self._add(range_bytes=n)
         return n
+
+    def map_range(self, key: str, start: int, end: int) -> memoryview | None:
+        view = self.inner.map_range(key, start, end)
+        if view is not None:
+            self._add(range_gets=1, range_bytes=len(view))
+        return view
 
     def head(self, key: str) -> ObjectMeta:
         self._add(heads=1)

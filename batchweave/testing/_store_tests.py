@@ -236,6 +236,19 @@ class StoreTests:
         with pytest.raises(ObjectNotFound):
             store.get_range_into("missing/key", 0, memoryview(bytearray(4)))
 
+    def test_map_range_is_declined_or_exact(self, store: ObjectStore) -> None:
+        data = random.Random(7).randbytes(3000)
+        store.put("obj", data)
+        for start, end in [(0, 3000), (100, 2000), (2999, 3000), (1000, 5000), (3000, 3010)]:
+            view = store.map_range("obj", start, end)
+            if view is None:
+                return  # this store cannot map: readers fall back to get_range
+            assert view.readonly
+            assert bytes(view) == data[start:end], (start, end)
+            view.release()
+        with pytest.raises(ObjectNotFound):
+            store.map_range("missing/key", 0, 10)
+
     def test_random_ranges_match_reference(self, store: ObjectStore) -> None:
         data = random.Random(1).randbytes(4099)
         store.put("ref", data)
