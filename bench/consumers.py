@@ -6,7 +6,7 @@ spread over a few worker processes (one store client per process), each read mod
 every rank reads its data of every step, with the same prefetch depth:
 
 - ``batchweave``: one :class:`batchweave.Consumer` per rank (manifest, cached footer, one range
-  read per slice, checksums verified, parallel part reads for slices >= 8 MiB);
+  read per slice, checksums verified, parallel part reads for slices >= 64 MiB);
 - ``dense``: the paper's dense-read baseline, each rank GETs the whole TGB object, parses the
   footer and keeps (and verifies) its own slice;
 - ``raw-range``: the same client issuing exactly the rank's slice range per step, nothing else
