@@ -353,10 +353,16 @@ def main() -> None:
     p.add_argument("--max-tgb-mb", type=int, default=128, help="skip bigger TGBs (W*S)")
     p.add_argument("--dense-budget-mb", type=int, default=2048, help="dense bytes per point")
     p.add_argument("--dense-memory-mb", type=int, default=512, help="dense buffers per process")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="rounds per point, modes in a rotated order each round; the median round is kept",
+    )
     args = p.parse_args()
     if args.smoke:
         args.storages = args.storages or ["file"]
-        args.budget_mb, args.max_steps = 1, 4
+        args.budget_mb, args.max_steps, args.repeat = 1, 4, 1
     names = args.storages or list(STORAGES)
     clients = args.clients or (["boto3", "obstore"] if obstore_available() else ["boto3"])
     command = "python bench/consumers.py " + " ".join(sys.argv[1:])
@@ -376,45 +382,54 @@ def main() -> None:
                     specs[name][0], namespace, world, size, steps
                 )
                 for spec in specs[name]:
-                    rows: dict[str, dict[str, Any]] = {}
-                    for mode in MODES:
-                        mode_steps = steps
-                        if mode == "dense":
-                            mode_steps = min(
-                                steps, args.dense_budget_mb * 1_000_000 // (world * tgb)
-                            )
-                            if mode_steps < 1:
-                                skipped.append(
-                                    f"{spec.label} W={world} S={size_name} dense: one step "
-                                    f"would read {world * tgb / 1e9:.0f} GB"
+                    runs: dict[str, list[dict[str, Any]]] = {}
+                    for round_ in range(args.repeat):
+                        # Rotating the order spreads the machine's load drift over every mode.
+                        for mode in MODES[round_ % len(MODES) :] + MODES[: round_ % len(MODES)]:
+                            mode_steps = steps
+                            if mode == "dense":
+                                mode_steps = min(
+                                    steps, args.dense_budget_mb * 1_000_000 // (world * tgb)
                                 )
-                                continue
-                        row = run_mode(
-                            pool,
-                            spec,
-                            namespace=namespace,
-                            mode=mode,
-                            world=world,
-                            steps=mode_steps,
-                            keys=keys,
-                            ranges=ranges,
-                            footer_size=footer_size,
-                            tgb_bytes=tgb,
-                            procs=args.procs,
-                            dense_memory=args.dense_memory_mb * 1_000_000,
-                        )
+                                if mode_steps < 1:
+                                    if round_ == 0:
+                                        skipped.append(
+                                            f"{spec.label} W={world} S={size_name} dense: one "
+                                            f"step would read {world * tgb / 1e9:.0f} GB"
+                                        )
+                                    continue
+                            row = run_mode(
+                                pool,
+                                spec,
+                                namespace=namespace,
+                                mode=mode,
+                                world=world,
+                                steps=mode_steps,
+                                keys=keys,
+                                ranges=ranges,
+                                footer_size=footer_size,
+                                tgb_bytes=tgb,
+                                procs=args.procs,
+                                dense_memory=args.dense_memory_mb * 1_000_000,
+                            )
+                            runs.setdefault(mode, []).append(row)
+                            print(
+                                f"[{time.strftime('%H:%M:%S')}] {spec.label} W={world} "
+                                f"S={size_name} {mode} (round {round_ + 1}): "
+                                f"{row['rank MB/s']:.2f} MB/s per rank, amp {row['amp']:.3f}",
+                                flush=True,
+                            )
+                    rows: dict[str, dict[str, Any]] = {}
+                    for mode, mode_runs in runs.items():
+                        median = sorted(mode_runs, key=lambda r: r["agg MB/s"])[len(mode_runs) // 2]
                         rows[mode] = {
                             "client": spec.label,
                             "world": world,
                             "slice": size_name,
                             "mode": mode,
-                            **row,
+                            **median,
+                            "rounds": len(mode_runs),
                         }
-                        print(
-                            f"[{time.strftime('%H:%M:%S')}] {spec.label} W={world} S={size_name} "
-                            f"{mode}: {row['rank MB/s']:.2f} MB/s per rank, amp {row['amp']:.3f}",
-                            flush=True,
-                        )
                     dense = rows.get("dense", {}).get("rank MB/s", math.nan)
                     for row in rows.values():
                         row["vs dense"] = row["rank MB/s"] / dense
@@ -427,7 +442,9 @@ def main() -> None:
         f"command: {command}",
         f"machine: {os.cpu_count()} cores shared with other engineers' test runs; ranks are "
         f"threads in {args.procs} processes (one store client per process); prefetch {PREFETCH} "
-        "steps for every mode (dense: fewer when its buffers would exceed --dense-memory-mb)",
+        "steps for every mode (dense: fewer when its buffers would exceed --dense-memory-mb); "
+        f"each point ran {args.repeat} rounds with the modes in a rotated order, and each mode's "
+        "row is its median round by agg MB/s",
         *(f"skipped: {s}" for s in skipped),
         *targets(report.rows),
     ]
