@@ -82,7 +82,7 @@ BASE = {
         ({"compression": "lz4", "uncompressed_lengths": [3, 4]}, "unknown compression"),
         ({"compression": "zstd"}, "uncompressed_lengths"),
         ({"uncompressed_lengths": [3, 4]}, "uncompressed_lengths"),
-        ({"lengths": [3, -4]}, "negative"),
+        ({"lengths": [3, -4]}, "greater than or equal to 0"),
         ({"checksums": [1, 1 << 32]}, "does not fit crc32c"),
         ({"lengths": []}, "at least 1"),
     ],

@@ -9,6 +9,7 @@ that list; steps are assigned at commit and never change.
 from __future__ import annotations
 
 from functools import cached_property
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -45,6 +46,8 @@ SEGMENT_FORMAT = 2
 
 _STRICT = ConfigDict(frozen=True, extra="forbid")
 
+_Count = Annotated[int, Field(ge=0)]
+
 
 class SliceTable(BaseModel):
     """The slice entries of one object's footer, copied into the manifest in compact columns.
@@ -60,12 +63,12 @@ class SliceTable(BaseModel):
     codec: str
     compression: str | None = None
     checksum_algo: ChecksumAlgo
-    lengths: tuple[int, ...] = Field(min_length=1)
+    lengths: tuple[_Count, ...] = Field(min_length=1)
     """Stored (possibly compressed) length of each slice, in slice order."""
-    checksums: tuple[int, ...]
-    uncompressed_lengths: tuple[int, ...] | None = None
+    checksums: tuple[_Count, ...]
+    uncompressed_lengths: tuple[_Count, ...] | None = None
     """Only when ``compression`` is set: each slice's length after decompression."""
-    sample_counts: tuple[int, ...]
+    sample_counts: tuple[_Count, ...]
 
     @model_validator(mode="after")
     def _check_columns(self) -> SliceTable:
@@ -80,10 +83,7 @@ class SliceTable(BaseModel):
             columns.append(self.uncompressed_lengths)
         if any(len(column) != len(self.lengths) for column in columns):
             raise ValueError(f"each slice table column must have {len(self.lengths)} entries")
-        if any(v < 0 for column in columns for v in column):
-            raise ValueError("slice table values must not be negative")
-        limit = 1 << checksum_bits(self.checksum_algo)
-        if any(v >= limit for v in self.checksums):
+        if max(self.checksums) >> checksum_bits(self.checksum_algo):
             raise ValueError(f"a checksum does not fit {self.checksum_algo}")
         return self
 
