@@ -5,7 +5,8 @@ Every policy answers one question, :meth:`CommitPolicy.ready`, and learns from e
 swap policies by name (:func:`make_policy`).
 
 ``dac`` is BatchWeave's Decentralized Adaptive Commit (``docs/dac.md``): a post-attempt gap derived
-in closed form from a conflict budget and a duty budget. The others are the paper's baselines:
+in closed form from a conflict budget and a duty budget, taken as turns on a wall-clock grid by
+producers that know their rank. The others are the paper's baselines:
 ``naive`` (attempt whenever a TGB is pending), ``fixed10``/``fixed100`` (every 10/100 TGBs),
 ``incr`` (every ``k`` TGBs, ``k`` starting at 10 and growing by one per conflict) and ``aimd``
 (interval grows by an addend on success and halves on conflict).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import abc
 import math
 import random
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -59,8 +61,17 @@ window is a second. Past ten seconds freshness matters more than the conflict bu
 attempt costs one more conditional PUT, an invisible TGB stalls consumers.
 """
 
-DEFAULT_MAX_FORCED_GAP = 1.0
-"""The longest gap ``flush()``/``close()`` wait: they end a stream and a caller is waiting."""
+DEFAULT_MAX_FORCED_GAP = 0.125
+"""The shortest slot period of ``flush()``/``close()`` (and the longest gap a lone producer's flush
+waits): they end a stream and a caller is waiting. 16 producers with windows of up to 7.8 ms fit
+in it; larger ``N W`` double the period as often as needed."""
+
+DEFAULT_SLOT_FACTOR = 2.0
+"""A ``flush()``/``close()`` slot lasts at least this many won windows: an attempt starts in the
+middle of its slot and must end inside it (rounding the period up to the grid adds up to 2x)."""
+
+_RECENT_WON = 8
+_MAX_SLOT_BACKOFF = 10
 
 DEFAULT_WINDOW_CLAMP = 4.0
 """A lost attempt's fragile window counts as at most this many times the current estimate ``W``.
@@ -84,6 +95,8 @@ class AttemptOutcome:
     """Producers the committed manifest counts as active (``N``), at least 1."""
     tgbs: int
     """TGBs the attempt tried to publish."""
+    forced: bool = False
+    """Whether ``flush()``/``close()``/``seal()`` started it (a slotted attempt, for DAC)."""
 
 
 class CommitPolicy(abc.ABC):
@@ -107,12 +120,21 @@ class CommitPolicy(abc.ABC):
     def record(self, outcome: AttemptOutcome) -> None:
         """Learn from an attempt's outcome."""
 
-    def start(self, window: float, active_producers: int) -> None:  # noqa: B027
-        """Called once when the producer has joined, before its first data attempt.
+    def start(  # noqa: B027
+        self,
+        window: float,
+        active_producers: int,
+        rank: int | None = None,
+        loaded_window: float | None = None,
+    ) -> None:
+        """Called once before the producer's first data attempt, when it first has data.
 
         ``window`` is the duration of the producer's start-up (epoch) commit, ``active_producers``
-        the active count of the manifest it started on. The producer then counts the time since
-        start-up against :attr:`gap`, so a policy can delay (and desynchronize) first attempts.
+        the active count of the newest manifest the producer has read, and ``rank`` this
+        producer's position (``0 .. active_producers - 1``) among those active producers sorted
+        by id, or ``None`` if unknown; ``loaded_window`` a conservative estimate of the window
+        under the data load, if the producer has one. The producer then counts the time from
+        this call against :attr:`gap`, so a policy can delay (and desynchronize) first attempts.
         The default ignores it.
         """
 
@@ -125,6 +147,25 @@ class CommitPolicy(abc.ABC):
     def forced_gap(self) -> float:
         """The gap ``flush()``/``close()`` wait for (never more than :attr:`gap`; default equal)."""
         return self.gap
+
+    def forced_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float:
+        """Seconds until a ``flush()``/``close()`` attempt may start (0: start now).
+
+        ``now`` is wall-clock time (seconds since the epoch, the one clock producers on
+        different machines share, up to skew) and ``rank`` this producer's position among the
+        active producers sorted by id (``None`` if unknown). The default waits out
+        :attr:`forced_gap` since the last attempt. The answer is re-asked after every wait, so
+        it may change as time passes.
+        """
+        return max(0.0, self.forced_gap - since_last_attempt)
+
+    def regular_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float | None:
+        """Seconds until a regular attempt may start, or ``None`` to use :meth:`ready` instead.
+
+        Same arguments as :meth:`forced_wait`; asked only when TGBs are pending. The default is
+        ``None``: count-based policies decide with :meth:`ready`.
+        """
+        return None
 
 
 class UniformSource(Protocol):
@@ -242,6 +283,24 @@ def dac_gap(
     return max(0.0, conflict_bound, duty_bound)
 
 
+def _slot_wait(period: float, n: int, rank: int, now: float, window: float, allowed: bool) -> float:
+    """Seconds until ``now`` is at the middle of slot ``rank`` of ``n`` on a grid of ``period``.
+
+    Attempts start at the middle of their slot (or up to ``slot / 2 - window`` later, so they
+    still end inside it; at least ``slot / 4`` later when slots are shorter than that), which
+    makes grids whose periods differ by powers of two interleave: on the grid of period ``P 2^k``
+    slot middles fall at odd multiples of ``2^(k-1) P / n`` (``k >= 1``), on the grid of period
+    ``P`` at odd multiples of ``P / (2n)``, so producers on different grids of one family never
+    start together; they start at least half a slot of the finer grid apart. ``allowed=False``
+    (the slot's last turn was used) waits for the next turn.
+    """
+    slot = period / n
+    phase = (now - (rank + 0.5) * slot) % period  # 0 at the middle of the slot
+    if allowed and phase <= max(slot / 2 - window, slot / 4):
+        return 0.0
+    return period - phase
+
+
 @_register
 class DacPolicy(CommitPolicy):
     """Decentralized Adaptive Commit: wait ``g = min(g*, G)(1+u)`` after every attempt.
@@ -256,12 +315,19 @@ class DacPolicy(CommitPolicy):
 
     ``max_gap`` (``G``) bounds the jittered gap: it is the visibility-latency bound. When
     ``W * N`` is so large that ``g*`` exceeds it, DAC deliberately lets the conflict rate exceed
-    ``eps`` rather than leave TGBs invisible for minutes. ``flush()``/``close()`` wait at most
-    ``max_forced_gap``: they end a stream, and a caller is waiting for visibility.
+    ``eps`` rather than leave TGBs invisible for minutes.
 
-    :meth:`start` seeds ``W`` with the start-up commit's window (unless ``initial_window`` was
-    given) and makes the first gap a uniformly random fraction of the seeded gap, so producers
-    started together do not all attempt at once. See ``docs/dac.md``.
+    A producer that knows its rank among the ``N`` active producers takes turns instead of
+    attempting at random phases: :meth:`regular_wait` puts its attempts in its own ``1/N`` of a
+    wall-clock grid whose period is the gap (:attr:`regular_period`), and ``flush()``/``close()``
+    use a finer grid sized by short uncontended windows (:meth:`forced_wait`,
+    :attr:`slot_period`), so producers that end a stream together neither collide nor wait a
+    gap.
+
+    :meth:`start`, called at the producer's first data, seeds ``W`` (unless ``initial_window``
+    was given) and makes the first gap a random fraction of the seeded gap, stratified by the
+    producer's rank, so producers started together do not all attempt at once. The first
+    ``1/a`` window samples are averaged (a bias-corrected EMA). See ``docs/dac.md``.
     """
 
     name: ClassVar[str] = "dac"
@@ -278,6 +344,7 @@ class DacPolicy(CommitPolicy):
         max_gap: float = DEFAULT_MAX_GAP,
         max_forced_gap: float = DEFAULT_MAX_FORCED_GAP,
         window_clamp: float = DEFAULT_WINDOW_CLAMP,
+        slot_factor: float = DEFAULT_SLOT_FACTOR,
     ) -> None:
         _check_budgets(conflict_budget, duty_budget)
         if not 0 < ema_alpha <= 1:
@@ -305,9 +372,18 @@ class DacPolicy(CommitPolicy):
         self.jitter = jitter
         self.max_gap = max_gap
         self.max_forced_gap = max_forced_gap
+        if not (math.isfinite(slot_factor) and slot_factor > 0):
+            raise ValueError(f"slot_factor must be a finite number > 0, got {slot_factor!r}")
         self.window_clamp = window_clamp
+        self.slot_factor = slot_factor
         self._rng: UniformSource = rng if rng is not None else random.Random(seed)
         self._window = initial_window
+        self._samples = 0 if initial_window is None else round(1 / ema_alpha)
+        """Window samples in ``W`` so far (an explicit ``initial_window`` counts as settled)."""
+        self._won_windows: deque[float] = deque(maxlen=_RECENT_WON)
+        """The windows of the latest won attempts (the start-up commit counts): slot sizing."""
+        self._slot_backoff = 0
+        """Lost forced (slotted) attempts in a row: each doubles the slot."""
         self._producers = 1
         self._target = 0.0
         self._gap = 0.0
@@ -341,28 +417,161 @@ class DacPolicy(CommitPolicy):
     def ready(self, pending: int, since_last_attempt: float) -> bool:
         return pending >= 1 and since_last_attempt >= self._gap
 
-    def start(self, window: float, active_producers: int) -> None:
+    @property
+    def slot_window(self) -> float:
+        """The window a slot must hold: the shortest recent won window, doubled per lost slot.
+
+        Producers flush and close together when their data load ends (a job's end, a
+        checkpoint), so the window a slot must hold is the uncontended one, usually far shorter
+        than ``W`` under load: the shortest of the last won attempts estimates it. A lost
+        slotted attempt shows the slot was too short (or shared with a producer on another
+        grid), and doubles it until an attempt wins again (binary exponential backoff, over
+        grids that stay nested). 0 before any measurement.
+        """
+        if not self._won_windows:
+            return self._window or 0.0
+        return min(self._won_windows) * 2.0**self._slot_backoff
+
+    @property
+    def slot_period(self) -> float:
+        """The period ``P`` of the ``flush()``/``close()`` slots (0 with no estimate of ``W``).
+
+        A conflict-free turn for every producer takes ``N`` slots of ``s = slot_factor *
+        slot_window``: ``P`` is ``N s`` rounded up to ``max_forced_gap * 2^i`` (``i >= 0``), at
+        most the longest such period within ``max_gap``. Rounding to a few fixed values is what
+        makes producers agree on the grid although each has its own estimate of ``W`` (on a fast
+        store all of them use ``max_forced_gap``), and periods a power of two apart interleave
+        (see :func:`_slot_wait`); a shorter period would only trade waiting for conflicts, and a
+        lost slot costs a whole period.
+        """
+        raw = self.slot_factor * self.slot_window * self._producers
+        base = self.max_forced_gap
+        if raw <= 0 or base <= 0:
+            return 0.0
+        if raw <= base:
+            return base
+        return min(self._longest_period, base * 2.0 ** math.ceil(math.log2(raw / base)))
+
+    @property
+    def _longest_period(self) -> float:
+        """The longest period on the grid ``max_forced_gap * 2^i`` that ``max_gap`` allows."""
+        if not math.isfinite(self.max_gap):
+            return math.inf
+        base = self.max_forced_gap
+        return base * 2.0 ** math.floor(math.log2(self.max_gap / base) + 1e-9)
+
+    @property
+    def regular_period(self) -> float:
+        """The period of the regular slots: ``min(g*, G)`` on the grid of :attr:`slot_period`.
+
+        ``min(g*, max_gap)`` rounded to the nearest ``max_forced_gap * 2^i`` (in log scale, so
+        within a factor of 1.41 of the gap), at least :attr:`slot_period` (a slot must hold an
+        attempt) and at most the longest grid period within ``max_gap``; 0 without an estimate
+        of ``W``.
+        """
+        if self._window is None:
+            return 0.0
+        gap = min(self._target, self.max_gap)
+        base = self.max_forced_gap
+        if gap <= 0 or base <= 0:
+            return max(gap, self.slot_period)
+        period = base * 2.0 ** max(0, round(math.log2(gap / base)))
+        return min(self._longest_period, max(period, self.slot_period))
+
+    def regular_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float | None:
+        """Wait for this producer's slot on the wall-clock grid of period :attr:`regular_period`.
+
+        The gap formula assumes attempt starts at random (Poisson) times and buys a conflict
+        budget with a long gap. Producers that agree on ``N``, their ranks and the grid can do
+        better at the same gap: each attempts once per period, in its own ``1/N`` of it, so
+        attempts never overlap while a slot holds a window (``period / N >= W``: ``g* / N`` is
+        about ``9.5 W`` with the defaults, and ``G / N`` holds a 0.5 s window at 16 producers).
+        Where they disagree (different estimates of ``W``, skewed clocks, a producer that has
+        not seen a join yet), phases are effectively random, as the formula assumes. ``None``
+        (use :meth:`ready` and :attr:`gap`) for a lone producer or an unknown rank.
+        """
+        n = self._producers
+        period = self.regular_period
+        if rank is None or n < 2 or not 0 <= rank < n or period <= 0:
+            return None
+        return _slot_wait(
+            period, n, rank, now, self._window or 0.0, since_last_attempt >= period / n
+        )
+
+    def forced_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float:
+        """Wait for this producer's slot on a wall-clock grid shared by all producers.
+
+        Producers that flush or close together (the end of a job, a checkpoint) would otherwise
+        attempt in a burst. The grid has period :attr:`slot_period`, split into ``N`` slots; the
+        producer of ``rank`` owns slot ``rank`` and attempts while at least one ``W`` (or half
+        of it) is left. Slots do not overlap, so producers agreeing on ``N``, ranks and the grid
+        do not conflict at all; skewed clocks or disagreeing views make the phases effectively
+        random, which is what the gap formula assumes anyway. A lone producer (or an unknown
+        rank) waits :attr:`forced_gap` as before.
+        """
+        n = self._producers
+        period = self.slot_period
+        if rank is None or n < 2 or not 0 <= rank < n or period <= 0:
+            return super().forced_wait(since_last_attempt, now, rank)
+        return _slot_wait(period, n, rank, now, self.slot_window, True)
+
+    def start(
+        self,
+        window: float,
+        active_producers: int,
+        rank: int | None = None,
+        loaded_window: float | None = None,
+    ) -> None:
+        """Seed ``W`` and draw the first gap (see :meth:`CommitPolicy.start`).
+
+        ``window`` (the start-up commit, an attempt that won) seeds both ``W`` and the recent
+        won windows that size ``flush()``/``close()`` slots; ``loaded_window``, a conservative
+        estimate of ``W`` under the data load (the producer passes its first upload's duration),
+        seeds ``W`` if larger.
+        """
         _check_window(window)
         _check_producers(active_producers)
+        if loaded_window is not None:
+            _check_window(loaded_window)
+        if rank is not None and not 0 <= rank < active_producers:
+            raise ValueError(
+                f"rank must be in [0, active_producers={active_producers}), got {rank!r}"
+            )
         if self._window is None:
-            self._window = window
+            self._window = max(window, loaded_window or 0.0)
+            self._samples = 1
+        if not self._won_windows:
+            self._won_windows.append(window)
         self._producers = active_producers
         # Producers started together would all attempt at once and all but one would lose (and
-        # measure their windows under that contention): spread first attempts over one gap.
-        fraction = self._rng.uniform(0.0, 1.0)
+        # measure their windows under that contention): spread first attempts over one gap, each
+        # producer in its own 1/N of it when its rank is known (stratified: neighbours are on
+        # average one slot apart instead of clustering as independent draws do).
+        u = self._rng.uniform(0.0, 1.0)
+        fraction = u if rank is None else (rank + u) / active_producers
         self._set_gaps(self._window, fraction)
 
     def record(self, outcome: AttemptOutcome) -> None:
         _check_window(outcome.fragile_window)
         _check_producers(outcome.active_producers)
+        sample = outcome.fragile_window
         if self._window is None:
-            self._window = outcome.fragile_window
+            self._window = sample
+            self._samples = 1
         else:
-            sample = outcome.fragile_window
             if not outcome.committed and self._window > 0:
                 sample = min(sample, self.window_clamp * self._window)
-            a = self.ema_alpha
+            # Bias-corrected start: until 1/a samples are in, W is their plain mean, so a seed
+            # measured before the data load began (the start-up commit) fades after a few
+            # attempts instead of dominating the first 1/a of them.
+            self._samples += 1
+            a = max(self.ema_alpha, 1 / self._samples)
             self._window = (1 - a) * self._window + a * sample
+        if outcome.committed:
+            self._won_windows.append(outcome.fragile_window)
+            self._slot_backoff = 0
+        elif outcome.forced:
+            self._slot_backoff = min(self._slot_backoff + 1, _MAX_SLOT_BACKOFF)
         self._producers = outcome.active_producers
         u = self._rng.uniform(-self.jitter, self.jitter) if self.jitter else 0.0
         self._set_gaps(self._window, 1 + u)

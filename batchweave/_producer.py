@@ -47,7 +47,7 @@ from batchweave._manifest._log import (
     Committed,
     Conflict,
     ManifestLog,
-    active_producers,
+    active_producer_ids,
 )
 from batchweave._manifest._models import (
     Manifest,
@@ -265,6 +265,7 @@ class Producer:
             namespace,
             clock=wall_clock,
             tail_limit=tail_limit,
+            deferred_merges=True,  # level merges are written after a commit, not inside it
         )
         self._entries: deque[_Entry] = deque()
         self._inflight_bytes = 0
@@ -295,14 +296,16 @@ class Producer:
         self._lag_blocked = False
 
         self._start_window = 0.0
+        self._policy_started = False
+        """Set once the commit loop had its first work and called ``policy.start``."""
+        self._rank: int | None = None
+        """This producer's position among the active ids of the newest manifest read."""
+        self._forced_attempt = False
+        """Whether the attempt about to start was started by flush()/close()/seal()."""
+        self._first_upload: float | None = None
+        """Seconds the first successful upload PUT took: the first request under data load."""
         self._base, self._epoch = self._start()
         self._base_read_at = self._clock()
-        # The epoch commit is the policy's first (uncontended, once it won) window measurement;
-        # the first data attempt is then paced from start-up like any later one.
-        self._policy.start(
-            self._start_window,
-            max(1, active_producers(self._base, self._wall_clock(), self._active_horizon)),
-        )
         self._last_attempt_end = self._base_read_at
         state = self._base.producers[producer_id]
         self._committed_offset: int | None = state.offset
@@ -405,9 +408,11 @@ class Producer:
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every TGB appended so far is committed (visible to consumers).
 
-        Forces commits regardless of the policy's TGB-count condition; the policy's (shorter)
-        :attr:`~batchweave.CommitPolicy.forced_gap` still applies. ``timeout`` is in seconds of
-        real time; raises ``TimeoutError`` when it passes. Re-raises any background failure.
+        Forces commits regardless of the policy's TGB-count condition; the policy's forced wait
+        still applies (:meth:`~batchweave.CommitPolicy.forced_wait`: for DAC, this producer's
+        turn on the flush grid, at most a fraction of a second on a fast store). ``timeout`` is
+        in seconds of real time; raises ``TimeoutError`` when it passes. Re-raises any
+        background failure.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -701,8 +706,13 @@ class Producer:
                 if self._aborted:
                     return
                 try:
+                    began = self._clock()
                     self._store.put(key, encoded.data)
+                    took = self._clock() - began
                     self._outage.recovered()
+                    with self._cond:
+                        if self._first_upload is None:
+                            self._first_upload = took
                     break
                 except _RETRYABLE as exc:
                     attempt += 1
@@ -778,6 +788,9 @@ class Producer:
                 if seal is None:
                     return
                 try:
+                    if not self._policy_started:
+                        self._begin()
+                        continue
                     self._attempt(seal)
                     transient_attempt = 0
                     self._outage.recovered()
@@ -800,7 +813,7 @@ class Producer:
         """Block until an attempt should start; return whether it seals, or None to stop."""
         # Set once the whole remaining gap was slept: a clock too coarse to show it (or a fake one
         # advancing by less than float resolution) must not keep the loop waiting forever.
-        gap_waited = False
+        gap_waited = forced_waited = regular_waited = False
         woke_for_forced = False
         with self._cond:
             while True:
@@ -813,21 +826,40 @@ class Producer:
                         return None
                     self._cond.wait(_EVENT_WAIT)
                     continue
+                if not self._policy_started:
+                    return seal_now  # the first work: _begin() starts the policy's pacing
                 forced = seal_now or self._flush_waiters > 0 or self._closing
-                # flush()/close() end a stream: they wait the policy's (shorter) forced gap.
-                gap = self._policy.forced_gap if forced else self._policy.gap
+                gap = self._policy.gap
                 since = self._clock() - self._last_attempt_end
                 if gap_waited:
                     since = max(since, gap)
-                if (n > 0 and self._policy.ready(n, since)) or (forced and since >= gap):
-                    return seal_now
-                remaining = gap - since
+                # flush()/close() end a stream: they wait only the policy's forced wait (for
+                # DAC, this producer's slot, which a regular attempt would not respect).
+                until_forced = self._policy.forced_wait(since, self._wall_clock(), self._rank)
+                self._forced_attempt = forced
+                until_regular = (
+                    None
+                    if forced
+                    else self._policy.regular_wait(since, self._wall_clock(), self._rank)
+                )
+                if forced:
+                    if until_forced <= 0 or forced_waited:
+                        return seal_now
+                    remaining = until_forced
+                elif until_regular is not None:
+                    # The policy paces regular attempts itself (DAC's slots), not with ready().
+                    if until_regular <= 0 or regular_waited:
+                        return seal_now
+                    remaining = until_regular
+                else:
+                    if n > 0 and self._policy.ready(n, since):
+                        return seal_now
+                    remaining = gap - since
                 if remaining > 0:
                     chunk = min(remaining, _TIME_WAIT_CHUNK)
-                    until_forced = self._policy.forced_gap - since
                     if not forced and not woke_for_forced and 0 < until_forced < chunk:
                         # A flush()/close() arriving during this sleep need only wait the forced
-                        # gap: wake when it expires and re-check (once per wait).
+                        # wait: wake when it expires and re-check (once per wait).
                         chunk = until_forced
                         woke_for_forced = True
                     self._cond.release()
@@ -835,9 +867,47 @@ class Producer:
                         self._sleep(chunk)
                     finally:
                         self._cond.acquire()
-                    gap_waited = chunk == remaining
+                    gap_waited = chunk == gap - since
+                    forced_waited = forced and chunk == until_forced
+                    regular_waited = until_regular is not None and chunk == until_regular
                 else:
                     self._cond.wait(_EVENT_WAIT)
+
+    def _begin(self) -> None:
+        """Start the policy's pacing when there is first something to commit.
+
+        Start-up (the epoch commit) can precede the first data by far longer than a gap, and
+        producers of one job start together: pacing from start-up would let every first gap
+        expire before the first upload, and the first uploads (which finish at about the same
+        time everywhere) would then trigger attempts in lock step. So the first gap counts from
+        here, with ``N`` and this producer's rank among the active ids read now, when producers
+        started together have all joined.
+        """
+        if self._clock() - self._base_read_at >= self._refresh_age:
+            latest = self._log.latest(self._base)
+            with self._cond:
+                self._adopt_locked(latest)
+            self._base_read_at = self._clock()
+        active = self._note_active()
+        with self._cond:
+            first_upload = self._first_upload or 0.0
+        # The epoch commit ran before the data load began (when producers start together, the
+        # store was idle), so it can underestimate W under load many times over; the first
+        # upload is a PUT made under that load, a conservative seed while W is still unknown.
+        self._policy.start(self._start_window, active, self._rank, loaded_window=first_upload)
+        with self._cond:
+            self._policy_started = True
+            self._last_attempt_end = self._clock()
+
+    def _note_active(self) -> int:
+        """``N`` from the newest manifest read, noting this producer's rank among those ids."""
+        with self._cond:
+            base = self._base
+        ids = active_producer_ids(base, self._wall_clock(), self._active_horizon)
+        rank = ids.index(self._producer_id) if self._producer_id in ids else None
+        with self._cond:
+            self._rank = rank
+        return max(1, len(ids))
 
     def _attempt(self, seal: bool) -> None:
         start = self._clock()
@@ -907,18 +977,38 @@ class Producer:
                 self._stats["conflicts"] += 1
                 self._adopt_locked(winner)
             committed = False
-        active = active_producers(self._base, self._wall_clock(), self._active_horizon)
+        active = self._note_active()
         self._policy.record(
             AttemptOutcome(
                 committed=committed,
                 fragile_window=window,
-                active_producers=max(1, active),
+                active_producers=active,
                 tgbs=len(batch),
+                forced=self._forced_attempt,
             )
         )
         with self._cond:
             self._last_window = window
             self._last_attempt_end = self._clock()
+        if isinstance(result, Committed):
+            self._prepare_merge(result.manifest)
+
+    def _prepare_merge(self, committed: Manifest) -> None:
+        """After a commit, outside its fragile window: write the segment merge it calls for.
+
+        An optimization only: a failure is logged, and the merge is retried after a later roll.
+        """
+        try:
+            self._log.prepare_merge(committed)
+        except _RETRYABLE as exc:
+            _LOG.warning(
+                "producer %r: writing a segment merge after version %d failed (%s: %s); the "
+                "segments stay unmerged until a later commit",
+                self._producer_id,
+                committed.version,
+                type(exc).__name__,
+                exc,
+            )
 
     def _adopt_locked(self, manifest: Manifest) -> None:
         """Rebase onto ``manifest``: fence, drop what it already holds for us, keep the newest."""

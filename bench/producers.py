@@ -20,7 +20,9 @@ manifest at all. Reported per run:
 - ``visible p50/p95``: time from ``append()`` to the TGB being visible in a committed manifest;
 - ``mf KB/commit``: manifest and segment bytes sent per committed version, over the first and the
   last tenth of the run's commits ("without segmented manifests" = an inline tail that never
-  rolls into segments, so it grows with history).
+  rolls into segments, so it grows with history); ``window KB/commit`` the same counting only
+  the bytes a producer sent inside its own fragile windows (segment merges written between
+  commits are not in it).
 
 ``--long-run`` publishes 20,000 TGBs (segmented, DAC) and compares throughput over the last
 tenth of the TGBs with the first tenth, both as ingestion (appends, which block while the upload
@@ -104,6 +106,8 @@ LONG_COLUMNS = [
     "commit p95 ms",
     "mf KB/commit first",
     "mf KB/commit last",
+    "window KB/commit first",
+    "window KB/commit last",
 ]
 
 
@@ -123,8 +127,14 @@ class RecordingPolicy(CommitPolicy):
         self.log.append((time.monotonic(), outcome.committed, outcome.fragile_window, outcome.tgbs))
         self.inner.record(outcome)
 
-    def start(self, window: float, active_producers: int) -> None:
-        self.inner.start(window, active_producers)
+    def start(
+        self,
+        window: float,
+        active_producers: int,
+        rank: int | None = None,
+        loaded_window: float | None = None,
+    ) -> None:
+        self.inner.start(window, active_producers, rank, loaded_window)
 
     @property
     def gap(self) -> float:
@@ -133,6 +143,12 @@ class RecordingPolicy(CommitPolicy):
     @property
     def forced_gap(self) -> float:
         return self.inner.forced_gap
+
+    def forced_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float:
+        return self.inner.forced_wait(since_last_attempt, now, rank)
+
+    def regular_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float | None:
+        return self.inner.regular_wait(since_last_attempt, now, rank)
 
 
 def _slices(payload: int) -> list[bytes]:
@@ -234,18 +250,34 @@ def _visibility(result: dict[str, Any]) -> list[float]:
     return out
 
 
-def _manifest_kb_per_commit(results: Sequence[dict[str, Any]]) -> list[float]:
+def _in_window(result: dict[str, Any]) -> list[tuple[float, int]]:
+    """The writes of one producer that started inside one of its own fragile windows."""
+    windows = sorted((t - w, t) for t, _, w, _ in result["log"])
+    starts = [a for a, _ in windows]
+    out = []
+    for start, nbytes in result["writes"]:
+        i = bisect.bisect_right(starts, start) - 1
+        if i >= 0 and start <= windows[i][1]:
+            out.append((start, nbytes))
+    return out
+
+
+def _manifest_kb_per_commit(
+    results: Sequence[dict[str, Any]], *, window_only: bool = False
+) -> list[float]:
     """Manifest + segment KB sent per committed version, in ten buckets of the run's commits.
 
     A write belongs to the first commit that ends after it started (failed attempts are charged
     to the next success). With fewer than ten commits some buckets are empty (NaN).
+    ``window_only`` counts only the writes made inside the writer's fragile windows (not the
+    segment merges written after a commit).
     """
     commits = sorted(t for r in results for t, ok, _, n in r["log"] if ok and n)
     if not commits:
         return [float("nan")] * 10
     sent = [0.0] * len(commits)
     for r in results:
-        for start, nbytes in r["writes"]:
+        for start, nbytes in _in_window(r) if window_only else r["writes"]:
             sent[min(len(commits) - 1, bisect.bisect_left(commits, start))] += nbytes
     buckets: list[list[float]] = [[] for _ in range(10)]
     for i, s in enumerate(sent):
@@ -305,6 +337,7 @@ def _summary(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     windows = [w * 1e3 for r in results for _, _, w, _ in r["log"]]
     visible = [v * 1e3 for r in results for v in _visibility(r)]
     mf = _manifest_kb_per_commit(results)
+    mf_window = _manifest_kb_per_commit(results, window_only=True)
     return {
         "tgbs": sum(r["tgbs"] for r in results),
         "MB/s": _throughput(results),
@@ -322,6 +355,9 @@ def _summary(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "mf KB/commit first": mf[0],
         "mf KB/commit last": mf[-1],
         "mf KB/commit by tenth": mf,
+        "window KB/commit first": mf_window[0],
+        "window KB/commit last": mf_window[-1],
+        "window KB/commit by tenth": mf_window,
     }
 
 

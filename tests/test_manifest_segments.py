@@ -280,3 +280,123 @@ def test_reclamation_cuts_segment_refs_and_merges_drop_reclaimed_steps() -> None
     grown = _grow(log, cut, 30)
     assert grown.segments[0].first_step >= 32
     assert [d.offset for _, d in log.descriptors(grown, 35, 70)] == list(range(35, 70))
+
+
+def test_deferred_merges_leave_only_the_tail_inside_the_commit() -> None:
+    # The producer's mode: a commit writes at most its tail as a segment; the level merges are
+    # written afterwards (prepare_merge, outside the fragile window) and swapped in next time.
+    fanout, tail_limit = 4, 2
+    cap = tail_limit * fanout * fanout
+    store = _BytesStore(MemoryStore())
+    log = ManifestLog(
+        store,
+        NS,
+        tail_limit=tail_limit,
+        max_segment_tgbs=cap,
+        merge_fanout=fanout,
+        deferred_merges=True,
+    )
+    d = len(encode_segment_sample())
+    head = log.create_or_open(MESH)
+    rng = random.Random(5)
+    merged_bytes = 0
+    while head.next_step < 1500:
+        n = rng.randint(1, 5)
+        before, tail = store.bytes_put, len(head.tail)
+        result = log.commit(head, append=[descriptor("p", head.next_step + i) for i in range(n)])
+        assert isinstance(result, Committed)
+        head = result.manifest
+        # Inside the commit: the manifest plus at most the rolled tail, never a level merge.
+        rolled = store.bytes_put - before - len(encode_manifest(head))
+        assert rolled <= (tail + n) * d + 200, (rolled, tail, n)
+        merged_bytes += log.prepare_merge(head)
+        counts = [r.count for r in head.segments]
+        full = [i for i, c in enumerate(counts) if 2 * c > cap]
+        recent = [
+            segment_level(c, tail_limit, fanout) for c in counts[full[-1] + 1 if full else 0 :]
+        ]
+        # One merge may be pending (written, not yet swapped in): F runs of a level, not F - 1.
+        assert all(recent.count(lv) <= fanout for lv in set(recent)), recent
+    assert merged_bytes > 0
+    assert [d.offset for _, d in log.descriptors(head, 0, head.next_step)] == list(
+        range(head.next_step)
+    )
+    assert len(head.segments) <= 2 * head.next_step / cap + fanout * 2 + 1
+
+
+def test_a_prepared_merge_is_not_swapped_in_once_its_segments_changed() -> None:
+    store = MemoryStore()
+    deferred = ManifestLog(store, NS, tail_limit=2, merge_fanout=2, deferred_merges=True)
+    inline = ManifestLog(store, NS, tail_limit=2, merge_fanout=2)
+    head = deferred.create_or_open(MESH)
+    head = _grow(deferred, head, 2)  # one level-0 segment
+    result = deferred.commit(head, append=[descriptor("p", 2), descriptor("p", 3)])
+    assert isinstance(result, Committed)
+    head = result.manifest
+    assert [r.count for r in head.segments] == [2, 2]  # the merge was not done inside
+    assert deferred.prepare_merge(head) > 0  # written now: one segment of 4
+    # Another writer merges those segments itself first (and adds two more steps).
+    result = inline.commit(head, append=[descriptor("p", 4), descriptor("p", 5)])
+    assert isinstance(result, Committed)
+    head = result.manifest
+    replaced = {r.key for r in head.segments}
+    # The deferred log's next commit cannot swap its merge in; it commits a valid version.
+    result = deferred.commit(head, append=[descriptor("p", 6)])
+    assert isinstance(result, Committed)
+    assert {r.key for r in result.manifest.segments} == replaced
+    assert [d.offset for _, d in deferred.descriptors(result.manifest, 0, 7)] == list(range(7))
+
+
+def test_a_prepared_merge_is_swapped_in_by_the_next_commit() -> None:
+    store = MemoryStore()
+    log = ManifestLog(store, NS, tail_limit=2, merge_fanout=2, deferred_merges=True)
+    head = _grow(log, log.create_or_open(MESH), 4)
+    assert [r.count for r in head.segments] == [2, 2]
+    log.prepare_merge(head)
+    head = _grow(log, head, 1)
+    assert [r.count for r in head.segments] == [4]
+    assert [d.offset for _, d in log.descriptors(head, 0, 5)] == list(range(5))
+
+
+def test_interleaved_deferred_merges_are_not_duplicated() -> None:
+    # Two producers' logs commit in turn, every commit rolling: a merge that one of them has
+    # prepared (swapped in by its next commit) is not prepared again by the other, so every
+    # prepared merge is swapped in; a level holds at most 2F - 1 segments meanwhile.
+    fanout, tail_limit = 4, 2
+    cap = tail_limit * fanout**3
+    store = MemoryStore()
+    logs = [
+        ManifestLog(
+            store,
+            NS,
+            tail_limit=tail_limit,
+            max_segment_tgbs=cap,
+            merge_fanout=fanout,
+            deferred_merges=True,
+        )
+        for _ in range(2)
+    ]
+    head = logs[0].create_or_open(MESH)
+    prepared: set[str] = set()
+    listed: set[str] = set()
+    step = 0
+    for i in range(400):
+        log = logs[i % 2]
+        result = log.commit(head, append=[descriptor("p", step), descriptor("p", step + 1)])
+        assert isinstance(result, Committed)
+        head = result.manifest
+        step += 2
+        listed.update(r.key for r in head.segments)
+        if log.prepare_merge(head):
+            assert log._prepared is not None
+            prepared.add(log._prepared[1].key)
+        counts = [r.count for r in head.segments]
+        full = [i for i, c in enumerate(counts) if 2 * c > cap]
+        recent = [
+            segment_level(c, tail_limit, fanout) for c in counts[full[-1] + 1 if full else 0 :]
+        ]
+        assert all(recent.count(lv) <= 2 * fanout - 1 for lv in set(recent)), recent
+    assert len(prepared) >= 20
+    # All but the last pending ones were swapped in: no merge was written twice.
+    assert len(prepared - listed) <= 2
+    assert [d.offset for _, d in logs[0].descriptors(head, 0, head.next_step)] == list(range(step))

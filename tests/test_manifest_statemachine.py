@@ -41,8 +41,13 @@ class ManifestMachine(RuleBasedStateMachine):
         self.fault = "ok"
         self.store = FaultyPutStore(self.inner, self._fault)
         ManifestLog(self.store, NS).create_or_open(Mesh(dp=2))
+        # The first client merges segments after its commits (as a Producer does), the others
+        # inside them (as the reclaimer and tools do): both kinds interleave on one history.
         self.logs = {
-            c: ManifestLog(self.store, NS, tail_limit=3, max_segment_tgbs=12) for c in CLIENTS
+            c: ManifestLog(
+                self.store, NS, tail_limit=3, max_segment_tgbs=12, deferred_merges=c == CLIENTS[0]
+            )
+            for c in CLIENTS
         }
         self.bases: dict[str, Manifest] = {c: self.logs[c].latest() for c in CLIENTS}
         self.next_offset = dict.fromkeys(CLIENTS, 0)
@@ -84,6 +89,8 @@ class ManifestMachine(RuleBasedStateMachine):
             self.confirmed.update((d.producer_id, d.offset) for d in batch)
             self.pending[client] = []
             self.bases[client] = result.manifest
+            if log.deferred_merges:
+                log.prepare_merge(result.manifest)
             return
         self._rebase(client, result.winner or log.latest(self.bases[client]))
 

@@ -214,8 +214,25 @@ def test_conflict_burst_widens_the_gap() -> None:
     policy.record(outcome(committed=False, window=0.3, producers=8))
     assert policy.producers == 8
     assert policy.gap > before
-    # W = 0.8*0.1 + 0.2*0.3 = 0.14, N=8 -> 0.14 * (7/0.105360515657826 - 1) = 9.1614...
-    assert policy.gap == pytest.approx(0.14 * (7 / 0.105360515657826 - 1), rel=1e-9)
+    # The first samples are averaged (bias-corrected EMA): W = (0.1 + 0.3) / 2 = 0.2, N=8 ->
+    # 0.2 * (7/0.105360515657826 - 1) = 13.0877...
+    assert policy.gap == pytest.approx(0.2 * (7 / 0.105360515657826 - 1), rel=1e-9)
+
+
+def test_the_first_window_samples_are_averaged_then_the_ema_takes_over() -> None:
+    # A start-up seed measured before the data load (1 ms) must not dominate the first 1/a
+    # attempts: until 1/a = 5 samples are in, W is their plain mean.
+    policy = DacPolicy(jitter=0.0, rng=FixedDraw(0.5))
+    policy.start(0.001, 16)
+    samples = [0.001]
+    for w in (0.05, 0.05, 0.05, 0.05):
+        policy.record(outcome(window=w, producers=16))
+        samples.append(w)
+        assert policy.window == pytest.approx(sum(samples) / len(samples))
+    # From the fifth sample on, the weight stays at a = 0.2.
+    before = policy.window
+    policy.record(outcome(window=0.1, producers=16))
+    assert policy.window == pytest.approx(0.8 * before + 0.2 * 0.1)
 
 
 def test_one_outlier_window_is_clamped_to_k_times_the_estimate() -> None:
@@ -243,7 +260,7 @@ def test_won_attempts_and_a_zero_estimate_are_not_clamped() -> None:
     seeded_zero.start(0.0, 4)
     assert seeded_zero.gap == 0.0
     seeded_zero.record(outcome(committed=False, window=0.5, producers=4))
-    assert seeded_zero.window == pytest.approx(0.1)
+    assert seeded_zero.window == pytest.approx(0.25)  # the mean of the first two samples
 
 
 def test_max_gap_bounds_the_jittered_gap_but_not_the_target() -> None:
@@ -254,8 +271,8 @@ def test_max_gap_bounds_the_jittered_gap_but_not_the_target() -> None:
         assert policy.target_gap == pytest.approx(dac_gap(1.0, 16))
         assert policy.gap == pytest.approx(10.0 / 1.2 * (0.8 + 0.4 * fraction))
         assert policy.gap <= policy.max_gap == 10.0
-        assert policy.forced_gap == pytest.approx(1.0 / 1.2 * (0.8 + 0.4 * fraction))
-        assert policy.forced_gap <= policy.max_forced_gap == 1.0
+        assert policy.forced_gap == pytest.approx(0.125 / 1.2 * (0.8 + 0.4 * fraction))
+        assert policy.forced_gap <= policy.max_forced_gap == 0.125
 
 
 def test_forced_gap_equals_the_gap_when_the_gap_is_short() -> None:
@@ -275,9 +292,19 @@ def test_start_seeds_the_window_and_desynchronizes_the_first_attempt() -> None:
     assert policy.gap == pytest.approx(0.25 * 6.5438551067, rel=1e-9)
     assert not policy.ready(3, 0.25 * 6.5)
     assert policy.ready(1, 0.25 * 6.55)
-    # The next measurement updates the seeded EMA as usual (its window is not clamped: < 4 W).
+    # The next measurement is averaged with the seed (not clamped: it is < 4 W).
     policy.record(outcome(window=0.2, producers=8))
-    assert policy.window == pytest.approx(0.12)
+    assert policy.window == pytest.approx(0.15)
+
+
+def test_start_with_a_rank_puts_each_producer_in_its_own_slice_of_the_gap() -> None:
+    target = dac_gap(0.01, 4)
+    for rank in range(4):
+        policy = DacPolicy(rng=FixedDraw(0.5))
+        policy.start(0.01, 4, rank)
+        assert policy.gap == pytest.approx((rank + 0.5) / 4 * target)
+    with pytest.raises(ValueError, match="rank"):
+        DacPolicy().start(0.01, 4, 4)
 
 
 def test_start_keeps_an_explicit_initial_window() -> None:
@@ -510,3 +537,132 @@ def test_public_exports() -> None:
     ):
         assert name in batchweave.__all__
         assert getattr(batchweave, name) is not None
+
+
+# --- flush()/close() slots ---------------------------------------------------------------------
+
+
+def _slotted(window: float, producers: int, **kw: float) -> DacPolicy:
+    policy = DacPolicy(jitter=0.0, rng=FixedDraw(0.5), **kw)
+    policy.start(window, producers, 0)
+    return policy
+
+
+def test_slot_period_is_n_slots_rounded_up_to_the_forced_gap_grid() -> None:
+    # Won window 3 ms, N = 16, slot_factor 2: N s = 0.096 s, within the shortest period, 0.125 s.
+    assert _slotted(0.003, 16).slot_period == pytest.approx(0.125)
+    # Beyond it, the period doubles as often as needed: 0.32 s -> 0.5 s, 1.6 s -> 2 s.
+    assert _slotted(0.01, 16).slot_period == pytest.approx(0.5)
+    assert _slotted(0.05, 16).slot_period == pytest.approx(2.0)
+    # A slow store: beyond max_gap (10 s) the period is the longest grid value within it, 8 s.
+    assert _slotted(1.0, 16).slot_period == pytest.approx(8.0)
+    assert _slotted(0.01, 16, max_forced_gap=0.1).slot_period == pytest.approx(0.4)
+    assert _slotted(1.0, 16, max_gap=math.inf).slot_period == pytest.approx(0.125 * 2**8)
+    assert DacPolicy().slot_period == 0.0
+
+
+def test_slot_window_is_the_shortest_recent_win_doubled_per_lost_slot() -> None:
+    policy = _slotted(0.01, 4)
+    policy.record(outcome(committed=False, window=0.04, producers=4))
+    assert policy.window == pytest.approx(0.025)  # lost attempts count in W ...
+    assert policy.slot_window == pytest.approx(0.01)  # ... not in the slot size
+    policy.record(outcome(committed=True, window=0.005, producers=4))
+    assert policy.slot_window == pytest.approx(0.005)
+    # A lost slotted attempt doubles the slot, until an attempt wins again.
+    policy.record(AttemptOutcome(False, 0.05, 4, 1, forced=True))
+    policy.record(AttemptOutcome(False, 0.05, 4, 1, forced=True))
+    assert policy.slot_window == pytest.approx(0.02)
+    policy.record(outcome(committed=True, window=0.03, producers=4))
+    assert policy.slot_window == pytest.approx(0.005)
+    # Only the latest wins count: eight longer ones push the short one out.
+    for _ in range(8):
+        policy.record(outcome(committed=True, window=0.03, producers=4))
+    assert policy.slot_window == pytest.approx(0.03)
+    # A loaded_window seeds W (the gap) but not the slots.
+    seeded = DacPolicy(jitter=0.0, rng=FixedDraw(0.5))
+    seeded.start(0.01, 4, 1, loaded_window=0.1)
+    assert seeded.window == pytest.approx(0.1)
+    assert seeded.slot_window == pytest.approx(0.01)
+
+
+def test_forced_waits_put_producers_in_disjoint_slots_of_one_grid() -> None:
+    n, window = 8, 0.01
+    policies = [DacPolicy(jitter=0.0, rng=FixedDraw(0.5), slot_factor=2.0) for _ in range(n)]
+    for rank, policy in enumerate(policies):
+        policy.start(window, n, rank)
+    period = policies[0].slot_period
+    slot = period / n
+    assert period == pytest.approx(0.25)  # 8 x 20 ms = 0.16 s, rounded up to 0.25 s
+    for now in (1.7e9 + 0.0123, 1.7e9 + 3.75, 1.7e9 + 100.001):
+        starts = []
+        for rank, policy in enumerate(policies):
+            wait = policy.forced_wait(math.inf, now, rank)
+            assert 0 <= wait < period
+            start = now + wait
+            # The attempt starts inside the producer's own slot, with one W of it left.
+            phase = (start - rank * slot) % period
+            assert phase <= slot - window + 1e-9 or phase >= period - 1e-9
+            starts.append(start)
+        # Different producers' attempts start at least W apart modulo the grid: if each attempt
+        # lasts at most W, none overlaps another.
+        for i in range(n):
+            for j in range(i + 1, n):
+                gap = abs(starts[i] - starts[j]) % period
+                assert min(gap, period - gap) >= window - 1e-9
+
+
+def test_forced_wait_falls_back_to_the_forced_gap_alone_or_without_a_rank() -> None:
+    lone = DacPolicy(jitter=0.0, initial_window=0.01)
+    lone.record(outcome(window=0.01, producers=1))
+    assert lone.forced_wait(0.05, 1.7e9, 0) == pytest.approx(lone.forced_gap - 0.05)
+    assert lone.forced_wait(1.0, 1.7e9, 0) == 0.0
+    crowd = _slotted(0.01, 8)
+    assert crowd.forced_wait(0.0, 1.7e9, None) == pytest.approx(crowd.forced_gap)
+    assert crowd.forced_wait(0.0, 1.7e9, 8) == pytest.approx(crowd.forced_gap)  # out of range
+    for name in ("naive", "fixed10", "incr", "aimd"):
+        assert make_policy(name).forced_wait(0.0, 1.7e9, 3) == 0.0
+
+
+def test_regular_period_is_the_bounded_gap_on_the_grid() -> None:
+    # W = 10 ms, N = 16: g* = 1.41 s, the nearest 0.125 * 2^i in log scale is 1 s.
+    policy = _slotted(0.01, 16)
+    assert policy.target_gap == pytest.approx(dac_gap(0.01, 16))
+    assert policy.regular_period == pytest.approx(1.0)
+    # A slow store: g* = 42 s is held at max_gap's grid value, 8 s (<= max_gap = 10 s).
+    assert _slotted(0.3, 16).regular_period == pytest.approx(8.0)
+    # Never shorter than the slot period (a slot must hold a window).
+    assert (
+        _slotted(0.01, 16, conflict_budget=0.99).regular_period
+        >= _slotted(0.01, 16, conflict_budget=0.99).slot_period
+    )
+
+
+def test_regular_waits_put_each_producer_in_its_own_slot_once_per_period() -> None:
+    n, window = 8, 0.01
+    policies = [DacPolicy(jitter=0.0, rng=FixedDraw(0.5)) for _ in range(n)]
+    for rank, policy in enumerate(policies):
+        policy.start(window, n, rank)
+    period = policies[0].regular_period
+    slot = period / n
+    assert slot >= 2 * window
+    now = 1.7e9 + 12.345
+    starts = []
+    for rank, policy in enumerate(policies):
+        wait = policy.regular_wait(math.inf, now, rank)
+        assert wait is not None
+        assert 0 <= wait < period
+        starts.append(now + wait)
+        # Just after an attempt in its slot, a producer waits for the slot's next turn.
+        again = policy.regular_wait(0.0, now + wait, rank)
+        assert again is not None
+        assert period - slot < again <= period + 1e-9
+    for i in range(n):
+        for j in range(i + 1, n):
+            gap = abs(starts[i] - starts[j]) % period
+            assert min(gap, period - gap) >= window - 1e-9
+    # A lone producer, an unknown rank and the count-based policies use ready() and the gap.
+    assert policies[0].regular_wait(math.inf, now, None) is None
+    lone = DacPolicy(initial_window=0.01)
+    lone.record(outcome(window=0.01, producers=1))
+    assert lone.regular_wait(math.inf, now, 0) is None
+    assert make_policy("fixed10").regular_wait(math.inf, now, 0) is None

@@ -486,13 +486,47 @@ def test_first_dac_attempt_waits_a_random_fraction_of_the_start_gap(store: Memor
     ticking = TickingStore(store, fake, put_seconds=0.01)
     policy = bw.DacPolicy(jitter=0.0, rng=FixedDraw(0.5))
     with make(ticking, fake=fake, policy=policy) as p:
-        # The epoch commit measured W = 0.01 s: g* = 9 W = 0.09 s, and the draw picked half.
-        assert policy.window == pytest.approx(0.01)
-        assert policy.gap == pytest.approx(0.045)
+        # Pacing starts with the first data, not at start-up: nothing is seeded yet.
+        assert policy.window is None
+        # Start-up long before the first data must not let the first gap expire unseen.
+        fake.advance(100.0)
         p.append(payloads(0), offset=0)
         p.flush()
+        # The epoch commit measured W = 0.01 s (and so did the attempt): g* = 9 W = 0.09 s.
+        assert policy.window == pytest.approx(0.01)
     assert committed_offsets(store, "p0") == [0]
+    # The first gap was the half of g* that the draw picked, counted from the first data.
     assert fake.sleeps[0] == pytest.approx(0.045), fake.sleeps
+
+
+def test_policy_starts_with_the_rank_among_active_producers_at_the_first_data(
+    store: MemoryStore,
+) -> None:
+    starts: list[tuple[float, int, int | None, float | None]] = []
+
+    class Recording(bw.DacPolicy):
+        def start(
+            self,
+            window: float,
+            active_producers: int,
+            rank: int | None = None,
+            loaded_window: float | None = None,
+        ) -> None:
+            starts.append((window, active_producers, rank, loaded_window))
+            super().start(window, active_producers, rank, loaded_window)
+
+    fake = FakeTime(1000.0)
+    ticking = TickingStore(store, fake, put_seconds=0.01)
+    b = make(ticking, pid="b", fake=fake, policy=Recording())
+    a = make(ticking, pid="a", fake=fake)  # joins after b started, before b has data
+    assert starts == []
+    b.append(payloads(0), offset=0)
+    b.close()
+    a.close()
+    # N and the rank come from the manifest read at the first data, which lists both ids; the
+    # first upload's duration (a PUT under the data load, no fake time here) is passed along.
+    assert starts == [(pytest.approx(0.01), 2, 1, 0.0)]
+    assert committed_offsets(store, "b") == [0]
 
 
 def test_flush_wakes_when_the_forced_gap_expires(store: MemoryStore) -> None:

@@ -28,6 +28,7 @@ DEFAULT_CHECKSUM_ALGO: Final[ChecksumAlgo] = "crc32c"
 
 _BITS: Final[dict[ChecksumAlgo, int]] = {"crc32c": 32, "xxhash64": 64}
 
+
 def _crc32c(data: bytes | bytearray | memoryview) -> int:
     # crc32c reads any contiguous buffer in place (no copy) and releases the GIL on large ones,
     # so rank threads verify slices in parallel.

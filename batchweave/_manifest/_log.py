@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -29,12 +30,14 @@ from batchweave._errors import (
     TransientStoreError,
 )
 from batchweave._manifest._codec import decode_manifest, encode_manifest
-from batchweave._manifest._models import Manifest, ProducerState, TgbDescriptor
+from batchweave._manifest._models import Manifest, ProducerState, SegmentRef, TgbDescriptor
 from batchweave._manifest._segments import (
     DEFAULT_MERGE_FANOUT,
     SegmentFiles,
     cut_below,
     find_segment,
+    most_per_level,
+    swap_in,
 )
 from batchweave._mesh import Mesh
 from batchweave._store._base import ObjectStore, validate_key
@@ -49,6 +52,7 @@ __all__ = [
     "Committed",
     "Conflict",
     "ManifestLog",
+    "active_producer_ids",
     "active_producers",
     "manifest_key",
 ]
@@ -102,8 +106,13 @@ def active_producers(manifest: Manifest, now: float, horizon: float) -> int:
 
     This is the ``N`` of the DAC gap formula, read from committed state with no messages.
     """
+    return max(1, len(active_producer_ids(manifest, now, horizon)))
+
+
+def active_producer_ids(manifest: Manifest, now: float, horizon: float) -> list[str]:
+    """The ids of the producers :func:`active_producers` counts, sorted (a producer's rank)."""
     cutoff = now - horizon
-    return max(1, sum(1 for p in manifest.producers.values() if p.last_commit_at >= cutoff))
+    return sorted(pid for pid, p in manifest.producers.items() if p.last_commit_at >= cutoff)
 
 
 class ManifestLog:
@@ -114,6 +123,11 @@ class ManifestLog:
     ``tail_limit`` descriptors stay inline before the tail rolls into a segment object, and
     merged segments hold at most ``max_segment_tgbs`` descriptors (default ``64 * tail_limit``).
     ``merge_fanout`` segments of one level merge into one of the next (``docs/protocol.md``).
+
+    With ``deferred_merges`` a commit only ever writes its tail as a segment; the level merges
+    that roll calls for are written by :meth:`prepare_merge`, which the caller runs *outside*
+    the fragile window (after a commit), and the next commit through this log swaps them in.
+    The producer does this; other callers (the reclaimer, tools) keep merging inside ``commit``.
     """
 
     def __init__(
@@ -126,6 +140,7 @@ class ManifestLog:
         segment_cache: int = 64,
         max_segment_tgbs: int | None = None,
         merge_fanout: int = DEFAULT_MERGE_FANOUT,
+        deferred_merges: bool = False,
     ) -> None:
         if namespace.endswith("/"):
             raise ValueError(f"namespace {namespace!r} must not end with '/'")
@@ -144,7 +159,13 @@ class ManifestLog:
         if merge_fanout < 2:
             raise ValueError(f"merge_fanout must be >= 2, got {merge_fanout}")
         self.merge_fanout = merge_fanout
+        self.deferred_merges = deferred_merges
         self._segments = SegmentFiles(store, self.key, cache=segment_cache)
+        self._merge_lock = threading.Lock()
+        self._rolled: str | None = None
+        """Key of the segment the last commit built by this log rolled (deferred merges)."""
+        self._prepared: tuple[tuple[SegmentRef, ...], SegmentRef] | None = None
+        """A merge written outside the fragile window: (references it replaces, its reference)."""
         self._namespace_id: str | None = None
         self._reclaimed_below = 0
         """Versions below this were seen reclaimed: ``latest`` must not trust them as current."""
@@ -438,6 +459,12 @@ class ManifestLog:
         next_step = base.next_step + len(append)
         new_base = base.base_step if base_step is None else max(base.base_step, base_step)
         segments = cut_below(base.segments, new_base)
+        with self._merge_lock:
+            prepared = self._prepared
+        if prepared is not None:
+            swapped = swap_in(segments, *prepared)
+            if swapped is not None:
+                segments = swapped
         tail = (*base.tail, *append)
         tail_start = base.tail_start
         if tail_start < new_base:
@@ -453,7 +480,10 @@ class ManifestLog:
                 tail_limit=self.tail_limit,
                 max_segment_tgbs=self.max_segment_tgbs,
                 fanout=self.merge_fanout,
+                merge=not self.deferred_merges,
             )
+            with self._merge_lock:
+                self._rolled = segments[-1].key if segments else None
             tail, tail_start = (), next_step
         return Manifest(
             namespace_id=base.namespace_id,
@@ -469,6 +499,48 @@ class ManifestLog:
             producers=states,
             sealed=base.sealed or seal,
         )
+
+    def prepare_merge(self, committed: Manifest) -> int:
+        """Write, outside any fragile window, the level merge that our last roll calls for.
+
+        Call it after :meth:`commit` returned ``committed`` (with ``deferred_merges``). If that
+        commit rolled its tail into a segment and the tiering rule merges that segment with
+        older ones, the merged segment is written now, and the next :meth:`commit` through this
+        log replaces the merged references with it, if its base still holds them all. Only the
+        producer whose commit rolled does this, so producers never duplicate a merge. A merge
+        that is never swapped in (this producer stopped, or another commit changed those
+        references first) is an orphan for the reclaimer. Returns the bytes written.
+        """
+        with self._merge_lock:
+            if self._prepared is not None and swap_in(committed.segments, *self._prepared) is None:
+                self._prepared = None  # swapped in by this commit, or no longer applicable
+            if not committed.segments or committed.segments[-1].key != self._rolled:
+                return 0
+            self._rolled = None
+        crowded = most_per_level(
+            committed.segments[:-1],
+            tail_limit=self.tail_limit,
+            max_segment_tgbs=self.max_segment_tgbs,
+            fanout=self.merge_fanout,
+        )
+        if self.merge_fanout <= crowded < 2 * self.merge_fanout - 1:
+            # Another producer's merge of those segments is pending (written after its commit,
+            # swapped in by its next one): merging them again would only duplicate it. If it
+            # never lands, the level keeps growing and the rolls after F - 1 more do merge.
+            return 0
+        result = self._segments.merge_newest(
+            committed.namespace_id,
+            committed.segments,
+            base_step=committed.base_step,
+            tail_limit=self.tail_limit,
+            max_segment_tgbs=self.max_segment_tgbs,
+            fanout=self.merge_fanout,
+        )
+        if result is None:
+            return 0
+        with self._merge_lock:
+            self._prepared = result
+        return result[1].bytes
 
     def _put(self, key: str, manifest: Manifest) -> CommitResult:
         data = encode_manifest(manifest)

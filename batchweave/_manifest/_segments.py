@@ -49,8 +49,10 @@ __all__ = [
     "cut_below",
     "find_segment",
     "merge_run_length",
+    "most_per_level",
     "segment_key",
     "segment_level",
+    "swap_in",
 ]
 
 SEGMENTS_DIR = "_segments"
@@ -113,6 +115,45 @@ def merge_run_length(
         if taken < len(group):
             break  # the cap cut the group short: the merged run is full
     return absorbed
+
+
+def most_per_level(
+    segments: Sequence[SegmentRef],
+    *,
+    tail_limit: int,
+    max_segment_tgbs: int,
+    fanout: int = DEFAULT_MERGE_FANOUT,
+) -> int:
+    """The most references that one level holds after the newest full segment.
+
+    Merging as :func:`merge_run_length` says keeps it below ``fanout``; more means a merge is
+    due that nobody has written yet (or that is written and waits to be swapped in).
+    """
+    counts: dict[int, int] = {}
+    for ref in reversed(segments):
+        if 2 * ref.count > max_segment_tgbs:
+            break  # full
+        level = segment_level(ref.count, tail_limit, fanout)
+        counts[level] = counts.get(level, 0) + 1
+    return max(counts.values(), default=0)
+
+
+def swap_in(
+    segments: Sequence[SegmentRef], replaced: Sequence[SegmentRef], merged: SegmentRef
+) -> tuple[SegmentRef, ...] | None:
+    """``segments`` with the contiguous run ``replaced`` (matched by key) replaced by ``merged``.
+
+    ``None`` if ``segments`` no longer hold that run (another commit merged or reclaimed part of
+    it); keys are unique and segments immutable, so a match means the same descriptors.
+    """
+    keys = [ref.key for ref in segments]
+    try:
+        i = keys.index(replaced[0].key)
+    except ValueError:
+        return None
+    if keys[i : i + len(replaced)] != [ref.key for ref in replaced]:
+        return None
+    return (*segments[:i], merged, *segments[i + len(replaced) :])
 
 
 def cut_below(segments: Sequence[SegmentRef], base_step: int) -> tuple[SegmentRef, ...]:
@@ -211,30 +252,82 @@ class SegmentFiles:
         tail_limit: int,
         max_segment_tgbs: int,
         fanout: int = DEFAULT_MERGE_FANOUT,
+        merge: bool = True,
     ) -> tuple[SegmentRef, ...]:
-        """Write ``tail`` (plus the newest segments it absorbs) as one segment.
+        """Write ``tail`` (plus the newest segments it absorbs, if ``merge``) as one segment.
 
         Returns the new reference list; the tail is then empty and starts at the end of it.
-        Descriptors below ``base_step`` are dropped from a merged run.
+        Descriptors below ``base_step`` are dropped from a merged run. With ``merge=False`` only
+        the tail is written (the merge is left to :meth:`merge_newest`, outside the commit).
         """
+        absorbed = (
+            merge_run_length(
+                segments,
+                len(tail),
+                tail_limit=tail_limit,
+                max_segment_tgbs=max_segment_tgbs,
+                fanout=fanout,
+            )
+            if merge
+            else 0
+        )
+        keep = tuple(segments[: len(segments) - absorbed])
+        run = self._run(namespace_id, segments[len(keep) :], tail, tail_start, base_step)
+        if run is None:
+            return keep
+        return (*keep, self.write(namespace_id, *run))
+
+    def merge_newest(
+        self,
+        namespace_id: str,
+        segments: Sequence[SegmentRef],
+        *,
+        base_step: int,
+        tail_limit: int,
+        max_segment_tgbs: int,
+        fanout: int = DEFAULT_MERGE_FANOUT,
+    ) -> tuple[tuple[SegmentRef, ...], SegmentRef] | None:
+        """Write the merge that the newest reference calls for, as :meth:`roll` would have.
+
+        The newest reference plays the new run: it absorbs the newest older references that the
+        tiering rule gives it (:func:`merge_run_length`). Returns ``(replaced, merged)``: the
+        references the merged segment replaces (contiguous, oldest first) and its reference, or
+        ``None`` if no merge is due. Nothing in ``segments`` changes; a commit swaps the merged
+        reference in with :func:`swap_in` (a segment lists the same steps as those it replaces,
+        minus any below ``base_step``).
+        """
+        if not segments:
+            return None
         absorbed = merge_run_length(
-            segments,
-            len(tail),
+            segments[:-1],
+            segments[-1].count,
             tail_limit=tail_limit,
             max_segment_tgbs=max_segment_tgbs,
             fanout=fanout,
         )
-        keep = tuple(segments[: len(segments) - absorbed])
+        if absorbed == 0:
+            return None
+        replaced = tuple(segments[len(segments) - 1 - absorbed :])
+        run = self._run(namespace_id, replaced, (), replaced[-1].end_step, base_step)
+        if run is None:
+            return None
+        return replaced, self.write(namespace_id, *run)
+
+    def _run(
+        self,
+        namespace_id: str,
+        refs: Sequence[SegmentRef],
+        tail: Sequence[TgbDescriptor],
+        tail_start: int,
+        base_step: int,
+    ) -> tuple[int, list[TgbDescriptor]] | None:
+        """The descriptors of ``refs`` then ``tail``, from ``base_step`` on (None if none)."""
         run: list[TgbDescriptor] = []
-        first = tail_start
-        if absorbed:
-            first = segments[len(keep)].first_step
-            for ref in segments[len(keep) :]:
-                run.extend(self.read(ref, namespace_id).tgbs)
+        first = refs[0].first_step if refs else tail_start
+        for ref in refs:
+            run.extend(self.read(ref, namespace_id).tgbs)
         run.extend(tail)
         if first < base_step:
             run = run[base_step - first :]
             first = base_step
-        if not run:
-            return keep
-        return (*keep, self.write(namespace_id, first, run))
+        return (first, run) if run else None
