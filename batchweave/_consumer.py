@@ -279,6 +279,7 @@ class Consumer:
         self._pool: ThreadPoolExecutor | None = None
         self._depth = min(1, prefetch)
         self._delivered_since_ramp = 0
+        self._delivered_any = False
         self._poll_delay = poll_interval
         self._last_refresh = -math.inf
         self._closed = False
@@ -448,6 +449,7 @@ class Consumer:
         self._next_step = step
         self._depth = min(1, self.prefetch)
         self._delivered_since_ramp = 0
+        self._delivered_any = False
         if self._manifest is not None:
             self._projection = self._make_projection(self._manifest)
             self._check_not_reclaimed(step)
@@ -476,7 +478,12 @@ class Consumer:
         self._counters.add(steps=1, bytes_delivered=nbytes)
         self._counters.first_batch(self._clock() - self._created_at)
         self._ramp()
-        self._top_up(self._depth)
+        if self._delivered_any:
+            self._top_up(self._depth)
+        # The first step returns before any read is handed to the pool: starting a worker
+        # thread costs the caller a scheduling round-trip on a busy machine, right when time to
+        # first batch counts. Prefetching starts with the second call.
+        self._delivered_any = True
         return step, data
 
     def _ramp(self) -> None:

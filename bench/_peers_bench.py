@@ -591,7 +591,12 @@ PROFILE = [
 
 
 def section(
-    bench: Bench, args: Any, corpora: list[Corpus], images: list[str], when: str | None = None
+    bench: Bench,
+    args: Any,
+    corpora: list[Corpus],
+    images: list[str],
+    when: str | None = None,
+    save_dir: Path | None = None,
 ) -> str:
     notes = bench.notes + [f"{k}: {v}" for k, v in bench.skipped.items()]
     read = Report("peers", READ_COLUMNS, rows=bench.rows, notes=notes)
@@ -726,7 +731,7 @@ def section(
         lines += ["### Notes", "", *[f"- {n}" for n in notes], ""]
     if when is None:  # a fresh run, not a re-render
         for rep in (read, tgt, write, mq):
-            rep.save()
+            rep.save(save_dir / f"{rep.name}.json" if save_dir is not None else None)
     return "\n".join(lines)
 
 
@@ -767,7 +772,11 @@ def main() -> None:
     p.add_argument("--steps", type=json.loads, default=None, help='e.g. {"100KB": 48, "1MB": 6}')
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--systems", default="batchweave,mosaicml,webdataset,nats")
-    p.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    p.add_argument(
+        "--no-docs",
+        action="store_true",
+        help="leave docs/ and bench/results/ alone: JSON goes next to --out (or nowhere)",
+    )
     p.add_argument(
         "--render",
         action="store_true",
@@ -810,11 +819,14 @@ def main() -> None:
     if args.smoke:
         report.save(args.out or Path(tmp).parent / "bw-peers-smoke.json")
         return
-    images = plots(bench.rows)
-    text = section(bench, args, corpora, images)
-    if not args.no_docs:
-        write_section(text)
-        print(f"wrote the Peers section of {DOC}")
+    if args.no_docs:
+        if args.out is not None:
+            section(bench, args, corpora, [], save_dir=args.out.parent)
+            print(f"results in {args.out.parent}")
+        return
+    text = section(bench, args, corpora, plots(bench.rows))
+    write_section(text)
+    print(f"wrote the Peers section of {DOC}")
 
 
 if __name__ == "__main__":

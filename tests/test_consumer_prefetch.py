@@ -49,9 +49,10 @@ def test_prefetch_ramps_up_one_step_per_ramp_every(ten_steps: MemoryStore) -> No
         depth.append(c.stats.prefetch_depth)
         in_flight.append(c.stats.in_flight)
     assert depth == [1, 2, 2, 3, 3, 3, 3, 3, 3, 3]
-    # steps in flight while the caller works on the step just delivered: bounded by the depth,
+    # steps in flight while the caller works on the step just delivered: none after the first
+    # (time to first batch: no worker is started before it returns), then bounded by the depth,
     # and draining at the end of the sealed stream
-    assert in_flight == [1, 2, 2, 3, 3, 3, 3, 2, 1, 0]
+    assert in_flight == [0, 2, 2, 3, 3, 3, 3, 2, 1, 0]
     c.close()
 
 
