@@ -8,6 +8,7 @@ that list; steps are assigned at commit and never change.
 
 from __future__ import annotations
 
+import itertools
 from functools import cached_property
 from typing import Annotated
 
@@ -47,6 +48,11 @@ SEGMENT_FORMAT = 2
 _STRICT = ConfigDict(frozen=True, extra="forbid")
 
 _Count = Annotated[int, Field(ge=0)]
+
+
+def _back_to_back(lengths: tuple[int, ...]) -> tuple[int, ...]:
+    """The offsets of slices of ``lengths`` stored back to back from byte 0."""
+    return (0, *itertools.accumulate(lengths))[:-1]
 
 
 class SliceTable(BaseModel):
@@ -90,11 +96,7 @@ class SliceTable(BaseModel):
     @cached_property
     def offsets(self) -> tuple[int, ...]:
         """Byte offset of each slice in the object."""
-        offsets, at = [], 0
-        for length in self.lengths:
-            offsets.append(at)
-            at += length
-        return tuple(offsets)
+        return _back_to_back(self.lengths)
 
     @property
     def payload_length(self) -> int:
@@ -114,19 +116,15 @@ class SliceTable(BaseModel):
     @classmethod
     def from_footer(cls, footer: TgbFooter) -> SliceTable | None:
         """The table of ``footer``, or None if its slices are not stored back to back from 0."""
-        at = 0
-        for entry in footer.slices:
-            if entry.offset != at:
-                return None
-            at += entry.length
-        if not footer.slices:
-            return None
         entries = footer.slices
+        lengths = tuple(e.length for e in entries)
+        if not entries or tuple(e.offset for e in entries) != _back_to_back(lengths):
+            return None
         return cls(
             codec=footer.codec,
             compression=footer.compression,
             checksum_algo=footer.checksum_algo,
-            lengths=tuple(e.length for e in entries),
+            lengths=lengths,
             checksums=tuple(e.checksum for e in entries),
             uncompressed_lengths=(
                 tuple(e.uncompressed_length for e in entries) if footer.compression else None
