@@ -67,6 +67,9 @@ _RETRYABLE: Final = (TransientStoreError, StoreUnavailable)
 _MAP_MIN_BYTES: Final = _MIB
 """Reads this large are mapped when the store can (``file://``): no copy, no fresh buffer."""
 
+_LATENCY_WEIGHT: Final = 0.2
+"""Weight of the newest step in :attr:`ConsumerStats.read_latency` (an exponential average)."""
+
 # The trailer starts with the footer length, a little-endian u64 (docs/format.md).
 _U64: Final = struct.Struct("<Q")
 
@@ -97,6 +100,9 @@ class ConsumerStats:
     """Seconds from construction to the first delivered step (``None`` before it)."""
     prefetch_depth: int
     """Steps currently allowed in flight ahead of the caller (ramps up to ``prefetch``)."""
+    read_latency: float | None
+    """Moving average of the seconds one step's reads take (``None`` before the first step);
+    below ``prefetch_min_latency`` steps are read on the caller's thread, without prefetching."""
     in_flight: int
     """Steps being read (or read and waiting) ahead of the caller right now."""
 
@@ -121,11 +127,17 @@ class _Counters:
         self.manifest_refreshes = 0
         self.stall_seconds = 0.0
         self.time_to_first_batch: float | None = None
+        self.read_latency: float | None = None
 
     def add(self, **deltas: float) -> None:
         with self.lock:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
+
+    def read_took(self, seconds: float) -> None:
+        with self.lock:
+            old = self.read_latency
+            self.read_latency = seconds if old is None else old + _LATENCY_WEIGHT * (seconds - old)
 
     def first_batch(self, seconds: float) -> None:
         with self.lock:
@@ -176,17 +188,20 @@ class Consumer:
     :class:`ConsumerTimeout`.
 
     Up to ``prefetch`` steps are read ahead on a pool of ``max_workers`` threads, starting with
-    one and adding one per ``ramp_every`` delivered steps. Reads of at least ``split_threshold``
-    bytes are split into ``part_size`` range reads filling one preallocated buffer. Transient
-    store errors are retried with exponential backoff (``retry_backoff`` doubling up to
-    ``max_retry_backoff``), at most ``retry_budget`` times per step. The last ``footer_cache``
-    parsed footers are kept: while streaming each TGB is needed only by consecutive steps, and a
-    footer holds one object per slice, so keeping many costs memory and garbage-collector time
-    that grows with the world size. An unreachable store
+    one and adding one per ``ramp_every`` delivered steps, as long as a step's reads take at
+    least ``prefetch_min_latency`` seconds (a moving average): faster reads (the page cache,
+    local NVMe) are done on the caller's thread when it asks, since handing them to a worker and
+    back costs more CPU than they take, and prefetching resumes when reads slow down. Reads of
+    at least ``split_threshold`` bytes are split into ``part_size`` range reads filling one
+    preallocated buffer. Transient store errors are retried with exponential backoff
+    (``retry_backoff`` doubling up to ``max_retry_backoff``), at most ``retry_budget`` times per
+    step. The last ``footer_cache`` parsed footers are kept: while streaming each TGB is needed
+    only by consecutive steps, and a footer holds one object per slice, so keeping many costs
+    memory and garbage-collector time that grows with the world size. An unreachable store
     (:class:`StoreUnavailable`: an outage) spends no budget: the consumer keeps its position and
-    waits for the store to return (bounded only by ``timeout`` at the head of the stream), logging
-    when the outage starts and ends. ``clock`` and ``sleep`` are injectable so tests need no real
-    waiting.
+    waits for the store to return (bounded only by ``timeout`` at the head of the stream),
+    logging when the outage starts and ends. ``clock`` and ``sleep`` are injectable so tests
+    need no real waiting.
 
     Implements torch's ``Stateful`` protocol (:meth:`state_dict`, :meth:`load_state_dict`).
     """
@@ -207,6 +222,7 @@ class Consumer:
         stride: int = 1,
         prefetch: int = 4,
         ramp_every: int = 2,
+        prefetch_min_latency: float = 0.001,
         max_workers: int = 8,
         split_threshold: int = 64 * _MIB,
         part_size: int = 16 * _MIB,
@@ -242,6 +258,10 @@ class Consumer:
             )
         if timeout is not None and timeout < 0:
             raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+        if not prefetch_min_latency >= 0:
+            raise ValueError(
+                f"prefetch_min_latency must be >= 0 seconds, got {prefetch_min_latency}"
+            )
         self.mesh = mesh
         self.dp_rank, self.cp_rank = _resolve_coordinates(
             mesh, dp_rank, cp_rank, tp=tp, pp=pp, order=rank_order, environ=environ
@@ -252,6 +272,7 @@ class Consumer:
         self.stride = stride
         self.prefetch = prefetch
         self.ramp_every = ramp_every
+        self.prefetch_min_latency = prefetch_min_latency
         self.max_workers = max_workers
         self.split_threshold = split_threshold
         self.part_size = part_size
@@ -350,6 +371,7 @@ class Consumer:
                 stall_seconds=c.stall_seconds,
                 time_to_first_batch=c.time_to_first_batch,
                 prefetch_depth=self._depth,
+                read_latency=c.read_latency,
                 in_flight=len(self._window),
             )
 
@@ -460,11 +482,12 @@ class Consumer:
         self._ensure_open(wait=True)
         step = self._next_step
         self._check_not_reclaimed(step)
-        self._top_up(max(1, self._depth), inline_head=True)
+        depth = max(1, self._depth) if self._prefetching() else 1
+        self._top_up(depth, inline_head=True)
         if not self._window:
             if not self._await_step(step):
                 raise StopIteration
-            self._top_up(max(1, self._depth), inline_head=True)
+            self._top_up(depth, inline_head=True)
         pending = self._window[0]
         assert pending.step == step
         try:
@@ -478,13 +501,18 @@ class Consumer:
         self._counters.add(steps=1, bytes_delivered=nbytes)
         self._counters.first_batch(self._clock() - self._created_at)
         self._ramp()
-        if self._delivered_any:
+        if self._delivered_any and self._prefetching():
             self._top_up(self._depth)
         # The first step returns before any read is handed to the pool: starting a worker
         # thread costs the caller a scheduling round-trip on a busy machine, right when time to
         # first batch counts. Prefetching starts with the second call.
         self._delivered_any = True
         return step, data
+
+    def _prefetching(self) -> bool:
+        """Whether to read ahead: no read measured yet, or reads slow enough to be worth it."""
+        latency = self._counters.read_latency
+        return latency is None or latency >= self.prefetch_min_latency
 
     def _ramp(self) -> None:
         if self._depth >= self.prefetch:
@@ -687,6 +715,7 @@ class Consumer:
 
     def _fetch_step(self, step: int, loc: SliceLocation, manifest: Manifest) -> tuple[Any, int]:
         """Read and decode this rank's slices of ``step``; return ``(data, stored bytes)``."""
+        started = self._clock()
         budget = _Budget(self.retry_budget)
         what = f"step {step} (TGB step {loc.tgb_step})"
         desc = self._retrying(budget, what, lambda: self._descriptor(manifest, step, loc))
@@ -700,6 +729,7 @@ class Consumer:
         )
         values = [value for values, _ in results for value in values]
         nbytes = sum(n for _, n in results)
+        self._counters.read_took(self._clock() - started)
         return (values if len(loc.slices) > 1 else values[0]), nbytes
 
     def _descriptor(self, manifest: Manifest, step: int, loc: SliceLocation) -> TgbDescriptor:

@@ -16,7 +16,8 @@ Metric names (all prefixed ``batchweave_``): ``commit_attempts_total``, ``commit
 ``fragile_window_seconds_hist``, ``commit_gap_seconds`` (gauge) and ``commit_gap_seconds_hist``;
 ``consumer_steps_total``, ``consumer_stall_seconds_total``, ``consumer_bytes_read_total``,
 ``consumer_bytes_delivered_total``, ``consumer_requests_total``, ``consumer_read_amplification``,
-``consumer_prefetch_depth``, ``consumer_in_flight_steps``; ``reclaim_passes_total``,
+``consumer_prefetch_depth``, ``consumer_in_flight_steps``, ``consumer_read_latency_seconds``;
+``reclaim_passes_total``,
 ``reclaimed_objects_total{kind}``, ``reclaimed_bytes_total{kind}``.
 """
 
@@ -150,6 +151,11 @@ class BatchWeaveCollector(Collector):
         in_flight = GaugeMetricFamily(
             "batchweave_consumer_in_flight_steps", "Steps being read ahead now.", labels=labels
         )
+        latency = GaugeMetricFamily(
+            "batchweave_consumer_read_latency_seconds",
+            "Moving average of one step's reads (below prefetch_min_latency: no prefetching).",
+            labels=labels,
+        )
         for consumer in consumers:
             stats = consumer.stats
             values = [consumer.namespace, str(consumer.dp_rank), str(consumer.cp_rank)]
@@ -159,10 +165,13 @@ class BatchWeaveCollector(Collector):
             amplification.add_metric(values, 0.0 if math.isnan(amp) else amp)
             depth.add_metric(values, float(stats.prefetch_depth))
             in_flight.add_metric(values, float(stats.in_flight))
+            if stats.read_latency is not None:
+                latency.add_metric(values, stats.read_latency)
         yield from families.values()
         yield amplification
         yield depth
         yield in_flight
+        yield latency
 
 
 class _Metrics:

@@ -80,7 +80,7 @@ def test_producers_smoke(tmp_path: Path) -> None:
 def test_consumers_smoke(tmp_path: Path) -> None:
     payload = _run("consumers.py", tmp_path / "consumers.json")
     rows = {r["mode"]: r for r in payload["rows"]}
-    assert set(rows) == {"batchweave", "dense", "raw-range"}
+    assert set(rows) == {"batchweave", "dense", "raw-range", "raw-inline"}
     for row in rows.values():
         assert row["world"] == 4
         assert _positive(row["rank MB/s"])
@@ -89,7 +89,12 @@ def test_consumers_smoke(tmp_path: Path) -> None:
     # Read amplification as the counting store sees it: a raw range read fetches exactly the
     # slice, dense reads fetch the whole 4-slice TGB, BatchWeave adds manifest and footer reads.
     assert rows["raw-range"]["amp"] == pytest.approx(1.0)
+    assert rows["raw-inline"]["amp"] == pytest.approx(1.0)
     assert rows["dense"]["amp"] == pytest.approx(4.0, rel=0.05)
     assert 1.0 < rows["batchweave"]["amp"] < 1.5
     assert _positive(rows["batchweave"]["vs dense"])
     assert _positive(rows["batchweave"]["vs raw"])
+    fastest_raw = max(rows[m]["agg MB/s"] for m in ("raw-range", "raw-inline"))
+    assert rows["batchweave"]["vs raw"] == pytest.approx(
+        rows["batchweave"]["agg MB/s"] / fastest_raw
+    )

@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from fake_time import FakeTime
 from test_consumer import parse, produce
 
 from batchweave import ByteRange, Consumer, MemoryStore, Mesh, ObjectStore, StoreWrapper
@@ -43,7 +44,15 @@ def ten_steps() -> MemoryStore:
 
 
 def test_prefetch_ramps_up_one_step_per_ramp_every(ten_steps: MemoryStore) -> None:
-    c = Consumer(ten_steps, "run", mesh=Mesh(dp=2), dp_rank=0, prefetch=3, ramp_every=2)
+    c = Consumer(
+        ten_steps,
+        "run",
+        mesh=Mesh(dp=2),
+        dp_rank=0,
+        prefetch=3,
+        ramp_every=2,
+        prefetch_min_latency=0,  # memory reads are fast: prefetch them anyway
+    )
     depth, in_flight = [], []
     for _ in c:
         depth.append(c.stats.prefetch_depth)
@@ -69,6 +78,77 @@ def test_reads_of_later_steps_overlap(ten_steps: MemoryStore) -> None:
     assert [parse(d)[1] for _, d in c] == list(range(10))
     assert store.max_in_flight >= 3
     c.close()
+
+
+class SlowReads(StoreWrapper):
+    """Each range read moves a fake clock forward by ``latency`` seconds (no real waiting)."""
+
+    def __init__(self, inner: ObjectStore, time: FakeTime, latency: float) -> None:
+        super().__init__(inner)
+        self.time = time
+        self.latency = latency
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        self.time.advance(self.latency)
+        return self.inner.get_range(key, rng)
+
+
+def test_fast_reads_are_done_inline_and_prefetching_resumes_when_they_slow_down(
+    ten_steps: MemoryStore,
+) -> None:
+    time = FakeTime()
+    store = SlowReads(ten_steps, time, latency=0.0001)  # a page-cache read: 100 us
+    c = Consumer(
+        store,
+        "run",
+        mesh=Mesh(dp=2),
+        dp_rank=1,
+        prefetch=4,
+        ramp_every=1,
+        prefetch_min_latency=0.001,
+        clock=time.clock,
+        sleep=time.sleep,
+    )
+    seen = []
+    for step, data in c:
+        seen.append((step, parse(data)[1], c.stats.in_flight))
+        if step == 4:
+            store.latency = 0.01  # the same reads now take 10 ms: worth prefetching
+    assert [(s, v) for s, v, _ in seen] == [(s, s) for s in range(10)]
+    stats = c.stats
+    assert stats.read_latency is not None
+    assert stats.read_latency > 0.001
+    in_flight = [n for _, _, n in seen]
+    assert in_flight[:5] == [0] * 5  # fast: read on the caller's thread, nothing ahead
+    assert max(in_flight[5:]) >= 2  # slow: read ahead again
+    c.close()
+
+
+def test_reads_slower_than_the_threshold_are_prefetched(ten_steps: MemoryStore) -> None:
+    time = FakeTime()
+    store = SlowReads(ten_steps, time, latency=0.002)
+    c = Consumer(
+        store,
+        "run",
+        mesh=Mesh(dp=2),
+        dp_rank=0,
+        prefetch=3,
+        ramp_every=1,
+        prefetch_min_latency=0.001,
+        clock=time.clock,
+        sleep=time.sleep,
+    )
+    in_flight = [c.stats.in_flight for _ in c]
+    assert min(in_flight[1:7]) >= 2  # read ahead from the second step on
+    latency = c.stats.read_latency
+    assert latency is not None
+    assert latency >= 0.002  # at least one read each (the shared fake clock may add others')
+    c.close()
+
+
+def test_a_negative_prefetch_min_latency_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefetch_min_latency must be >= 0 seconds, got -1"):
+        Consumer(MemoryStore(), "run", mesh=Mesh(dp=1), dp_rank=0, prefetch_min_latency=-1)
 
 
 def test_gather_runs_jobs_concurrently_and_in_order() -> None:

@@ -326,3 +326,27 @@ def test_an_inconsistent_slice_table_is_a_format_error_naming_the_key() -> None:
     with pytest.raises(FormatError, match="slice table ends at byte") as err:
         decode_manifest(_reenvelope(json.dumps(body).encode()), key=KEY)
     assert KEY in str(err.value)
+
+
+def test_a_format_2_manifest_with_per_slice_lists_is_still_read() -> None:
+    body = _format_1_body()
+    body["format"] = 2
+    ref = body["tail"][0]["objects"][0]  # type: ignore[index]
+    count = ref["slice_count"]
+    ref["slices"] = {
+        "codec": "raw",
+        "compression": None,
+        "checksum_algo": "crc32c",
+        "lengths": [1] * (count - 1) + [ref["footer_offset"] - (count - 1)],
+        "checksums": list(range(count)),
+        "uncompressed_lengths": None,
+        "sample_counts": [2] * count,
+    }
+    manifest = decode_manifest(_reenvelope(json.dumps(body).encode()), key=KEY)
+    table = manifest.tail[0].objects[0].slices
+    assert manifest.format == 2
+    assert table is not None
+    assert table.checksums == tuple(range(count))
+    assert table.payload_length == ref["footer_offset"]
+    # Written again, the same table takes the compact form of the current format.
+    assert decode_manifest(encode_manifest(manifest), key=KEY).tail == manifest.tail

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -100,3 +102,45 @@ def test_a_table_must_match_its_object_reference() -> None:
         TgbObjectRef(**fields, slice_count=3, footer_offset=7, slices=table)
     with pytest.raises(ValidationError, match="ends at byte 7, the footer starts at 8"):
         TgbObjectRef(**fields, slice_count=2, footer_offset=8, slices=table)
+
+
+def test_a_wide_table_of_equal_slices_is_compact_on_disk() -> None:
+    n = 128
+    table = SliceTable(
+        codec="raw",
+        checksum_algo="crc32c",
+        lengths=(100_000,) * n,
+        checksums=tuple(range(0xFFFF_FF00, 0xFFFF_FF00 + n)),
+        sample_counts=(1,) * n,
+    )
+    body = json.loads(table.model_dump_json())
+    assert body["count"] == n
+    assert body["lengths"] == 100_000
+    assert body["sample_counts"] == 1
+    assert isinstance(body["checksums"], str)
+    assert "compression" not in body
+    assert "uncompressed_lengths" not in body
+    assert len(table.model_dump_json()) < 6 * n + 150  # 4 packed bytes a slice, base64
+    assert SliceTable.model_validate_json(table.model_dump_json()) == table
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"checksums": "AAAAAQ=="}, "4 packed bytes, expected 2 slices x 4 bytes"),
+        ({"checksums": "not base64!"}, "checksums"),
+        ({"count": 3}, "lengths has 2 entries, count is 3"),
+        ({"count": 0}, "count must be a positive integer"),
+        ({"count": "2"}, "count must be a positive integer"),
+        ({"sample_counts": -1}, "greater than or equal to 0"),
+    ],
+)
+def test_an_inconsistent_compact_table_is_refused(change: dict[str, object], message: str) -> None:
+    compact = {**BASE, "count": 2, "checksums": "AAAAAQAAAAI=", **change}
+    with pytest.raises(ValidationError, match=message):
+        SliceTable.model_validate(compact)
+
+
+def test_compact_and_list_forms_decode_to_the_same_table() -> None:
+    compact = {**BASE, "count": 2, "checksums": "AAAAAQAAAAI=", "sample_counts": 1}
+    assert SliceTable.model_validate(compact) == SliceTable.model_validate(BASE)

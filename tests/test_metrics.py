@@ -76,6 +76,9 @@ def test_consumer_counters_and_read_amplification(registry: CollectorRegistry) -
     assert amp == pytest.approx(stats.read_amplification)
     assert amp == 1.0  # the manifest carries the slice table: nothing but slices is range-read
     assert value(registry, "batchweave_consumer_stall_seconds_total", **labels) >= 0.0
+    latency = value(registry, "batchweave_consumer_read_latency_seconds", **labels)
+    assert latency == stats.read_latency
+    assert latency > 0.0
     consumer.close()
 
 

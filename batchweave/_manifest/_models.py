@@ -8,11 +8,21 @@ that list; steps are assigned at commit and never change.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import itertools
+import struct
 from functools import cached_property
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from batchweave._format import (
     CODECS,
@@ -36,14 +46,16 @@ __all__ = [
     "TgbObjectRef",
 ]
 
-MANIFEST_FORMAT = 2
+MANIFEST_FORMAT = 3
 """Manifest format this library writes and the newest it reads.
 
-Format 2 added the optional :class:`SliceTable` of an object reference; format 1 is still read.
+Format 2 added the optional :class:`SliceTable` of an object reference, format 3 its compact
+columns (a repeated value written once, checksums packed in base64); formats 1 and 2 are still
+read.
 """
 
-SEGMENT_FORMAT = 2
-"""Segment format this library writes and the newest it reads (2: descriptors as in manifest 2)."""
+SEGMENT_FORMAT = 3
+"""Segment format this library writes and the newest it reads (descriptors as in the manifest)."""
 
 _STRICT = ConfigDict(frozen=True, extra="forbid")
 
@@ -55,6 +67,11 @@ def _back_to_back(lengths: tuple[int, ...]) -> tuple[int, ...]:
     return (0, *itertools.accumulate(lengths))[:-1]
 
 
+_INT_COLUMNS = ("lengths", "uncompressed_lengths", "sample_counts")
+_PACKED = {4: "I", 8: "Q"}
+"""struct format of a packed checksum, by width in bytes."""
+
+
 class SliceTable(BaseModel):
     """The slice entries of one object's footer, copied into the manifest in compact columns.
 
@@ -62,6 +79,12 @@ class SliceTable(BaseModel):
     costs one dependent request instead of two. Slices are stored back to back from byte 0, so
     offsets are the running sums of ``lengths``. The manifest's own checksum covers the table, and
     each slice is still verified against its checksum here, so nothing goes unchecked.
+
+    In memory every column is a tuple with one value per slice. On disk (format 3) the table
+    names its slice ``count``, an integer column whose values are all equal is written as that
+    one value, and ``checksums`` is the base64 of the values packed big-endian at the
+    algorithm's width: about 6 bytes a slice for equal-sized slices, so a 128-slice table costs
+    under 1 KB. The per-slice lists of format 2 are still read.
     """
 
     model_config = _STRICT
@@ -75,6 +98,40 @@ class SliceTable(BaseModel):
     uncompressed_lengths: tuple[_Count, ...] | None = None
     """Only when ``compression`` is set: each slice's length after decompression."""
     sample_counts: tuple[_Count, ...]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_compact_columns(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "count" not in data:
+            return data  # format 2 lists, or a model instance
+        data = dict(data)
+        count = data.pop("count")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"count must be a positive integer, got {count!r}")
+        for name in _INT_COLUMNS:
+            value = data.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                data[name] = (value,) * count
+            elif isinstance(value, list | tuple) and len(value) != count:
+                raise ValueError(f"{name} has {len(value)} entries, count is {count}")
+        packed = data.get("checksums")
+        if isinstance(packed, str):
+            data["checksums"] = _unpack_checksums(packed, count, data.get("checksum_algo"))
+        return data
+
+    @model_serializer(mode="wrap")
+    def _compact_columns(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = {"count": len(self.lengths), **handler(self)}
+        for name in _INT_COLUMNS:
+            column = getattr(self, name)
+            if column is not None and column.count(column[0]) == len(column):
+                out[name] = column[0]
+        if self.compression is None:
+            del out["compression"], out["uncompressed_lengths"]
+        width = checksum_bits(self.checksum_algo) // 8
+        packed = struct.pack(f">{len(self.checksums)}{_PACKED[width]}", *self.checksums)
+        out["checksums"] = base64.b64encode(packed).decode("ascii")
+        return out
 
     @model_validator(mode="after")
     def _check_columns(self) -> SliceTable:
@@ -131,6 +188,20 @@ class SliceTable(BaseModel):
             ),
             sample_counts=tuple(e.sample_count for e in entries),
         )
+
+
+def _unpack_checksums(packed: str, count: int, algo: object) -> tuple[int, ...]:
+    """The checksum column of a compact table: ``count`` big-endian values in base64."""
+    try:
+        width = checksum_bits(algo) // 8  # type: ignore[arg-type]  # validated as a field later
+        raw = base64.b64decode(packed, validate=True)
+    except (ValueError, binascii.Error) as exc:
+        raise ValueError(f"checksums: {exc}") from None
+    if len(raw) != count * width:
+        raise ValueError(
+            f"checksums: {len(raw)} packed bytes, expected {count} slices x {width} bytes"
+        )
+    return struct.unpack(f">{count}{_PACKED[width]}", raw)
 
 
 class TgbObjectRef(BaseModel):
