@@ -352,7 +352,8 @@ def decompress(data: bytes | memoryview, compression: str, uncompressed_length: 
         frame_size = zstandard.frame_content_size(data)
         if frame_size not in (-1, uncompressed_length):
             raise FormatError(
-                f"zstd frame claims {frame_size} bytes but the footer records {uncompressed_length}"
+                f"zstd frame claims {frame_size} bytes but the slice index records "
+                f"{uncompressed_length}"
             )
         if uncompressed_length <= _ONE_SHOT_LIMIT:
             # Every writer sets the content size; 0 needs special care because python-zstandard
@@ -366,6 +367,7 @@ def decompress(data: bytes | memoryview, compression: str, uncompressed_length: 
         raise FormatError(f"corrupt zstd data: {exc}") from exc
     if len(out) != uncompressed_length:
         raise FormatError(
-            f"zstd data decompressed to {len(out)} bytes, footer records {uncompressed_length}"
+            f"zstd data decompressed to {len(out)} bytes, the slice index records "
+            f"{uncompressed_length}"
         )
     return bytes(out)

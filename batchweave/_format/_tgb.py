@@ -671,8 +671,8 @@ def decode_entry(
     """
     if len(raw) != entry.length:
         raise FormatError(
-            f"{where}: got {len(raw)} bytes, the footer records {entry.length} (truncated "
-            "object or a footer from another object)"
+            f"{where}: got {len(raw)} bytes, the slice index (footer or manifest slice table) "
+            f"records {entry.length} (truncated object, or an index from another object)"
         )
     computed = checksum(raw, layout.checksum_algo)
     if computed != entry.checksum:
