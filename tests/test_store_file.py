@@ -78,6 +78,41 @@ def test_symlinked_file_cannot_escape_root(tmp_path: Path, store: FileStore, roo
     assert target.read_bytes() == b"outside"
 
 
+@pytest.mark.parametrize("kernel_check", [True, False], ids=["proc-fd", "realpath"])
+def test_every_read_path_refuses_an_escaping_symlink(
+    tmp_path: Path, store: FileStore, root: Path, kernel_check: bool
+) -> None:
+    # Reads check the descriptor they opened (Linux /proc/self/fd) or, elsewhere, the path.
+    store._proc_fd = kernel_check and store._proc_fd
+    (tmp_path / "outside").write_bytes(b"0123456789")
+    (root / "alias").symlink_to(tmp_path / "outside")
+    buffer = memoryview(bytearray(4))
+    for call in (
+        lambda: store.get("alias"),
+        lambda: store.get_range("alias", Suffix(2)),
+        lambda: store.get_range_into("alias", 0, buffer),
+        lambda: store.map_range("alias", 0, 4),
+    ):
+        with pytest.raises(InvalidKey, match="outside the root"):
+            call()
+    assert bytes(buffer) == bytes(4)
+
+
+def test_a_symlink_inside_the_root_is_followed(store: FileStore, root: Path) -> None:
+    store.put("real/object", b"0123456789")
+    (root / "alias").symlink_to(root / "real" / "object")
+    assert store.get("alias") == b"0123456789"
+    assert store.get_range("alias", Suffix(3)) == b"789"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_a_planted_fifo_cannot_hang_a_read(tmp_path: Path, store: FileStore, root: Path) -> None:
+    os.mkfifo(tmp_path / "pipe")
+    (root / "alias").symlink_to(tmp_path / "pipe")
+    with pytest.raises(InvalidKey, match="outside the root"):
+        store.get_range("alias", Suffix(2))  # a blocking open would wait for a writer forever
+
+
 def test_dotdot_keys_never_touch_the_parent(tmp_path: Path, store: FileStore) -> None:
     before = sorted(p.name for p in tmp_path.iterdir())
     for key in ("../escape", "a/../../escape", ".."):

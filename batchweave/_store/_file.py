@@ -41,6 +41,10 @@ TEMP_DIR_NAME = ".bw-tmp"
 
 _MISSING_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
 _PUBLISH_RETRIES = 100
+_PROC_FD = "/proc/self/fd"
+"""Where Linux shows the path of each open descriptor (resolved by the kernel)."""
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+"""Reads open with O_NONBLOCK so a FIFO planted under the root cannot hang ``open``."""
 
 
 class FileStore(ObjectStore):
@@ -71,6 +75,7 @@ class FileStore(ObjectStore):
         self._tmp = os.path.join(self._root, TEMP_DIR_NAME)
         os.makedirs(self._tmp, exist_ok=True)
         self._fsync = fsync
+        self._proc_fd = os.path.isdir(_PROC_FD)
         self.url = root_path.as_uri()
 
     @property
@@ -80,21 +85,47 @@ class FileStore(ObjectStore):
 
     # -- paths -------------------------------------------------------------------------------
 
-    def _path(self, key: str) -> str:
+    def _lexical_path(self, key: str) -> str:
+        """``key``'s path under the root, checked as a string (no symlinks resolved yet)."""
         validate_key(key)
         parts = key.split("/")
         if parts[0] == TEMP_DIR_NAME:
             raise InvalidKey(
                 f"object key {key!r} uses the reserved directory {TEMP_DIR_NAME!r} of {self.url}"
             )
-        path = os.path.join(self._root, *parts)
-        real = os.path.realpath(path)
+        return os.path.join(self._root, *parts)
+
+    def _check_inside(self, key: str, path: str, real: str) -> None:
         if real != path and not real.startswith(self._root + os.sep):
             raise InvalidKey(
                 f"object key {key!r} resolves to {real!r}, outside the root of {self.url} "
                 "(through a symlink); keys must stay inside the store root"
             )
+
+    def _path(self, key: str) -> str:
+        path = self._lexical_path(key)
+        self._check_inside(key, path, os.path.realpath(path))
         return path
+
+    def _open_for_read(self, key: str) -> int:
+        """Open ``key``'s file read-only and return the descriptor, confined to the root.
+
+        On Linux the check asks the kernel where the opened descriptor points, so it costs one
+        ``readlink`` instead of an ``lstat`` per path component (``realpath``: about a third
+        of a 100 KB read) and leaves no window between check and use. Elsewhere the path is
+        resolved first, as for writes.
+        """
+        if not self._proc_fd:
+            path = self._path(key)
+            return os.open(path, _READ_FLAGS)
+        path = self._lexical_path(key)
+        fd = os.open(path, _READ_FLAGS)
+        try:
+            self._check_inside(key, path, os.readlink(f"{_PROC_FD}/{fd}"))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     @contextmanager
     def _errors(self, key: str, action: str) -> Iterator[None]:
@@ -211,14 +242,12 @@ class FileStore(ObjectStore):
     # -- reads -------------------------------------------------------------------------------
 
     def get(self, key: str) -> bytes:
-        path = self._path(key)
-        with self._errors(key, "read"), open(path, "rb") as f:
+        with self._errors(key, "read"), open(self._open_for_read(key), "rb") as f:
             return f.read()
 
     def get_range(self, key: str, rng: ByteRange) -> bytes:
-        path = self._path(key)
         with self._errors(key, "read"):
-            fd = os.open(path, os.O_RDONLY)
+            fd = self._open_for_read(key)
             try:
                 start, end = resolve_range(rng, os.fstat(fd).st_size)
                 chunks = []
@@ -235,11 +264,10 @@ class FileStore(ObjectStore):
     def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start}")
-        path = self._path(key)
         target = buffer.cast("B")
         filled = 0
         with self._errors(key, "read"):
-            fd = os.open(path, os.O_RDONLY)
+            fd = self._open_for_read(key)
             try:
                 while filled < len(target):
                     n = os.preadv(fd, [target[filled:]], start + filled)
@@ -255,9 +283,8 @@ class FileStore(ObjectStore):
         # shrink under a reader unless someone truncates files in the root by hand.
         if not 0 <= start <= end:
             raise ValueError(f"invalid range [{start}, {end})")
-        path = self._path(key)
         with self._errors(key, "map"):
-            fd = os.open(path, os.O_RDONLY)
+            fd = self._open_for_read(key)
             try:
                 size = os.fstat(fd).st_size
                 if min(end, size) <= start:
