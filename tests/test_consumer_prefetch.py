@@ -93,22 +93,26 @@ class SlowReads(StoreWrapper):
         return self.inner.get_range(key, rng)
 
 
-def test_fast_reads_are_done_inline_and_prefetching_resumes_when_they_slow_down(
-    ten_steps: MemoryStore,
-) -> None:
-    time = FakeTime()
-    store = SlowReads(ten_steps, time, latency=0.0001)  # a page-cache read: 100 us
-    c = Consumer(
+def _timed_consumer(store: SlowReads, *, dp_rank: int, prefetch: int) -> Consumer:
+    """A consumer on ``store``'s fake clock that prefetches only reads of 1 ms or more."""
+    return Consumer(
         store,
         "run",
         mesh=Mesh(dp=2),
-        dp_rank=1,
-        prefetch=4,
+        dp_rank=dp_rank,
+        prefetch=prefetch,
         ramp_every=1,
         prefetch_min_latency=0.001,
-        clock=time.clock,
-        sleep=time.sleep,
+        clock=store.time.clock,
+        sleep=store.time.sleep,
     )
+
+
+def test_fast_reads_are_done_inline_and_prefetching_resumes_when_they_slow_down(
+    ten_steps: MemoryStore,
+) -> None:
+    store = SlowReads(ten_steps, FakeTime(), latency=0.0001)  # a page-cache read: 100 us
+    c = _timed_consumer(store, dp_rank=1, prefetch=4)
     seen = []
     for step, data in c:
         seen.append((step, parse(data)[1], c.stats.in_flight))
@@ -125,19 +129,7 @@ def test_fast_reads_are_done_inline_and_prefetching_resumes_when_they_slow_down(
 
 
 def test_reads_slower_than_the_threshold_are_prefetched(ten_steps: MemoryStore) -> None:
-    time = FakeTime()
-    store = SlowReads(ten_steps, time, latency=0.002)
-    c = Consumer(
-        store,
-        "run",
-        mesh=Mesh(dp=2),
-        dp_rank=0,
-        prefetch=3,
-        ramp_every=1,
-        prefetch_min_latency=0.001,
-        clock=time.clock,
-        sleep=time.sleep,
-    )
+    c = _timed_consumer(SlowReads(ten_steps, FakeTime(), latency=0.002), dp_rank=0, prefetch=3)
     in_flight = [c.stats.in_flight for _ in c]
     assert min(in_flight[1:7]) >= 2  # read ahead from the second step on
     latency = c.stats.read_latency
