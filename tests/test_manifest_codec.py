@@ -350,3 +350,37 @@ def test_a_format_2_manifest_with_per_slice_lists_is_still_read() -> None:
     assert table.payload_length == ref["footer_offset"]
     # Written again, the same table takes the compact form of the current format.
     assert decode_manifest(encode_manifest(manifest), key=KEY).tail == manifest.tail
+
+
+def test_the_same_bytes_are_decoded_once_per_process() -> None:
+    data = encode_manifest(_sample_manifest())
+    first = decode_manifest(data, key=KEY)
+    assert decode_manifest(bytes(data), key=KEY) is first  # equal bytes: the shared result
+    seg = encode_segment(Segment(namespace_id="ns", first_step=3, tgbs=(_descriptor(),)))
+    assert decode_segment(seg, key=SEG_KEY)[0] is decode_segment(bytes(seg), key=SEG_KEY)[0]
+
+
+def test_other_bytes_under_a_decoded_key_are_verified_afresh() -> None:
+    data = encode_manifest(_sample_manifest())
+    decode_manifest(data, key=KEY)
+    flipped = bytearray(data)
+    flipped[-5] ^= 0x02
+    with pytest.raises(ChecksumMismatch, match=KEY):
+        decode_manifest(bytes(flipped), key=KEY)
+    other_key = KEY.replace("manifest", "other")
+    assert decode_manifest(data, key=other_key) == decode_manifest(data, key=KEY)
+
+
+def test_the_decoded_cache_is_bounded_in_entries_and_bytes() -> None:
+    cache = _codec._RecentlyDecoded(entries=2, max_bytes=100)
+    cache.put("a", b"x" * 10, "A")
+    cache.put("b", b"y" * 10, "B")
+    cache.put("c", b"z" * 10, "C")  # over the entry bound: the oldest goes
+    assert cache.get("a", b"x" * 10) is None
+    assert cache.get("b", b"y" * 10) == "B"
+    cache.put("d", b"w" * 24, "D")  # 10 + 24 bytes with "c" evicted first (b was used last)
+    assert cache.get("c", b"z" * 10) is None
+    assert cache.get("b", b"y" * 10) == "B"
+    cache.put("big", b"q" * 26, "Q")  # more than a quarter of the byte bound: never kept
+    assert cache.get("big", b"q" * 26) is None
+    assert cache.get("b", b"y" * 11) is None  # same key, other bytes: a miss

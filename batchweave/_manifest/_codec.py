@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from typing import Final, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -149,16 +151,67 @@ def _unsupported(key: str, what: str, fmt: int, supported: int) -> UnsupportedFo
     )
 
 
+class _RecentlyDecoded:
+    """The manifests and segments this process decoded last, reused for the very same bytes.
+
+    Manifest versions and segments are immutable and every consumer of a namespace reads the same
+    ones, so a process that runs several consumers (a host driving several devices, ranks as
+    threads) would otherwise validate the same JSON once per consumer: about 10 us per
+    descriptor. An entry is reused only when the key and every byte match (one ``memcmp``);
+    anything else is decoded and verified afresh. Thread-safe; bounded in entries and bytes.
+    """
+
+    def __init__(self, entries: int, max_bytes: int) -> None:
+        self._entries = entries
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._items: OrderedDict[str, tuple[bytes, object]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str, data: bytes) -> object | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None or item[0] != data:
+                return None
+            self._items.move_to_end(key)
+            return item[1]
+
+    def put(self, key: str, data: bytes, decoded: object) -> None:
+        if len(data) > self._max_bytes // 4:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= len(old[0])
+            self._items[key] = (data, decoded)
+            self._bytes += len(data)
+            while len(self._items) > self._entries or self._bytes > self._max_bytes:
+                _, (evicted, _) = self._items.popitem(last=False)
+                self._bytes -= len(evicted)
+
+
+_DECODED: Final = _RecentlyDecoded(entries=64, max_bytes=64 << 20)
+
+
 def decode_manifest(data: bytes, *, key: str) -> Manifest:
     """Parse and verify the bytes of the manifest object ``key`` (used in error messages)."""
+    cached = _DECODED.get(key, data)
+    if isinstance(cached, Manifest):
+        return cached
     _, body = _split_envelope(data, key=key, magic=_MANIFEST_MAGIC, limit=MAX_MANIFEST_BYTES)
-    return _validate(body, Manifest, key=key, what="manifest", supported=MANIFEST_FORMAT)
+    manifest = _validate(body, Manifest, key=key, what="manifest", supported=MANIFEST_FORMAT)
+    _DECODED.put(key, data, manifest)
+    return manifest
 
 
 def decode_segment(data: bytes, *, key: str) -> tuple[Segment, int]:
     """Parse and verify the segment object ``key``; return it with its body checksum."""
+    cached = _DECODED.get(key, data)
+    if isinstance(cached, tuple):
+        return cached  # only decode_segment stores tuples
     stored, body = _split_envelope(data, key=key, magic=_SEGMENT_MAGIC, limit=MAX_SEGMENT_BYTES)
     segment = _validate(body, Segment, key=key, what="segment", supported=SEGMENT_FORMAT)
+    _DECODED.put(key, data, (segment, stored))
     return segment, stored
 
 
