@@ -14,6 +14,7 @@ import math
 import struct
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +67,29 @@ _RETRYABLE: Final = (TransientStoreError, StoreUnavailable)
 
 _MAP_MIN_BYTES: Final = _MIB
 """Reads this large are mapped when the store can (``file://``): no copy, no fresh buffer."""
+
+
+class _OpenConsumers:
+    """How many consumers this process has open: they share one budget of reads in flight."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._lock = threading.Lock()
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def opened(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def closed(self) -> None:
+        with self._lock:
+            self._count -= 1
+
+
+_OPEN: Final = _OpenConsumers()
 
 _LATENCY_WEIGHT: Final = 0.2
 """Weight of the newest step in :attr:`ConsumerStats.read_latency` (an exponential average)."""
@@ -191,13 +215,15 @@ class Consumer:
     one and adding one per ``ramp_every`` delivered steps, as long as a step's reads take at
     least ``prefetch_min_latency`` seconds (a moving average): faster reads (the page cache,
     local NVMe) are done on the caller's thread when it asks, since handing them to a worker and
-    back costs more CPU than they take, and prefetching resumes when reads slow down. Reads of
-    at least ``split_threshold`` bytes are split into ``part_size`` range reads filling one
-    preallocated buffer. Transient store errors are retried with exponential backoff
-    (``retry_backoff`` doubling up to ``max_retry_backoff``), at most ``retry_budget`` times per
-    step. The last ``footer_cache`` parsed footers are kept: while streaming each TGB is needed
-    only by consecutive steps, and a footer holds one object per slice, so keeping many costs
-    memory and garbage-collector time that grows with the world size. An unreachable store
+    back costs more CPU than they take, and prefetching resumes when reads slow down. All open
+    consumers of a process share ``max_process_reads`` reads in flight: each keeps its caller's
+    next read, and reads ahead by at most its share of the rest. Reads of at least
+    ``split_threshold`` bytes are split into ``part_size`` range reads filling one preallocated
+    buffer. Transient store errors are retried with exponential backoff (``retry_backoff``
+    doubling up to ``max_retry_backoff``), at most ``retry_budget`` times per step. The last
+    ``footer_cache`` parsed footers are kept: while streaming each TGB is needed only by
+    consecutive steps, and a footer holds one object per slice, so keeping many costs memory and
+    garbage-collector time that grows with the world size. An unreachable store
     (:class:`StoreUnavailable`: an outage) spends no budget: the consumer keeps its position and
     waits for the store to return (bounded only by ``timeout`` at the head of the stream),
     logging when the outage starts and ends. ``clock`` and ``sleep`` are injectable so tests
@@ -223,6 +249,7 @@ class Consumer:
         prefetch: int = 4,
         ramp_every: int = 2,
         prefetch_min_latency: float = 0.001,
+        max_process_reads: int = 64,
         max_workers: int = 8,
         split_threshold: int = 64 * _MIB,
         part_size: int = 16 * _MIB,
@@ -245,6 +272,7 @@ class Consumer:
             split_threshold=split_threshold,
             part_size=part_size,
             footer_cache=footer_cache,
+            max_process_reads=max_process_reads,
         )
         if not 0 < poll_interval <= max_poll_interval:
             raise ValueError(
@@ -273,6 +301,7 @@ class Consumer:
         self.prefetch = prefetch
         self.ramp_every = ramp_every
         self.prefetch_min_latency = prefetch_min_latency
+        self.max_process_reads = max_process_reads
         self.max_workers = max_workers
         self.split_threshold = split_threshold
         self.part_size = part_size
@@ -304,6 +333,8 @@ class Consumer:
         self._poll_delay = poll_interval
         self._last_refresh = -math.inf
         self._closed = False
+        _OPEN.opened()
+        self._unregister = weakref.finalize(self, _OPEN.closed)  # also when never closed
 
     def __repr__(self) -> str:
         return (
@@ -400,6 +431,7 @@ class Consumer:
     def close(self) -> None:
         """Stop prefetching and release the read threads. Idempotent."""
         self._closed = True
+        self._unregister()  # runs once, however often close() is called
         self._drop_window()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -482,7 +514,7 @@ class Consumer:
         self._ensure_open(wait=True)
         step = self._next_step
         self._check_not_reclaimed(step)
-        depth = max(1, self._depth) if self._prefetching() else 1
+        depth = self._read_ahead() or 1
         self._top_up(depth, inline_head=True)
         if not self._window:
             if not self._await_step(step):
@@ -501,18 +533,29 @@ class Consumer:
         self._counters.add(steps=1, bytes_delivered=nbytes)
         self._counters.first_batch(self._clock() - self._created_at)
         self._ramp()
-        if self._delivered_any and self._prefetching():
-            self._top_up(self._depth)
+        ahead = self._read_ahead()
+        if self._delivered_any and ahead:
+            self._top_up(ahead)
         # The first step returns before any read is handed to the pool: starting a worker
         # thread costs the caller a scheduling round-trip on a busy machine, right when time to
         # first batch counts. Prefetching starts with the second call.
         self._delivered_any = True
         return step, data
 
-    def _prefetching(self) -> bool:
-        """Whether to read ahead: no read measured yet, or reads slow enough to be worth it."""
+    def _read_ahead(self) -> int:
+        """Steps to read ahead of the caller now (0: read each step when the caller asks).
+
+        0 while reads are faster than ``prefetch_min_latency``. Otherwise the ramped depth,
+        bounded by this consumer's share of ``max_process_reads``: every open consumer of the
+        process keeps its own next read in flight, and read-ahead only adds to those. (64
+        consumers as threads of one process with 4 steps ahead each would queue 320 requests
+        for a client's 64 connections and spend the difference on thread switches.)
+        """
         latency = self._counters.read_latency
-        return latency is None or latency >= self.prefetch_min_latency
+        if latency is not None and latency < self.prefetch_min_latency:
+            return 0
+        share = self.max_process_reads // max(1, _OPEN.count) - 1
+        return max(0, min(self._depth, share))
 
     def _ramp(self) -> None:
         if self._depth >= self.prefetch:

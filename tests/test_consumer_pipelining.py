@@ -61,7 +61,14 @@ def test_next_steps_footer_read_overlaps_the_current_steps_slice_read() -> None:
     # ramp_every=1: the window grows to two steps after the first delivery, so steps 1 and 2
     # are in flight together and step 1's slice read waits for step 2's footer read.
     with Consumer(
-        store, "run", mesh=mesh, dp_rank=1, prefetch=2, ramp_every=1, prefetch_min_latency=0
+        store,
+        "run",
+        mesh=mesh,
+        dp_rank=1,
+        prefetch=2,
+        ramp_every=1,
+        prefetch_min_latency=0,
+        max_process_reads=1 << 30,  # however many consumers other tests left open
     ) as consumer:
         got = [data for _, data in consumer]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +11,7 @@ import pytest
 from fake_time import FakeTime
 from test_consumer import parse, produce
 
-from batchweave import ByteRange, Consumer, MemoryStore, Mesh, ObjectStore, StoreWrapper
+from batchweave import ByteRange, Consumer, MemoryStore, Mesh, ObjectStore, StoreWrapper, _consumer
 from batchweave._prefetch import Job, SingleFlightCache, gather
 
 
@@ -36,6 +37,10 @@ class ConcurrencyProbe(StoreWrapper):
                 self.in_flight -= 1
 
 
+ANY = 1 << 30
+"""A read budget no number of consumers left open by other tests of this process can exhaust."""
+
+
 @pytest.fixture(scope="module")
 def ten_steps() -> MemoryStore:
     store = MemoryStore()
@@ -52,6 +57,7 @@ def test_prefetch_ramps_up_one_step_per_ramp_every(ten_steps: MemoryStore) -> No
         prefetch=3,
         ramp_every=2,
         prefetch_min_latency=0,  # memory reads are fast: prefetch them anyway
+        max_process_reads=ANY,
     )
     depth, in_flight = [], []
     for _ in c:
@@ -74,7 +80,9 @@ def test_prefetch_zero_reads_on_demand(ten_steps: MemoryStore) -> None:
 
 def test_reads_of_later_steps_overlap(ten_steps: MemoryStore) -> None:
     store = ConcurrencyProbe(ten_steps, latency=0.05)
-    c = Consumer(store, "run", mesh=Mesh(dp=2), dp_rank=1, prefetch=4, ramp_every=1)
+    c = Consumer(
+        store, "run", mesh=Mesh(dp=2), dp_rank=1, prefetch=4, ramp_every=1, max_process_reads=ANY
+    )
     assert [parse(d)[1] for _, d in c] == list(range(10))
     assert store.max_in_flight >= 3
     c.close()
@@ -103,6 +111,7 @@ def _timed_consumer(store: SlowReads, *, dp_rank: int, prefetch: int) -> Consume
         prefetch=prefetch,
         ramp_every=1,
         prefetch_min_latency=0.001,
+        max_process_reads=ANY,
         clock=store.time.clock,
         sleep=store.time.sleep,
     )
@@ -136,6 +145,47 @@ def test_reads_slower_than_the_threshold_are_prefetched(ten_steps: MemoryStore) 
     assert latency is not None
     assert latency >= 0.002  # at least one read each (the shared fake clock may add others')
     c.close()
+
+
+def test_open_consumers_of_a_process_share_its_read_budget(ten_steps: MemoryStore) -> None:
+    def consumer(budget: int) -> Consumer:
+        return Consumer(
+            ten_steps,
+            "run",
+            mesh=Mesh(dp=2),
+            dp_rank=0,
+            prefetch=4,
+            ramp_every=1,
+            prefetch_min_latency=0,
+            max_process_reads=budget,
+        )
+
+    others = [consumer(ANY) for _ in range(3)]
+    open_now = _consumer._OPEN.count
+    # A budget of one read per open consumer leaves nothing to read ahead: every step is read
+    # when the caller asks, on the caller's thread.
+    tight = consumer(open_now + 1)
+    assert [tight.stats.in_flight for _ in tight] == [0] * 10
+    tight.close()
+    # Room for two reads per open consumer: one step ahead each.
+    loose = consumer(2 * (open_now + 1))
+    assert max(loose.stats.in_flight for _ in loose) == 1
+    for c in [loose, *others]:
+        c.close()
+    assert _consumer._OPEN.count == open_now - 3
+    tight.close()  # closing twice releases nothing twice
+    assert _consumer._OPEN.count == open_now - 3
+
+
+def test_a_consumer_never_closed_releases_its_share_when_collected(
+    ten_steps: MemoryStore,
+) -> None:
+    before = _consumer._OPEN.count
+    c = Consumer(ten_steps, "run", mesh=Mesh(dp=2), dp_rank=0)
+    assert _consumer._OPEN.count == before + 1
+    del c
+    gc.collect()
+    assert _consumer._OPEN.count == before
 
 
 def test_a_negative_prefetch_min_latency_is_refused() -> None:
