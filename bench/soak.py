@@ -58,6 +58,7 @@ from batchweave import (
     Consumer,
     FaultInjectingStore,
     Mesh,
+    NamespaceNotFound,
     ObjectMeta,
     ObjectStore,
     Producer,
@@ -618,6 +619,8 @@ class Driver:
             objects = sum(1 for _ in store.list(f"{NAMESPACE}/data/"))
         except StoreError:
             return  # the server is down right now
+        except NamespaceNotFound:
+            return  # no producer has started yet (slow process start on a loaded machine)
         if m.base_step > min(ckpts):
             self.problem(
                 "nothing readable lost before its boundary",
