@@ -355,7 +355,7 @@ def main() -> None:
     p.add_argument("--slices", type=_csv(_check_slice), default=None, help="100KB,1MB,10MB")
     p.add_argument("--procs", type=int, default=2, help="worker processes holding the ranks")
     p.add_argument("--budget-mb", type=int, default=512, help="TGB bytes written per point")
-    p.add_argument("--max-steps", type=int, default=64)
+    p.add_argument("--max-steps", type=int, default=256)
     p.add_argument("--max-tgb-mb", type=int, default=128, help="skip bigger TGBs (W*S)")
     p.add_argument("--dense-budget-mb", type=int, default=2048, help="dense bytes per point")
     p.add_argument("--dense-memory-mb", type=int, default=512, help="dense buffers per process")
