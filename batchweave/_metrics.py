@@ -297,6 +297,35 @@ class InstrumentedPolicy(CommitPolicy):
         """The wrapped policy's gap."""
         return self.inner.gap
 
+    # Every other hook is passed on unchanged: instrumenting a policy must not change its pacing.
+
+    def start(
+        self,
+        window: float,
+        active_producers: int,
+        rank: int | None = None,
+        loaded_window: float | None = None,
+    ) -> None:
+        """Delegates to the wrapped policy."""
+        self.inner.start(window, active_producers, rank, loaded_window)
+
+    @property
+    def forced_gap(self) -> float:
+        """The wrapped policy's forced gap."""
+        return self.inner.forced_gap
+
+    def observe_put(self, seconds: float, nbytes: int) -> None:
+        """Delegates to the wrapped policy."""
+        self.inner.observe_put(seconds, nbytes)
+
+    def forced_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float:
+        """Delegates to the wrapped policy."""
+        return self.inner.forced_wait(since_last_attempt, now, rank)
+
+    def regular_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float | None:
+        """Delegates to the wrapped policy."""
+        return self.inner.regular_wait(since_last_attempt, now, rank)
+
 
 def instrument_policy(
     policy: str | CommitPolicy = "dac",

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry
 
 import batchweave as bw
 from batchweave._metrics import InstrumentedPolicy, metrics
+from batchweave._policy import AttemptOutcome, CommitPolicy, DacPolicy
 
 MESH = bw.Mesh(dp=2, cp=1)
 
@@ -118,3 +119,27 @@ def test_http_endpoint_serves_the_metrics(registry: CollectorRegistry) -> None:
     assert 'batchweave_tgbs_published_total{namespace="ns",producer_id="p0"} 1.0' in body
     assert "batchweave_reclaimed_bytes_total" in body or "batchweave_reclaimed_bytes" in body
     assert metrics(registry).registry is registry
+
+
+def test_an_instrumented_policy_paces_exactly_like_the_policy_it_wraps(
+    registry: CollectorRegistry,
+) -> None:
+    plain = DacPolicy(seed=7)
+    wrapped = bw.instrument_policy(DacPolicy(seed=7), registry=registry)
+    for policy in (plain, wrapped):
+        policy.start(0.02, 4, rank=1, loaded_window=0.03)
+        policy.observe_put(0.004, 100_000)
+        policy.record(AttemptOutcome(True, 0.015, 4, 3, bytes_written=20_000))
+        policy.record(AttemptOutcome(False, 0.05, 4, 1, forced=True))
+
+    def answers(policy: CommitPolicy) -> tuple[object, ...]:
+        return (
+            policy.gap,
+            policy.forced_gap,
+            policy.ready(3, 0.5),
+            policy.forced_wait(0.01, 1_700_000_000.3, 1),
+            policy.regular_wait(0.2, 1_700_000_000.3, 1),
+        )
+
+    assert answers(wrapped) == answers(plain)
+    assert answers(plain)[3] > 0  # a lost close slot: the wait is real, not a default 0
