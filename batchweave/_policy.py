@@ -71,6 +71,8 @@ DEFAULT_SLOT_FACTOR = 2.0
 middle of its slot and must end inside it (rounding the period up to the grid adds up to 2x)."""
 
 _RECENT_WON = 8
+_PUT_REQUESTS = 4.0
+"""Requests of a commit, each costing about a data PUT: probe, parent check, segment, manifest."""
 _MAX_SLOT_BACKOFF = 10
 
 DEFAULT_WINDOW_CLAMP = 4.0
@@ -97,6 +99,8 @@ class AttemptOutcome:
     """TGBs the attempt tried to publish."""
     forced: bool = False
     """Whether ``flush()``/``close()``/``seal()`` started it (a slotted attempt, for DAC)."""
+    bytes_written: int = 0
+    """Manifest and segment bytes the attempt sent inside its window (0 if unknown)."""
 
 
 class CommitPolicy(abc.ABC):
@@ -147,6 +151,13 @@ class CommitPolicy(abc.ABC):
     def forced_gap(self) -> float:
         """The gap ``flush()``/``close()`` wait for (never more than :attr:`gap`; default equal)."""
         return self.gap
+
+    def observe_put(self, seconds: float, nbytes: int) -> None:  # noqa: B027
+        """A data PUT of ``nbytes`` took ``seconds`` (the producer reports every upload).
+
+        A cost sample of the store that no commit attempt gives: DAC sizes its ``flush()`` /
+        ``close()`` slots with the fastest one. The default ignores it.
+        """
 
     def forced_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float:
         """Seconds until a ``flush()``/``close()`` attempt may start (0: start now).
@@ -384,6 +395,10 @@ class DacPolicy(CommitPolicy):
         """The windows of the latest won attempts (the start-up commit counts): slot sizing."""
         self._slot_backoff = 0
         """Lost forced (slotted) attempts in a row: each doubles the slot."""
+        self._fastest_put: tuple[float, int] | None = None
+        """``(seconds, bytes)`` of the fastest data PUT seen (:meth:`observe_put`)."""
+        self._commit_bytes = 0
+        """Bytes the latest won attempt wrote inside its window (0: unknown)."""
         self._producers = 1
         self._target = 0.0
         self._gap = 0.0
@@ -417,20 +432,52 @@ class DacPolicy(CommitPolicy):
     def ready(self, pending: int, since_last_attempt: float) -> bool:
         return pending >= 1 and since_last_attempt >= self._gap
 
+    def observe_put(self, seconds: float, nbytes: int) -> None:
+        _check_window(seconds)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
+        if self._fastest_put is None or seconds < self._fastest_put[0]:
+            self._fastest_put = (seconds, nbytes)
+
+    @property
+    def put_window(self) -> float | None:
+        """What a commit should cost judging by the fastest data PUT (None: no PUT seen).
+
+        The fastest PUT's duration times ``max(4, b / p)``: ``b`` the bytes the latest won
+        commit wrote (its manifest, and a segment when its tail rolled), ``p`` those of that
+        PUT. A commit makes up to four requests (the probe for a newer base, the parent check,
+        the segment PUT when its tail rolls, the conditional PUT) and encodes its manifest; it
+        is still a low estimate (the fastest PUT was made at the quietest moment), which the
+        slot backoff corrects.
+        """
+        if self._fastest_put is None:
+            return None
+        seconds, nbytes = self._fastest_put
+        ratio = self._commit_bytes / nbytes if nbytes > 0 else 0.0
+        return seconds * max(_PUT_REQUESTS, ratio)
+
     @property
     def slot_window(self) -> float:
-        """The window a slot must hold: the shortest recent won window, doubled per lost slot.
+        """The window a slot must hold: a low estimate of an uncontended attempt, doubled per loss.
 
         Producers flush and close together when their data load ends (a job's end, a
         checkpoint), so the window a slot must hold is the uncontended one, usually far shorter
-        than ``W`` under load: the shortest of the last won attempts estimates it. A lost
-        slotted attempt shows the slot was too short (or shared with a producer on another
-        grid), and doubles it until an attempt wins again (binary exponential backoff, over
-        grids that stay nested). 0 before any measurement.
+        than ``W`` under load. The estimate is the shortest of the last won windows (the
+        start-up commit counts) and :attr:`put_window`. A producer whose first commit comes at
+        ``close()`` has only its start-up commit among its won windows, a noisy sample (0.5-61
+        ms on ``file://`` for producers started together, depending on how many were starting
+        at that moment): alone, it put closers on slot periods from 0.125 s to 2 s. The
+        fastest upload, a PUT made in the same run, bounds it. Estimating low costs at most a
+        lost attempt: a lost slotted attempt shows the slot was too short (or shared with a
+        producer on another grid), and doubles it until an attempt wins again (binary
+        exponential backoff, over grids that stay nested). Estimating high costs every closer
+        a longer wait. 0 before any measurement.
         """
-        if not self._won_windows:
+        put = self.put_window
+        candidates = [*self._won_windows, *([] if put is None else [put])]
+        if not candidates:
             return self._window or 0.0
-        return min(self._won_windows) * 2.0**self._slot_backoff
+        return min(candidates) * 2.0**self._slot_backoff
 
     @property
     def slot_period(self) -> float:
@@ -570,6 +617,8 @@ class DacPolicy(CommitPolicy):
         if outcome.committed:
             self._won_windows.append(outcome.fragile_window)
             self._slot_backoff = 0
+            if outcome.bytes_written > 0:
+                self._commit_bytes = outcome.bytes_written
         elif outcome.forced:
             self._slot_backoff = min(self._slot_backoff + 1, _MAX_SLOT_BACKOFF)
         self._producers = outcome.active_producers

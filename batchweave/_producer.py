@@ -43,6 +43,7 @@ from batchweave._errors import (
 from batchweave._format._checksum import checksum
 from batchweave._format._tgb import EncodedTgb, TgbBuilder, encode_tgb
 from batchweave._manifest._log import (
+    DEFAULT_TAIL_BYTES_LIMIT,
     DEFAULT_TAIL_LIMIT,
     Committed,
     Conflict,
@@ -80,6 +81,8 @@ _TIME_WAIT_CHUNK = 0.25
 """Longest single sleep of the commit loop, so ``abort()`` is never delayed by a long gap."""
 _EVENT_WAIT = 0.5
 """Longest wait for an event (upload done, flush, close) before re-checking the state."""
+_FORCED_POLL = 0.02
+"""Longest sleep of a regular wait while this producer's forced slot is open (see _next_work)."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,9 @@ class Producer:
     - ``tail_limit``: TGB descriptors kept inline in the manifest before a commit rolls them
       into a segment object (``docs/protocol.md``); larger means fewer segment writes and a
       larger manifest per commit. Every producer of a namespace should use the same value.
+    - ``tail_bytes_limit``: the tail also rolls once its descriptors' JSON reaches this many
+      bytes (default 64 KiB; ``None``: count only), so that descriptors carrying slice tables
+      do not make every commit's manifest, and so every fragile window, 100-250 KB long.
     - ``slice_table_limit``: a TGB of at most this many slices carries its slice table
       (offsets, lengths, checksums) in its manifest descriptor, so a consumer reads its slice
       with one request instead of fetching the footer first; each slice adds about 6 bytes to
@@ -227,6 +233,7 @@ class Producer:
         backoff: Callable[[int], float] = _default_backoff,
         lag_log_interval: float = 5.0,
         tail_limit: int = DEFAULT_TAIL_LIMIT,
+        tail_bytes_limit: int | None = DEFAULT_TAIL_BYTES_LIMIT,
         slice_table_limit: int = DEFAULT_SLICE_TABLE_LIMIT,
     ) -> None:
         if "/" in producer_id:
@@ -267,6 +274,7 @@ class Producer:
             namespace,
             clock=wall_clock,
             tail_limit=tail_limit,
+            tail_bytes_limit=tail_bytes_limit,
             deferred_merges=True,  # level merges are written after a commit, not inside it
         )
         self._entries: deque[_Entry] = deque()
@@ -715,6 +723,7 @@ class Producer:
                     with self._cond:
                         if self._first_upload is None:
                             self._first_upload = took
+                        self._policy.observe_put(took, len(encoded.data))
                     break
                 except _RETRYABLE as exc:
                     attempt += 1
@@ -816,7 +825,6 @@ class Producer:
         # Set once the whole remaining gap was slept: a clock too coarse to show it (or a fake one
         # advancing by less than float resolution) must not keep the loop waiting forever.
         gap_waited = forced_waited = regular_waited = False
-        woke_for_forced = False
         with self._cond:
             while True:
                 if self._error is not None or self._aborted:
@@ -859,11 +867,12 @@ class Producer:
                     remaining = gap - since
                 if remaining > 0:
                     chunk = min(remaining, _TIME_WAIT_CHUNK)
-                    if not forced and not woke_for_forced and 0 < until_forced < chunk:
-                        # A flush()/close() arriving during this sleep need only wait the forced
-                        # wait: wake when it expires and re-check (once per wait).
-                        chunk = until_forced
-                        woke_for_forced = True
+                    if not forced:
+                        # A flush()/close() arriving during this sleep (which it cannot cut
+                        # short) must not miss this producer's next forced slot: wake for every
+                        # one and re-check, and poll while inside one. A closer that slept
+                        # through its slot waited up to a whole regular chunk more.
+                        chunk = min(chunk, until_forced if until_forced > 0 else _FORCED_POLL)
                     self._cond.release()
                     try:
                         self._sleep(chunk)
@@ -961,6 +970,10 @@ class Producer:
                     self._base = manifest
                 if seal:
                     self._sealed = True
+                # Decided with the commit, before flush() can return and close() begin: a
+                # merge is swapped in by this producer's next commit, and a closing producer
+                # with nothing left has none (writing it would only delay close()).
+                merge = not (self._closing and not self._entries)
                 self._cond.notify_all()
             self._base_read_at = end
             committed = True
@@ -978,7 +991,7 @@ class Producer:
             with self._cond:
                 self._stats["conflicts"] += 1
                 self._adopt_locked(winner)
-            committed = False
+            committed = merge = False
         active = self._note_active()
         self._policy.record(
             AttemptOutcome(
@@ -987,12 +1000,13 @@ class Producer:
                 active_producers=active,
                 tgbs=len(batch),
                 forced=self._forced_attempt,
+                bytes_written=self._log.last_commit_bytes,
             )
         )
         with self._cond:
             self._last_window = window
             self._last_attempt_end = self._clock()
-        if isinstance(result, Committed):
+        if isinstance(result, Committed) and merge:
             self._prepare_merge(result.manifest)
 
     def _prepare_merge(self, committed: Manifest) -> None:

@@ -22,7 +22,13 @@ manifest at all. Reported per run:
   last tenth of the run's commits ("without segmented manifests" = an inline tail that never
   rolls into segments, so it grows with history); ``window KB/commit`` the same counting only
   the bytes a producer sent inside its own fragile windows (segment merges written between
-  commits are not in it).
+  commits are not in it);
+- ``drain ms``: from the end of the last upload to the last ``close()`` returning (the final
+  commits); ``first/steady/close won/att``: won and total attempts by phase: *close* attempts
+  were started by ``flush()``/``close()`` or after that producer's last upload, *first* is a
+  producer's first attempt otherwise, *steady* the rest. A 2,000-TGB run of 16 producers is
+  mostly start-up and close; ``--tgbs N`` runs each matrix point with ``N`` TGBs instead, long
+  enough for a steady state.
 
 ``--long-run`` publishes 20,000 TGBs (segmented, DAC) and compares throughput over the last
 tenth of the TGBs with the first tenth, both as ingestion (appends, which block while the upload
@@ -32,6 +38,7 @@ committed per second; the last tenth includes the final drain of ``close()``).
     python bench/producers.py                 # the default subset (about 15-20 min, 2 cores)
     python bench/producers.py --full          # the whole matrix of issue #3 (hours)
     python bench/producers.py --long-run --only-long-run
+    python bench/producers.py --storages file --producers 16 --policies dac,fixed100 --tgbs 10000
     python bench/producers.py --smoke         # seconds, for CI
 """
 
@@ -55,7 +62,7 @@ from _servers import STORAGES, StoreSpec, storages
 from _workers import TimedStore, WorkerPool
 
 from batchweave import AttemptOutcome, CommitPolicy, Mesh, Producer, encode_tgb
-from batchweave._manifest._log import DEFAULT_TAIL_LIMIT
+from batchweave._manifest._log import DEFAULT_TAIL_BYTES_LIMIT, DEFAULT_TAIL_LIMIT
 from batchweave._policy import make_policy, policy_names
 
 PAYLOADS = {"100KB": 100_000, "1MB": 1_000_000, "10MB": 10_000_000}
@@ -86,6 +93,10 @@ COLUMNS = [
     "visible p95 ms",
     "mf KB/commit first",
     "mf KB/commit last",
+    "drain ms",
+    "first won/att",
+    "steady won/att",
+    "close won/att",
 ]
 LONG_COLUMNS = [
     "storage",
@@ -112,19 +123,27 @@ LONG_COLUMNS = [
 
 
 class RecordingPolicy(CommitPolicy):
-    """Delegates to ``inner`` and logs every attempt: ``(end time, committed, window, tgbs)``."""
+    """Delegates to ``inner`` and logs every attempt: ``(end time, committed, window, tgbs)``.
+
+    ``forced`` says, per logged attempt, whether ``flush()``/``close()`` started it.
+    """
 
     name: ClassVar[str] = "recording"
 
     def __init__(self, inner: CommitPolicy) -> None:
         self.inner = inner
         self.log: list[tuple[float, bool, float, int]] = []
+        self.forced: list[bool] = []
+        self.slot_periods: list[float] = []
+        """DAC's ``flush()``/``close()`` slot period when the attempt ended (0 for others)."""
 
     def ready(self, pending: int, since_last_attempt: float) -> bool:
         return self.inner.ready(pending, since_last_attempt)
 
     def record(self, outcome: AttemptOutcome) -> None:
         self.log.append((time.monotonic(), outcome.committed, outcome.fragile_window, outcome.tgbs))
+        self.forced.append(outcome.forced)
+        self.slot_periods.append(float(getattr(self.inner, "slot_period", 0.0)))
         self.inner.record(outcome)
 
     def start(
@@ -143,6 +162,9 @@ class RecordingPolicy(CommitPolicy):
     @property
     def forced_gap(self) -> float:
         return self.inner.forced_gap
+
+    def observe_put(self, seconds: float, nbytes: int) -> None:
+        self.inner.observe_put(seconds, nbytes)
 
     def forced_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float:
         return self.inner.forced_wait(since_last_attempt, now, rank)
@@ -176,6 +198,7 @@ def produce_task(params: dict[str, Any], ready: Callable[[], None]) -> dict[str,
         upload_threads=UPLOAD_THREADS,
         max_inflight_bytes=params["max_inflight"],
         tail_limit=DEFAULT_TAIL_LIMIT if params["segmented"] else UNSEGMENTED,
+        tail_bytes_limit=DEFAULT_TAIL_BYTES_LIMIT if params["segmented"] else None,
     )
     ready()
     t0 = time.monotonic()
@@ -202,6 +225,10 @@ def produce_task(params: dict[str, Any], ready: Callable[[], None]) -> dict[str,
         "ambiguous": stats.ambiguous,
         "transient": stats.transient_errors,
         "log": policy.log,
+        "forced": policy.forced,
+        "slot_periods": policy.slot_periods,
+        "start_window": getattr(producer, "_start_window", float("nan")),
+        "put_window": getattr(policy.inner, "put_window", None),
         "appended": appended,
         "writes": [(e.start, e.nbytes) for e in store.events if e.start >= t0],
     }
@@ -331,6 +358,32 @@ def _ingest_tenths(
     return first, last
 
 
+PHASES = ("first", "steady", "close")
+
+
+def _phase(result: dict[str, Any], i: int) -> str:
+    t, _, w, _ = result["log"][i]
+    if result["forced"][i] or t - w >= result["t_uploaded"]:
+        return "close"
+    return "first" if i == 0 else "steady"
+
+
+def _phases(results: Sequence[dict[str, Any]]) -> dict[str, tuple[int, int]]:
+    """``(won, attempts)`` per phase of the producers' attempts.
+
+    *close*: started by ``flush()``/``close()`` or after the producer's last upload finished (the
+    final drain); *first*: a producer's first attempt, if not a close one (all producers start
+    together); *steady*: the rest.
+    """
+    counts = {phase: [0, 0] for phase in PHASES}
+    for r in results:
+        for i, (_, ok, _, _) in enumerate(r["log"]):
+            phase = _phase(r, i)
+            counts[phase][0] += ok
+            counts[phase][1] += 1
+    return {phase: (won, attempts) for phase, (won, attempts) in counts.items()}
+
+
 def _summary(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     attempts = sum(r["attempts"] for r in results)
     commits = sum(r["commits"] for r in results)
@@ -358,6 +411,24 @@ def _summary(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "window KB/commit first": mf_window[0],
         "window KB/commit last": mf_window[-1],
         "window KB/commit by tenth": mf_window,
+        # The final drain: from the last upload's end to the last close() returning.
+        "drain ms": (max(r["t1"] for r in results) - max(r["t_uploaded"] for r in results)) * 1e3,
+        **{f"{phase} won/att": f"{won}/{att}" for phase, (won, att) in _phases(results).items()},
+        "slot periods at close": sorted(
+            r["slot_periods"][i]
+            for r in results
+            for i in range(len(r["log"]))
+            if _phase(r, i) == "close"
+        ),
+        "put window ms": sorted(
+            round(r["put_window"] * 1e3, 2) for r in results if r.get("put_window") is not None
+        ),
+        "close commit ms": sorted(
+            round(w * 1e3, 2)
+            for r in results
+            for i, (_, _, w, _) in enumerate(r["log"])
+            if _phase(r, i) == "close"
+        ),
     }
 
 
@@ -537,6 +608,12 @@ def main() -> None:
     p.add_argument("--segmented", type=_csv(_yes_no), default=None, help="yes,no")
     p.add_argument("--budget-mb", type=int, default=600, help="payload MB per run")
     p.add_argument("--max-tgbs", type=int, default=2000, help="TGBs per run at most")
+    p.add_argument(
+        "--tgbs",
+        type=int,
+        default=None,
+        help="TGBs per matrix run, overriding --budget-mb/--max-tgbs (steady-state runs)",
+    )
     p.add_argument("--max-inflight-mb", type=int, default=64, help="upload queue per producer")
     p.add_argument("--long-run", action="store_true", help="also run the 20,000-TGB run")
     p.add_argument("--only-long-run", action="store_true", help="skip the matrix")
@@ -568,7 +645,9 @@ def main() -> None:
             raw_cache: dict[tuple[int, str], float] = {}
             for producers, size, policy, segmented in plans[name]:
                 payload = PAYLOADS[size]
-                tgbs = tgbs_for(payload, producers, args.budget_mb * 1_000_000, args.max_tgbs)
+                tgbs = args.tgbs or tgbs_for(
+                    payload, producers, args.budget_mb * 1_000_000, args.max_tgbs
+                )
                 if (producers, size) not in raw_cache:
                     raw_cache[(producers, size)] = run_raw(
                         pool, spec, producers=producers, payload=payload, tgbs=tgbs

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from manifest_helpers import CountingStore, descriptor
+from pydantic import TypeAdapter
 
 from batchweave import ChecksumMismatch, FormatError, MemoryStore, Mesh, PutMode
 from batchweave._manifest import (
@@ -18,7 +19,9 @@ from batchweave._manifest import (
     SegmentRef,
     encode_manifest,
     encode_segment,
+    manifest_key,
 )
+from batchweave._manifest._models import TgbDescriptor
 from batchweave._manifest._segments import merge_run_length, segment_level
 from batchweave._store._file import FileStore
 
@@ -38,13 +41,14 @@ def _grow(log: ManifestLog, head: Manifest, count: int, sizes: list[int] | None 
 
 def test_commit_cost_stays_flat_over_5000_commits() -> None:
     store = CountingStore(MemoryStore())
-    log = ManifestLog(store, NS)  # default tail_limit=256
+    log = ManifestLog(store, NS)  # default tail_limit=256 and tail_bytes_limit=64 KiB
     head = log.create_or_open(MESH)
     sizes: list[int] = []
     head = _grow(log, head, 5000, sizes)
     assert head.next_step == 5000
-    # The tail cycles every 256 commits, so compare the largest manifest of a window of 500
-    # commits early and late in history. Measured: ~1.01x (only a few segment refs differ).
+    # The tail cycles every 230-odd commits (64 KiB of descriptors), so compare the largest
+    # manifest of a window of 500 commits early and late in history. Measured: ~1.01x (only a
+    # few segment refs differ).
     early, late = max(sizes[250:750]), max(sizes[4500:5000])
     assert late <= 1.05 * early, (early, late)
     # What does grow: a handful of segment refs, bounded by the merge policy (levels).
@@ -101,6 +105,59 @@ def test_range_iteration_reads_each_segment_once() -> None:
     assert steps == list(range(3, 97))
     touched = [r for r in head.segments if r.end_step > 3 and r.first_step < 97]
     assert store.calls["get"] == len(touched)
+
+
+_TAIL_JSON = TypeAdapter(tuple[TgbDescriptor, ...])
+
+
+def test_the_tail_rolls_at_its_byte_bound_before_its_count_bound() -> None:
+    one = len(_TAIL_JSON.dump_json((descriptor("p", 0),)))
+    limit = 10 * one  # about ten descriptors' JSON
+    log = ManifestLog(MemoryStore(), NS, tail_limit=1000, tail_bytes_limit=limit)
+    head = log.create_or_open(MESH)
+    longest = 0
+    for _ in range(100):
+        result = log.commit(head, append=[descriptor("p", head.next_step)])
+        assert isinstance(result, Committed)
+        head = result.manifest
+        assert len(_TAIL_JSON.dump_json(head.tail)) < limit
+        longest = max(longest, len(head.tail))
+    assert 8 <= longest <= 10
+    assert sum(r.count for r in head.segments) + len(head.tail) == 100
+    assert [d.offset for _, d in log.descriptors(head, 0, 100)] == list(range(100))
+    # One commit far beyond the bound rolls all of it at once.
+    batch = [descriptor("p", head.next_step + i) for i in range(30)]
+    result = log.commit(head, append=batch)
+    assert isinstance(result, Committed)
+    assert result.manifest.tail == ()
+    assert result.manifest.next_step == 130
+
+
+def test_the_count_bound_still_applies_and_the_byte_bound_can_be_off() -> None:
+    counted = ManifestLog(MemoryStore(), NS, tail_limit=4, tail_bytes_limit=1 << 30)
+    head = _grow(counted, counted.create_or_open(MESH), 10)
+    assert len(head.tail) == 2  # rolled at 4 and 8
+    unbounded = ManifestLog(MemoryStore(), NS, tail_limit=10_000, tail_bytes_limit=None)
+    head = _grow(unbounded, unbounded.create_or_open(MESH), 300)
+    assert head.segments == ()
+    assert len(head.tail) == 300
+    with pytest.raises(ValueError, match="tail_bytes_limit"):
+        ManifestLog(MemoryStore(), NS, tail_bytes_limit=0)
+
+
+def test_last_commit_bytes_counts_the_manifest_and_a_rolled_segment() -> None:
+    store = MemoryStore()
+    log = ManifestLog(store, NS, tail_limit=4, tail_bytes_limit=None)
+    head = log.create_or_open(MESH)
+    result = log.commit(head, append=[descriptor("p", i) for i in range(3)])
+    assert isinstance(result, Committed)
+    manifest_bytes = len(store.get(f"{NS}/{manifest_key(1)}"))
+    assert log.last_commit_bytes == manifest_bytes
+    result = log.commit(result.manifest, append=[descriptor("p", 3)])  # rolls 4 descriptors
+    assert isinstance(result, Committed)
+    (segment,) = result.manifest.segments
+    manifest_bytes = len(store.get(f"{NS}/{manifest_key(2)}"))
+    assert log.last_commit_bytes == manifest_bytes + segment.bytes
 
 
 def test_merge_policy_with_fanout_2_is_a_binary_counter_with_a_cap() -> None:

@@ -31,6 +31,9 @@ from batchweave._manifest import Committed, Manifest, ManifestLog, TgbDescriptor
 
 NS = "runs/sm"
 CLIENTS = ("a", "b", "c")
+BYTE_BOUND_CLIENT = "b"
+TAIL_BYTES_LIMIT = 1000
+"""Client b rolls on bytes (at the fourth of these descriptors), not on its count."""
 FAULTS = ("ok", "landed-ambiguous", "landed-412", "lost-ambiguous", "409")
 
 
@@ -43,9 +46,16 @@ class ManifestMachine(RuleBasedStateMachine):
         ManifestLog(self.store, NS).create_or_open(Mesh(dp=2))
         # The first client merges segments after its commits (as a Producer does), the others
         # inside them (as the reclaimer and tools do): both kinds interleave on one history.
+        # Client b bounds its tail by bytes with a count limit it never reaches, so rolls of
+        # both kinds interleave too.
         self.logs = {
             c: ManifestLog(
-                self.store, NS, tail_limit=3, max_segment_tgbs=12, deferred_merges=c == CLIENTS[0]
+                self.store,
+                NS,
+                tail_limit=12 if c == BYTE_BOUND_CLIENT else 3,
+                tail_bytes_limit=TAIL_BYTES_LIMIT if c == BYTE_BOUND_CLIENT else None,
+                max_segment_tgbs=12,
+                deferred_merges=c == CLIENTS[0],
             )
             for c in CLIENTS
         }
@@ -86,6 +96,9 @@ class ManifestMachine(RuleBasedStateMachine):
         result = log.commit(self.bases[client], append=batch)
         self.fault = "ok"
         if isinstance(result, Committed):
+            if client == BYTE_BOUND_CLIENT:
+                tail = result.manifest.tail
+                assert sum(len(d.model_dump_json()) for d in tail) < TAIL_BYTES_LIMIT
             self.confirmed.update((d.producer_id, d.offset) for d in batch)
             self.pending[client] = []
             self.bases[client] = result.manifest

@@ -585,6 +585,44 @@ def test_slot_window_is_the_shortest_recent_win_doubled_per_lost_slot() -> None:
     assert seeded.slot_window == pytest.approx(0.01)
 
 
+def test_the_fastest_data_put_bounds_the_slot_window() -> None:
+    # A start-up commit slowed by producers starting together (40 ms) alone would put this
+    # producer on the 2 s grid: 16 x 2 x 40 ms = 1.28 s, rounded up.
+    policy = _slotted(0.04, 16)
+    assert policy.put_window is None
+    assert policy.slot_period == pytest.approx(2.0)
+    # Its fastest upload (a PUT of comparable size on the same store) took 0.75 ms; a commit
+    # makes up to four requests: 3 ms, 16 x 2 x 3 ms = 0.096 s, the 0.125 s grid.
+    for seconds in (0.01, 0.00075, 0.02):
+        policy.observe_put(seconds, 100_000)
+    assert policy.put_window == pytest.approx(0.003)
+    assert policy.slot_window == pytest.approx(0.003)
+    assert policy.slot_period == pytest.approx(0.125)
+    # Scaled to the bytes the latest won commit wrote, when those are more than four PUTs'.
+    policy.record(AttemptOutcome(True, 0.05, 16, 10, bytes_written=300_000))
+    assert policy.put_window == pytest.approx(0.003)
+    policy.record(AttemptOutcome(True, 0.05, 16, 10, bytes_written=1_000_000))
+    assert policy.put_window == pytest.approx(0.0075)
+    assert policy.slot_window == pytest.approx(0.0075)
+    # A lost slotted attempt still doubles the slot; a shorter won window still wins.
+    policy.record(AttemptOutcome(False, 0.05, 16, 10, forced=True))
+    assert policy.slot_window == pytest.approx(0.015)
+    policy.record(AttemptOutcome(True, 0.002, 16, 1))  # bytes unknown: the scale is kept
+    assert policy.put_window == pytest.approx(0.0075)
+    assert policy.slot_window == pytest.approx(0.002)
+    # A fast start-up commit still counts: the PUT estimate only bounds slow samples.
+    quick = _slotted(0.001, 16)
+    quick.observe_put(0.002, 100_000)
+    assert quick.put_window == pytest.approx(0.008)
+    assert quick.slot_window == pytest.approx(0.001)
+    with pytest.raises(ValueError, match="fragile window"):
+        policy.observe_put(-1.0, 10)
+    with pytest.raises(ValueError, match="nbytes"):
+        policy.observe_put(0.1, -1)
+    # Count-based policies accept and ignore it.
+    make_policy("naive").observe_put(0.1, 10)
+
+
 def test_forced_waits_put_producers_in_disjoint_slots_of_one_grid() -> None:
     n, window = 8, 0.01
     policies = [DacPolicy(jitter=0.0, rng=FixedDraw(0.5), slot_factor=2.0) for _ in range(n)]

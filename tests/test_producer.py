@@ -558,6 +558,108 @@ def test_tail_limit_is_passed_to_the_manifest_log(store: MemoryStore) -> None:
     assert sum(r.count for r in m.segments) >= 4
 
 
+def test_tail_bytes_limit_is_passed_to_the_manifest_log(store: MemoryStore) -> None:
+    # A count bound that is never reached and a byte bound below two descriptors: every commit
+    # of two or more TGBs rolls its tail, by bytes.
+    with make(store, tail_limit=10_000, tail_bytes_limit=600) as p:
+        for off in range(6):
+            p.append(payloads(off), offset=off)
+            if off % 2:
+                p.flush()
+    _, m = latest(store)
+    assert m.next_step == 6
+    assert m.tail == ()
+    assert sum(r.count for r in m.segments) == 6
+
+
+class PutLog(StoreWrapper):
+    """Records the keys of every PUT, in order."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.keys: list[str] = []
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        self.keys.append(key)
+        super().put(key, data, mode=mode)
+
+
+def _writes_after_last_manifest(keys: list[str]) -> list[str]:
+    last = max(i for i, k in enumerate(keys) if "/_manifests/" in k)
+    return [k for k in keys[last + 1 :] if "/_segments/" in k]
+
+
+@pytest.mark.parametrize("final", ["flush", "close"])
+def test_a_closing_producer_writes_no_merge_it_cannot_swap_in(
+    store: MemoryStore, final: str
+) -> None:
+    log = PutLog(store)
+    p = make(log, tail_limit=1)
+    # Every commit rolls its TGB into a level-0 segment; the eighth calls for a level merge.
+    for off in range(8):
+        p.append(payloads(off), offset=off)
+        if off < 7 or final == "flush":
+            p.flush()
+    p.close()
+    # After a flush more commits may follow: the merge is written after the commit, to be
+    # swapped in by the next one. Not so when the commit was close()'s last.
+    assert len(_writes_after_last_manifest(log.keys)) == (1 if final == "flush" else 0)
+    assert committed_offsets(store, "p0") == list(range(8))
+
+
+def test_uploads_and_commit_bytes_reach_the_policy(store: MemoryStore) -> None:
+    puts: list[tuple[float, int]] = []
+    outcomes: list[bw.AttemptOutcome] = []
+
+    class Recording(bw.DacPolicy):
+        def observe_put(self, seconds: float, nbytes: int) -> None:
+            puts.append((seconds, nbytes))
+            super().observe_put(seconds, nbytes)
+
+        def record(self, outcome: bw.AttemptOutcome) -> None:
+            outcomes.append(outcome)
+            super().record(outcome)
+
+    fake = FakeTime(1000.0)
+    with make(TickingStore(store, fake, put_seconds=0.01), fake=fake, policy=Recording()) as p:
+        for off in range(3):
+            p.append(payloads(off), offset=off)
+        p.flush()
+    log, m = latest(store)
+    sizes = sorted(d.bytes for _, d in log.descriptors(m, 0, 3))
+    # One observation per uploaded TGB, with its encoded size (no fake time passes in uploads).
+    assert sorted(n for _, n in puts) == sizes
+    assert all(seconds == 0.0 for seconds, _ in puts)
+    # A committed attempt reports the bytes it sent: here, no roll, just the manifest.
+    won = [o for o in outcomes if o.committed]
+    assert won
+    assert won[-1].bytes_written == len(store.get(f"{NS}/_manifests/{m.version:020d}.manifest"))
+
+
+def test_a_regular_wait_wakes_for_every_forced_slot(store: MemoryStore) -> None:
+    class SlottedPolicy(bw.DacPolicy):
+        """Regular attempts only every 5 s, forced ones in a slot 30 ms away."""
+
+        def regular_wait(
+            self, since_last_attempt: float, now: float, rank: int | None
+        ) -> float | None:
+            return max(0.0, 5.0 - since_last_attempt)
+
+        def forced_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float:
+            return 0.03
+
+    waited = threading.Event()
+    fake = FakeTime(1000.0, on_sleep=lambda: len(fake.sleeps) >= 3 and waited.set())
+    with make(store, fake=fake, policy=SlottedPolicy()) as p:
+        p.append(payloads(0), offset=0)
+        assert waited.wait(10), "the commit loop never waited for its regular turn"
+    assert committed_offsets(store, "p0") == [0]
+    # While waiting 5 s for its regular turn, the commit loop never slept past a forced slot
+    # (a close() arriving meanwhile would have missed it): no sleep was the 0.25 s chunk.
+    assert fake.sleeps
+    assert max(fake.sleeps) <= 0.03 + 1e-9, fake.sleeps
+
+
 # ---------------------------------------------------------------------------------------------
 # max_lag
 

@@ -36,6 +36,8 @@ from batchweave._store._wrappers import FaultInjectingStore
 MESH = Mesh(dp=2, cp=1)
 NS = "sm"
 PIDS = ("a", "b")
+TAIL_BOUNDS = {"a": {"tail_limit": 3}, "b": {"tail_bytes_limit": 700}}
+"""Small tails, so commits roll into segments: "a" by count, "b" by bytes (two descriptors)."""
 
 TgbKey = tuple[str, int, int, str]
 """``(producer_id, epoch, offset, object key)`` of one committed TGB."""
@@ -116,6 +118,7 @@ class ProducerMachine(RuleBasedStateMachine):
             mesh=MESH,
             policy="naive",
             upload_threads=2,
+            **TAIL_BOUNDS[pid],  # type: ignore[arg-type]
             max_retries=1000,  # scripted faults pile up; every transient failure is survivable
             clock=self.time.clock,
             wall_clock=self.time.wall,

@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from pydantic import TypeAdapter
+
 from batchweave._errors import (
     AmbiguousWriteError,
     FormatError,
@@ -47,6 +49,7 @@ __all__ = [
     "NAMESPACE_DIRS",
     "PROBE_TRUST_SECONDS",
     "DEFAULT_MERGE_FANOUT",
+    "DEFAULT_TAIL_BYTES_LIMIT",
     "DEFAULT_TAIL_LIMIT",
     "CommitResult",
     "Committed",
@@ -70,6 +73,16 @@ superseded more than its grace period (default 600 s, which must stay well above
 
 DEFAULT_TAIL_LIMIT = 256
 """Descriptors kept inline in a manifest before a commit rolls them into a segment object."""
+
+DEFAULT_TAIL_BYTES_LIMIT = 64 * 1024
+"""JSON bytes of inline descriptors at which a commit rolls the tail, whatever their count.
+
+Descriptors that carry slice tables are 0.3-1 KB each, so 256 of them made manifests of 100-250
+KB; every commit reads, decodes, encodes and writes its manifest inside its fragile window, so
+the manifest's size is part of every window. 64 KiB keeps that part to a few milliseconds of CPU
+while a roll still moves dozens to hundreds of descriptors."""
+
+_TAIL_JSON = TypeAdapter(tuple[TgbDescriptor, ...])
 
 _VERSION_RE = re.compile(r"([0-9]{20})\.manifest")
 _AMBIGUOUS_RESENDS = 3
@@ -120,8 +133,9 @@ class ManifestLog:
 
     ``namespace`` is a relative path such as ``"runs/job-42"``; every object lives under
     ``f"{namespace}/"``. Thread-safe; segment reads are cached (``segment_cache`` segments).
-    ``tail_limit`` descriptors stay inline before the tail rolls into a segment object, and
-    merged segments hold at most ``max_segment_tgbs`` descriptors (default ``64 * tail_limit``).
+    ``tail_limit`` descriptors, or ``tail_bytes_limit`` bytes of their JSON (``None``: no byte
+    bound), stay inline before the tail rolls into a segment object, and merged segments hold at
+    most ``max_segment_tgbs`` descriptors (default ``64 * tail_limit``).
     ``merge_fanout`` segments of one level merge into one of the next (``docs/protocol.md``).
 
     With ``deferred_merges`` a commit only ever writes its tail as a segment; the level merges
@@ -137,6 +151,7 @@ class ManifestLog:
         *,
         clock: Callable[[], float] = time.time,
         tail_limit: int = DEFAULT_TAIL_LIMIT,
+        tail_bytes_limit: int | None = DEFAULT_TAIL_BYTES_LIMIT,
         segment_cache: int = 64,
         max_segment_tgbs: int | None = None,
         merge_fanout: int = DEFAULT_MERGE_FANOUT,
@@ -147,10 +162,15 @@ class ManifestLog:
         validate_key(namespace)
         if tail_limit < 1:
             raise ValueError(f"tail_limit must be >= 1, got {tail_limit}")
+        if tail_bytes_limit is not None and tail_bytes_limit < 1:
+            raise ValueError(f"tail_bytes_limit must be >= 1 or None, got {tail_bytes_limit}")
         self.store = store
         self.namespace = namespace
         self._clock = clock
         self.tail_limit = tail_limit
+        self.tail_bytes_limit = tail_bytes_limit
+        self.last_commit_bytes = 0
+        """Manifest and segment bytes the latest :meth:`commit` sent (for pacing policies)."""
         self.max_segment_tgbs = max_segment_tgbs or 64 * tail_limit
         if self.max_segment_tgbs < tail_limit:
             raise ValueError(
@@ -389,6 +409,7 @@ class ManifestLog:
         version = base.version + 1
         key = self.key(manifest_key(version))
         now = self._clock()
+        self.last_commit_bytes = 0
         self._check_append(base, append, version)
         next_step = base.next_step + len(append)
         if base_step is not None and base_step > next_step:
@@ -470,7 +491,8 @@ class ManifestLog:
         if tail_start < new_base:
             tail = tail[new_base - tail_start :]
             tail_start = new_base
-        if len(tail) >= self.tail_limit:
+        if self._tail_full(tail):
+            before = {ref.key for ref in segments}
             segments = self._segments.roll(
                 base.namespace_id,
                 segments,
@@ -484,6 +506,8 @@ class ManifestLog:
             )
             with self._merge_lock:
                 self._rolled = segments[-1].key if segments else None
+            if segments and segments[-1].key not in before:
+                self.last_commit_bytes += segments[-1].bytes  # written inside the window
             tail, tail_start = (), next_step
         return Manifest(
             namespace_id=base.namespace_id,
@@ -499,6 +523,16 @@ class ManifestLog:
             producers=states,
             sealed=base.sealed or seal,
         )
+
+    def _tail_full(self, tail: Sequence[TgbDescriptor]) -> bool:
+        """Whether ``tail`` reaches ``tail_limit`` descriptors or ``tail_bytes_limit`` bytes."""
+        if len(tail) >= self.tail_limit:
+            return True
+        if self.tail_bytes_limit is None or not tail:
+            return False
+        # Exact JSON size (one serializer call, about 4 us a descriptor): the limit bounds what
+        # every commit writes, and descriptor sizes vary with keys, meshes and slice tables.
+        return len(_TAIL_JSON.dump_json(tuple(tail))) >= self.tail_bytes_limit
 
     def prepare_merge(self, committed: Manifest) -> int:
         """Write, outside any fragile window, the level merge that our last roll calls for.
@@ -544,6 +578,7 @@ class ManifestLog:
 
     def _put(self, key: str, manifest: Manifest) -> CommitResult:
         data = encode_manifest(manifest)
+        self.last_commit_bytes += len(data)
         for attempt in range(_AMBIGUOUS_RESENDS + 1):
             try:
                 self.store.put_if_absent(key, data)
