@@ -35,7 +35,7 @@ from prometheus_client.registry import Collector
 
 from batchweave._consumer import Consumer
 from batchweave._lifecycle import Reclaimer, ReclaimReport
-from batchweave._policy import AttemptOutcome, CommitPolicy, make_policy
+from batchweave._policy import AttemptOutcome, CommitPolicy, PolicyWrapper, make_policy
 from batchweave._producer import Producer
 
 __all__ = [
@@ -270,19 +270,18 @@ def track_metrics(obj: _T, *, registry: CollectorRegistry | None = None) -> _T:
     return obj
 
 
-class InstrumentedPolicy(CommitPolicy):
-    """A commit policy that records every attempt's fragile window and gap in histograms."""
+class InstrumentedPolicy(PolicyWrapper):
+    """A commit policy that records every attempt's fragile window and gap in histograms.
+
+    Every other hook is passed on unchanged: instrumenting a policy must not change its pacing.
+    """
 
     name = "instrumented"
 
     def __init__(self, inner: CommitPolicy, *, registry: CollectorRegistry | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._metrics = metrics(registry)
         self._label = inner.name
-
-    def ready(self, pending: int, since_last_attempt: float) -> bool:
-        """Delegates to the wrapped policy."""
-        return self.inner.ready(pending, since_last_attempt)
 
     def record(self, outcome: AttemptOutcome) -> None:
         """Delegates, then observes the window, the new gap and the outcome."""
@@ -291,40 +290,6 @@ class InstrumentedPolicy(CommitPolicy):
         self._metrics.gap.labels(self._label).observe(self.inner.gap)
         result = "committed" if outcome.committed else "conflict"
         self._metrics.outcomes.labels(self._label, result).inc()
-
-    @property
-    def gap(self) -> float:
-        """The wrapped policy's gap."""
-        return self.inner.gap
-
-    # Every other hook is passed on unchanged: instrumenting a policy must not change its pacing.
-
-    def start(
-        self,
-        window: float,
-        active_producers: int,
-        rank: int | None = None,
-        loaded_window: float | None = None,
-    ) -> None:
-        """Delegates to the wrapped policy."""
-        self.inner.start(window, active_producers, rank, loaded_window)
-
-    @property
-    def forced_gap(self) -> float:
-        """The wrapped policy's forced gap."""
-        return self.inner.forced_gap
-
-    def observe_put(self, seconds: float, nbytes: int) -> None:
-        """Delegates to the wrapped policy."""
-        self.inner.observe_put(seconds, nbytes)
-
-    def forced_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float:
-        """Delegates to the wrapped policy."""
-        return self.inner.forced_wait(since_last_attempt, now, rank)
-
-    def regular_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float | None:
-        """Delegates to the wrapped policy."""
-        return self.inner.regular_wait(since_last_attempt, now, rank)
 
 
 def instrument_policy(

@@ -31,6 +31,7 @@ __all__ = [
     "FixedCountPolicy",
     "IncrPolicy",
     "NaivePolicy",
+    "PolicyWrapper",
     "UniformSource",
     "conflict_probability",
     "dac_gap",
@@ -177,6 +178,51 @@ class CommitPolicy(abc.ABC):
         ``None``: count-based policies decide with :meth:`ready`.
         """
         return None
+
+
+class PolicyWrapper(CommitPolicy):
+    """A policy that passes every hook to ``inner``: the base of policies that observe another.
+
+    Subclasses override what they watch (usually :meth:`record`) and call ``inner``; anything
+    they do not override paces exactly as ``inner`` does, including hooks added later.
+    """
+
+    name: ClassVar[str] = "wrapper"
+
+    def __init__(self, inner: CommitPolicy) -> None:
+        self.inner = inner
+
+    def ready(self, pending: int, since_last_attempt: float) -> bool:
+        return self.inner.ready(pending, since_last_attempt)
+
+    def record(self, outcome: AttemptOutcome) -> None:
+        self.inner.record(outcome)
+
+    def start(
+        self,
+        window: float,
+        active_producers: int,
+        rank: int | None = None,
+        loaded_window: float | None = None,
+    ) -> None:
+        self.inner.start(window, active_producers, rank, loaded_window)
+
+    @property
+    def gap(self) -> float:
+        return self.inner.gap
+
+    @property
+    def forced_gap(self) -> float:
+        return self.inner.forced_gap
+
+    def observe_put(self, seconds: float, nbytes: int) -> None:
+        self.inner.observe_put(seconds, nbytes)
+
+    def forced_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float:
+        return self.inner.forced_wait(since_last_attempt, now, rank)
+
+    def regular_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float | None:
+        return self.inner.regular_wait(since_last_attempt, now, rank)
 
 
 class UniformSource(Protocol):

@@ -63,7 +63,7 @@ from _workers import TimedStore, WorkerPool
 
 from batchweave import AttemptOutcome, CommitPolicy, Mesh, Producer, encode_tgb
 from batchweave._manifest._log import DEFAULT_TAIL_BYTES_LIMIT, DEFAULT_TAIL_LIMIT
-from batchweave._policy import make_policy, policy_names
+from batchweave._policy import PolicyWrapper, make_policy, policy_names
 
 PAYLOADS = {"100KB": 100_000, "1MB": 1_000_000, "10MB": 10_000_000}
 MESH = Mesh(dp=4)
@@ -122,7 +122,7 @@ LONG_COLUMNS = [
 ]
 
 
-class RecordingPolicy(CommitPolicy):
+class RecordingPolicy(PolicyWrapper):
     """Delegates to ``inner`` and logs every attempt: ``(end time, committed, window, tgbs)``.
 
     ``forced`` says, per logged attempt, whether ``flush()``/``close()`` started it.
@@ -131,46 +131,17 @@ class RecordingPolicy(CommitPolicy):
     name: ClassVar[str] = "recording"
 
     def __init__(self, inner: CommitPolicy) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.log: list[tuple[float, bool, float, int]] = []
         self.forced: list[bool] = []
         self.slot_periods: list[float] = []
         """DAC's ``flush()``/``close()`` slot period when the attempt ended (0 for others)."""
-
-    def ready(self, pending: int, since_last_attempt: float) -> bool:
-        return self.inner.ready(pending, since_last_attempt)
 
     def record(self, outcome: AttemptOutcome) -> None:
         self.log.append((time.monotonic(), outcome.committed, outcome.fragile_window, outcome.tgbs))
         self.forced.append(outcome.forced)
         self.slot_periods.append(float(getattr(self.inner, "slot_period", 0.0)))
         self.inner.record(outcome)
-
-    def start(
-        self,
-        window: float,
-        active_producers: int,
-        rank: int | None = None,
-        loaded_window: float | None = None,
-    ) -> None:
-        self.inner.start(window, active_producers, rank, loaded_window)
-
-    @property
-    def gap(self) -> float:
-        return self.inner.gap
-
-    @property
-    def forced_gap(self) -> float:
-        return self.inner.forced_gap
-
-    def observe_put(self, seconds: float, nbytes: int) -> None:
-        self.inner.observe_put(seconds, nbytes)
-
-    def forced_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float:
-        return self.inner.forced_wait(since_last_attempt, now, rank)
-
-    def regular_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float | None:
-        return self.inner.regular_wait(since_last_attempt, now, rank)
 
 
 def _slices(payload: int) -> list[bytes]:
