@@ -48,17 +48,37 @@ def ten_steps() -> MemoryStore:
     return store
 
 
-def test_prefetch_ramps_up_one_step_per_ramp_every(ten_steps: MemoryStore) -> None:
-    c = Consumer(
-        ten_steps,
+def _reader(
+    store: ObjectStore,
+    *,
+    prefetch: int,
+    dp_rank: int = 0,
+    ramp_every: int = 1,
+    min_latency: float = 0,
+    budget: int = ANY,
+    fake: FakeTime | None = None,
+) -> Consumer:
+    """A rank-``dp_rank`` consumer of the ten-step namespace ``run`` for the read-ahead tests.
+
+    By default it reads ahead however fast reads are (memory reads are fast) and whatever other
+    tests of this process left open; ``fake`` puts it on a fake clock.
+    """
+    return Consumer(
+        store,
         "run",
         mesh=Mesh(dp=2),
-        dp_rank=0,
-        prefetch=3,
-        ramp_every=2,
-        prefetch_min_latency=0,  # memory reads are fast: prefetch them anyway
-        max_process_reads=ANY,
+        dp_rank=dp_rank,
+        prefetch=prefetch,
+        ramp_every=ramp_every,
+        prefetch_min_latency=min_latency,
+        max_process_reads=budget,
+        clock=time.monotonic if fake is None else fake.clock,
+        sleep=time.sleep if fake is None else fake.sleep,
     )
+
+
+def test_prefetch_ramps_up_one_step_per_ramp_every(ten_steps: MemoryStore) -> None:
+    c = _reader(ten_steps, prefetch=3, ramp_every=2)
     depth, in_flight = [], []
     for _ in c:
         depth.append(c.stats.prefetch_depth)
@@ -80,9 +100,7 @@ def test_prefetch_zero_reads_on_demand(ten_steps: MemoryStore) -> None:
 
 def test_reads_of_later_steps_overlap(ten_steps: MemoryStore) -> None:
     store = ConcurrencyProbe(ten_steps, latency=0.05)
-    c = Consumer(
-        store, "run", mesh=Mesh(dp=2), dp_rank=1, prefetch=4, ramp_every=1, max_process_reads=ANY
-    )
+    c = _reader(store, prefetch=4, dp_rank=1, min_latency=0.001)  # 50 ms reads: read ahead
     assert [parse(d)[1] for _, d in c] == list(range(10))
     assert store.max_in_flight >= 3
     c.close()
@@ -101,27 +119,11 @@ class SlowReads(StoreWrapper):
         return self.inner.get_range(key, rng)
 
 
-def _timed_consumer(store: SlowReads, *, dp_rank: int, prefetch: int) -> Consumer:
-    """A consumer on ``store``'s fake clock that prefetches only reads of 1 ms or more."""
-    return Consumer(
-        store,
-        "run",
-        mesh=Mesh(dp=2),
-        dp_rank=dp_rank,
-        prefetch=prefetch,
-        ramp_every=1,
-        prefetch_min_latency=0.001,
-        max_process_reads=ANY,
-        clock=store.time.clock,
-        sleep=store.time.sleep,
-    )
-
-
 def test_fast_reads_are_done_inline_and_prefetching_resumes_when_they_slow_down(
     ten_steps: MemoryStore,
 ) -> None:
     store = SlowReads(ten_steps, FakeTime(), latency=0.0001)  # a page-cache read: 100 us
-    c = _timed_consumer(store, dp_rank=1, prefetch=4)
+    c = _reader(store, prefetch=4, dp_rank=1, min_latency=0.001, fake=store.time)
     seen = []
     for step, data in c:
         seen.append((step, parse(data)[1], c.stats.in_flight))
@@ -138,7 +140,8 @@ def test_fast_reads_are_done_inline_and_prefetching_resumes_when_they_slow_down(
 
 
 def test_reads_slower_than_the_threshold_are_prefetched(ten_steps: MemoryStore) -> None:
-    c = _timed_consumer(SlowReads(ten_steps, FakeTime(), latency=0.002), dp_rank=0, prefetch=3)
+    store = SlowReads(ten_steps, FakeTime(), latency=0.002)
+    c = _reader(store, prefetch=3, min_latency=0.001, fake=store.time)
     in_flight = [c.stats.in_flight for _ in c]
     assert min(in_flight[1:7]) >= 2  # read ahead from the second step on
     latency = c.stats.read_latency
@@ -149,16 +152,7 @@ def test_reads_slower_than_the_threshold_are_prefetched(ten_steps: MemoryStore) 
 
 def test_open_consumers_of_a_process_share_its_read_budget(ten_steps: MemoryStore) -> None:
     def consumer(budget: int) -> Consumer:
-        return Consumer(
-            ten_steps,
-            "run",
-            mesh=Mesh(dp=2),
-            dp_rank=0,
-            prefetch=4,
-            ramp_every=1,
-            prefetch_min_latency=0,
-            max_process_reads=budget,
-        )
+        return _reader(ten_steps, prefetch=4, budget=budget)
 
     others = [consumer(ANY) for _ in range(3)]
     open_now = _consumer._OPEN.count
