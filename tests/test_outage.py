@@ -113,6 +113,28 @@ class Sleeps:
         time.sleep(0.001)
 
 
+class BackgroundReader:
+    """Iterates a consumer to its end on a thread of its own, keeping what it got or raised."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.results: list[tuple[int, bytes]] = []
+        self.errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(consumer,))
+        self._thread.start()
+
+    def _run(self, consumer: Consumer) -> None:
+        try:
+            self.results.extend(consumer)
+        except BaseException as exc:  # pragma: no cover - reported by the test
+            self.errors.append(exc)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
 def payloads(offset: int) -> list[bytes]:
     return [f"{offset}/{i}".encode() * 64 for i in range(MESH.slices)]
 
@@ -241,28 +263,18 @@ def test_consumer_waits_out_an_outage_and_resumes(
     got = [next(c) for _ in range(2 if where == "slice reads" else 3)]
     caplog.set_level(logging.INFO, logger="batchweave")
     store.down()
-    results: list[tuple[int, bytes]] = []
-    errors: list[BaseException] = []
-
-    def read_rest() -> None:
-        try:
-            results.extend(c)
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-
-    reader = threading.Thread(target=read_rest)
-    reader.start()
+    reader = BackgroundReader(c)
     store.wait_failures(40)
     assert reader.is_alive()
-    assert not errors
+    assert not reader.errors
     store.up()
     with Producer(inner, NS, producer_id="p0", mesh=MESH, policy="naive") as p:
         p.append(payloads(3), offset=3)
         p.seal()
     reader.join(10)
-    assert not errors, errors
-    assert [s for s, _ in got + results] == [0, 1, 2, 3]
-    assert [d for _, d in got + results] == [payloads(o)[1] for o in range(4)]
+    assert not reader.errors, reader.errors
+    assert [s for s, _ in got + reader.results] == [0, 1, 2, 3]
+    assert [d for _, d in got + reader.results] == [payloads(o)[1] for o in range(4)]
     assert "consumer dp_rank=1 cp_rank=0: the object store is unreachable" in caplog.text
     assert "reachable again" in caplog.text
 
@@ -295,20 +307,10 @@ def test_a_consumer_outage_longer_than_a_thousand_retries_is_still_waited_out() 
     c = Consumer(store, NS, mesh=MESH, dp_rank=0, prefetch=0, retry_budget=1, sleep=sleeps)
     first = next(c)
     store.down(only_prefix=f"{NS}/data/")
-    results: list[tuple[int, bytes]] = []
-    errors: list[BaseException] = []
-
-    def read_rest() -> None:
-        try:
-            results.extend(c)
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-
-    reader = threading.Thread(target=read_rest)
-    reader.start()
+    reader = BackgroundReader(c)
     store.wait_failures(1100, timeout=60.0)
     store.up()
     reader.join(10)
-    assert not errors, errors
-    assert [s for s, _ in [first, *results]] == [0, 1]
+    assert not reader.errors, reader.errors
+    assert [s for s, _ in [first, *reader.results]] == [0, 1]
     assert max(sleeps.delays) <= c.max_retry_backoff
