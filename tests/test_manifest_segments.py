@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from manifest_helpers import CountingStore, descriptor
 from pydantic import TypeAdapter
 
-from batchweave import ChecksumMismatch, FormatError, MemoryStore, Mesh, PutMode
+from batchweave import ChecksumMismatch, FormatError, MemoryStore, Mesh, ObjectStore, PutMode
 from batchweave._manifest import (
     Committed,
     Manifest,
@@ -339,13 +339,11 @@ def test_reclamation_cuts_segment_refs_and_merges_drop_reclaimed_steps() -> None
     assert [d.offset for _, d in log.descriptors(grown, 35, 70)] == list(range(35, 70))
 
 
-def test_deferred_merges_leave_only_the_tail_inside_the_commit() -> None:
-    # The producer's mode: a commit writes at most its tail as a segment; the level merges are
-    # written afterwards (prepare_merge, outside the fragile window) and swapped in next time.
-    fanout, tail_limit = 4, 2
-    cap = tail_limit * fanout * fanout
-    store = _BytesStore(MemoryStore())
-    log = ManifestLog(
+def _deferred_log(
+    store: ObjectStore, *, tail_limit: int, fanout: int, cap: int | None = None
+) -> ManifestLog:
+    """A log in the producer's mode: level merges written after a commit, not inside it."""
+    return ManifestLog(
         store,
         NS,
         tail_limit=tail_limit,
@@ -353,6 +351,15 @@ def test_deferred_merges_leave_only_the_tail_inside_the_commit() -> None:
         merge_fanout=fanout,
         deferred_merges=True,
     )
+
+
+def test_deferred_merges_leave_only_the_tail_inside_the_commit() -> None:
+    # The producer's mode: a commit writes at most its tail as a segment; the level merges are
+    # written afterwards (prepare_merge, outside the fragile window) and swapped in next time.
+    fanout, tail_limit = 4, 2
+    cap = tail_limit * fanout * fanout
+    store = _BytesStore(MemoryStore())
+    log = _deferred_log(store, tail_limit=tail_limit, fanout=fanout, cap=cap)
     d = len(encode_segment_sample())
     head = log.create_or_open(MESH)
     rng = random.Random(5)
@@ -383,7 +390,7 @@ def test_deferred_merges_leave_only_the_tail_inside_the_commit() -> None:
 
 def test_a_prepared_merge_is_not_swapped_in_once_its_segments_changed() -> None:
     store = MemoryStore()
-    deferred = ManifestLog(store, NS, tail_limit=2, merge_fanout=2, deferred_merges=True)
+    deferred = _deferred_log(store, tail_limit=2, fanout=2)
     inline = ManifestLog(store, NS, tail_limit=2, merge_fanout=2)
     head = deferred.create_or_open(MESH)
     head = _grow(deferred, head, 2)  # one level-0 segment
@@ -406,7 +413,7 @@ def test_a_prepared_merge_is_not_swapped_in_once_its_segments_changed() -> None:
 
 def test_a_prepared_merge_is_swapped_in_by_the_next_commit() -> None:
     store = MemoryStore()
-    log = ManifestLog(store, NS, tail_limit=2, merge_fanout=2, deferred_merges=True)
+    log = _deferred_log(store, tail_limit=2, fanout=2)
     head = _grow(log, log.create_or_open(MESH), 4)
     assert [r.count for r in head.segments] == [2, 2]
     log.prepare_merge(head)
@@ -422,17 +429,7 @@ def test_interleaved_deferred_merges_are_not_duplicated() -> None:
     fanout, tail_limit = 4, 2
     cap = tail_limit * fanout**3
     store = MemoryStore()
-    logs = [
-        ManifestLog(
-            store,
-            NS,
-            tail_limit=tail_limit,
-            max_segment_tgbs=cap,
-            merge_fanout=fanout,
-            deferred_merges=True,
-        )
-        for _ in range(2)
-    ]
+    logs = [_deferred_log(store, tail_limit=tail_limit, fanout=fanout, cap=cap) for _ in range(2)]
     head = logs[0].create_or_open(MESH)
     prepared: set[str] = set()
     listed: set[str] = set()
