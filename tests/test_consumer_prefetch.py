@@ -154,6 +154,7 @@ def test_open_consumers_of_a_process_share_its_read_budget(ten_steps: MemoryStor
     def consumer(budget: int) -> Consumer:
         return _reader(ten_steps, prefetch=4, budget=budget)
 
+    gc.collect()  # no consumer another test dropped unclosed may be collected mid-test
     others = [consumer(ANY) for _ in range(3)]
     open_now = _consumer._OPEN.count
     # A budget of one read per open consumer leaves nothing to read ahead: every step is read
@@ -174,6 +175,7 @@ def test_open_consumers_of_a_process_share_its_read_budget(ten_steps: MemoryStor
 def test_a_consumer_never_closed_releases_its_share_when_collected(
     ten_steps: MemoryStore,
 ) -> None:
+    gc.collect()  # consumers other tests dropped without closing: collected now, not below
     before = _consumer._OPEN.count
     c = Consumer(ten_steps, "run", mesh=Mesh(dp=2), dp_rank=0)
     assert _consumer._OPEN.count == before + 1
