@@ -8,6 +8,7 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import TypeAdapter
 
 from batchweave import ChecksumMismatch, FormatError, Mesh, UnsupportedFormatVersion
 from batchweave._format._checksum import checksum
@@ -384,3 +385,39 @@ def test_the_decoded_cache_is_bounded_in_entries_and_bytes() -> None:
     cache.put("big", b"q" * 26, "Q")  # more than a quarter of the byte bound: never kept
     assert cache.get("big", b"q" * 26) is None
     assert cache.get("b", b"y" * 11) is None  # same key, other bytes: a miss
+
+
+def _body(data: bytes) -> bytes:
+    return data[data.index(b"\n") + 1 :]
+
+
+@settings(max_examples=60, deadline=None)
+@given(manifests(), segments)
+def test_encoding_from_cached_descriptors_is_pydantics_json_byte_for_byte(
+    manifest: Manifest, segment: Segment
+) -> None:
+    for _ in range(2):  # the second time every descriptor comes from the cache
+        assert _body(encode_manifest(manifest)) == manifest.model_dump_json().encode()
+        assert _body(encode_segment(segment)) == segment.model_dump_json().encode()
+    tail_json = TypeAdapter(tuple[TgbDescriptor, ...]).dump_json(manifest.tail)
+    assert _codec.descriptors_json_bytes(manifest.tail) == len(tail_json)
+
+
+def test_a_copied_descriptor_is_encoded_with_its_own_values() -> None:
+    desc = _descriptor()
+    first = encode_segment(Segment(namespace_id="ns", first_step=0, tgbs=(desc,)))
+    copy = desc.model_copy(update={"offset": desc.offset + 1})
+    second = encode_segment(Segment(namespace_id="ns", first_step=0, tgbs=(copy,)))
+    assert decode_segment(first, key=SEG_KEY)[0].tgbs[0].offset == desc.offset
+    assert decode_segment(second, key=SEG_KEY)[0].tgbs[0].offset == desc.offset + 1
+
+
+def test_the_descriptor_json_cache_is_bounded_and_keyed_by_identity() -> None:
+    cache = _codec._DescriptorJson(entries=2)
+    a, b, c = (_descriptor().model_copy(update={"offset": i}) for i in range(3))
+    assert cache.get(a) == a.model_dump_json().encode()
+    cache.get(b)
+    cache.get(c)  # over the bound: a, the least recently used, goes
+    assert id(a) not in cache._items
+    assert id(c) in cache._items
+    assert cache.get(a) == a.model_dump_json().encode()

@@ -23,13 +23,20 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Final, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from batchweave._errors import ChecksumMismatch, FormatError, UnsupportedFormatVersion
 from batchweave._format._checksum import checksum
-from batchweave._manifest._models import MANIFEST_FORMAT, SEGMENT_FORMAT, Manifest, Segment
+from batchweave._manifest._models import (
+    MANIFEST_FORMAT,
+    SEGMENT_FORMAT,
+    Manifest,
+    Segment,
+    TgbDescriptor,
+)
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
@@ -38,6 +45,7 @@ __all__ = [
     "decode_manifest",
     "decode_object",
     "decode_segment",
+    "descriptors_json_bytes",
     "encode_manifest",
     "encode_object",
     "encode_segment",
@@ -62,20 +70,80 @@ def body_checksum(body: bytes) -> int:
     return checksum(body, "crc32c")
 
 
-def _encode(magic: str, model: BaseModel) -> bytes:
-    body = model.model_dump_json().encode()
+def _encode(magic: str, model: BaseModel, body: bytes | None = None) -> bytes:
+    if body is None:
+        body = model.model_dump_json().encode()
     header = f"{magic} crc32c={body_checksum(body):08x} length={len(body)}\n".encode()
     return header + body
 
 
+class _DescriptorJson:
+    """The JSON of recently encoded descriptors, by object identity.
+
+    A commit re-encodes its base's whole tail (up to ``tail_bytes_limit`` of descriptors) plus
+    its own, inside its fragile window, and measures the tail before that: without this, every
+    descriptor of the tail is serialized twice per commit, about 4 us each. Descriptors are
+    immutable, and the very same objects move from a base to the manifest built on it, so each
+    is serialized once per process. Entries are found by ``id`` and hold their object, so an id
+    is never reused while its entry lives; a copy (``model_copy``) is a new object and gets its
+    own entry. Thread-safe; bounded.
+    """
+
+    def __init__(self, entries: int) -> None:
+        self._entries = entries
+        self._items: OrderedDict[int, tuple[TgbDescriptor, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, desc: TgbDescriptor) -> bytes:
+        with self._lock:
+            item = self._items.get(id(desc))
+            if item is not None and item[0] is desc:
+                self._items.move_to_end(id(desc))
+                return item[1]
+        data = desc.__pydantic_serializer__.to_json(desc)
+        with self._lock:
+            self._items[id(desc)] = (desc, data)
+            if len(self._items) > self._entries:
+                self._items.popitem(last=False)
+        return data
+
+
+_DESCRIPTOR_JSON: Final = _DescriptorJson(entries=4096)
+
+
+def descriptors_json_bytes(descriptors: Sequence[TgbDescriptor]) -> int:
+    """The exact length of ``descriptors`` as a JSON array, as a manifest's tail writes it."""
+    commas = max(len(descriptors) - 1, 0)
+    return sum(len(_DESCRIPTOR_JSON.get(d)) for d in descriptors) + commas + 2
+
+
+def _body_with_descriptors(model: BaseModel, field: str) -> bytes:
+    """``model``'s JSON, byte for byte, with the descriptors of ``field`` from their cache.
+
+    The fields before and after ``field`` are serialized by pydantic as usual (with the same
+    separators and order), the descriptor array is joined from :class:`_DescriptorJson`.
+    """
+    names = list(type(model).model_fields)
+    at = names.index(field)
+    head = model.__pydantic_serializer__.to_json(model, include=set(names[:at]))
+    rest = model.__pydantic_serializer__.to_json(model, include=set(names[at + 1 :]))
+    array = b",".join(_DESCRIPTOR_JSON.get(d) for d in getattr(model, field))
+    parts = [head[:-1], b',"', field.encode(), b'":[', array, b"]"]
+    if rest != b"{}":
+        parts += [b",", rest[1:]]
+    else:
+        parts.append(b"}")
+    return b"".join(parts)
+
+
 def encode_manifest(manifest: Manifest) -> bytes:
     """Serialize ``manifest`` into the bytes of a ``.manifest`` object."""
-    return _encode(_MANIFEST_MAGIC, manifest)
+    return _encode(_MANIFEST_MAGIC, manifest, _body_with_descriptors(manifest, "tail"))
 
 
 def encode_segment(segment: Segment) -> bytes:
     """Serialize ``segment`` into the bytes of a ``.seg`` object."""
-    return _encode(_SEGMENT_MAGIC, segment)
+    return _encode(_SEGMENT_MAGIC, segment, _body_with_descriptors(segment, "tgbs"))
 
 
 def _split_envelope(data: bytes, *, key: str, magic: str, limit: int) -> tuple[int, bytes]:

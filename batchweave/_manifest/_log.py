@@ -16,8 +16,6 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from pydantic import TypeAdapter
-
 from batchweave._errors import (
     AmbiguousWriteError,
     FormatError,
@@ -31,7 +29,7 @@ from batchweave._errors import (
     StepReclaimed,
     TransientStoreError,
 )
-from batchweave._manifest._codec import decode_manifest, encode_manifest
+from batchweave._manifest._codec import decode_manifest, descriptors_json_bytes, encode_manifest
 from batchweave._manifest._models import Manifest, ProducerState, SegmentRef, TgbDescriptor
 from batchweave._manifest._segments import (
     DEFAULT_MERGE_FANOUT,
@@ -82,7 +80,6 @@ KB; every commit reads, decodes, encodes and writes its manifest inside its frag
 the manifest's size is part of every window. 64 KiB keeps that part to a few milliseconds of CPU
 while a roll still moves dozens to hundreds of descriptors."""
 
-_TAIL_JSON = TypeAdapter(tuple[TgbDescriptor, ...])
 
 _VERSION_RE = re.compile(r"([0-9]{20})\.manifest")
 _AMBIGUOUS_RESENDS = 3
@@ -530,9 +527,9 @@ class ManifestLog:
             return True
         if self.tail_bytes_limit is None or not tail:
             return False
-        # Exact JSON size (one serializer call, about 4 us a descriptor): the limit bounds what
-        # every commit writes, and descriptor sizes vary with keys, meshes and slice tables.
-        return len(_TAIL_JSON.dump_json(tuple(tail))) >= self.tail_bytes_limit
+        # Exact JSON size: the limit bounds what every commit writes, and descriptor sizes vary
+        # with keys, meshes and slice tables (each descriptor is serialized once per process).
+        return descriptors_json_bytes(tail) >= self.tail_bytes_limit
 
     def prepare_merge(self, committed: Manifest) -> int:
         """Write, outside any fragile window, the level merge that our last roll calls for.
