@@ -28,7 +28,8 @@ manifest at all. Reported per run:
   were started by ``flush()``/``close()`` or after that producer's last upload, *first* is a
   producer's first attempt otherwise, *steady* the rest. A 2,000-TGB run of 16 producers is
   mostly start-up and close; ``--tgbs N`` runs each matrix point with ``N`` TGBs instead, long
-  enough for a steady state.
+  enough for a steady state. The JSON rows also hold ``close attempts``, the final drain's
+  timeline: ``(producer, start ms, end ms, won)`` of each close attempt from the last upload's end.
 
 ``--long-run`` publishes 20,000 TGBs (segmented, DAC) and compares throughput over the last
 tenth of the TGBs with the first tenth, both as ingestion (appends, which block while the upload
@@ -355,6 +356,20 @@ def _phases(results: Sequence[dict[str, Any]]) -> dict[str, tuple[int, int]]:
     return {phase: (won, attempts) for phase, (won, attempts) in counts.items()}
 
 
+def _close_attempts(results: Sequence[dict[str, Any]]) -> list[tuple[int, float, float, bool]]:
+    """``(producer, start ms, end ms, won)`` of every close attempt, from the last upload's end.
+
+    The timeline of the final drain: which attempts overlapped, and which waited for nothing.
+    """
+    zero = max(r["t_uploaded"] for r in results)
+    return sorted(
+        (index, round((t - w - zero) * 1e3, 2), round((t - zero) * 1e3, 2), ok)
+        for index, r in enumerate(results)
+        for i, (t, ok, w, _) in enumerate(r["log"])
+        if _phase(r, i) == "close"
+    )
+
+
 def _summary(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     attempts = sum(r["attempts"] for r in results)
     commits = sum(r["commits"] for r in results)
@@ -394,6 +409,7 @@ def _summary(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "put window ms": sorted(
             round(r["put_window"] * 1e3, 2) for r in results if r.get("put_window") is not None
         ),
+        "close attempts": _close_attempts(results),
         "close commit ms": sorted(
             round(w * 1e3, 2)
             for r in results
