@@ -75,6 +75,11 @@ _RECENT_WON = 8
 _PUT_REQUESTS = 4.0
 """Requests of a commit, each costing about a data PUT: probe, parent check, segment, manifest."""
 _MAX_SLOT_BACKOFF = 10
+_FLOOR_PUT_SHARE = 0.5
+"""At most this share of the fastest data PUT's time counts towards :attr:`DacPolicy.put_floor`."""
+_TYPICAL_COMMIT_BYTES = 64 << 10
+"""What a commit writes, for sizing slots before this producer won one: about a manifest whose
+tail is at the default byte bound (``DEFAULT_TAIL_BYTES_LIMIT``)."""
 
 DEFAULT_WINDOW_CLAMP = 4.0
 """A lost attempt's fragile window counts as at most this many times the current estimate ``W``.
@@ -503,19 +508,41 @@ class DacPolicy(CommitPolicy):
         return seconds * max(_PUT_REQUESTS, ratio)
 
     @property
+    def put_floor(self) -> float:
+        """The least a commit costs judging by the fastest data PUT (0 before any PUT).
+
+        The fastest PUT's duration times ``min(1/2, b / p)``: ``b`` the bytes the latest won
+        commit wrote (64 KiB, about a manifest at the default tail bound, before one is known),
+        ``p`` those of that PUT. A floor under :attr:`slot_window`: the start-up commit, made
+        before the data load, can be far shorter than a commit under it. The share is capped at
+        half a PUT because small objects cost mostly a round trip, whatever their size; large
+        uploads (10 MB) leave the floor far below the start-up commit.
+        """
+        if self._fastest_put is None:
+            return 0.0
+        seconds, nbytes = self._fastest_put
+        if nbytes <= 0:
+            return 0.0
+        return seconds * min(
+            _FLOOR_PUT_SHARE, (self._commit_bytes or _TYPICAL_COMMIT_BYTES) / nbytes
+        )
+
+    @property
     def slot_window(self) -> float:
         """The window a slot must hold: a low estimate of an uncontended attempt, doubled per loss.
 
         Producers flush and close together when their data load ends (a job's end, a
         checkpoint), so the window a slot must hold is the uncontended one, usually far shorter
         than ``W`` under load. The estimate is the shortest of the last won windows (the
-        start-up commit counts) and :attr:`put_window`. A producer whose first commit comes at
-        ``close()`` has only its start-up commit among its won windows, a noisy sample (0.5-61
-        ms on ``file://`` for producers started together, depending on how many were starting
-        at that moment): alone, it put closers on slot periods from 0.125 s to 2 s. The
-        fastest upload, a PUT made in the same run, bounds it. Estimating low costs at most a
-        lost attempt: a lost slotted attempt shows the slot was too short (or shared with a
-        producer on another grid), and doubles it until an attempt wins again (binary
+        start-up commit counts), bounded from above by :attr:`put_window` and from below by
+        :attr:`put_floor`. A producer whose first commit comes at ``close()`` has only its
+        start-up commit among its won windows, a noisy sample made before the data load: 0.5-61
+        ms on ``file://`` for producers started together (alone, it put closers on slot
+        periods from 0.125 s to 2 s), and 1-5 ms on SeaweedFS where close-time commits took
+        10-35 ms (8 ms slots: a third of the close attempts lost). The fastest upload, a PUT
+        made in the same run under the load, bounds it on both sides. Estimating low costs at
+        most a lost attempt: a lost slotted attempt shows the slot was too short (or shared
+        with a producer on another grid), and doubles it until an attempt wins again (binary
         exponential backoff, over grids that stay nested). Estimating high costs every closer
         a longer wait. 0 before any measurement.
         """
@@ -523,7 +550,7 @@ class DacPolicy(CommitPolicy):
         candidates = [*self._won_windows, *([] if put is None else [put])]
         if not candidates:
             return self._window or 0.0
-        return min(candidates) * 2.0**self._slot_backoff
+        return max(min(candidates), self.put_floor) * 2.0**self._slot_backoff
 
     @property
     def slot_period(self) -> float:

@@ -585,6 +585,32 @@ def test_slot_window_is_the_shortest_recent_win_doubled_per_lost_slot() -> None:
     assert seeded.slot_window == pytest.approx(0.01)
 
 
+def test_the_fastest_data_put_is_a_floor_under_the_slot_window() -> None:
+    # A start-up commit made before the data load (1 ms) would put 16 closers on 7.8 ms slots,
+    # while their fastest 100 KB upload under load took 40 ms (SeaweedFS): a commit writing
+    # about a 64 KiB manifest counts as at least half that PUT, 20 ms: 16 x 2 x 20 ms = 0.64 s,
+    # the 1 s grid.
+    policy = _slotted(0.001, 16)
+    policy.observe_put(0.04, 100_000)
+    assert policy.put_floor == pytest.approx(0.02)
+    assert policy.slot_window == pytest.approx(0.02)
+    assert policy.slot_period == pytest.approx(1.0)
+    # Once a commit won, its bytes scale the floor: 20 KB is a fifth of that PUT.
+    policy.record(AttemptOutcome(True, 0.03, 16, 10, bytes_written=20_000))
+    assert policy.put_floor == pytest.approx(0.008)
+    assert policy.slot_window == pytest.approx(0.008)
+    # A lost slotted attempt doubles the slot, floor included.
+    policy.record(AttemptOutcome(False, 0.03, 16, 10, forced=True))
+    assert policy.slot_window == pytest.approx(0.016)
+    # 10 MB uploads say little about a 64 KiB commit: the floor (0.3 ms) leaves the start-up
+    # window in charge.
+    big = _slotted(0.002, 16)
+    big.observe_put(0.05, 10_000_000)
+    assert big.put_floor == pytest.approx(0.05 * 65536 / 10_000_000)
+    assert big.slot_window == pytest.approx(0.002)
+    assert _slotted(0.002, 16).put_floor == 0.0  # no PUT seen yet
+
+
 def test_the_fastest_data_put_bounds_the_slot_window() -> None:
     # A start-up commit slowed by producers starting together (40 ms) alone would put this
     # producer on the 2 s grid: 16 x 2 x 40 ms = 1.28 s, rounded up.
