@@ -38,12 +38,13 @@ from batchweave._format._checksum import checksum
 from batchweave._format._tgb import (
     TRAILER_SIZE,
     SliceEntry,
+    SliceSpan,
     TgbFooter,
     decode_entry,
     parse_footer,
 )
 from batchweave._manifest._log import ManifestLog
-from batchweave._manifest._models import Manifest, TgbDescriptor, TgbObjectRef
+from batchweave._manifest._models import Manifest, SliceTable, TgbDescriptor, TgbObjectRef
 from batchweave._mesh import Mesh
 from batchweave._outage import OutageLog
 from batchweave._prefetch import Job, SingleFlightCache, gather
@@ -158,15 +159,35 @@ class _Counters:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
 
+    # The per-step path uses these rather than add(): no keyword dict, no getattr/setattr.
+
+    def requested(self) -> None:
+        """A range read was issued (counted before it may fail)."""
+        with self.lock:
+            self.requests += 1
+
+    def returned(self, nbytes: int) -> None:
+        """A range read returned ``nbytes``."""
+        with self.lock:
+            self.bytes_read += nbytes
+
+    def stalled(self, seconds: float) -> None:
+        """The caller was blocked in ``next()`` for ``seconds``."""
+        with self.lock:
+            self.stall_seconds += seconds
+
+    def delivered(self, nbytes: int, since_created: float) -> None:
+        """One step of ``nbytes`` stored bytes was delivered, ``since_created`` seconds in."""
+        with self.lock:
+            self.steps += 1
+            self.bytes_delivered += nbytes
+            if self.time_to_first_batch is None:
+                self.time_to_first_batch = since_created
+
     def read_took(self, seconds: float) -> None:
         with self.lock:
             old = self.read_latency
             self.read_latency = seconds if old is None else old + _LATENCY_WEIGHT * (seconds - old)
-
-    def first_batch(self, seconds: float) -> None:
-        with self.lock:
-            if self.time_to_first_batch is None:
-                self.time_to_first_batch = seconds
 
 
 class _Budget:
@@ -190,7 +211,9 @@ class _Budget:
 class _Pending:
     step: int
     location: SliceLocation
-    job: Job[tuple[Any, int]]
+    manifest: Manifest
+    job: Job[tuple[Any, int]] | None
+    """``None`` if not handed to the pool: the caller reads the step itself when it gets to it."""
 
 
 class Consumer:
@@ -375,7 +398,7 @@ class Consumer:
         assert self._manifest is not None
         if state is None:
             assert self._projection is not None
-            return self._projection.tgb_span(self._next_step)[0]
+            return self._projection.first_tgb_step(self._next_step)
         parsed = _parse_state(state)
         projection = Projection(
             stored=self._manifest.mesh,
@@ -383,7 +406,7 @@ class Consumer:
             anchor_step=parsed["anchor_step"],
             anchor_replica=parsed["anchor_replica"],
         )
-        return projection.tgb_span(parsed["step"])[0]
+        return projection.first_tgb_step(parsed["step"])
 
     @property
     def stats(self) -> ConsumerStats:
@@ -416,7 +439,7 @@ class Consumer:
         try:
             return self._next()
         finally:
-            self._counters.add(stall_seconds=self._clock() - started)
+            self._counters.stalled(self._clock() - started)
 
     def open(self, *, wait: bool = True) -> None:
         """Open the namespace now rather than at the first ``next()``.
@@ -523,15 +546,17 @@ class Consumer:
         pending = self._window[0]
         assert pending.step == step
         try:
-            pending.job.run_if_unclaimed()  # not started by a worker yet: run it here
-            data, nbytes = pending.job.done.result()
+            if pending.job is None:
+                data, nbytes = self._fetch_step(step, pending.location, pending.manifest)
+            else:
+                pending.job.run_if_unclaimed()  # not started by a worker yet: run it here
+                data, nbytes = pending.job.done.result()
         except BaseException:
             self._drop_window()  # the step is retried from scratch by the next call
             raise
         self._window.popleft()
         self._next_step = step + self.stride
-        self._counters.add(steps=1, bytes_delivered=nbytes)
-        self._counters.first_batch(self._clock() - self._created_at)
+        self._counters.delivered(nbytes, self._clock() - self._created_at)
         self._ramp()
         ahead = self._read_ahead()
         if self._delivered_any and ahead:
@@ -729,7 +754,7 @@ class Consumer:
     def _check_not_reclaimed(self, step: int) -> None:
         assert self._manifest is not None
         assert self._projection is not None
-        first, _ = self._projection.tgb_span(step)
+        first = self._projection.first_tgb_step(step)
         if first < self._manifest.base_step:
             raise StepReclaimed(
                 f"{self._where}: step {step} needs TGB step {first}, but steps below "
@@ -747,14 +772,17 @@ class Consumer:
                 max_workers=self.max_workers, thread_name_prefix="batchweave-consumer"
             )
         location = self._projection.locate(step, self.dp_rank, self.cp_rank)
-        job = Job(functools.partial(self._fetch_step, step, location, self._manifest))
+        job = None
         if submit:
+            job = Job(functools.partial(self._fetch_step, step, location, self._manifest))
             self._pool.submit(job.run_if_unclaimed)
-        self._window.append(_Pending(step, location, job))
+        self._window.append(_Pending(step, location, self._manifest, job))
 
     def _drop_window(self) -> None:
         while self._window:
-            self._window.popleft().job.cancel()
+            job = self._window.popleft().job
+            if job is not None:
+                job.cancel()
 
     def _fetch_step(self, step: int, loc: SliceLocation, manifest: Manifest) -> tuple[Any, int]:
         """Read and decode this rank's slices of ``step``; return ``(data, stored bytes)``."""
@@ -763,15 +791,18 @@ class Consumer:
         what = f"step {step} (TGB step {loc.tgb_step})"
         desc = self._retrying(budget, what, lambda: self._descriptor(manifest, step, loc))
         groups = _group_by_object(desc, loc, what)
-        results = gather(
-            self._pool,
-            [
-                functools.partial(self._read_object_slices, step, loc, ref, idx, budget)
-                for ref, idx in groups
-            ],
-        )
-        values = [value for values, _ in results for value in values]
-        nbytes = sum(n for _, n in results)
+        if len(groups) == 1:  # one object holds the rank's slices: no jobs to gather
+            values, nbytes = self._read_object_slices(what, *groups[0], budget)
+        else:
+            results = gather(
+                self._pool,
+                [
+                    functools.partial(self._read_object_slices, what, ref, idx, budget)
+                    for ref, idx in groups
+                ],
+            )
+            values = [value for values, _ in results for value in values]
+            nbytes = sum(n for _, n in results)
         self._counters.read_took(self._clock() - started)
         return (values if len(loc.slices) > 1 else values[0]), nbytes
 
@@ -782,18 +813,13 @@ class Consumer:
             raise StepReclaimed(f"step {step}: {exc}") from exc
 
     def _read_object_slices(
-        self,
-        step: int,
-        loc: SliceLocation,
-        ref: TgbObjectRef,
-        indices: list[int],
-        budget: _Budget,
+        self, step_what: str, ref: TgbObjectRef, indices: list[int], budget: _Budget
     ) -> tuple[list[Any], int]:
         key = self._log.key(ref.key)
-        what = f"step {step} (TGB step {loc.tgb_step}), object {key!r}"
+        what = f"{step_what}, object {key!r}"
         layout = ref.slices if ref.slices is not None else self._layout(key, ref, what, budget)
-        entries = [layout.entry(i - ref.first_slice) for i in indices]
-        runs: list[list[tuple[int, SliceEntry]]] = [[(indices[0], entries[0])]]
+        entries = _entries(layout, ref.first_slice, indices)
+        runs: list[list[tuple[int, SliceEntry | SliceSpan]]] = [[(indices[0], entries[0])]]
         for prev, cur, i in zip(entries, entries[1:], indices[1:], strict=False):
             if cur.offset == prev.offset + prev.length:
                 runs[-1].append((i, cur))
@@ -802,21 +828,24 @@ class Consumer:
         values: list[Any] = []
         nbytes = 0
         for run in runs:
-            start, end = run[0][1].offset, run[-1][1].offset + run[-1][1].length
-            numbers = ", ".join(str(i) for i, _ in run)
-            where = f"{what}, slice{'s' if len(run) > 1 else ''} {numbers}"
+            (first_index, first), (_, last) = run[0], run[-1]
+            start, end = first.offset, last.offset + last.length
+            if len(run) == 1:
+                where = f"{what}, slice {first_index}"
+            else:
+                where = f"{what}, slices {', '.join(str(i) for i, _ in run)}"
             try:
                 buf = self._read_range(key, start, end, where, budget)
             except FormatError as exc:
                 raise type(exc)(f"{where}: {exc}") from exc
-            view = memoryview(buf)
-            for i, entry in run:
-                raw: bytes | memoryview = view[
-                    entry.offset - start : entry.offset - start + entry.length
-                ]
-                if isinstance(buf, bytes) and len(run) == 1:
-                    raw = buf  # checksums and raw decoding take bytes without a copy
-                values.append(decode_entry(raw, entry, layout, where=f"{what}, slice {i}"))
+            if isinstance(buf, bytes) and len(run) == 1:
+                # Checksums and raw decoding take bytes without a copy.
+                values.append(decode_entry(buf, first, layout, where=where))
+            else:
+                view = memoryview(buf)
+                for i, entry in run:
+                    raw = view[entry.offset - start : entry.offset - start + entry.length]
+                    values.append(decode_entry(raw, entry, layout, where=f"{what}, slice {i}"))
             nbytes += end - start
         return values, nbytes
 
@@ -902,20 +931,21 @@ class Consumer:
     def _map(self, key: str, start: int, end: int) -> memoryview | None:
         view = self._store.map_range(key, start, end)
         if view is not None:
-            self._counters.add(requests=1, bytes_read=len(view))
+            self._counters.requested()
+            self._counters.returned(len(view))
             _check_complete(key, start, end, len(view))
         return view
 
     def _get_into(self, key: str, start: int, target: memoryview) -> None:
-        self._counters.add(requests=1)
+        self._counters.requested()
         n = self._store.get_range_into(key, start, target)
-        self._counters.add(bytes_read=n)
+        self._counters.returned(n)
         _check_complete(key, start, start + len(target), n)
 
     def _get(self, key: str, rng: Bounded) -> bytes:
-        self._counters.add(requests=1)
+        self._counters.requested()
         data = self._store.get_range(key, rng)
-        self._counters.add(bytes_read=len(data))
+        self._counters.returned(len(data))
         return data
 
     def _retrying(self, budget: _Budget, what: str, fn: Callable[[], Any]) -> Any:
@@ -962,17 +992,25 @@ def _group_by_object(
     """Split ``loc.slices`` by the object holding each, keeping their order."""
     groups: list[tuple[TgbObjectRef, list[int]]] = []
     for index in loc.slices:
-        ref = next(
-            (r for r in desc.objects if r.first_slice <= index < r.first_slice + r.slice_count),
-            None,
-        )
-        if ref is None:
+        for ref in desc.objects:
+            if ref.first_slice <= index < ref.first_slice + ref.slice_count:
+                break
+        else:
             raise FormatError(f"{what}: no object of the TGB holds slice {index}")
         if groups and groups[-1][0] is ref:
             groups[-1][1].append(index)
         else:
             groups.append((ref, [index]))
     return groups
+
+
+def _entries(
+    layout: SliceTable | TgbFooter, first_slice: int, indices: list[int]
+) -> list[SliceEntry | SliceSpan]:
+    """The entries of slices ``indices`` (numbered within the TGB) of an object's layout."""
+    if isinstance(layout, TgbFooter):
+        return [layout.slices[i - first_slice] for i in indices]
+    return [layout.span(i - first_slice) for i in indices]
 
 
 def _resolve_coordinates(

@@ -201,15 +201,16 @@ class Projection:
         tgb_step, replica = divmod(self.global_replica(step, dp_rank), self.stored.dp)
         k = self.chunks_per_rank
         first = replica * self.stored.cp + cp_rank * k
-        return SliceLocation(
-            tgb_step=tgb_step, replica=replica, slices=tuple(range(first, first + k))
-        )
+        return SliceLocation(tgb_step, replica, tuple(range(first, first + k)))
+
+    def first_tgb_step(self, step: int) -> int:
+        """The first TGB step that logical ``step`` reads (consumer replica 0's)."""
+        return self.global_replica(step, 0) // self.stored.dp
 
     def tgb_span(self, step: int) -> tuple[int, int]:
         """TGB steps ``[first, end)`` that logical ``step`` reads across all consumer ranks."""
-        first = self.global_replica(step, 0) // self.stored.dp
         last = self.global_replica(step, self.consumer.dp - 1) // self.stored.dp
-        return first, last + 1
+        return self.first_tgb_step(step), last + 1
 
     def end_step(self, committed_tgbs: int) -> int:
         """First logical step not complete when TGB steps ``[0, committed_tgbs)`` are committed.

@@ -139,6 +139,26 @@ def test_fast_reads_are_done_inline_and_prefetching_resumes_when_they_slow_down(
     c.close()
 
 
+class ThreadRecorder(StoreWrapper):
+    """Passes through to ``inner`` and records which threads issued range reads."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.threads: set[threading.Thread] = set()
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        self.threads.add(threading.current_thread())
+        return self.inner.get_range(key, rng)
+
+
+def test_fast_reads_never_leave_the_callers_thread(ten_steps: MemoryStore) -> None:
+    store = ThreadRecorder(ten_steps)
+    c = _reader(store, prefetch=4, dp_rank=1, min_latency=60.0)  # every read counts as fast
+    assert [(s, parse(d)[1]) for s, d in c] == [(s, s) for s in range(10)]
+    assert store.threads == {threading.current_thread()}
+    c.close()
+
+
 def test_reads_slower_than_the_threshold_are_prefetched(ten_steps: MemoryStore) -> None:
     store = SlowReads(ten_steps, FakeTime(), latency=0.002)
     c = _reader(store, prefetch=3, min_latency=0.001, fake=store.time)

@@ -194,8 +194,13 @@ def test_resharding_from_4x2_covers_whole_tgbs(dp: int, cp: int) -> None:
 @given(p=projections(), committed=st.integers(0, 20), s=st.integers(0, 30))
 def test_end_step_is_the_first_incomplete_step(p: Projection, committed: int, s: int) -> None:
     step = p.anchor_step + s
-    complete = p.tgb_span(step)[1] <= committed
-    assert complete == (step < p.end_step(committed))
+    first, end = p.tgb_span(step)
+    assert (
+        first
+        == p.first_tgb_step(step)
+        == min(p.locate(step, r, 0).tgb_step for r in range(p.consumer.dp))
+    )
+    assert (end <= committed) == (step < p.end_step(committed))
 
 
 @settings(max_examples=200, deadline=None)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchweave import (
+    Bounded,
     FileStore,
     InvalidKey,
     InvalidStoreURL,
@@ -226,3 +227,23 @@ def test_list_matches_a_sorted_reference(
             k for k in stored if k.startswith(prefix) and (start_after is None or k > start_after)
         ]
         assert [m.key for m in store.list(prefix, start_after=start_after)] == expected
+
+
+def test_range_reads_resume_after_short_preads(
+    store: FileStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pread`` may return fewer bytes than asked; the read continues where it stopped."""
+    data = bytes(range(256)) * 40
+    store.put("k", data)
+    real_pread = os.pread
+    calls: list[int] = []
+
+    def short_pread(fd: int, n: int, offset: int) -> bytes:
+        calls.append(offset)
+        return real_pread(fd, min(n, 1000), offset)
+
+    monkeypatch.setattr(os, "pread", short_pread)
+    assert store.get_range("k", Bounded(100, 5_000)) == data[100:5_000]
+    assert calls == [100, 1100, 2100, 3100, 4100]
+    assert store.get_range("k", Bounded(9_900, 20_000)) == data[9_900:]  # stops at the end
+    assert store.get_range("k", Suffix(50)) == data[-50:]

@@ -7,6 +7,7 @@ XXH64 (seed 0) in 64.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final, Literal, get_args
 
 import crc32c
@@ -29,10 +30,12 @@ DEFAULT_CHECKSUM_ALGO: Final[ChecksumAlgo] = "crc32c"
 _BITS: Final[dict[ChecksumAlgo, int]] = {"crc32c": 32, "xxhash64": 64}
 
 
-def _crc32c(data: bytes | bytearray | memoryview) -> int:
-    # crc32c reads any contiguous buffer in place (no copy) and releases the GIL on large ones,
-    # so rank threads verify slices in parallel.
-    return int(crc32c.crc32c(data))
+# Both read any contiguous buffer in place (no copy); crc32c releases the GIL on large ones, so
+# rank threads verify slices in parallel. Both return plain ints.
+_FUNCTIONS: Final[dict[str, Callable[[bytes | bytearray | memoryview], int]]] = {
+    "crc32c": crc32c.crc32c,
+    "xxhash64": xxhash.xxh64_intdigest,
+}
 
 
 def checksum(data: bytes | bytearray | memoryview, algo: ChecksumAlgo = "crc32c") -> int:
@@ -41,11 +44,13 @@ def checksum(data: bytes | bytearray | memoryview, algo: ChecksumAlgo = "crc32c"
     ``crc32c`` is CRC-32C (Castagnoli, as in iSCSI, ext4 and GCS object hashes); ``xxhash64`` is
     XXH64 with seed 0. Both detect every single-byte error.
     """
-    if algo == "crc32c":
-        return _crc32c(data)
-    if algo == "xxhash64":
-        return int(xxhash.xxh64_intdigest(data))
-    raise ValueError(f"unknown checksum algorithm {algo!r}; expected one of {CHECKSUM_ALGOS}")
+    try:
+        function = _FUNCTIONS[algo]
+    except KeyError:
+        raise ValueError(
+            f"unknown checksum algorithm {algo!r}; expected one of {CHECKSUM_ALGOS}"
+        ) from None
+    return function(data)
 
 
 def checksum_bits(algo: ChecksumAlgo) -> int:

@@ -23,7 +23,7 @@ import json
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -55,6 +55,7 @@ __all__ = [
     "EncodedTgb",
     "SliceEntry",
     "SliceIndex",
+    "SliceSpan",
     "TgbBuilder",
     "SliceLayout",
     "TgbFooter",
@@ -112,6 +113,19 @@ class SliceEntry(BaseModel):
     """Checksum of the stored bytes under the footer's ``checksum_algo``."""
     sample_count: int = Field(ge=0)
     """Number of samples in the slice (codec default or the producer's value)."""
+
+
+class SliceSpan(NamedTuple):
+    """The fields of a :class:`SliceEntry` a reader needs to fetch and verify one slice.
+
+    A consumer looks one up per slice per step from the manifest's slice table; a tuple costs a
+    fraction of constructing a pydantic model there.
+    """
+
+    offset: int
+    length: int
+    uncompressed_length: int
+    checksum: int
 
 
 class TgbFooter(BaseModel):
@@ -663,7 +677,7 @@ def decode_slice(raw: bytes | memoryview, footer: TgbFooter, index: SliceIndex, 
 
 
 def decode_entry(
-    raw: bytes | memoryview, entry: SliceEntry, layout: SliceLayout, *, where: str
+    raw: bytes | memoryview, entry: SliceEntry | SliceSpan, layout: SliceLayout, *, where: str
 ) -> Any:
     """Verify ``raw`` against ``entry`` and decode it with ``layout``'s codec; see decode_slice.
 

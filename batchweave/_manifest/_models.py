@@ -29,6 +29,7 @@ from batchweave._format import (
     COMPRESSIONS,
     ChecksumAlgo,
     SliceEntry,
+    SliceSpan,
     TgbFooter,
     checksum_bits,
 )
@@ -159,6 +160,15 @@ class SliceTable(BaseModel):
     def payload_length(self) -> int:
         """Bytes before the footer: where the object's footer starts."""
         return self.offsets[-1] + self.lengths[-1]
+
+    def span(self, index: int) -> SliceSpan:
+        """Slice ``index``'s location and checksum, without building a :class:`SliceEntry`."""
+        return SliceSpan(
+            self.offsets[index],
+            self.lengths[index],
+            (self.uncompressed_lengths or self.lengths)[index],
+            self.checksums[index],
+        )
 
     def entry(self, index: int) -> SliceEntry:
         """Return slice ``index`` (counted within this object) as a footer entry."""

@@ -163,8 +163,13 @@ def cut_below(segments: Sequence[SegmentRef], base_step: int) -> tuple[SegmentRe
 
 def find_segment(segments: Sequence[SegmentRef], step: int) -> SegmentRef:
     """The reference holding ``step``; the caller ensures it lies in the segments' range."""
-    starts = [ref.first_step for ref in segments]
-    return segments[bisect.bisect_right(starts, step) - 1]
+    # Bisect on the key instead of building the list of starts: this runs for every step a
+    # consumer reads, and a long run has thousands of segments.
+    return segments[bisect.bisect_right(segments, step, key=_first_step) - 1]
+
+
+def _first_step(ref: SegmentRef) -> int:
+    return ref.first_step
 
 
 class SegmentFiles:

@@ -72,6 +72,7 @@ class FileStore(ObjectStore):
         except OSError as exc:
             raise StoreError(f"cannot create file store root {str(root)!r}: {exc}") from exc
         self._root = os.path.realpath(root_path)
+        self._prefix = os.path.join(self._root, "")  # the root and one separator
         self._tmp = os.path.join(self._root, TEMP_DIR_NAME)
         os.makedirs(self._tmp, exist_ok=True)
         self._fsync = fsync
@@ -93,7 +94,8 @@ class FileStore(ObjectStore):
             raise InvalidKey(
                 f"object key {key!r} uses the reserved directory {TEMP_DIR_NAME!r} of {self.url}"
             )
-        return os.path.join(self._root, *parts)
+        # The key was validated: plain segments only, so the path is the key under the root.
+        return self._prefix + (key if os.sep == "/" else os.path.join(*parts))
 
     def _check_inside(self, key: str, path: str, real: str) -> None:
         if real != path and not real.startswith(self._root + os.sep):
@@ -135,11 +137,15 @@ class FileStore(ObjectStore):
         except StoreError:
             raise
         except OSError as exc:
-            if exc.errno in _MISSING_ERRNOS:
-                raise ObjectNotFound(f"no object {key!r} in {self.url}") from exc
-            if isinstance(exc, PermissionError):
-                raise AccessDenied(f"permission denied to {action} {key!r} in {self.url}") from exc
-            raise StoreError(f"cannot {action} {key!r} in {self.url}: {exc}") from exc
+            raise self._error(exc, key, action) from exc
+
+    def _error(self, exc: OSError, key: str, action: str) -> StoreError:
+        """The store error ``exc`` (raised while doing ``action`` on ``key``) translates to."""
+        if exc.errno in _MISSING_ERRNOS:
+            return ObjectNotFound(f"no object {key!r} in {self.url}")
+        if isinstance(exc, PermissionError):
+            return AccessDenied(f"permission denied to {action} {key!r} in {self.url}")
+        return StoreError(f"cannot {action} {key!r} in {self.url}: {exc}")
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -246,20 +252,28 @@ class FileStore(ObjectStore):
             return f.read()
 
     def get_range(self, key: str, rng: ByteRange) -> bytes:
-        with self._errors(key, "read"):
+        # try/except rather than ``with self._errors(...)``: a consumer's steps are often single
+        # ranges of this call, and the context manager costs a microsecond each.
+        try:
             fd = self._open_for_read(key)
             try:
                 start, end = resolve_range(rng, os.fstat(fd).st_size)
-                chunks = []
-                while start < end:
-                    chunk = os.pread(fd, end - start, start)
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
-                    start += len(chunk)
+                data = os.pread(fd, end - start, start)
+                if len(data) == end - start:  # the common case: one pread returns the range
+                    return data
+                chunks = [data]
+                start += len(data)
+                while data and start < end:
+                    data = os.pread(fd, end - start, start)
+                    chunks.append(data)
+                    start += len(data)
                 return b"".join(chunks)
             finally:
                 os.close(fd)
+        except StoreError:
+            raise
+        except OSError as exc:
+            raise self._error(exc, key, "read") from exc
 
     def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
         if start < 0:
