@@ -17,7 +17,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -47,7 +46,7 @@ from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, SliceTable, TgbDescriptor, TgbObjectRef
 from batchweave._mesh import Mesh
 from batchweave._outage import OutageLog
-from batchweave._prefetch import Job, SingleFlightCache, gather
+from batchweave._prefetch import Job, SingleFlightCache, Workers, gather
 from batchweave._projection import (
     DEFAULT_RANK_ORDER,
     Projection,
@@ -349,7 +348,7 @@ class Consumer:
         self._anchor_replica = 0
         self._next_step = start_step
         self._window: deque[_Pending] = deque()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: Workers | None = None
         self._depth = min(1, prefetch)
         self._delivered_since_ramp = 0
         self._delivered_any = False
@@ -457,7 +456,7 @@ class Consumer:
         self._unregister()  # runs once, however often close() is called
         self._drop_window()
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.close()
             self._pool = None
 
     def __enter__(self) -> Consumer:
@@ -549,8 +548,7 @@ class Consumer:
             if pending.job is None:
                 data, nbytes = self._fetch_step(step, pending.location, pending.manifest)
             else:
-                pending.job.run_if_unclaimed()  # not started by a worker yet: run it here
-                data, nbytes = pending.job.done.result()
+                data, nbytes = pending.job.result()  # runs here if no worker has started it
         except BaseException:
             self._drop_window()  # the step is retried from scratch by the next call
             raise
@@ -768,14 +766,12 @@ class Consumer:
         assert self._manifest is not None
         assert self._projection is not None
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                max_workers=self.max_workers, thread_name_prefix="batchweave-consumer"
-            )
+            self._pool = Workers(self.max_workers, name="batchweave-consumer")
         location = self._projection.locate(step, self.dp_rank, self.cp_rank)
         job = None
         if submit:
             job = Job(functools.partial(self._fetch_step, step, location, self._manifest))
-            self._pool.submit(job.run_if_unclaimed)
+            self._pool.submit(job)
         self._window.append(_Pending(step, location, self._manifest, job))
 
     def _drop_window(self) -> None:

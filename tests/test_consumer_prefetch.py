@@ -5,14 +5,14 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 
 import pytest
 from fake_time import FakeTime
 from test_consumer import parse, produce
 
 from batchweave import ByteRange, Consumer, MemoryStore, Mesh, ObjectStore, StoreWrapper, _consumer
-from batchweave._prefetch import Job, SingleFlightCache, gather
+from batchweave._prefetch import Job, SingleFlightCache, Workers, gather
 
 
 class ConcurrencyProbe(StoreWrapper):
@@ -216,18 +216,26 @@ def test_gather_runs_jobs_concurrently_and_in_order() -> None:
         barrier.wait()  # passes only if all four run at the same time
         return i * i
 
-    with ThreadPoolExecutor(3) as pool:
-        assert gather(pool, [lambda i=i: job(i) for i in range(4)]) == [0, 1, 4, 9]
+    pool = Workers(3, name="test")
+    assert gather(pool, [lambda i=i: job(i) for i in range(4)]) == [0, 1, 4, 9]
+    pool.close()
 
 
 def test_nested_gather_on_a_single_worker_does_not_deadlock() -> None:
-    with ThreadPoolExecutor(1) as pool:
+    pool = Workers(1, name="test")
+    results: dict[int, list[int]] = {}
+    all_done = threading.Event()
 
-        def parent(i: int) -> list[int]:
-            return gather(pool, [lambda j=j: 10 * i + j for j in range(3)])
+    def parent(i: int) -> None:
+        results[i] = gather(pool, [lambda j=j: 10 * i + j for j in range(3)])
+        if len(results) == 3:
+            all_done.set()
 
-        futures = [pool.submit(parent, i) for i in range(3)]
-        assert [f.result(timeout=10) for f in futures] == [[0, 1, 2], [10, 11, 12], [20, 21, 22]]
+    for i in range(3):  # all three parents run on the one worker, never on this thread
+        pool.submit(Job(lambda i=i: parent(i)))
+    assert all_done.wait(10)
+    assert results == {0: [0, 1, 2], 1: [10, 11, 12], 2: [20, 21, 22]}
+    pool.close()
 
 
 def test_gather_raises_the_first_failure_after_all_jobs_finished() -> None:
@@ -241,9 +249,19 @@ def test_gather_raises_the_first_failure_after_all_jobs_finished() -> None:
     def bad() -> int:
         raise KeyError("boom")
 
-    with ThreadPoolExecutor(2) as pool, pytest.raises(KeyError, match="boom"):
+    pool = Workers(2, name="test")
+    with pytest.raises(KeyError, match="boom"):
         gather(pool, [bad, ok, ok])
     assert finished == [1, 1]
+    pool.close()
+
+
+def test_gather_on_closed_workers_runs_everything_on_the_caller() -> None:
+    pool = Workers(2, name="test")
+    pool.close()
+    me = threading.get_ident()
+    assert gather(pool, [threading.get_ident] * 3) == [me, me, me]
+    assert pool.threads == ()
 
 
 def test_single_flight_cache_loads_once_for_concurrent_callers() -> None:
@@ -283,15 +301,56 @@ def test_single_flight_cache_failure_is_not_cached_and_lru_is_bounded() -> None:
 
 def test_a_job_no_worker_has_started_runs_on_the_caller() -> None:
     release = threading.Event()
-    with ThreadPoolExecutor(1) as pool:
-        pool.submit(release.wait)  # the only worker is busy
-        job = Job(threading.get_ident)
-        pool.submit(job.run_if_unclaimed)
-        job.run_if_unclaimed()
-        assert job.done.result(timeout=0) == threading.get_ident()
-        release.set()
+    pool = Workers(1, name="test")
+    pool.submit(Job(release.wait))  # the only worker is busy
+    job = Job(threading.get_ident)
+    pool.submit(job)
+    assert job.result() == threading.get_ident()
+    release.set()
+    pool.close()
+    for thread in pool.threads:
+        thread.join(10)
+        assert not thread.is_alive()
     # the worker reached the job after the caller had run it: nothing ran twice
-    assert job.done.result() == threading.get_ident()
+    assert job.result() == threading.get_ident()
+
+
+def test_a_job_runs_exactly_once_whether_a_worker_or_the_caller_claims_it() -> None:
+    runs: list[int] = []
+    pool = Workers(2, name="test")
+
+    def work(i: int) -> int:
+        runs.append(i)
+        return i
+
+    jobs = [Job(lambda i=i: work(i)) for i in range(500)]
+    for job in jobs:
+        pool.submit(job)
+    assert [job.result() for job in jobs] == list(range(500))  # races the workers
+    pool.close()
+    for thread in pool.threads:
+        thread.join(10)
+    assert sorted(runs) == list(range(500))
+    assert 1 <= len(pool.threads) <= 2
+
+
+def test_a_job_result_waits_for_the_worker_running_it_and_reraises_its_error() -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def fail() -> None:
+        started.set()
+        release.wait(10)
+        raise KeyError("boom")
+
+    pool = Workers(1, name="test")
+    job = Job(fail)
+    pool.submit(job)
+    assert started.wait(10)
+    threading.Timer(0.01, release.set).start()
+    with pytest.raises(KeyError, match="boom"):
+        job.result()  # the worker claimed it: the caller waits instead of running it again
+    assert release.is_set()
+    pool.close()
 
 
 def test_a_cancelled_job_never_runs() -> None:
@@ -300,4 +359,94 @@ def test_a_cancelled_job_never_runs() -> None:
     job.cancel()
     job.run_if_unclaimed()
     assert ran == []
-    assert job.done.cancelled()
+    with pytest.raises(CancelledError):
+        job.result()
+
+
+def test_cancelling_a_running_job_lets_it_finish() -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def work() -> int:
+        started.set()
+        release.wait(10)
+        return 7
+
+    pool = Workers(1, name="test")
+    job = Job(work)
+    pool.submit(job)
+    assert started.wait(10)
+    job.cancel()  # too late: ignored
+    release.set()
+    assert job.result() == 7
+    pool.close()
+
+
+def test_workers_start_at_most_max_workers_threads_and_stop_when_closed() -> None:
+    release = threading.Event()
+    pool = Workers(3, name="test")
+    jobs = [Job(lambda: release.wait(10)) for _ in range(6)]
+    for job in jobs:
+        pool.submit(job)
+    assert len(pool.threads) == 3
+    release.set()
+    assert all(job.result() for job in jobs)
+    pool.close()
+    pool.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(Job(threading.get_ident))
+    for thread in pool.threads:
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def test_workers_collected_without_close_stop_their_threads() -> None:
+    pool = Workers(1, name="test")
+    done = threading.Event()
+    pool.submit(Job(done.set))
+    assert done.wait(10)
+    threads = pool.threads
+    del pool
+    gc.collect()
+    for thread in threads:
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+class WorkerGate(StoreWrapper):
+    """Range reads on threads other than ``caller`` wait for ``gate``; records who read what."""
+
+    def __init__(self, inner: ObjectStore, caller: threading.Thread) -> None:
+        super().__init__(inner)
+        self.caller = caller
+        self.gate = threading.Event()
+        self.worker_waiting = threading.Event()
+        self.worker_keys: list[str] = []
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        if threading.current_thread() is not self.caller:
+            self.worker_keys.append(key)
+            self.worker_waiting.set()
+            assert self.gate.wait(10)
+        return self.inner.get_range(key, rng)
+
+
+def test_close_cancels_the_steps_no_worker_has_started_and_stops_the_workers(
+    ten_steps: MemoryStore,
+) -> None:
+    store = WorkerGate(ten_steps, threading.current_thread())
+    c = Consumer(
+        store, "run", mesh=Mesh(dp=2), dp_rank=0, prefetch=4, ramp_every=1,
+        prefetch_min_latency=0, max_process_reads=ANY, max_workers=1,
+    )  # fmt: skip
+    next(c)
+    next(c)  # read on this thread; then steps 2 to 4 are handed to the one worker
+    assert c.stats.in_flight == 3
+    assert store.worker_waiting.wait(10)  # the worker is in step 2's read; 3 and 4 are queued
+    workers = c._pool
+    assert workers is not None
+    c.close()
+    store.gate.set()
+    for thread in workers.threads:
+        thread.join(10)
+        assert not thread.is_alive()
+    assert len(set(store.worker_keys)) == 1  # step 2's object only: 3 and 4 never started
