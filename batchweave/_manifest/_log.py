@@ -80,7 +80,6 @@ KB; every commit reads, decodes, encodes and writes its manifest inside its frag
 the manifest's size is part of every window. 64 KiB keeps that part to a few milliseconds of CPU
 while a roll still moves dozens to hundreds of descriptors."""
 
-
 _VERSION_RE = re.compile(r"([0-9]{20})\.manifest")
 _AMBIGUOUS_RESENDS = 3
 

@@ -28,7 +28,6 @@ from batchweave._format import (
     CODECS,
     COMPRESSIONS,
     ChecksumAlgo,
-    SliceEntry,
     SliceSpan,
     TgbFooter,
     checksum_bits,
@@ -168,16 +167,6 @@ class SliceTable(BaseModel):
             self.lengths[index],
             (self.uncompressed_lengths or self.lengths)[index],
             self.checksums[index],
-        )
-
-    def entry(self, index: int) -> SliceEntry:
-        """Return slice ``index`` (counted within this object) as a footer entry."""
-        return SliceEntry.model_construct(
-            offset=self.offsets[index],
-            length=self.lengths[index],
-            uncompressed_length=(self.uncompressed_lengths or self.lengths)[index],
-            checksum=self.checksums[index],
-            sample_count=self.sample_counts[index],
         )
 
     @classmethod
