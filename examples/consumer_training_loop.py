@@ -64,6 +64,8 @@ def train(
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         consumer.load_state_dict(state["data"])
+        # a crash between the save and its hook left this checkpoint without a watermark
+        bw.checkpoint_hook(consumer, watermarks, f"step-{consumer.step}", state=state["data"])
         print(f"rank {os.environ.get('RANK', '0')}: resumed at step {consumer.step}")
     seen: list[int] = []
     loss = torch.tensor(0.0)

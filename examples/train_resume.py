@@ -99,6 +99,8 @@ def train(root: str, run: str, every: int, pause_after: int | None) -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         consumer.load_state_dict(state["data"])
+        # a kill between the save and its hook left no watermark for this checkpoint: record it
+        bw.checkpoint_hook(consumer, marks, f"{run}-{saved[-1].stem.removeprefix('step-')}", rank=0)
         print(f"[{run}] resumed from {saved[-1].name} at step {consumer.step}", flush=True)
     log = (Path(root).parent / f"{run}.log").open("a")
     for step, batch in consumer:

@@ -10,14 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from batchweave.cli._demo import _RankLog, _verify_deliveries
+from batchweave import Consumer, Mesh, Watermarks, open_store
+from batchweave.cli._demo import DemoConfig, _RankLog, _verify_deliveries, run_demo
 from batchweave.cli._demo_work import (
     WorkerConfig,
     demo_source,
     expected_digests,
     make_corpus,
     pack_tgb,
+    run_consumer,
+    run_producer,
 )
+from batchweave.cli._seal import seal_namespace
 from batchweave.testing import S3Endpoint
 
 # max_lag 4 holds producers back until consumers pass the middle, so one is alive to be killed
@@ -199,3 +203,51 @@ def test_demo_on_s3(moto_endpoint: S3Endpoint, s3_bucket: str, s3_prefix: str) -
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS: exactly-once delivery verified" in proc.stdout
     assert f"--endpoint-url {moto_endpoint.endpoint_url}" in proc.stdout
+
+
+@pytest.mark.slow
+def test_demo_reports_a_stall_instead_of_hanging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # no checkpoint before the end keeps the boundary at 0, so max_lag 1 blocks the producer
+    monkeypatch.chdir(tmp_path)
+    config = DemoConfig(
+        producers=1, steps=8, documents=100, seq_len=64, step_time=0, max_lag=1,
+        checkpoint_every=100, no_kill=True, stall_limit=3.0,
+    )  # fmt: skip
+    assert run_demo(config) is False
+    out = capsys.readouterr().out
+    assert "no progress for 3 s" in out
+    assert "reclamation boundary 0" in out
+
+
+def test_a_restarted_rank_re_records_the_watermark_of_the_checkpoint_it_restores(
+    config: WorkerConfig, tmp_path: Path
+) -> None:
+    # a kill between the durable checkpoint and its hook leaves the watermark behind it
+    for sub in ("logs", "checkpoints", "stats"):
+        (tmp_path / sub).mkdir()
+    worker = WorkerConfig(
+        **{**config.__dict__, "store_url": (tmp_path / "store").as_uri(), "work_dir": str(tmp_path),
+           "max_lag": 100, "checkpoint_every": 100}
+    )  # fmt: skip
+    for producer in range(worker.producers):
+        run_producer(worker, producer)
+    store = open_store(worker.store_url)
+    seal_namespace(store, worker.namespace)
+    consumer = Consumer(store, worker.namespace, mesh=Mesh(dp=2, cp=2), dp_rank=0, cp_rank=1)
+    for _ in zip(range(4), consumer, strict=False):
+        pass
+    state = consumer.state_dict()
+    consumer.close()
+    (tmp_path / "checkpoints" / "rank-1.json").write_text(json.dumps({"consumer": state}))
+    marks = Watermarks(store, worker.namespace)
+    marks.record("rank-1", 2)
+
+    run_consumer(worker, 1)
+
+    mark = marks.get("rank-1")
+    assert mark is not None
+    assert mark.step == 4
+    delivered = [json.loads(line) for line in (tmp_path / "logs" / "rank-1.jsonl").open()]
+    assert [r["step"] for r in delivered if "digest" in r] == [4, 5]

@@ -58,6 +58,8 @@ __all__ = ["DemoConfig", "run_demo"]
 _RECLAIM_GRACE = 5.0
 _RECLAIM_INTERVAL = 1.0
 _SAMPLE_INTERVAL = 0.5
+_STALL_LIMIT = 60.0
+"""Seconds without a commit, a delivered step or a process exit before the demo gives up."""
 
 
 @dataclass
@@ -80,6 +82,7 @@ class DemoConfig:
     keep: bool = False
     metrics_port: int | None = None
     store_options: dict[str, Any] = field(default_factory=dict)
+    stall_limit: float = _STALL_LIMIT
 
 
 def _default_base() -> Path:
@@ -409,6 +412,7 @@ def _supervise(
         committed = progress.add_task("committed", total=total_steps, status="")
         consumed = progress.add_task("consumed", total=total_steps, status="")
         deadline = time.monotonic() + max(600.0, total_steps * (config.step_time + 0.5))
+        last_progress, progress_mark = time.monotonic(), None
         while True:
             time.sleep(0.1)
             for r in logs:
@@ -448,9 +452,33 @@ def _supervise(
                 )
             if sealed and procs.alive("consumer") == 0:
                 return
+            mark = (next_step, [r.delivered for r in logs], len(procs.finished), sealed)
+            if mark != progress_mark:
+                last_progress, progress_mark = time.monotonic(), mark
+            elif time.monotonic() - last_progress > config.stall_limit:
+                failures.append(
+                    _stall_report(store, namespace, next_step, logs, config.stall_limit)
+                )
+                return
             if time.monotonic() > deadline:
                 failures.append("the demo did not finish in time")
                 return
+
+
+def _stall_report(
+    store: ObjectStore, namespace: str, next_step: int, logs: list[_RankLog], limit: float
+) -> str:
+    try:
+        boundary = str(Watermarks(store, namespace).boundary())
+    except BatchWeaveError as exc:
+        boundary = f"unknown ({exc})"
+    delivered = ", ".join(f"rank {i}: {r.delivered}" for i, r in enumerate(logs))
+    return (
+        f"no progress for {limit:.0f} s: {next_step} steps committed, steps delivered "
+        f"({delivered}), reclamation boundary {boundary}; producers block while committed steps "
+        "exceed the boundary plus --max-lag, so a rank whose watermark stopped advancing holds "
+        "them back (worker logs are in the work directory)"
+    )
 
 
 def _kill_producer(procs: _Procs, config: DemoConfig, events: list[str], console: Console) -> None:
