@@ -412,7 +412,8 @@ def _supervise(
         committed = progress.add_task("committed", total=total_steps, status="")
         consumed = progress.add_task("consumed", total=total_steps, status="")
         deadline = time.monotonic() + max(600.0, total_steps * (config.step_time + 0.5))
-        last_progress, progress_mark = time.monotonic(), None
+        last_progress = time.monotonic()
+        progress_mark: tuple[object, ...] | None = None
         while True:
             time.sleep(0.1)
             for r in logs:
