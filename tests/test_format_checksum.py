@@ -10,10 +10,20 @@ from batchweave._format import CHECKSUM_ALGOS, ChecksumAlgo, checksum, checksum_
 
 
 def test_known_vectors() -> None:
-    # CRC-32C check value (RFC 3720 / iSCSI) and XXH64 of the empty input with seed 0.
+    # CRC-32C check value (RFC 3720 / iSCSI); XXH64 and XXH3-64 of the empty input with seed 0
+    # (docs/format.md documents the same values).
     assert checksum(b"123456789", "crc32c") == 0xE3069283
     assert checksum(b"123456789") == 0xE3069283, "crc32c is the default"
     assert checksum(b"", "xxhash64") == 0xEF46DB3751D8E999
+    assert checksum(b"", "xxh3") == 0x2D06800538D394C2
+
+
+def test_every_algorithm_has_a_width() -> None:
+    assert {algo: checksum_bits(algo) for algo in CHECKSUM_ALGOS} == {
+        "crc32c": 32,
+        "xxhash64": 64,
+        "xxh3": 64,
+    }
 
 
 @pytest.mark.parametrize("algo", CHECKSUM_ALGOS)

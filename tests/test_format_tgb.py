@@ -36,10 +36,12 @@ from batchweave import (
 from batchweave._format import (
     CHECKSUM_ALGOS,
     FOOTER_READ_GUESS,
+    FORMAT_VERSION,
     MAGIC,
     MAX_FOOTER_LENGTH,
     TRAILER_SIZE,
     ChecksumAlgo,
+    _tgb,
 )
 from batchweave._format._tgb import _pack_trailer
 from batchweave._store._base import ByteRange
@@ -303,6 +305,17 @@ def _small_objects() -> list[tuple[str, dict[str, Any]]]:
                 "metadata": {},
             },
         ),
+        (
+            "raw-xxh3",
+            {
+                "mesh": Mesh(dp=1, cp=2),
+                "codec": "raw",
+                "slices": [b"xxh3", b"format-2"],
+                "compression": None,
+                "checksum_algo": "xxh3",
+                "metadata": {},
+            },
+        ),
     ]
 
 
@@ -492,7 +505,7 @@ def test_future_format_version_is_unsupported() -> None:
     store.put(KEY, blob)
     expected = (
         rf"object {KEY!r} was written by a newer BatchWeave \(format 7, this library reads up to "
-        r"1\): upgrade batchweave"
+        rf"{FORMAT_VERSION}\): upgrade batchweave"
     )
     with pytest.raises(UnsupportedFormatVersion, match=expected):
         read_footer(store, KEY)
@@ -506,6 +519,64 @@ def test_future_version_with_new_checksum_algorithm_is_unsupported() -> None:
     trailer[10] = 42  # an algorithm id this library does not know
     with pytest.raises(UnsupportedFormatVersion, match="format 9"):
         parse_footer(raw + bytes(trailer), key=KEY)
+
+
+def _trailer_fields(enc: EncodedTgb) -> tuple[int, int]:
+    """The (format version, checksum algorithm id) an object's trailer records."""
+    trailer = enc.data[-TRAILER_SIZE:]
+    return int.from_bytes(trailer[8:10], "little"), trailer[10]
+
+
+def test_each_algorithm_has_its_trailer_id_and_oldest_possible_version() -> None:
+    written = {
+        algo: _trailer_fields(encode_tgb([b"a"], Mesh(dp=1), checksum_algo=algo))
+        for algo in CHECKSUM_ALGOS
+    }
+    # ids are frozen (docs/format.md); only xxh3, unknown to format-1 readers, needs format 2
+    assert written == {"crc32c": (1, 1), "xxhash64": (1, 2), "xxh3": (2, 3)}
+    enc = encode_tgb([b"a", b"bc"], Mesh(dp=2), checksum_algo="xxh3")
+    assert enc.footer.format_version == 2
+    assert parse_footer(enc.data, key=KEY) == enc.footer
+    assert [s.checksum for s in enc.footer.slices] == [
+        bw._format.checksum(b"a", "xxh3"),
+        bw._format.checksum(b"bc", "xxh3"),
+    ]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_unknown_checksum_algorithm_id_tells_to_upgrade(version: int) -> None:
+    raw = b'{"format_version": 1}'
+    trailer = bytearray(_pack_trailer(raw, version, "crc32c"))
+    trailer[10] = 4  # the next id a future BatchWeave might assign
+    with pytest.raises(FormatError, match="unknown checksum algorithm id 4") as info:
+        parse_footer(raw + bytes(trailer), key=KEY)
+    assert not isinstance(info.value, UnsupportedFormatVersion)
+    msg = str(info.value)
+    assert repr(KEY) in msg
+    assert "upgrade batchweave" in msg
+    assert "1 (crc32c), 2 (xxhash64), 3 (xxh3)" in msg
+
+
+def test_a_format_1_reader_asks_for_an_upgrade_on_xxh3_objects(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A reader from before xxh3 knows format 1 and algorithm ids 1-2 only; the version the
+    # writer chose makes it refuse with "upgrade" (trailer rule 4), not call the object damaged.
+    enc = encode_tgb([b"abc"], Mesh(dp=1), checksum_algo="xxh3")
+    monkeypatch.setattr(_tgb, "FORMAT_VERSION", 1)
+    monkeypatch.delitem(_tgb._ALGO_BY_ID, 3)
+    with pytest.raises(UnsupportedFormatVersion, match=r"\(format 2, .*up to 1\): upgrade"):
+        parse_footer(enc.data, key=KEY)
+
+
+def test_xxh3_in_a_format_1_object_is_rejected() -> None:
+    enc = encode_tgb([b"abc"], Mesh(dp=1), checksum_algo="xxh3")
+    doc = _footer_doc(enc) | {"format_version": 1}
+    blob = craft(doc, payload=enc.data[: enc.footer_offset], version=1, algo="xxh3")
+    with pytest.raises(FormatError, match="'xxh3', which needs format 2 or newer"):
+        parse_footer(blob, key=KEY)
+    with pytest.raises(FormatError, match="'xxh3', which needs format 2 or newer"):
+        parse_footer_exact(json.dumps(doc).encode(), key=KEY)
 
 
 @pytest.mark.parametrize(

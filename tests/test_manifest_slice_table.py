@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from batchweave import Mesh
-from batchweave._format import SliceEntry, TgbBuilder, TgbFooter
+from batchweave._format import CHECKSUM_ALGOS, SliceEntry, TgbBuilder, TgbFooter
 from batchweave._manifest import SliceTable, TgbObjectRef
 
 
@@ -21,7 +21,7 @@ from batchweave._manifest import SliceTable, TgbObjectRef
     cp=st.integers(1, 3),
     codec=st.sampled_from(["raw", "tensors"]),
     compression=st.sampled_from([None, "zstd"]),
-    algo=st.sampled_from(["crc32c", "xxhash64"]),
+    algo=st.sampled_from(CHECKSUM_ALGOS),
     data=st.data(),
 )
 def test_table_entries_equal_the_footer_entries(

@@ -160,6 +160,37 @@ def test_codec_compression_sample_counts_and_metadata_reach_the_footer(store: Me
     assert read_slice(store, key, footer, 3) == b"z" * 500
 
 
+@pytest.mark.parametrize("algo", ["crc32c", "xxhash64", "xxh3"])
+def test_checksum_algo_reaches_every_encoded_tgb(store: MemoryStore, algo: str) -> None:
+    with make(store, checksum_algo=algo) as p:
+        p.append(payloads(0), offset=0)
+    log, m = latest(store)
+    ref = log.descriptor(m, 0).objects[0]
+    footer = read_footer(store, log.key(ref.key))
+    assert footer.checksum_algo == algo
+    assert ref.slices is not None
+    assert ref.slices.checksum_algo == algo
+    assert read_slice(store, log.key(ref.key), footer, 1) == payloads(0)[1]
+
+
+def test_default_checksum_algo_is_crc32c(store: MemoryStore) -> None:
+    with make(store) as p:
+        p.append(payloads(0), offset=0)
+    log, m = latest(store)
+    ref = log.descriptor(m, 0).objects[0]
+    assert read_footer(store, log.key(ref.key)).checksum_algo == "crc32c"
+
+
+def test_unknown_checksum_algo_is_rejected_before_touching_the_store(store: MemoryStore) -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"producer 'p0': unknown checksum_algo 'md5'; expected one of 'crc32c', "
+        r"'xxhash64', 'xxh3'",
+    ):
+        make(store, checksum_algo="md5")
+    assert list(store.list()) == []
+
+
 def test_wrong_slice_count_is_a_clear_error(store: MemoryStore) -> None:
     with make(store) as p, pytest.raises(ValueError, match=r"needs dp\*cp = 4"):
         p.append([b"a", b"b"], offset=0)

@@ -69,8 +69,13 @@ __all__ = [
     "slice_range",
 ]
 
-FORMAT_VERSION: Final = 1
-"""The newest TGB format version this library writes and reads."""
+FORMAT_VERSION: Final = 2
+"""The newest TGB format version this library reads.
+
+Each object is written with the oldest version that can express it, so older readers keep
+reading what they understand: version 1, or version 2 when its checksum algorithm is ``xxh3``
+(which version-1 readers do not know; the version makes them answer "upgrade", not "damaged").
+"""
 
 MAGIC: Final = b"BWTGB\x00\x01\n"
 """Last 8 bytes of every TGB object, in every format version."""
@@ -88,8 +93,11 @@ FOOTER_READ_GUESS: Final = 64 << 10
 # footer checksum u64, magic 8 bytes; little-endian.
 _TRAILER: Final = struct.Struct("<QHB5sQ8s")
 _CHECKED_TRAILER_BYTES: Final = 16  # footer checksum covers footer + trailer[0:16]
-_ALGO_IDS: Final[dict[ChecksumAlgo, int]] = {"crc32c": 1, "xxhash64": 2}
+_ALGO_IDS: Final[dict[ChecksumAlgo, int]] = {"crc32c": 1, "xxhash64": 2, "xxh3": 3}
 _ALGO_BY_ID: Final[dict[int, ChecksumAlgo]] = {v: k for k, v in _ALGO_IDS.items()}
+_ALGO_VERSIONS: Final[dict[ChecksumAlgo, int]] = {"crc32c": 1, "xxhash64": 1, "xxh3": 2}
+"""The format version that introduced each algorithm: the version an object using it is written
+with, and the lowest version a valid object using it can have."""
 _RESERVED: Final = bytes(5)
 
 assert _TRAILER.size == TRAILER_SIZE
@@ -274,8 +282,9 @@ class TgbBuilder:
                 )
             )
             offset += length
+        version = _ALGO_VERSIONS[self.checksum_algo]
         footer = TgbFooter(
-            format_version=FORMAT_VERSION,
+            format_version=version,
             mesh=self.mesh,
             codec=self.codec,
             compression=self.compression,
@@ -290,7 +299,7 @@ class TgbBuilder:
                 f"the footer for mesh {self.mesh} would be {len(footer_bytes)} bytes, over the "
                 f"{MAX_FOOTER_LENGTH}-byte limit; use a smaller mesh or less metadata"
             )
-        trailer = _pack_trailer(footer_bytes, FORMAT_VERSION, self.checksum_algo)
+        trailer = _pack_trailer(footer_bytes, version, self.checksum_algo)
         data = b"".join([*(s.data for s in stored), footer_bytes, trailer])
         return EncodedTgb(
             data=data, footer=footer, footer_offset=offset, footer_length=len(footer_bytes)
@@ -310,7 +319,9 @@ def encode_tgb(
     """Encode ``mesh.slices`` payloads, given in ``(d, c)`` order, into one TGB object.
 
     ``sample_counts`` overrides the codec's per-slice default (raw: 1, arrow: ``num_rows``,
-    tensors: length of the first array's first axis).
+    tensors: length of the first array's first axis). ``checksum_algo`` checksums every slice and
+    the footer; ``"xxh3"`` objects are written as format 2, which needs a reader of BatchWeave
+    with xxh3 support (``docs/format.md``).
     """
     if len(slices) != mesh.slices:
         raise ValueError(
@@ -373,9 +384,11 @@ def _unpack_trailer(buf: bytes | memoryview, key: str) -> _Trailer:
         )
     if algo_id not in _ALGO_BY_ID:
         _check_version(version, key)
+        known = ", ".join(f"{i} ({name})" for i, name in _ALGO_BY_ID.items())
         raise FormatError(
-            f"object {key!r}: trailer names unknown checksum algorithm id {algo_id}; "
-            "the object is damaged"
+            f"object {key!r}: trailer names unknown checksum algorithm id {algo_id} (this "
+            f"BatchWeave knows {known}): the object was written by a newer BatchWeave (upgrade "
+            "batchweave to read it) or is damaged"
         )
     return _Trailer(footer_length, version, algo_id, reserved, footer_checksum, raw)
 
@@ -420,7 +433,7 @@ def _parse_with_trailer(buf: bytes | memoryview, trailer: _Trailer, key: str) ->
     _check_version(trailer.version, key)
     if trailer.reserved != _RESERVED:
         raise FormatError(f"object {key!r}: reserved trailer bytes are not zero")
-    footer = _footer_from_json(footer_bytes, key)
+    footer = _footer_from_json(footer_bytes, key)  # also checks version against algorithm
     if footer.format_version != trailer.version or footer.checksum_algo != algo:
         raise FormatError(
             f"object {key!r}: footer (format {footer.format_version}, {footer.checksum_algo}) "
@@ -450,14 +463,20 @@ def _footer_from_json(footer_bytes: bytes, key: str) -> TgbFooter:
     version = doc.get("format_version") if isinstance(doc, dict) else None
     if isinstance(version, int):
         _check_version(version, key)
-    fast = _fast_footer(doc)
-    if fast is not None:
-        return fast
-    try:
-        footer = TgbFooter.model_validate(doc)
-    except ValidationError as exc:
-        raise FormatError(f"object {key!r}: invalid TGB footer: {exc}") from exc
-    _check_footer(footer, key)
+    footer = _fast_footer(doc)
+    if footer is None:
+        try:
+            footer = TgbFooter.model_validate(doc)
+        except ValidationError as exc:
+            raise FormatError(f"object {key!r}: invalid TGB footer: {exc}") from exc
+        _check_footer(footer, key)
+    needed = _ALGO_VERSIONS[footer.checksum_algo]
+    if footer.format_version < needed:
+        raise FormatError(
+            f"object {key!r}: format {footer.format_version} footer names checksum algorithm "
+            f"{footer.checksum_algo!r}, which needs format {needed} or newer; the object is "
+            "damaged"
+        )
     return footer
 
 

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from batchweave._format import (
+    CHECKSUM_ALGOS,
     CODECS,
     COMPRESSIONS,
     ChecksumAlgo,
@@ -191,6 +192,11 @@ class SliceTable(BaseModel):
 
 def _unpack_checksums(packed: str, count: int, algo: object) -> tuple[int, ...]:
     """The checksum column of a compact table: ``count`` big-endian values in base64."""
+    if isinstance(algo, str) and algo not in CHECKSUM_ALGOS:
+        raise ValueError(
+            f"checksums use algorithm {algo!r}, which this BatchWeave does not know (it knows "
+            f"{', '.join(CHECKSUM_ALGOS)}): written by a newer BatchWeave, upgrade batchweave"
+        )
     try:
         width = checksum_bits(algo) // 8  # type: ignore[arg-type]  # validated as a field later
         raw = base64.b64decode(packed, validate=True)
