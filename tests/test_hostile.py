@@ -32,6 +32,7 @@ from batchweave import (
     Mesh,
     ObjectStore,
     Producer,
+    ProducerError,
     Reclaimer,
     S3Store,
     UnsupportedFormatVersion,
@@ -268,6 +269,24 @@ def test_lookalike_keys_stay_inside_the_root(tmp_path: Path, name: str) -> None:
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert written
     assert all(root in p.parents for p in written)
+
+
+def test_a_namespace_directory_swapped_for_a_symlink_is_refused(tmp_path: Path) -> None:
+    # Someone with write access inside the root moves the data directory out and leaves a
+    # symlink: producers must not write through it, consumers must not read through it.
+    root = tmp_path / "root"
+    store = FileStore(root)
+    _produce(store, 1)
+    data = root / NS / "data"
+    stolen = tmp_path / "stolen"
+    data.rename(stolen)
+    data.symlink_to(stolen, target_is_directory=True)
+    before = sorted(p.relative_to(stolen) for p in stolen.rglob("*"))
+    with pytest.raises(ProducerError, match="outside the root"):
+        _produce(store, 1)
+    with pytest.raises(InvalidKey, match="outside the root"):
+        next(Consumer(store, NS, mesh=MESH, dp_rank=0))
+    assert sorted(p.relative_to(stolen) for p in stolen.rglob("*")) == before
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from batchweave import (
     InvalidStoreURL,
     ObjectExists,
     ObjectNotFound,
+    PutMode,
     Suffix,
 )
 from batchweave._store._file import TEMP_DIR_NAME
@@ -46,9 +47,18 @@ def test_relative_root_is_refused() -> None:
         FileStore("relative/dir")
 
 
+KERNEL_CHECK = pytest.mark.parametrize("kernel_check", [True, False], ids=["proc-fd", "realpath"])
+"""Confinement is checked on opened descriptors (Linux /proc/self/fd) or, elsewhere, on paths."""
+PROC_FD_ONLY = pytest.mark.skipif(
+    not os.path.isdir("/proc/self/fd"), reason="descriptor confinement needs /proc/self/fd"
+)
+
+
+@KERNEL_CHECK
 def test_symlinked_directory_cannot_escape_root(
-    tmp_path: Path, store: FileStore, root: Path
+    tmp_path: Path, store: FileStore, root: Path, kernel_check: bool
 ) -> None:
+    store._proc_fd = kernel_check and store._proc_fd
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "secret").write_bytes(b"do not read")
@@ -56,6 +66,7 @@ def test_symlinked_directory_cannot_escape_root(
     for call in (
         lambda: store.put("link/new", b"x"),
         lambda: store.put_if_absent("link/new", b"x"),
+        lambda: store.put("link/sub/new", b"x"),  # nothing may be created outside either
         lambda: store.get("link/secret"),
         lambda: store.get_range("link/secret", Suffix(2)),
         lambda: store.head("link/secret"),
@@ -68,18 +79,121 @@ def test_symlinked_directory_cannot_escape_root(
     assert list(store.list()) == []  # symlinks are not followed when listing
 
 
-def test_symlinked_file_cannot_escape_root(tmp_path: Path, store: FileStore, root: Path) -> None:
+@KERNEL_CHECK
+def test_symlinked_file_cannot_escape_root(
+    tmp_path: Path, store: FileStore, root: Path, kernel_check: bool
+) -> None:
+    store._proc_fd = kernel_check and store._proc_fd
     target = tmp_path / "target"
     target.write_bytes(b"outside")
     (root / "alias").symlink_to(target)
+    (root / "dangling").symlink_to(tmp_path / "not-yet")
     with pytest.raises(InvalidKey):
         store.get("alias")
-    with pytest.raises(InvalidKey):
-        store.put("alias", b"overwrite through the link")
+    for key in ("alias", "dangling"):
+        with pytest.raises(InvalidKey, match="outside the root"):
+            store.put(key, b"overwrite through the link")
+        with pytest.raises(InvalidKey, match="outside the root"):
+            store.put_if_absent(key, b"create through the link")
     assert target.read_bytes() == b"outside"
+    assert not (tmp_path / "not-yet").exists()
+    assert (root / "alias").is_symlink()
+    assert (root / "dangling").is_symlink()
 
 
-@pytest.mark.parametrize("kernel_check", [True, False], ids=["proc-fd", "realpath"])
+@KERNEL_CHECK
+def test_a_put_replaces_a_symlink_inside_the_root_not_its_target(
+    store: FileStore, root: Path, kernel_check: bool
+) -> None:
+    store._proc_fd = kernel_check and store._proc_fd
+    store.put("real/object", b"target")
+    (root / "alias").symlink_to(root / "real" / "object")
+    with pytest.raises(ObjectExists):
+        store.put_if_absent("alias", b"new")
+    store.put("alias", b"new")
+    assert not (root / "alias").is_symlink()
+    assert store.get("alias") == b"new"
+    assert store.get("real/object") == b"target"
+
+
+@PROC_FD_ONLY
+def test_a_directory_swapped_for_a_symlink_after_makedirs_is_refused(
+    tmp_path: Path, store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The window a path check leaves open: the directory is checked and created, then replaced
+    # by a symlink before the object is linked. The descriptor check sees where it really goes.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    real_makedirs = os.makedirs
+
+    def makedirs_then_swap(name: str, mode: int = 0o777, exist_ok: bool = False) -> None:
+        real_makedirs(name, mode, exist_ok)
+        if os.path.basename(name) == "d":
+            os.rmdir(name)
+            os.symlink(outside, name)
+
+    monkeypatch.setattr(os, "makedirs", makedirs_then_swap)
+    for put in (store.put, store.put_if_absent):
+        with pytest.raises(InvalidKey, match="outside the root"):
+            put("ns/d/object", b"x")
+        (root / "ns" / "d").unlink()
+    assert list(outside.iterdir()) == []
+    assert list((root / TEMP_DIR_NAME).iterdir()) == []
+
+
+@PROC_FD_ONLY
+def test_a_directory_swapped_after_the_check_cannot_redirect_the_write(
+    tmp_path: Path, store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Once the directory's descriptor is confined the object is linked relative to it, so
+    # renaming the directory away and planting a symlink at its name changes nothing.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    store.put("ns/d/first", b"1")
+    directory = os.path.join(store.root, "ns", "d")
+    real_readlink = os.readlink
+
+    def readlink_then_swap(path: str) -> str:
+        target = real_readlink(path)
+        if target == directory and not os.path.islink(directory):
+            os.rename(directory, os.path.join(store.root, "ns", "moved"))
+            os.symlink(outside, directory)
+        return target
+
+    monkeypatch.setattr(os, "readlink", readlink_then_swap)
+    store.put("ns/d/second", b"2")
+    monkeypatch.undo()
+    assert list(outside.iterdir()) == []
+    assert store.get("ns/moved/second") == b"2"
+
+
+@PROC_FD_ONLY
+@pytest.mark.parametrize("mode", [PutMode.OVERWRITE, PutMode.CREATE])
+def test_a_put_retries_when_its_opened_directory_is_pruned(
+    store: FileStore, monkeypatch: pytest.MonkeyPatch, mode: PutMode
+) -> None:
+    # delete_many may remove the empty directory between the put's open and its link: the link
+    # fails with ENOENT, and the put recreates the directory and tries again.
+    directory = os.path.join(store.root, "ns", "d")
+    os.makedirs(directory)
+    real_readlink = os.readlink
+    pruned: list[str] = []
+
+    def readlink_then_prune(path: str) -> str:
+        target = real_readlink(path)
+        if target == directory and not pruned:
+            os.rmdir(directory)
+            pruned.append(target)
+        return target
+
+    monkeypatch.setattr(os, "readlink", readlink_then_prune)
+    store.put("ns/d/object", b"1", mode=mode)
+    assert pruned == [directory]
+    assert store.get("ns/d/object") == b"1"
+    assert list(os.scandir(os.path.join(store.root, TEMP_DIR_NAME))) == []
+
+
+@KERNEL_CHECK
 def test_every_read_path_refuses_an_escaping_symlink(
     tmp_path: Path, store: FileStore, root: Path, kernel_check: bool
 ) -> None:
@@ -93,6 +207,7 @@ def test_every_read_path_refuses_an_escaping_symlink(
         lambda: store.get_range("alias", Suffix(2)),
         lambda: store.get_range_into("alias", 0, buffer),
         lambda: store.map_range("alias", 0, 4),
+        lambda: store.head("alias"),
     ):
         with pytest.raises(InvalidKey, match="outside the root"):
             call()
@@ -112,6 +227,9 @@ def test_a_planted_fifo_cannot_hang_a_read(tmp_path: Path, store: FileStore, roo
     (root / "alias").symlink_to(tmp_path / "pipe")
     with pytest.raises(InvalidKey, match="outside the root"):
         store.get_range("alias", Suffix(2))  # a blocking open would wait for a writer forever
+    os.mkfifo(root / "pipe")
+    with pytest.raises(ObjectNotFound):
+        store.head("pipe")  # not an object, and head must not open it for reading either
 
 
 def test_dotdot_keys_never_touch_the_parent(tmp_path: Path, store: FileStore) -> None:

@@ -45,6 +45,17 @@ _PROC_FD = "/proc/self/fd"
 """Where Linux shows the path of each open descriptor (resolved by the kernel)."""
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
 """Reads open with O_NONBLOCK so a FIFO planted under the root cannot hang ``open``."""
+_DIR_FLAGS = _READ_FLAGS | getattr(os, "O_DIRECTORY", 0)
+"""A parent directory opened to publish into (Python's ``os.open`` already sets close-on-exec)."""
+_STAT_FLAGS = getattr(os, "O_PATH", 0)
+"""``head`` opens with ``O_PATH``: no read permission needed, nothing of a FIFO opened."""
+_PUBLISH_AT = (
+    hasattr(os, "O_DIRECTORY")
+    and {os.link, os.rename, os.stat} <= os.supports_dir_fd
+    and os.stat in os.supports_follow_symlinks
+)
+"""``link``/``replace``/``lstat`` relative to a directory descriptor (``os.replace`` shares
+``os.rename``'s implementation, which is the one ``supports_dir_fd`` lists)."""
 
 
 class FileStore(ObjectStore):
@@ -121,7 +132,15 @@ class FileStore(ObjectStore):
             path = self._path(key)
             return os.open(path, _READ_FLAGS)
         path = self._lexical_path(key)
-        fd = os.open(path, _READ_FLAGS)
+        return self._open_confined(key, path, _READ_FLAGS)
+
+    def _open_confined(self, key: str, path: str, flags: int) -> int:
+        """Open ``path`` (``key``'s file or its directory) and confine where the kernel says it is.
+
+        Needs ``self._proc_fd``. Closes the descriptor and raises ``InvalidKey`` if it leads
+        outside the root.
+        """
+        fd = os.open(path, flags)
         try:
             self._check_inside(key, path, os.readlink(f"{_PROC_FD}/{fd}"))
         except BaseException:
@@ -178,6 +197,12 @@ class FileStore(ObjectStore):
         finally:
             os.close(fd)
 
+    def _fsync_ancestors(self, directory: str) -> None:
+        """Make new directory entries durable: fsync ``directory``'s ancestors up to the root."""
+        while directory != self._root:
+            directory = os.path.dirname(directory)
+            self._fsync_dir(directory)
+
     def _blocking_file(self, directory: str) -> str | None:
         """The nearest ancestor (or ``directory`` itself) that exists but is not a directory."""
         while directory != self._root:
@@ -198,38 +223,40 @@ class FileStore(ObjectStore):
             "'a' and 'a/b'"
         )
 
-    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
-        path = self._path(key)
+    def _makedirs(self, key: str, path: str) -> bool:
+        """Create ``path``'s parent directories; False if a concurrent prune raced us (retry)."""
         parent = os.path.dirname(path)
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except FileNotFoundError:
+            return False  # an ancestor was pruned while we were creating it
+        except (FileExistsError, NotADirectoryError) as exc:
+            if self._blocking_file(parent) is not None:
+                raise self._conflict(key, path) from exc
+            return False  # a concurrent prune raced makedirs; nothing is in the way
+        return True
+
+    def _publish_failed(self, exc: OSError, key: str, path: str, *, is_dir: bool) -> StoreError:
+        """The error for a publish that found ``path`` taken (``is_dir``: by a directory)."""
+        if isinstance(exc, FileExistsError) and not is_dir:
+            return ObjectExists(f"object {key!r} already exists in {self.url}")
+        return self._conflict(key, path)
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        # Through a confined directory descriptor where the kernel can tell where it points;
+        # elsewhere the path is resolved (realpath) first.
+        at_fd = self._proc_fd and _PUBLISH_AT
+        path = self._lexical_path(key) if at_fd else self._path(key)
+        publish = self._publish_at if at_fd else self._publish_by_path
         with self._errors(key, "write"):
             tmp = self._write_temp(data)
-            new_directory = not os.path.isdir(parent)
             try:
                 # A concurrent delete_many may prune the (empty) parent between makedirs and
                 # the publish; recreate it and try again.
                 for _ in range(_PUBLISH_RETRIES):
-                    try:
-                        os.makedirs(parent, exist_ok=True)
-                    except FileNotFoundError:
-                        continue  # an ancestor was pruned while we were creating it
-                    except (FileExistsError, NotADirectoryError) as exc:
-                        if self._blocking_file(parent) is not None:
-                            raise self._conflict(key, path) from exc
-                        continue  # a concurrent prune raced makedirs; nothing is in the way
-                    try:
-                        if mode is PutMode.CREATE:
-                            os.link(tmp, path)
-                        else:
-                            os.replace(tmp, path)
+                    new_directory = publish(key, path, tmp, mode)
+                    if new_directory is not None:
                         break
-                    except FileNotFoundError:
-                        continue
-                    except FileExistsError as exc:
-                        if os.path.isdir(path):
-                            raise self._conflict(key, path) from exc
-                        raise ObjectExists(f"object {key!r} already exists in {self.url}") from exc
-                    except (IsADirectoryError, NotADirectoryError) as exc:
-                        raise self._conflict(key, path) from exc
                 else:
                     raise StoreError(
                         f"cannot write {key!r} in {self.url}: its directory kept disappearing "
@@ -237,13 +264,84 @@ class FileStore(ObjectStore):
                     )
             finally:
                 _unlink_quietly(tmp)  # after a successful replace it is already gone
-            self._fsync_dir(parent)
             if new_directory:
-                # Make the new directory entries durable too, up to the root.
-                directory = parent
-                while directory != self._root:
-                    directory = os.path.dirname(directory)
-                    self._fsync_dir(directory)
+                self._fsync_ancestors(os.path.dirname(path))
+
+    def _publish_at(self, key: str, path: str, tmp: str, mode: PutMode) -> bool | None:
+        """One attempt to publish ``tmp`` as ``path`` through a descriptor of its directory.
+
+        The directory is opened, confined by asking the kernel where the descriptor points, and
+        the object is linked relative to that descriptor: a directory swapped for a symlink
+        after the check cannot redirect the write, and no ``lstat`` per path component is spent.
+        The final component is never followed (``link`` and ``replace`` act on the name itself).
+        Returns whether the directory was created, or None when a concurrent prune removed it
+        (retry).
+        """
+        parent, name = os.path.split(path)
+        new_directory = False
+        try:
+            dfd = self._open_confined(key, parent, _DIR_FLAGS)
+        except (FileNotFoundError, NotADirectoryError):
+            # A new directory, or a file in the way. Refuse an ancestor symlink leading outside
+            # before creating anything; the descriptor check then covers anything swapped in.
+            self._check_inside(key, parent, os.path.realpath(parent))
+            if not self._makedirs(key, path):
+                return None
+            new_directory = True
+            try:
+                dfd = self._open_confined(key, parent, _DIR_FLAGS)
+            except FileNotFoundError:
+                return None
+        try:
+            if mode is not PutMode.CREATE:
+                self._refuse_escaping_link(key, path, dfd, name)
+            try:
+                if mode is PutMode.CREATE:
+                    os.link(tmp, name, dst_dir_fd=dfd)
+                else:
+                    os.replace(tmp, name, dst_dir_fd=dfd)
+            except FileNotFoundError:
+                return None  # the directory was pruned after we opened it
+            except (FileExistsError, IsADirectoryError, NotADirectoryError) as exc:
+                self._refuse_escaping_link(key, path, dfd, name)
+                raise self._publish_failed(exc, key, path, is_dir=_is_dir_at(dfd, name)) from exc
+            if self._fsync:
+                os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return new_directory
+
+    def _refuse_escaping_link(self, key: str, path: str, dfd: int, name: str) -> None:
+        """``InvalidKey`` if ``name`` in ``dfd`` is a symlink resolving outside the root.
+
+        Publishing replaces such a link rather than writing through it, so this only keeps
+        the error the same as for a read of that key.
+        """
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(st.st_mode):
+            self._check_inside(key, path, os.path.realpath(path))
+
+    def _publish_by_path(self, key: str, path: str, tmp: str, mode: PutMode) -> bool | None:
+        """``_publish_at`` where descriptors cannot be confined: ``path`` was checked by
+        ``realpath`` beforehand."""
+        parent = os.path.dirname(path)
+        new_directory = not os.path.isdir(parent)
+        if not self._makedirs(key, path):
+            return None
+        try:
+            if mode is PutMode.CREATE:
+                os.link(tmp, path)
+            else:
+                os.replace(tmp, path)
+        except FileNotFoundError:
+            return None
+        except (FileExistsError, IsADirectoryError, NotADirectoryError) as exc:
+            raise self._publish_failed(exc, key, path, is_dir=os.path.isdir(path)) from exc
+        self._fsync_dir(parent)
+        return new_directory
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -309,9 +407,19 @@ class FileStore(ObjectStore):
         return memoryview(mapped)[start : min(end, size)]
 
     def head(self, key: str) -> ObjectMeta:
-        path = self._path(key)
-        with self._errors(key, "stat"):
-            st = os.stat(path)
+        if self._proc_fd and _STAT_FLAGS:
+            # As for reads: open (O_PATH: no permission or FIFO side effects), confine, fstat.
+            path = self._lexical_path(key)
+            with self._errors(key, "stat"):
+                fd = self._open_confined(key, path, _STAT_FLAGS)
+                try:
+                    st = os.fstat(fd)
+                finally:
+                    os.close(fd)
+        else:
+            path = self._path(key)
+            with self._errors(key, "stat"):
+                st = os.stat(path)
         if not stat.S_ISREG(st.st_mode):
             raise ObjectNotFound(f"no object {key!r} in {self.url}")
         return ObjectMeta(key=key, size=st.st_size, last_modified=st.st_mtime)
@@ -384,3 +492,11 @@ class FileStore(ObjectStore):
 def _unlink_quietly(path: str) -> None:
     with suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def _is_dir_at(dfd: int, name: str) -> bool:
+    """Whether ``name`` in directory ``dfd`` is (or links to) a directory."""
+    try:
+        return stat.S_ISDIR(os.stat(name, dir_fd=dfd).st_mode)
+    except OSError:
+        return False
