@@ -80,7 +80,7 @@ def test_producers_smoke(tmp_path: Path) -> None:
 def test_consumers_smoke(tmp_path: Path) -> None:
     payload = _run("consumers.py", tmp_path / "consumers.json")
     rows = {r["mode"]: r for r in payload["rows"]}
-    assert set(rows) == {"batchweave", "dense", "raw-range", "raw-inline"}
+    assert set(rows) == {"batchweave", "dense", "raw-range", "raw-inline", "raw-verify"}
     for row in rows.values():
         assert row["world"] == 4
         assert _positive(row["rank MB/s"])
@@ -90,6 +90,7 @@ def test_consumers_smoke(tmp_path: Path) -> None:
     # slice, dense reads fetch the whole 4-slice TGB, BatchWeave adds manifest and footer reads.
     assert rows["raw-range"]["amp"] == pytest.approx(1.0)
     assert rows["raw-inline"]["amp"] == pytest.approx(1.0)
+    assert rows["raw-verify"]["amp"] == pytest.approx(1.0)  # verifying reads nothing more
     assert rows["dense"]["amp"] == pytest.approx(4.0, rel=0.05)
     assert 1.0 < rows["batchweave"]["amp"] < 1.5
     assert _positive(rows["batchweave"]["vs dense"])
