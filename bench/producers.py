@@ -29,7 +29,9 @@ manifest at all. Reported per run:
   producer's first attempt otherwise, *steady* the rest. A 2,000-TGB run of 16 producers is
   mostly start-up and close; ``--tgbs N`` runs each matrix point with ``N`` TGBs instead, long
   enough for a steady state. The JSON rows also hold ``close attempts``, the final drain's
-  timeline: ``(producer, start ms, end ms, won)`` of each close attempt from the last upload's end.
+  timeline: ``(producer, start ms, end ms, won)`` of each close attempt from the last upload's end,
+  and ``close slots``, what sized each closer's grid: ``(producer, period s, slot window ms, put
+  floor ms, start-up window ms)``.
 
 ``--long-run`` publishes 20,000 TGBs (segmented, DAC) and compares throughput over the last
 tenth of the TGBs with the first tenth, both as ingestion (appends, which block while the upload
@@ -137,11 +139,19 @@ class RecordingPolicy(PolicyWrapper):
         self.forced: list[bool] = []
         self.slot_periods: list[float] = []
         """DAC's ``flush()``/``close()`` slot period when the attempt ended (0 for others)."""
+        self.slot_windows: list[tuple[float, float]] = []
+        """DAC's ``(slot_window, put_floor)`` when the attempt ended: what sized the period."""
 
     def record(self, outcome: AttemptOutcome) -> None:
         self.log.append((time.monotonic(), outcome.committed, outcome.fragile_window, outcome.tgbs))
         self.forced.append(outcome.forced)
         self.slot_periods.append(float(getattr(self.inner, "slot_period", 0.0)))
+        self.slot_windows.append(
+            (
+                float(getattr(self.inner, "slot_window", 0.0)),
+                float(getattr(self.inner, "put_floor", 0.0)),
+            )
+        )
         self.inner.record(outcome)
 
 
@@ -199,6 +209,7 @@ def produce_task(params: dict[str, Any], ready: Callable[[], None]) -> dict[str,
         "log": policy.log,
         "forced": policy.forced,
         "slot_periods": policy.slot_periods,
+        "slot_windows": policy.slot_windows,
         "start_window": getattr(producer, "_start_window", float("nan")),
         "put_window": getattr(policy.inner, "put_window", None),
         "appended": appended,
@@ -370,6 +381,23 @@ def _close_attempts(results: Sequence[dict[str, Any]]) -> list[tuple[int, float,
     )
 
 
+def _close_slots(results: Sequence[dict[str, Any]]) -> list[tuple[int, float, float, float, float]]:
+    """``(producer, period s, slot window ms, put floor ms, start-up window ms)`` per close
+    attempt: why a closer sat on the grid it did."""
+    return [
+        (
+            index,
+            r["slot_periods"][i],
+            round(r["slot_windows"][i][0] * 1e3, 2),
+            round(r["slot_windows"][i][1] * 1e3, 2),
+            round(r["start_window"] * 1e3, 2),
+        )
+        for index, r in enumerate(results)
+        for i in range(len(r["log"]))
+        if _phase(r, i) == "close"
+    ]
+
+
 def _summary(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     attempts = sum(r["attempts"] for r in results)
     commits = sum(r["commits"] for r in results)
@@ -410,6 +438,7 @@ def _summary(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
             round(r["put_window"] * 1e3, 2) for r in results if r.get("put_window") is not None
         ),
         "close attempts": _close_attempts(results),
+        "close slots": _close_slots(results),
         "close commit ms": sorted(
             round(w * 1e3, 2)
             for r in results

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -578,7 +579,15 @@ def test_large_slices_on_files_are_mapped_not_copied(tmp_path: Path) -> None:
             )
         p.seal()
     store = CountingStore(inner)
-    c = Consumer(store, "run", mesh=mesh, dp_rank=1, split_threshold=MIB, part_size=MIB // 2)
+    c = Consumer(
+        store,
+        "run",
+        mesh=mesh,
+        dp_rank=1,
+        map_threshold=MIB,
+        split_threshold=MIB,
+        part_size=MIB // 2,
+    )
     got = [data for _, data in c]
     assert [int(d["x"][0]) for d in got] == [1, 11, 21]
     assert all(d["x"].size == size // 8 for d in got)
@@ -586,8 +595,24 @@ def test_large_slices_on_files_are_mapped_not_copied(tmp_path: Path) -> None:
     assert store.snapshot().range_gets == c.stats.requests == 3  # one mapping per step, no parts
     victim, _ = _object_of(inner, "run", 2)
     inner.put(victim, inner.get(victim)[: size // 2])  # a shorter object behind step 2
-    c2 = Consumer(inner, "run", mesh=mesh, dp_rank=1)
+    c2 = Consumer(inner, "run", mesh=mesh, dp_rank=1, map_threshold=MIB)
     assert next(c2)[0] == 0
     next(c2)
     with pytest.raises(FormatError, match=rf"step 2 .*{victim}.*truncated"):
         next(c2)
+    # Below the threshold the same slices are copied into fresh (writable) buffers.
+    c3 = Consumer(inner, "run", mesh=mesh, dp_rank=1)
+    copied = [next(c3)[1], next(c3)[1]]  # step 2 is truncated
+    assert [int(d["x"][0]) for d in copied] == [1, 11]
+    assert isinstance(_buffer_owner(got[0]["x"]), mmap.mmap)
+    assert isinstance(_buffer_owner(copied[0]["x"]), bytes)
+
+
+def _buffer_owner(array: np.ndarray) -> object:
+    """The object whose memory ``array`` views (through any chain of views)."""
+    base = array.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    while isinstance(base, memoryview):
+        base = base.obj
+    return base
