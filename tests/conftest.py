@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from batchweave import FileStore, MemoryStore, ObjectStore
 from batchweave.testing import S3Endpoint, moto_server, seaweedfs_server
 
 # Never let boto3 look for credentials on the network (EC2 instance metadata) during tests.
@@ -44,3 +46,16 @@ def s3_prefix(request: pytest.FixtureRequest) -> str:
     """A prefix no other test uses, readable in server listings."""
     name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
     return f"tests/{name}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(params=["memory", "file"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStore]:
+    """The in-memory store and a ``file://`` store (no fsync), for tests that run on both.
+
+    Test modules that need another store define their own ``store`` fixture, which wins.
+    """
+    s: ObjectStore = (
+        MemoryStore() if request.param == "memory" else FileStore(tmp_path, fsync=False)
+    )
+    yield s
+    s.close()

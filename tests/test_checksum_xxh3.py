@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -19,7 +17,6 @@ from pydantic import ValidationError
 from batchweave import (
     ChecksumMismatch,
     Consumer,
-    FileStore,
     MemoryStore,
     Mesh,
     ObjectStore,
@@ -58,15 +55,6 @@ def produce(store: ObjectStore, *, slice_table_limit: int) -> None:
 def object_key(store: ObjectStore, step: int) -> str:
     log = ManifestLog(store, NS)
     return log.key(log.descriptor(log.latest(), step).objects[0].key)
-
-
-@pytest.fixture(params=["memory", "file"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStore]:
-    s: ObjectStore = (
-        MemoryStore() if request.param == "memory" else FileStore(tmp_path, fsync=False)
-    )
-    yield s
-    s.close()
 
 
 @pytest.mark.parametrize("slice_table_limit", [32, 0], ids=["slice-table", "footer"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mmap
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,15 +107,6 @@ def consume(store: ObjectStore, namespace: str, mesh: Mesh, **kw: Any) -> list[t
 
 # ---------------------------------------------------------------------------------------------
 # agreement and exact slices
-
-
-@pytest.fixture(params=["memory", "file"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStore]:
-    s: ObjectStore = (
-        MemoryStore() if request.param == "memory" else FileStore(tmp_path, fsync=False)
-    )
-    yield s
-    s.close()
 
 
 def test_32_ranks_agree_on_steps_and_read_their_own_slice(store: ObjectStore) -> None:

@@ -30,6 +30,14 @@ def root(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A directory beside the store root: nothing may ever be written or read there."""
+    path = tmp_path / "outside"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
 def store(root: Path) -> FileStore:
     return FileStore(root)
 
@@ -56,11 +64,9 @@ PROC_FD_ONLY = pytest.mark.skipif(
 
 @KERNEL_CHECK
 def test_symlinked_directory_cannot_escape_root(
-    tmp_path: Path, store: FileStore, root: Path, kernel_check: bool
+    outside: Path, store: FileStore, root: Path, kernel_check: bool
 ) -> None:
     store._proc_fd = kernel_check and store._proc_fd
-    outside = tmp_path / "outside"
-    outside.mkdir()
     (outside / "secret").write_bytes(b"do not read")
     (root / "link").symlink_to(outside, target_is_directory=True)
     for call in (
@@ -118,12 +124,10 @@ def test_a_put_replaces_a_symlink_inside_the_root_not_its_target(
 
 @PROC_FD_ONLY
 def test_a_directory_swapped_for_a_symlink_after_makedirs_is_refused(
-    tmp_path: Path, store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch
+    outside: Path, store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The window a path check leaves open: the directory is checked and created, then replaced
     # by a symlink before the object is linked. The descriptor check sees where it really goes.
-    outside = tmp_path / "outside"
-    outside.mkdir()
     real_makedirs = os.makedirs
 
     def makedirs_then_swap(name: str, mode: int = 0o777, exist_ok: bool = False) -> None:
@@ -143,12 +147,10 @@ def test_a_directory_swapped_for_a_symlink_after_makedirs_is_refused(
 
 @PROC_FD_ONLY
 def test_a_directory_swapped_after_the_check_cannot_redirect_the_write(
-    tmp_path: Path, store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch
+    outside: Path, store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Once the directory's descriptor is confined the object is linked relative to it, so
     # renaming the directory away and planting a symlink at its name changes nothing.
-    outside = tmp_path / "outside"
-    outside.mkdir()
     store.put("ns/d/first", b"1")
     directory = os.path.join(store.root, "ns", "d")
     real_readlink = os.readlink
