@@ -89,7 +89,8 @@ class _OpenConsumers:
 _OPEN: Final = _OpenConsumers()
 
 _LATENCY_WEIGHT: Final = 0.2
-"""Weight of the newest step in :attr:`ConsumerStats.read_latency` (an exponential average)."""
+"""Weight of the newest step in :attr:`ConsumerStats.read_latency` and
+:attr:`ConsumerStats.read_cpu_share` (exponential averages)."""
 
 # The trailer starts with the footer length, a little-endian u64 (docs/format.md).
 _U64: Final = struct.Struct("<Q")
@@ -124,6 +125,12 @@ class ConsumerStats:
     read_latency: float | None
     """Moving average of the seconds one step's reads take (``None`` before the first step);
     below ``prefetch_min_latency`` steps are read on the caller's thread, without prefetching."""
+    read_cpu_share: float | None
+    """Moving average of the share of a step's read time its reading thread spent on CPU
+    (``None`` until measured, and again after a step that was not); above
+    ``prefetch_max_cpu_share`` steps are read on the caller's thread. Measured only on
+    single-object steps while ``read_latency`` is unknown or at least half of
+    ``prefetch_min_latency`` (see :class:`Consumer`)."""
     in_flight: int
     """Steps being read (or read and waiting) ahead of the caller right now."""
 
@@ -149,6 +156,9 @@ class _Counters:
         self.stall_seconds = 0.0
         self.time_to_first_batch: float | None = None
         self.read_latency: float | None = None
+        self.read_cpu_share: float | None = None
+        self.cpu_samples = 0
+        """Steps averaged into ``read_cpu_share`` since it was last forgotten."""
 
     def add(self, **deltas: float) -> None:
         with self.lock:
@@ -180,10 +190,25 @@ class _Counters:
             if self.time_to_first_batch is None:
                 self.time_to_first_batch = since_created
 
-    def read_took(self, seconds: float) -> None:
+    def read_took(self, seconds: float, cpu_seconds: float | None = None) -> None:
+        """One step's reads took ``seconds``, ``cpu_seconds`` of them on its thread's CPU
+        (``None``: not measured, which forgets the CPU share: it would be stale when measuring
+        resumes, e.g. from a first step that parsed footers to slow network reads)."""
         with self.lock:
             old = self.read_latency
             self.read_latency = seconds if old is None else old + _LATENCY_WEIGHT * (seconds - old)
+            if cpu_seconds is None:
+                self.read_cpu_share = None
+                self.cpu_samples = 0
+            elif seconds > 0:  # a clock that did not move tells nothing about the share
+                share = min(1.0, max(0.0, cpu_seconds / seconds))
+                # The plain mean of the first samples, then the moving average: the first step
+                # (which also opens the namespace, with every rank starting at once) alone
+                # would outweigh the next four.
+                self.cpu_samples += 1
+                old = self.read_cpu_share
+                weight = max(_LATENCY_WEIGHT, 1 / self.cpu_samples)
+                self.read_cpu_share = share if old is None else old + weight * (share - old)
 
 
 class _Budget:
@@ -234,7 +259,12 @@ class Consumer:
     one and adding one per ``ramp_every`` delivered steps, as long as a step's reads take at
     least ``prefetch_min_latency`` seconds (a moving average): faster reads (the page cache,
     local NVMe) are done on the caller's thread when it asks, since handing them to a worker and
-    back costs more CPU than they take, and prefetching resumes when reads slow down. All open
+    back costs more CPU than they take, and prefetching resumes when reads slow down. Slow reads
+    are read ahead only while they mostly *wait*: reads whose thread spends more than
+    ``prefetch_max_cpu_share`` of their time on CPU (a moving average of each step's CPU time
+    over its wall time, measured with ``cpu_clock``) are memory copies or decoding, and reading
+    them ahead only adds thread hand-offs (a 10 MB page-cache read takes 1-2 ms on a busy
+    machine, but there is nothing to overlap); 1 turns that rule off. All open
     consumers of a process share ``max_process_reads`` reads in flight: each keeps its caller's
     next read, and reads ahead by at most its share of the rest. Reads of at least
     ``map_threshold`` bytes are mapped instead of copied on stores that can map objects
@@ -249,7 +279,9 @@ class Consumer:
     (:class:`StoreUnavailable`: an outage) spends no budget: the consumer keeps its position and
     waits for the store to return (bounded only by ``timeout`` at the head of the stream),
     logging when the outage starts and ends. ``clock`` and ``sleep`` are injectable so tests
-    need no real waiting.
+    need no real waiting, and ``cpu_clock`` (the calling thread's CPU seconds) so they need no
+    real CPU work; it is read only while steps take at least half of ``prefetch_min_latency``,
+    so fast inline reads pay nothing for it.
 
     Implements torch's ``Stateful`` protocol (:meth:`state_dict`, :meth:`load_state_dict`).
     """
@@ -271,6 +303,7 @@ class Consumer:
         prefetch: int = 4,
         ramp_every: int = 2,
         prefetch_min_latency: float = 0.001,
+        prefetch_max_cpu_share: float = 0.3,
         max_process_reads: int = 64,
         max_workers: int = 8,
         map_threshold: int = 32 * _MIB,
@@ -285,6 +318,7 @@ class Consumer:
         max_retry_backoff: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
         check_at_least(0, prefetch=prefetch, retry_budget=retry_budget, start_step=start_step)
         check_at_least(
@@ -314,6 +348,10 @@ class Consumer:
             raise ValueError(
                 f"prefetch_min_latency must be >= 0 seconds, got {prefetch_min_latency}"
             )
+        if not 0 < prefetch_max_cpu_share <= 1:
+            raise ValueError(
+                f"prefetch_max_cpu_share must be in (0, 1], got {prefetch_max_cpu_share}"
+            )
         self.mesh = mesh
         self.dp_rank, self.cp_rank = _resolve_coordinates(
             mesh, dp_rank, cp_rank, tp=tp, pp=pp, order=rank_order, environ=environ
@@ -325,6 +363,7 @@ class Consumer:
         self.prefetch = prefetch
         self.ramp_every = ramp_every
         self.prefetch_min_latency = prefetch_min_latency
+        self.prefetch_max_cpu_share = prefetch_max_cpu_share
         self.max_process_reads = max_process_reads
         self.max_workers = max_workers
         self.map_threshold = map_threshold
@@ -338,6 +377,13 @@ class Consumer:
         self.max_retry_backoff = max_retry_backoff
         self._clock = clock
         self._sleep = sleep
+        self._cpu_clock = cpu_clock
+        # CPU time is measured only from this read latency on (None: never); see _cpu_started.
+        self._measure_cpu_from: float | None = (
+            prefetch_min_latency / 2
+            if prefetch_min_latency > 0 and prefetch_max_cpu_share < 1
+            else None
+        )
         self._footers: SingleFlightCache[str, TgbFooter] = SingleFlightCache(footer_cache)
         self._counters = _Counters()
         self._created_at = clock()
@@ -428,6 +474,7 @@ class Consumer:
                 time_to_first_batch=c.time_to_first_batch,
                 prefetch_depth=self._depth,
                 read_latency=c.read_latency,
+                read_cpu_share=c.read_cpu_share,
                 in_flight=len(self._window),
             )
 
@@ -571,17 +618,24 @@ class Consumer:
     def _read_ahead(self) -> int:
         """Steps to read ahead of the caller now (0: read each step when the caller asks).
 
-        0 while reads are faster than ``prefetch_min_latency``. Otherwise the ramped depth,
-        bounded by this consumer's share of ``max_process_reads``: every open consumer of the
-        process keeps its own next read in flight, and read-ahead only adds to those. (64
-        consumers as threads of one process with 4 steps ahead each would queue 320 requests
-        for a client's 64 connections and spend the difference on thread switches.)
+        0 while reads are faster than ``prefetch_min_latency``, or while their thread spends
+        more than ``prefetch_max_cpu_share`` of their time on CPU (memory copies and decoding:
+        nothing to overlap). Otherwise the ramped depth, bounded by this consumer's share of
+        ``max_process_reads``: every open consumer of the process keeps its own next read in
+        flight, and read-ahead only adds to those. (64 consumers as threads of one process with
+        4 steps ahead each would queue 320 requests for a client's 64 connections and spend the
+        difference on thread switches.)
         """
-        latency = self._counters.read_latency
-        if latency is not None and latency < self.prefetch_min_latency:
-            return 0
-        share = self.max_process_reads // max(1, _OPEN.count) - 1
-        return max(0, min(self._depth, share))
+        counters = self._counters
+        latency = counters.read_latency
+        if latency is not None:
+            if latency < self.prefetch_min_latency:
+                return 0
+            share = counters.read_cpu_share
+            if share is not None and share > self.prefetch_max_cpu_share:
+                return 0
+        process_share = self.max_process_reads // max(1, _OPEN.count) - 1
+        return max(0, min(self._depth, process_share))
 
     def _ramp(self) -> None:
         if self._depth >= self.prefetch:
@@ -786,6 +840,7 @@ class Consumer:
     def _fetch_step(self, step: int, loc: SliceLocation, manifest: Manifest) -> tuple[Any, int]:
         """Read and decode this rank's slices of ``step``; return ``(data, stored bytes)``."""
         started = self._clock()
+        cpu_started = self._cpu_started()
         budget = _Budget(self.retry_budget)
         what = f"step {step} (TGB step {loc.tgb_step})"
         desc = self._retrying(budget, what, lambda: self._descriptor(manifest, step, loc))
@@ -802,8 +857,32 @@ class Consumer:
             )
             values = [value for values, _ in results for value in values]
             nbytes = sum(n for _, n in results)
-        self._counters.read_took(self._clock() - started)
+        took = self._clock() - started
+        # Several objects are read by pool threads: this thread's CPU is not the step's.
+        if cpu_started is None or len(groups) > 1:
+            self._counters.read_took(took)
+        else:
+            self._counters.read_took(took, self._cpu_clock() - cpu_started)
         return (values if len(loc.slices) > 1 else values[0]), nbytes
+
+    def _cpu_started(self) -> float | None:
+        """This thread's CPU time now if this step's CPU share is to be measured, else None.
+
+        The share decides something only while ``read_latency >= prefetch_min_latency``, and a
+        CPU clock read is a system call (as much as 1 us, against 30 us for a whole inline
+        100 KB page-cache step), so steps are not measured while the moving average is below
+        half of that threshold: fast inline reads pay nothing. From half of it up they are,
+        so the share is current by the time the average reaches the threshold. (One step of
+        more than 3x the threshold can jump it there from below half; an unmeasured step
+        forgets the share, so that step is followed by read-ahead, and the next is measured.)
+        """
+        start = self._measure_cpu_from
+        if start is None:
+            return None
+        latency = self._counters.read_latency
+        if latency is not None and latency < start:
+            return None
+        return self._cpu_clock()
 
     def _descriptor(self, manifest: Manifest, step: int, loc: SliceLocation) -> TgbDescriptor:
         try:

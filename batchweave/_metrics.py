@@ -16,7 +16,8 @@ Metric names (all prefixed ``batchweave_``): ``commit_attempts_total``, ``commit
 ``fragile_window_seconds_hist``, ``commit_gap_seconds`` (gauge) and ``commit_gap_seconds_hist``;
 ``consumer_steps_total``, ``consumer_stall_seconds_total``, ``consumer_bytes_read_total``,
 ``consumer_bytes_delivered_total``, ``consumer_requests_total``, ``consumer_read_amplification``,
-``consumer_prefetch_depth``, ``consumer_in_flight_steps``, ``consumer_read_latency_seconds``;
+``consumer_prefetch_depth``, ``consumer_in_flight_steps``, ``consumer_read_latency_seconds``,
+``consumer_read_cpu_share``;
 ``reclaim_passes_total``,
 ``reclaimed_objects_total{kind}``, ``reclaimed_bytes_total{kind}``.
 """
@@ -156,6 +157,12 @@ class BatchWeaveCollector(Collector):
             "Moving average of one step's reads (below prefetch_min_latency: no prefetching).",
             labels=labels,
         )
+        cpu_share = GaugeMetricFamily(
+            "batchweave_consumer_read_cpu_share",
+            "Moving average of the share of a step's reads spent on CPU by the reading thread "
+            "(above prefetch_max_cpu_share: no prefetching).",
+            labels=labels,
+        )
         for consumer in consumers:
             stats = consumer.stats
             values = [consumer.namespace, str(consumer.dp_rank), str(consumer.cp_rank)]
@@ -167,11 +174,14 @@ class BatchWeaveCollector(Collector):
             in_flight.add_metric(values, float(stats.in_flight))
             if stats.read_latency is not None:
                 latency.add_metric(values, stats.read_latency)
+            if stats.read_cpu_share is not None:
+                cpu_share.add_metric(values, stats.read_cpu_share)
         yield from families.values()
         yield amplification
         yield depth
         yield in_flight
         yield latency
+        yield cpu_share
 
 
 class _Metrics:
