@@ -29,6 +29,7 @@ from batchweave import (
     Producer,
     read_footer,
 )
+from batchweave._format._checksum import CHECKSUM_ALGOS, ChecksumAlgo
 from batchweave._format._tgb import TRAILER_SIZE
 from batchweave._manifest._log import ManifestLog
 
@@ -60,6 +61,7 @@ def produce(
     seal: bool = True,
     start: threading.Event | None = None,
     slice_table_limit: int = 32,
+    checksum_algo: ChecksumAlgo = "crc32c",
 ) -> None:
     """``producers`` concurrent producers each publish ``tgbs`` TGBs (offsets 0..tgbs-1).
 
@@ -78,6 +80,7 @@ def produce(
                 mesh=mesh,
                 policy="naive",
                 slice_table_limit=slice_table_limit,
+                checksum_algo=checksum_algo,
             ) as p:
                 for offset in range(tgbs):
                     slices = [
@@ -304,10 +307,16 @@ def _object_of(store: ObjectStore, namespace: str, step: int) -> tuple[str, Any]
     return key, footer
 
 
-def test_corrupt_slice_is_detected_naming_step_object_and_slice() -> None:
+@pytest.mark.parametrize("slice_table_limit", [32, 0], ids=["slice-table", "footer"])
+@pytest.mark.parametrize("algo", CHECKSUM_ALGOS)
+def test_corrupt_slice_is_detected_naming_step_object_slice_and_algorithm(
+    algo: ChecksumAlgo, slice_table_limit: int
+) -> None:
     store = MemoryStore()
     mesh = Mesh(dp=2, cp=2)
-    produce(store, "run", mesh, tgbs=3, size=64)
+    produce(
+        store, "run", mesh, tgbs=3, size=64, slice_table_limit=slice_table_limit, checksum_algo=algo
+    )
     key, footer = _object_of(store, "run", 1)
     data = bytearray(store.get(key))
     data[footer.slices[2].offset + 10] ^= 0x01  # slice (1, 0)
@@ -321,6 +330,7 @@ def test_corrupt_slice_is_detected_naming_step_object_and_slice() -> None:
     assert "step 1" in message
     assert key in message
     assert "slice 2" in message
+    assert algo in message
     # other ranks are unaffected: their slices are intact
     assert len(consume(store, "run", mesh, dp_rank=0, cp_rank=0)) == 3
 
