@@ -65,6 +65,12 @@ def checkpoint_hook(
     reads first: pass the ``state`` that went into the checkpoint if the loop may have advanced
     the consumer since (asynchronous checkpointing); by default the consumer's current state is
     used. Returns the recorded :class:`Watermark` on rank 0.
+
+    Call it again right after restoring a checkpoint (``consumer.load_state_dict(state)``, then
+    this hook with that ``state``): a process killed between writing the checkpoint and this
+    call left that checkpoint without a watermark, and producers with a ``max_lag`` below two
+    checkpoint intervals would block until the next checkpoint, which needs the steps they
+    hold back. For a checkpoint whose watermark was recorded, the call writes the same one again.
     """
     if rank is None:
         env = os.environ if environ is None else environ
