@@ -698,8 +698,6 @@ class Producer:
 
     def _descriptor(self, entry: _Entry, encoded: EncodedTgb) -> TgbDescriptor:
         footer = encoded.footer
-        start = encoded.footer_offset
-        footer_bytes = encoded.data[start : start + encoded.footer_length]
         ref = TgbObjectRef(
             key=entry.key,
             size=encoded.size,
@@ -707,7 +705,7 @@ class Producer:
             slice_count=len(footer.slices),
             footer_offset=encoded.footer_offset,
             footer_length=encoded.footer_length,
-            footer_checksum=checksum(footer_bytes, footer.checksum_algo),
+            footer_checksum=checksum(encoded.footer_bytes, footer.checksum_algo),
             slices=(
                 SliceTable.from_footer(footer)
                 if len(footer.slices) <= self._slice_table_limit
@@ -738,13 +736,13 @@ class Producer:
                     return
                 try:
                     began = self._clock()
-                    self._store.put(key, encoded.data)
+                    self._store.put_parts(key, encoded.parts)
                     took = self._clock() - began
                     self._outage.recovered()
                     with self._cond:
                         if self._first_upload is None:
                             self._first_upload = took
-                        self._policy.observe_put(took, len(encoded.data))
+                        self._policy.observe_put(took, encoded.size)
                     break
                 except _RETRYABLE as exc:
                     attempt += 1

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,13 +165,23 @@ class TimedStore(StoreWrapper):
                 self.events.append(event)
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        self.put_parts(key, (data,), mode=mode)
+
+    def put_parts(
+        self,
+        key: str,
+        parts: Sequence[bytes | memoryview],
+        *,
+        mode: PutMode = PutMode.OVERWRITE,
+    ) -> None:
         start = time.monotonic()
         ok = False
         try:
-            self.inner.put(key, data, mode=mode)
+            self.inner.put_parts(key, parts, mode=mode)
             ok = True
         finally:
-            self._record("cput" if mode is PutMode.CREATE else "put", key, start, len(data), ok)
+            nbytes = sum(memoryview(p).nbytes for p in parts)
+            self._record("cput" if mode is PutMode.CREATE else "put", key, start, nbytes, ok)
 
     def get(self, key: str) -> bytes:
         start = time.monotonic()

@@ -187,6 +187,30 @@ def test_builder_matches_encode_tgb_and_checks_completeness() -> None:
     assert [s.sample_count for s in built.footer.slices] == list(range(10, 16))
 
 
+def test_parts_keep_immutable_payloads_and_copy_mutable_ones() -> None:
+    immutable = b"kept as is" * 100
+    view = memoryview(b"0123456789" * 50)[5:405]
+    mutable = bytearray(b"m" * 300)
+    mutable_view = memoryview(bytearray(b"v" * 200))
+    enc = encode_tgb([immutable, view, mutable, mutable_view], Mesh(dp=4))
+    assert enc.parts[0] is immutable  # uploaded without a copy
+    assert enc.parts[1].obj is view.obj
+    assert enc.parts[2] is not mutable
+    assert enc.parts[3] is not mutable_view
+    before = enc.data
+    mutable[:] = b"x" * 300  # a caller reusing its buffers for the next batch
+    mutable_view[:] = b"y" * 200
+    assert b"".join(enc.parts) == before == enc.data
+    assert enc.size == len(before)
+    start = enc.footer_offset
+    assert enc.footer_bytes == before[start : start + enc.footer_length]
+    store = MemoryStore()
+    store.put_parts(KEY, enc.parts)
+    footer = read_footer(store, KEY)
+    assert read_slice(store, KEY, footer, 2) == b"m" * 300
+    assert read_slice(store, KEY, footer, 3) == b"v" * 200
+
+
 def test_encode_validates_its_arguments() -> None:
     mesh = Mesh(dp=2, cp=2)
     with pytest.raises(

@@ -111,6 +111,22 @@ def test_appended_tgbs_are_committed_in_offset_order_and_readable(store: MemoryS
     assert d.samples == MESH.slices
 
 
+def test_buffers_reused_after_append_do_not_change_what_is_published(store: MemoryStore) -> None:
+    buffers = [bytearray(payloads(0)[i]) for i in range(MESH.slices)]
+    with make(store, policy="fixed10") as p:
+        for off in range(3):
+            for i, buf in enumerate(buffers):
+                buf[:] = payloads(off)[i]  # one set of buffers, refilled for every batch
+            p.append(buffers, offset=off)
+        p.flush()
+    log, m = latest(store)
+    for step, d in log.descriptors(m, 0, m.next_step):
+        key = log.key(d.objects[0].key)
+        footer = read_footer(store, key)
+        got = [read_slice(store, key, footer, i) for i in range(MESH.slices)]
+        assert got == payloads(d.offset), f"step {step}"
+
+
 def test_restart_resumes_after_committed_offset_and_bumps_epoch(store: MemoryStore) -> None:
     with make(store) as p:
         for off in range(5):

@@ -367,3 +367,26 @@ def test_range_reads_resume_after_short_preads(
     assert calls == [100, 1100, 2100, 3100, 4100]
     assert store.get_range("k", Bounded(9_900, 20_000)) == data[9_900:]  # stops at the end
     assert store.get_range("k", Suffix(50)) == data[-50:]
+
+
+def test_put_parts_writes_more_buffers_than_one_writev_takes(store: FileStore) -> None:
+    parts = [bytes([i % 256]) * (i % 7) for i in range(3000)]  # some empty, > IOV_MAX of 1024
+    store.put_parts("many/parts", parts)
+    assert store.get("many/parts") == b"".join(parts)
+
+
+def test_put_parts_finishes_short_writes(store: FileStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.writev
+    calls = 0
+
+    def at_most_five_bytes(fd: int, buffers: list[memoryview]) -> int:
+        nonlocal calls
+        calls += 1
+        return real(fd, [bytes(buffers[0][:5])])
+
+    monkeypatch.setattr(os, "writev", at_most_five_bytes)
+    parts = [b"first part", memoryview(b"-second-"), b"", b"third"]
+    store.put_parts("short/writes", parts)
+    monkeypatch.undo()
+    assert store.get("short/writes") == b"first part-second-third"
+    assert calls == 5  # 10 + 8 + 5 bytes, at most five per call: 2 + 2 + 1 calls

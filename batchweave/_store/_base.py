@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from batchweave._errors import InvalidKey
@@ -135,6 +135,23 @@ class ObjectStore(abc.ABC):
 
         Readers see either the whole new object or none of it.
         """
+
+    def put_parts(
+        self,
+        key: str,
+        parts: Sequence[bytes | memoryview],
+        *,
+        mode: PutMode = PutMode.OVERWRITE,
+    ) -> None:
+        """Write the concatenation of ``parts`` under ``key``, exactly like :meth:`put`.
+
+        Producers hold a TGB as its slices, footer and trailer; joining them into one buffer
+        first costs a copy of the whole object. This default joins and calls :meth:`put` (what
+        an S3 request body needs anyway); stores that can write several buffers at once
+        (``file://`` through ``writev``) override it. Wrappers inherit this default, so a
+        wrapper that intercepts ``put`` sees these writes too.
+        """
+        self.put(key, parts[0] if len(parts) == 1 else b"".join(parts), mode=mode)
 
     def put_if_absent(self, key: str, data: bytes | memoryview) -> None:
         """Create ``key`` only if no object exists there; raise ``ObjectExists`` otherwise."""

@@ -145,6 +145,27 @@ class StoreTests:
         store.put("mv", memoryview(payload)[4:12])
         assert store.get("mv") == b"456789ab"
 
+    def test_put_parts_writes_their_concatenation(self, store: ObjectStore) -> None:
+        base = bytes(range(256)) * 40
+        parts: list[bytes | memoryview] = [
+            base[:7],
+            memoryview(base)[7:9000],
+            b"",
+            memoryview(bytearray(base[9000:])),
+            b"end",
+        ]
+        store.put_parts("parts/obj", parts)
+        assert store.get("parts/obj") == base + b"end"
+        assert store.head("parts/obj").size == len(base) + 3
+        store.put_parts("parts/empty", [])
+        assert store.get("parts/empty") == b""
+
+    def test_put_parts_create_is_conditional(self, store: ObjectStore) -> None:
+        store.put_parts("parts/taken", [b"orig", b"inal"], mode=PutMode.CREATE)
+        with pytest.raises(ObjectExists):
+            store.put_parts("parts/taken", [b"intr", b"uder"], mode=PutMode.CREATE)
+        assert store.get("parts/taken") == b"original"
+
     def test_overwrite_replaces(self, store: ObjectStore) -> None:
         store.put("k", b"first version, longer")
         store.put("k", b"second", mode=PutMode.OVERWRITE)
