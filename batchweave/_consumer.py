@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from batchweave._checks import check_at_least
+from batchweave._checks import check_at_least, check_store
 from batchweave._errors import (
     ChecksumMismatch,
     ConsumerError,
@@ -320,6 +320,7 @@ class Consumer:
         sleep: Callable[[float], None] = time.sleep,
         cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
+        check_store(store)
         check_at_least(0, prefetch=prefetch, retry_budget=retry_budget, start_step=start_step)
         check_at_least(
             1,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import random
 import threading
 import time
@@ -46,6 +47,7 @@ from batchweave._format._checksum import (
     ChecksumAlgo,
     checksum,
 )
+from batchweave._format._codecs import COMPRESSIONS, get_codec
 from batchweave._format._tgb import EncodedTgb, TgbBuilder, encode_tgb
 from batchweave._manifest._log import (
     DEFAULT_TAIL_BYTES_LIMIT,
@@ -159,6 +161,21 @@ class _AmbiguityCounter(StoreWrapper):
         """Do nothing: the store belongs to the caller, who closes it."""
 
 
+def _as_offset(value: object) -> int:
+    """``value`` as a non-negative int offset (NumPy integers too), else ``OffsetOrderError``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        offset = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise OffsetOrderError(
+            f"offset must be a non-negative int, got {value!r} ({type(value).__name__})"
+        ) from None
+    if offset < 0:
+        raise OffsetOrderError(f"offset must be a non-negative int, got {offset}")
+    return offset
+
+
 def _default_backoff(attempt: int) -> float:
     """Capped exponential backoff: 0.05 s, 0.1 s, ... up to 5 s."""
     return float(min(5.0, 0.05 * (2 ** min(attempt, 10))))
@@ -258,6 +275,16 @@ class Producer:
             raise ValueError(
                 f"producer {producer_id!r}: unknown checksum_algo {checksum_algo!r}; expected "
                 f"one of {', '.join(map(repr, CHECKSUM_ALGOS))}"
+            )
+        # Checked before the epoch commit: a typo must not wait for the first append.
+        try:
+            get_codec(codec)
+        except ValueError as exc:
+            raise ValueError(f"producer {producer_id!r}: {exc}") from None
+        if compression is not None and compression not in COMPRESSIONS:
+            raise ValueError(
+                f"producer {producer_id!r}: unknown compression {compression!r}; expected None "
+                f"or one of {', '.join(map(repr, COMPRESSIONS))}"
             )
         self._store = store
         self._namespace = namespace
@@ -403,8 +430,7 @@ class Producer:
         exceeded. Raises :class:`OffsetOrderError` if ``offset`` is not greater than both the
         last appended and the committed offset, and re-raises any background failure.
         """
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-            raise OffsetOrderError(f"offset must be a non-negative int, got {offset!r}")
+        offset = _as_offset(offset)
         with self._cond:
             self._check_usable_locked()
             self._check_offset_locked(offset)
@@ -512,8 +538,12 @@ class Producer:
                 self._closing = True
                 self._cond.notify_all()
             self.flush()
-        finally:
-            self._shutdown(abort=self._error is not None)
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: stop now. Waiting for the commit thread here would
+            # hang for as long as the store keeps refusing commits.
+            self._shutdown(abort=True)
+            raise
+        self._shutdown(abort=self._error is not None)
 
     def abort(self) -> None:
         """Stop the background threads now, without committing what is pending.

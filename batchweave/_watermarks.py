@@ -23,6 +23,7 @@ from typing import Final
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from batchweave._checks import check_store
 from batchweave._errors import FormatError, NamespaceNotFound, ObjectNotFound
 from batchweave._manifest._codec import decode_object, encode_object
 from batchweave._manifest._log import ManifestLog
@@ -96,6 +97,7 @@ class Watermarks:
         keep_last: int | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        check_store(store)
         if namespace.endswith("/"):
             raise ValueError(f"namespace {namespace!r} must not end with '/'")
         validate_key(namespace)

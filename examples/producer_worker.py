@@ -3,7 +3,9 @@
 Run one per producer id (``--producer-id prep-0``, ``prep-1``, ... with matching ``--shard``);
 kill and restart it at will: it resumes at its committed offset under a new epoch, so every
 source batch is published exactly once. SIGTERM (or Ctrl-C) stops it cleanly after committing
-what it has appended. With ``--metrics-port`` it serves Prometheus metrics on 127.0.0.1.
+what it has appended, also while ``append`` is blocked by ``--max-lag`` (no checkpoints are
+advancing the watermarks, e.g. no trainer is running). With ``--metrics-port`` it serves
+Prometheus metrics on 127.0.0.1.
 
     python examples/producer_worker.py --store /tmp/weave --namespace runs/demo \\
         --producer-id prep-0 --shard 0 --shards 2 --batches 100
@@ -55,6 +57,12 @@ def to_slices(table: pa.Table, mesh: bw.Mesh, seq_len: int) -> list[dict[str, np
     return [{"tokens": blocks[i], "ids": ids} for i in range(mesh.slices)]
 
 
+def close_on(stop: threading.Event, producer: bw.Producer) -> None:
+    """Once ``stop`` is set, commit what was appended and stop ``producer``."""
+    stop.wait()
+    producer.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True, help="store URL or directory")
@@ -68,6 +76,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--max-lag", type=int, default=1_000, help="producer max_lag in steps")
     parser.add_argument("--seal", action="store_true", help="seal the namespace when done")
     parser.add_argument("--metrics-port", type=int, help="serve /metrics on 127.0.0.1")
     args = parser.parse_args()
@@ -100,18 +109,27 @@ def main() -> None:
         mesh=mesh,
         codec="tensors",
         policy=bw.instrument_policy("dac"),
-        max_lag=1_000,
+        max_lag=args.max_lag,
     ) as producer:
         bw.track_metrics(producer)
+        # An append blocked by max_lag waits for checkpoints that may never come, so the signal
+        # alone cannot end it. Closing the producer from another thread commits everything
+        # appended so far and makes that append raise ProducerError within a second.
+        threading.Thread(target=close_on, args=(stop, producer), daemon=True).start()
         print(
             f"{args.producer_id}: epoch {producer.epoch}, resuming at offset "
             f"{producer.resume_offset} of {args.batches}"
         )
-        for offset, table in source.iter_from(producer.resume_offset, stop=args.batches):
-            if stop.is_set():
-                print(f"{args.producer_id}: stopping at offset {offset}")
-                break
-            producer.append(to_slices(table, mesh, args.seq_len), offset=offset)
+        try:
+            for offset, table in source.iter_from(producer.resume_offset, stop=args.batches):
+                if stop.is_set():
+                    print(f"{args.producer_id}: stopping at offset {offset}")
+                    break
+                producer.append(to_slices(table, mesh, args.seq_len), offset=offset)
+        except bw.ProducerError:
+            if not stop.is_set():
+                raise
+            print(f"{args.producer_id}: stopping at offset {offset} (was blocked by max_lag)")
         producer.flush()
         stats = producer.stats()
         print(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
+import numpy as np
 import pytest
 from fake_time import FakeTime
 
@@ -233,6 +234,56 @@ def test_offset_not_greater_than_last_appended_is_rejected(store: MemoryStore) -
             p.append(payloads(0), offset=-1)
         p.append(payloads(6), offset=6)  # still usable
     assert committed_offsets(store, "p0") == [5, 6]
+
+
+def test_numpy_integer_offsets_are_accepted_and_other_types_refused(store: MemoryStore) -> None:
+    with make(store) as p:
+        p.append(payloads(3), offset=np.int64(3))  # e.g. from np.arange over a dataset
+        for bad in (True, 4.0, "5", None):
+            with pytest.raises(OffsetOrderError, match="non-negative int"):
+                p.append(payloads(7), offset=bad)  # type: ignore[arg-type]
+        p.flush()
+        assert p.committed_offset == 3
+        assert type(p.committed_offset) is int
+    assert committed_offsets(store, "p0") == [3]
+
+
+def test_unknown_codec_or_compression_is_refused_before_touching_the_store(
+    store: MemoryStore,
+) -> None:
+    with pytest.raises(ValueError, match=r"producer 'p0': unknown codec 'jsn'"):
+        make(store, codec="jsn")
+    with pytest.raises(ValueError, match=r"unknown compression 'gzip'"):
+        make(store, compression="gzip")
+    assert list(store.list()) == []
+
+
+@pytest.mark.timeout(60)  # the bug this guards against is a hang
+def test_interrupted_close_stops_although_commits_keep_failing(store: MemoryStore) -> None:
+    class RefusingCommits(StoreWrapper):
+        refuse = False
+
+        def put(
+            self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE
+        ) -> None:
+            if self.refuse and "/_manifests/" in key:
+                raise TransientStoreError(f"injected: commits keep failing ({key})")
+            super().put(key, data, mode=mode)
+
+    failing = RefusingCommits(store)
+    p = make(failing, policy="naive")
+    failing.refuse = True
+    p.append(payloads(1), offset=1)
+
+    def interrupted(timeout: float | None = None) -> None:
+        raise KeyboardInterrupt  # Ctrl-C while close() waits for the commit
+
+    p.flush = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        p.close()  # before: waited forever for the commit thread, which kept retrying
+    assert not p._committer.is_alive()
+    with pytest.raises(ProducerError, match="closed"):
+        p.append(payloads(2), offset=2)
 
 
 def test_offset_not_greater_than_committed_offset_is_rejected_after_restart(

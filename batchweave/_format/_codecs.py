@@ -175,7 +175,8 @@ def _tensors_encode(value: Any) -> Buffer:
             raise TypeError(f"codec 'tensors' needs str tensor names, got {name!r}")
         if not isinstance(raw, np.ndarray):
             raise TypeError(
-                f"codec 'tensors': tensor {name!r} is a {type(raw).__name__}, not a numpy.ndarray"
+                f"codec 'tensors': tensor {name!r} is a {type(raw).__name__}, not a "
+                "numpy.ndarray; convert it first (np.asarray(x), or tensor.numpy() for torch)"
             )
         dtype_name = _dtype_name(name, raw)
         arr = np.asarray(raw, dtype=TENSOR_DTYPES[dtype_name], order="C")

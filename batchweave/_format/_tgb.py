@@ -261,11 +261,16 @@ class TgbBuilder:
         if self._slices[index] is not None:
             d, c = divmod(index, self.mesh.cp)
             raise ValueError(f"slice ({d}, {c}) was already set")
+        try:
+            # Encoded first: the codec's type check must run before sample_count looks inside.
+            encoded = self._codec.encode(payload)
+        except TypeError as exc:
+            d, c = divmod(index, self.mesh.cp)
+            raise TypeError(f"slice ({d}, {c}): {exc}") from exc
         if sample_count is None:
             sample_count = self._codec.sample_count(payload)
         elif sample_count < 0:
             raise ValueError(f"sample_count must be >= 0, got {sample_count}")
-        encoded = self._codec.encode(payload)
         raw_length = len(memoryview(encoded).cast("B"))
         stored = encoded if self.compression is None else compress(encoded, self.compression)
         self._slices[index] = _StoredSlice(
@@ -354,6 +359,11 @@ def encode_tgb(
     the footer; ``"xxh3"`` objects are written as format 2, which needs a reader of BatchWeave
     with xxh3 support (``docs/format.md``).
     """
+    if isinstance(slices, str | bytes | bytearray | memoryview | Mapping):
+        raise TypeError(
+            f"slices must be a list of dp*cp = {mesh.slices} payloads in (d, c) order for mesh "
+            f"({mesh}), got one {type(slices).__name__}; wrap a single payload in a list"
+        )
     if len(slices) != mesh.slices:
         raise ValueError(
             f"a TGB for mesh {mesh} needs {mesh.slices} slices in (d, c) order, got {len(slices)}"

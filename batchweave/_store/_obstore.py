@@ -47,6 +47,7 @@ _TRANSIENT = re.compile(
     re.IGNORECASE,
 )
 _UNREACHABLE = re.compile(r"connection refused|error sending request|dns|tcp connect", re.I)
+_INSTANCE_METADATA = "169.254.169.254"
 
 
 def _import_obstore() -> Any:
@@ -146,6 +147,13 @@ class ObstoreS3Store(S3Location):
         write = op in ("put", "put_if_absent", "delete")
         if "NoSuchBucket" in message:
             return self._missing_bucket(detail)
+        if _INSTANCE_METADATA in message:
+            # No credentials were configured, so obstore asked EC2 instance metadata, and failed.
+            return AccessDenied(
+                f"cannot {what}: no usable AWS credentials (obstore fell back to the EC2 "
+                "instance metadata endpoint, which failed); pass access_key_id and "
+                "secret_access_key or set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+            )
         exists = (errors.AlreadyExistsError, errors.PreconditionError, FileExistsError)
         if op == "put_if_absent" and isinstance(exc, exists):
             return ObjectExists(detail)

@@ -13,9 +13,11 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from batchweave._errors import (
+    AmbiguousWriteError,
     ConditionalWritesUnsupported,
     InvalidStoreURL,
     ObjectExists,
+    ObjectNotFound,
     StoreError,
 )
 from batchweave._store._base import ObjectStore
@@ -24,14 +26,15 @@ from batchweave._store._memory import MemoryStore
 from batchweave._store._obstore import ObstoreS3Store
 from batchweave._store._s3 import S3Store
 
-__all__ = ["PROBE_PREFIX", "ensure_conditional_writes", "open_store"]
+__all__ = ["PROBE_PREFIX", "SCHEMES", "ensure_conditional_writes", "open_store"]
 
 _log = logging.getLogger("batchweave.store")
 
 PROBE_PREFIX = "_batchweave/probe-"
 """Keys of the conditional-write probe objects (deleted right after the probe)."""
 
-_SCHEMES = ("file", "s3", "memory")
+SCHEMES = ("file", "s3", "memory")
+"""URL schemes ``open_store`` serves."""
 
 S3_CLIENTS = ("boto3", "obstore")
 """Backends ``open_store`` can use for ``s3://``: boto3 (the default) or obstore (optional)."""
@@ -84,16 +87,13 @@ def _construct(url: str, options: dict[str, Any], s3_client: str) -> ObjectStore
     if s3_client not in S3_CLIENTS:
         raise ValueError(f"unknown s3_client {s3_client!r}; expected one of {S3_CLIENTS}")
     if not isinstance(url, str) or "://" not in url:
-        raise InvalidStoreURL(
-            f"store URL {url!r} has no scheme; use file:///absolute/path, s3://bucket/prefix "
-            "or memory://name"
-        )
+        raise InvalidStoreURL(_missing_slashes(url))
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    if scheme not in _SCHEMES:
+    if scheme not in SCHEMES:
         raise InvalidStoreURL(
             f"store URL {url!r} has the unsupported scheme {parts.scheme!r}; "
-            f"supported: {', '.join(s + '://' for s in _SCHEMES)}"
+            f"supported: {', '.join(s + '://' for s in SCHEMES)}"
         )
     if parts.query or parts.fragment:
         raise InvalidStoreURL(
@@ -126,6 +126,40 @@ def _construct(url: str, options: dict[str, Any], s3_client: str) -> ObjectStore
     return S3Store(parts.netloc, unquote(parts.path), **options)
 
 
+def _missing_slashes(url: object) -> str:
+    """Why ``url`` (without ``://``) is not a store URL, with the URL the user probably meant."""
+    usage = "use file:///absolute/path, s3://bucket/prefix or memory://name"
+    if not isinstance(url, str):
+        return f"store URL must be a str, got {type(url).__name__}; {usage}"
+    scheme, colon, rest = url.partition(":")
+    if colon and scheme.lower() in SCHEMES:
+        if scheme.lower() == "file":
+            if not rest.startswith("/"):
+                return f"file URL {url!r} needs an absolute path: file:///absolute/path"
+            meant = f"file://{rest}"  # rest is '/abs/path': no '://' got us here
+        else:
+            meant = f"{scheme}://{rest.lstrip('/')}"
+        return f"store URL {url!r} is missing slashes after '{scheme}:'; did you mean {meant!r}?"
+    if url.startswith("/"):
+        return f"store URL {url!r} has no scheme; for a local directory use 'file://{url}'"
+    return f"store URL {url!r} has no scheme; {usage}"
+
+
+def _read_back_probe(store: ObjectStore, key: str, ambiguous: AmbiguousWriteError) -> None:
+    """Resolve an ambiguous probe create by reading it back, as the error says to do.
+
+    If it landed, the probe goes on. If the read fails too, its error names the real problem (an
+    endpoint that refuses connections, missing credentials) rather than an ambiguity the user
+    can do nothing about; if the probe is simply absent, the ambiguity stands.
+    """
+    try:
+        store.head(key)
+    except ObjectNotFound:
+        raise ambiguous from None
+    except StoreError as exc:
+        raise exc from ambiguous
+
+
 _verified: weakref.WeakSet[ObjectStore] = weakref.WeakSet()
 _verified_lock = threading.Lock()
 
@@ -143,7 +177,10 @@ def ensure_conditional_writes(store: ObjectStore) -> None:
     key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
     # ObjectExists here means our own retried first attempt landed: all the probe needs.
     with contextlib.suppress(ObjectExists):
-        store.put_if_absent(key, b"probe-1")
+        try:
+            store.put_if_absent(key, b"probe-1")
+        except AmbiguousWriteError as exc:
+            _read_back_probe(store, key, exc)
     try:
         store.put_if_absent(key, b"probe-2")
     except ObjectExists:

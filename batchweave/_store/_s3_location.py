@@ -8,6 +8,7 @@ error wording live here once, so the two cannot drift apart.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from urllib.parse import urlsplit
 
 from batchweave._errors import InvalidStoreURL
 from batchweave._store._base import ObjectStore, validate_key
@@ -35,6 +36,13 @@ class S3Location(ObjectStore):
         prefix = prefix.strip("/")
         if prefix:
             validate_key(prefix)
+        if endpoint_url is not None:
+            parts = urlsplit(endpoint_url) if isinstance(endpoint_url, str) else None
+            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+                raise InvalidStoreURL(
+                    f"endpoint_url {endpoint_url!r} for s3://{bucket} is not an http(s) URL; "
+                    "give scheme, host and port, e.g. http://127.0.0.1:9000"
+                )
         self.bucket = bucket
         self.prefix = f"{prefix}/" if prefix else ""
         self.endpoint_url = endpoint_url

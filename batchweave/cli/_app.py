@@ -253,6 +253,8 @@ def export(
     """Export batch membership history (step, dp, cp, producer, offset, bytes, sample ids)
     to a Lance dataset or a Parquet file at DESTINATION."""
     namespace = validate_namespace(namespace)
+    if start is not None and stop is not None and stop <= start:
+        raise CliFailure(f"--stop {stop} must be greater than --start {start}")
     if fmt == "auto":
         fmt = "parquet" if destination.suffix == ".parquet" else "lance"
     if destination.exists() and not overwrite:
@@ -288,7 +290,7 @@ def export(
     "--store",
     "store",
     default=None,
-    help="Store URL or directory (default: ./weave-data if writable, else a temp dir).",
+    help="Store URL or directory (default: ./weave-data/store if writable, else a temp dir).",
 )
 @click.option("--namespace", default=None, help="Namespace (default: demo-<random>).")
 @click.option("--producers", default=3, show_default=True, help="Producer processes.")
@@ -304,7 +306,11 @@ def export(
 @click.option("--max-lag", default=60, show_default=True, help="Producer max_lag in steps.")
 @click.option("--checkpoint-every", default=10, show_default=True, help="Steps per checkpoint.")
 @click.option("--no-kill", is_flag=True, help="Do not SIGKILL a producer and a consumer halfway.")
-@click.option("--keep", is_flag=True, help="Keep the namespace and work files afterwards.")
+@click.option(
+    "--keep",
+    is_flag=True,
+    help="Keep the work directory (corpus, logs, checkpoints); the namespace always stays.",
+)
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics here.")
 @store_options
 def demo(**kwargs: Any) -> None:

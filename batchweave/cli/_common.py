@@ -15,7 +15,7 @@ from rich.console import Console
 
 from batchweave._errors import BatchWeaveError, InvalidStoreURL
 from batchweave._store._base import ObjectStore, validate_key
-from batchweave._store._open import open_store
+from batchweave._store._open import SCHEMES, open_store
 
 __all__ = [
     "DEBUG_ENV",
@@ -60,8 +60,12 @@ def one_line(exc: BaseException) -> str:
 
 
 def store_url(location: str) -> str:
-    """A store URL from ``location``: URLs pass through, a plain path becomes ``file://``."""
-    if "://" in location:
+    """A store URL from ``location``: URLs pass through, a plain path becomes ``file://``.
+
+    A mistyped URL (``file:/abs``, ``s3:bucket``) passes through too, so ``open_store`` explains
+    it instead of it becoming a directory named ``file:``.
+    """
+    if "://" in location or location.partition(":")[0].lower() in SCHEMES:
         return location
     if not location:
         raise InvalidStoreURL("empty store location; give a URL (s3://bucket/prefix) or a path")
@@ -98,12 +102,15 @@ def store_options(func: F) -> F:
     return func
 
 
-def open_cli_store(location: str, options: dict[str, Any], *, writes: bool) -> ObjectStore:
+def open_cli_store(
+    location: str, options: dict[str, Any], *, writes: bool, create: bool = False
+) -> ObjectStore:
     """Open ``location`` with the S3 options that were given.
 
     ``writes``: the command will commit or delete, so the store is probed for enforced
     conditional writes first; read-only commands skip the probe (they may run with read-only
-    credentials).
+    credentials). A ``file://`` store directory must exist unless ``create`` (only ``demo``
+    makes new stores): a mistyped path is reported, not created.
     """
     url = store_url(location)
     s3 = {
@@ -113,10 +120,14 @@ def open_cli_store(location: str, options: dict[str, Any], *, writes: bool) -> O
     }
     if s3 and not url.lower().startswith("s3://"):
         raise CliFailure(f"{', '.join('--' + k.replace('_', '-') for k in s3)} apply to s3:// only")
-    if url.lower().startswith("file://") and not writes:
-        path = Path(unquote(urlsplit(url).path))
+    parts = urlsplit(url)
+    # A malformed file URL (no '//', or naming a host) is left to open_store, which explains it.
+    well_formed = "://" in url and parts.netloc in ("", "localhost")
+    if parts.scheme.lower() == "file" and well_formed and not create:
+        path = Path(unquote(parts.path))
         if not path.is_dir():
-            raise CliFailure(f"no store directory at {path}; check the path")
+            what = "it is a file" if path.exists() else "it does not exist"
+            raise CliFailure(f"no store directory at {path} ({what}); check the path")
     return open_store(url, verify_conditional_writes=writes, **s3)
 
 
