@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import operator
 import os
 
-__all__ = ["check_at_least", "check_store"]
+__all__ = ["as_int", "check_at_least", "check_store"]
 
 
 def check_at_least(minimum: int, **values: int) -> None:
@@ -24,3 +25,20 @@ def check_store(store: object) -> None:
             f"expected an opened store, got the {type(store).__name__} {store!r}; open it "
             "first (store = batchweave.open_store(url)) and pass the store"
         )
+
+
+def as_int(name: str, value: object) -> int:
+    """``value`` as a plain ``int`` (NumPy and torch integers too), else ``TypeError``.
+
+    Offsets and coordinates end up in manifests and ``state_dict()``s, which must survive JSON,
+    strict models and ``torch.load(weights_only=True)``; a NumPy integer survives none of them.
+    """
+    if not isinstance(value, bool):  # an int, but True/False as a number is a mistake
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise TypeError(
+        f"{name} must be an integer, got the {type(value).__name__} {value!r}; convert it first "
+        f"(e.g. {name}=int(...))"
+    )

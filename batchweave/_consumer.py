@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from batchweave._checks import check_at_least, check_store
+from batchweave._checks import as_int, check_at_least, check_store
 from batchweave._errors import (
     ChecksumMismatch,
     ConsumerError,
@@ -321,6 +321,9 @@ class Consumer:
         cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
         check_store(store)
+        # Plain ints: they end up in state_dict(), which must survive json and
+        # torch.load(weights_only=True); a numpy integer would not.
+        start_step, stride = as_int("start_step", start_step), as_int("stride", stride)
         check_at_least(0, prefetch=prefetch, retry_budget=retry_budget, start_step=start_step)
         check_at_least(
             1,
@@ -484,7 +487,10 @@ class Consumer:
 
     def __next__(self) -> tuple[int, Any]:
         if self._closed:
-            raise ConsumerError(f"{self!r} is closed")
+            raise ConsumerError(
+                f"{self!r} is closed; to continue, create a new Consumer and load this one's "
+                "state_dict() into it"
+            )
         started = self._clock()
         try:
             return self._next()
@@ -502,7 +508,13 @@ class Consumer:
         self._ensure_open(wait=wait)
 
     def close(self) -> None:
-        """Stop prefetching and release the read threads. Idempotent."""
+        """Stop prefetching and release the read threads. Idempotent.
+
+        May be called from another thread: a ``next()`` waiting for producers, for the
+        namespace or for the end of an outage then raises :class:`ConsumerError` once its
+        current sleep (at most ``max_poll_interval`` or ``max_retry_backoff``) or store request
+        ends.
+        """
         self._closed = True
         self._unregister()  # runs once, however often close() is called
         self._drop_window()
@@ -605,14 +617,26 @@ class Consumer:
             raise
         self._window.popleft()
         self._next_step = step + self.stride
+        try:
+            self._ramp()
+            ahead = self._read_ahead()
+            # The first step returns before any read is handed to the pool: starting a worker
+            # thread costs the caller a scheduling round-trip on a busy machine, right when
+            # time to first batch counts. Prefetching starts with the second call.
+            if self._delivered_any and ahead:
+                self._top_up(ahead)  # may poll the manifest: I/O after the step was read
+        except Exception as exc:
+            # Reading ahead is an optimisation: its error belongs to a later step and surfaces
+            # there, when that step is read on demand. This step's data is in hand.
+            self._drop_window()
+            _log.debug("%s: reading ahead of step %d failed: %s", self._where, step, exc)
+        except BaseException:
+            # Ctrl-C (or SystemExit) before the step reached the caller: it was not delivered,
+            # so state_dict() must not count it, or a resumed run would skip it.
+            self._next_step = step
+            self._drop_window()
+            raise
         self._counters.delivered(nbytes, self._clock() - self._created_at)
-        self._ramp()
-        ahead = self._read_ahead()
-        if self._delivered_any and ahead:
-            self._top_up(ahead)
-        # The first step returns before any read is handed to the pool: starting a worker
-        # thread costs the caller a scheduling round-trip on a busy machine, right when time to
-        # first batch counts. Prefetching starts with the second call.
         self._delivered_any = True
         return step, data
 
@@ -685,6 +709,7 @@ class Consumer:
         started = self._clock()
         failures = 0
         while True:
+            self._check_not_closed(f"waiting for step {step}")
             if step < self._projection.end_step(self._manifest.next_step):
                 return True
             if self._manifest.sealed:
@@ -719,6 +744,11 @@ class Consumer:
                 f"failures, last: {exc}"
             ) from exc
         return failures
+
+    def _check_not_closed(self, doing: str) -> None:
+        """Stop waiting or retrying once :meth:`close` was called (from another thread)."""
+        if self._closed:
+            raise ConsumerError(f"{self!r} was closed while {doing}")
 
     def _sleep_or_time_out(
         self, started: float, delay: float, error: Callable[[], ConsumerError]
@@ -777,6 +807,7 @@ class Consumer:
                 self._outage.failed(f"opening {self._where}", exc)
             except _RETRYABLE as exc:
                 failures = self._manifest_read_failed(failures, exc, "")
+            self._check_not_closed(f"waiting to open {self._where}")
             self._sleep_or_time_out(
                 started,
                 self._poll_delay,
@@ -1051,6 +1082,8 @@ class Consumer:
                     f"{what}: the object is gone: it was reclaimed (this consumer fell behind "
                     "the checkpoint watermarks) or deleted by hand; resume from a later checkpoint"
                 ) from exc
+            # Also stops a read-ahead job of a closed consumer that waits out an outage.
+            self._check_not_closed(f"retrying {what}")
             self._counters.add(retries=1)
             # The exponent is capped: an outage can last thousands of retries, and 2.0**1024
             # overflows a float.
@@ -1102,6 +1135,9 @@ def _resolve_coordinates(
     order: str,
     environ: Mapping[str, str] | None,
 ) -> tuple[int, int]:
+    tp, pp = as_int("tp", tp), as_int("pp", pp)
+    dp_rank = None if dp_rank is None else as_int("dp_rank", dp_rank)
+    cp_rank = None if cp_rank is None else as_int("cp_rank", cp_rank)
     if dp_rank is None and cp_rank is None:
         coords = coordinates_from_env(mesh, tp=tp, pp=pp, order=order, environ=environ)
         return coords.dp_rank, coords.cp_rank

@@ -18,10 +18,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from batchweave._checks import check_at_least, check_store
-from batchweave._consumer import Consumer
 from batchweave._errors import NamespaceNotFound, ObjectNotFound, TransientStoreError
 from batchweave._manifest._log import (
     MANIFESTS_DIR,
@@ -35,7 +34,7 @@ from batchweave._manifest._segments import SEGMENTS_DIR
 from batchweave._store._base import ObjectMeta, ObjectStore
 from batchweave._watermarks import Watermark, Watermarks
 
-__all__ = ["DATA_DIR", "ReclaimReport", "Reclaimer", "checkpoint_hook"]
+__all__ = ["DATA_DIR", "ReclaimReport", "Reclaimer", "Resumable", "checkpoint_hook"]
 
 _log = logging.getLogger("batchweave.lifecycle")
 
@@ -48,8 +47,22 @@ _OWN_KEYS = re.compile(
 only if they match: another tool's files under the namespace are never touched."""
 
 
+class Resumable(Protocol):
+    """What :func:`checkpoint_hook` needs: a :class:`~batchweave.Consumer` or a
+    ``batchweave.torch.WeaveLoader``."""
+
+    def resume_tgb_step(self, state: Mapping[str, Any] | None = None) -> int:
+        """The first TGB step resuming from ``state`` (default: the current state) reads."""
+        ...
+
+    @property
+    def manifest_version(self) -> int | None:
+        """The newest manifest version read, or ``None`` (the latest is recorded then)."""
+        ...
+
+
 def checkpoint_hook(
-    consumer: Consumer,
+    consumer: Resumable,
     watermarks: Watermarks,
     checkpoint_id: str,
     *,
@@ -64,7 +77,9 @@ def checkpoint_hook(
     ``None``. The watermark's step is the manifest step that resuming from the consumer's state
     reads first: pass the ``state`` that went into the checkpoint if the loop may have advanced
     the consumer since (asynchronous checkpointing); by default the consumer's current state is
-    used. Returns the recorded :class:`Watermark` on rank 0.
+    used. ``consumer`` may also be a ``batchweave.torch.WeaveLoader`` (anything with
+    ``resume_tgb_step`` and ``manifest_version``). Returns the recorded :class:`Watermark` on
+    rank 0.
 
     Call it again right after restoring a checkpoint (``consumer.load_state_dict(state)``, then
     this hook with that ``state``): a process killed between writing the checkpoint and this

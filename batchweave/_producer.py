@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import random
 import threading
 import time
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from batchweave._checks import check_at_least
+from batchweave._checks import as_int, check_at_least
 from batchweave._errors import (
     AmbiguousWriteError,
     NamespaceSealed,
@@ -164,13 +163,9 @@ class _AmbiguityCounter(StoreWrapper):
 def _as_offset(value: object) -> int:
     """``value`` as a non-negative int offset (NumPy integers too), else ``OffsetOrderError``."""
     try:
-        if isinstance(value, bool):
-            raise TypeError
-        offset = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise OffsetOrderError(
-            f"offset must be a non-negative int, got {value!r} ({type(value).__name__})"
-        ) from None
+        offset = as_int("offset", value)
+    except TypeError as exc:
+        raise OffsetOrderError(str(exc)) from None
     if offset < 0:
         raise OffsetOrderError(f"offset must be a non-negative int, got {offset}")
     return offset

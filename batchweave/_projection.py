@@ -88,9 +88,19 @@ def coordinates_for_rank(
     sizes = {"tp": tp, "cp": mesh.cp, "dp": mesh.dp, "pp": pp}
     expected = tp * mesh.cp * mesh.dp * pp
     if world_size != expected:
+        if world_size > 0 and world_size % mesh.slices == 0:
+            hint = (
+                f"the mesh fits if tp x pp = {world_size // mesh.slices}: pass the job's tp= and "
+                "pp= degrees"
+            )
+        else:
+            hint = (
+                f"WORLD_SIZE must be a multiple of dp x cp = {mesh.slices}: check the mesh "
+                "(Mesh(dp=..., cp=...) are the training job's degrees) and WORLD_SIZE"
+            )
         raise ValueError(
             f"WORLD_SIZE={world_size} does not match tp={tp} x cp={mesh.cp} x dp={mesh.dp} x "
-            f"pp={pp} = {expected}; pass the consumer's tp/pp degrees or explicit dp_rank/cp_rank"
+            f"pp={pp} = {expected}; {hint}, or pass explicit dp_rank/cp_rank"
         )
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank} is outside [0, WORLD_SIZE={world_size})")

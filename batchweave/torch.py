@@ -14,10 +14,12 @@ resumes there (with any number of workers). Requires ``torch`` (``pip install ba
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset, default_convert, get_worker_info
 
 from batchweave._consumer import Consumer
 from batchweave._errors import NamespaceNotFound
@@ -26,9 +28,39 @@ from batchweave._projection import DEFAULT_RANK_ORDER, coordinates_from_env
 from batchweave._store._base import ObjectStore
 from batchweave._store._open import open_store
 
-__all__ = ["WeaveDataset", "WeaveLoader"]
+__all__ = ["WeaveDataset", "WeaveLoader", "to_tensors"]
+
+_default_convert: Callable[[Any], Any] = default_convert  # untyped in torch
 
 _LOADER_OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
+
+
+def to_tensors(item: Any) -> Any:
+    """:class:`WeaveLoader`'s default ``collate_fn``: numpy arrays become tensors the loop owns.
+
+    Decoded arrays are read-only views of the read buffer (for large slices on ``file://``, of a
+    read-only memory map), and a tensor cannot be read-only: an in-place op on a tensor viewing
+    such a map kills the process with SIGSEGV. So in the main process (``num_workers=0``)
+    read-only arrays are copied first. In a DataLoader worker they are converted without a copy:
+    sending a tensor to the main process moves it into shared memory, which is a copy already.
+    Everything else is left as ``torch.utils.data.default_convert`` leaves it.
+    """
+    if get_worker_info() is None:
+        return _default_convert(_writable(item))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        return _default_convert(item)
+
+
+def _writable(item: Any) -> Any:
+    """``item`` with every read-only numpy array (in dicts, lists and tuples) replaced by a copy."""
+    if isinstance(item, np.ndarray):
+        return item if item.flags.writeable else item.copy()
+    if isinstance(item, dict):
+        return {key: _writable(value) for key, value in item.items()}
+    if isinstance(item, list | tuple):
+        return type(item)(_writable(value) for value in item)
+    return item
 
 
 class WeaveDataset(IterableDataset[tuple[int, Any]]):
@@ -116,8 +148,9 @@ class WeaveLoader:
     """Iterates a :class:`WeaveDataset` through a ``DataLoader``; checkpointable (``Stateful``).
 
     ``dataloader_options`` go to ``torch.utils.data.DataLoader`` (``num_workers``,
-    ``pin_memory``, ``prefetch_factor``, ``collate_fn``, ``multiprocessing_context``, ...). Each
-    item already is one step's batch, so batching and sampling options are refused, as are
+    ``pin_memory``, ``prefetch_factor``, ``collate_fn`` (default :func:`to_tensors`),
+    ``multiprocessing_context``, ...). Each item already is one step's batch, so batching and
+    sampling options are refused, as are
     ``persistent_workers`` (workers must restart at the resume step) and ``in_order=False``
     (delivery order is the step order). A new DataLoader is made per ``iter()``, which continues
     where the previous iteration stopped.
@@ -135,7 +168,7 @@ class WeaveLoader:
         if dataloader_options.get("in_order", True) is not True:
             raise ValueError("in_order=False would deliver steps out of order; leave it on")
         self.dataset = dataset
-        self.dataloader_options = dataloader_options
+        self.dataloader_options = {"collate_fn": to_tensors, **dataloader_options}
         self._next_step: int | None = None
         self._shadow_store: ObjectStore | None = None
         self._shadow: Consumer | None = None
@@ -166,6 +199,22 @@ class WeaveLoader:
         if self._next_step is not None:
             state["step"] = self._next_step
         return state
+
+    def resume_tgb_step(self, state: Mapping[str, Any] | None = None) -> int:
+        """The first TGB step resuming from ``state`` (default: :meth:`state_dict`) reads.
+
+        With :attr:`manifest_version` this makes the loader usable with
+        :func:`batchweave.checkpoint_hook`, like a :class:`Consumer`.
+        """
+        return self._consumer().resume_tgb_step(self.state_dict() if state is None else state)
+
+    @property
+    def manifest_version(self) -> int | None:
+        """Always ``None``: the loader's reads run in its workers, which hold the manifests.
+
+        :func:`batchweave.checkpoint_hook` then records the namespace's latest version.
+        """
+        return None
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at ``state["step"]``: checked against the namespace, re-anchored if DP changed."""
