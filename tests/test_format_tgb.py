@@ -211,6 +211,19 @@ def test_parts_keep_immutable_payloads_and_copy_mutable_ones() -> None:
     assert read_slice(store, KEY, footer, 3) == b"v" * 200
 
 
+def test_an_encoded_tgb_of_one_part_reads_the_same() -> None:
+    enc = encode_tgb([b"abc" * 50, b"de" * 9], Mesh(dp=2))
+    whole = EncodedTgb(
+        parts=(enc.data,),
+        footer=enc.footer,
+        footer_offset=enc.footer_offset,
+        footer_length=enc.footer_length,
+    )
+    assert whole.size == enc.size == len(enc.data)
+    assert whole.footer_bytes == enc.footer_bytes
+    assert whole.data == enc.data
+
+
 def test_encode_validates_its_arguments() -> None:
     mesh = Mesh(dp=2, cp=2)
     with pytest.raises(

@@ -200,12 +200,14 @@ class EncodedTgb:
     @property
     def footer_bytes(self) -> bytes | memoryview:
         """The footer JSON (``data[footer_offset : footer_offset + footer_length]``)."""
-        return self.parts[-2]
+        if len(self.parts) >= 2 and len(self.parts[-2]) == self.footer_length:
+            return self.parts[-2]  # laid out as built: ..., footer, trailer
+        return self.data[self.footer_offset : self.footer_offset + self.footer_length]
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         """Total object size in bytes."""
-        return self.footer_offset + self.footer_length + TRAILER_SIZE
+        return sum(memoryview(part).nbytes for part in self.parts)
 
 
 # --------------------------------------------------------------------------------------------
