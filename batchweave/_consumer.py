@@ -846,7 +846,8 @@ class Consumer:
             raise StepReclaimed(
                 f"{self._where}: step {step} needs TGB step {first}, but steps below "
                 f"{self._manifest.base_step} were reclaimed (manifest version "
-                f"{self._manifest.version}); resume from a later checkpoint"
+                f"{self._manifest.version}); resume from a later checkpoint, or, for a run "
+                "that does not need those steps, start past them with Consumer(start_step=...)"
             )
 
     # -- reading -----------------------------------------------------------------------------

@@ -172,6 +172,6 @@ def test_resuming_below_the_reclaimed_boundary_is_refused() -> None:
     c.close()
     with pytest.raises(StepReclaimed, match=r"step 2 needs TGB step 2.*below 4"):
         Consumer(store, "run", mesh=mesh, dp_rank=0).load_state_dict(state)
-    with pytest.raises(StepReclaimed, match=r"step 0 needs TGB step 0"):
+    with pytest.raises(StepReclaimed, match=r"step 0 needs TGB step 0.*start_step"):
         next(Consumer(store, "run", mesh=mesh, dp_rank=0))
     assert [s for s, _ in Consumer(store, "run", mesh=mesh, dp_rank=1, start_step=4)] == [4, 5]
