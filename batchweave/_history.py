@@ -13,7 +13,10 @@ slice, in ``(d, c)`` order) gets them exported.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -99,8 +102,9 @@ def read_object_footer(store: ObjectStore, key: str, ref: TgbObjectRef) -> TgbFo
     buf = store.get_range(key, Bounded(ref.footer_offset, end))
     if len(buf) != end - ref.footer_offset:
         raise FormatError(
-            f"object {key!r} is truncated: expected {ref.size} bytes, the footer range ends at "
-            f"{ref.footer_offset + len(buf)}"
+            f"object {key!r} is truncated: the manifest records {ref.size} bytes, but reading "
+            f"its footer (bytes {ref.footer_offset}..{end - 1}) returned {len(buf)}; the object "
+            "was damaged or replaced"
         )
     footer = parse_footer(buf, key=key)
     computed = checksum(buf[: ref.footer_length], footer.checksum_algo)
@@ -215,10 +219,22 @@ def write_parquet(
     start: int | None = None,
     stop: int | None = None,
 ) -> int:
-    """Write the membership history to the Parquet file ``path``; return the row count."""
+    """Write the membership history to the Parquet file ``path``; return the row count.
+
+    The file appears only complete: rows go to a temporary file next to ``path``, renamed over
+    it at the end. An export that fails midway (a damaged object, a store error) leaves no
+    truncated file that would pass for the whole history.
+    """
     rows = 0
-    with pq.ParquetWriter(path, MEMBERSHIP_SCHEMA) as writer:
-        for batch in membership_batches(store, namespace, start=start, stop=stop):
-            writer.write_batch(batch)
-            rows += batch.num_rows
+    partial = f"{path}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        with pq.ParquetWriter(partial, MEMBERSHIP_SCHEMA) as writer:
+            for batch in membership_batches(store, namespace, start=start, stop=stop):
+                writer.write_batch(batch)
+                rows += batch.num_rows
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        raise
     return rows

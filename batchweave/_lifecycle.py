@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from batchweave._checks import check_at_least, check_store
-from batchweave._errors import NamespaceNotFound, ObjectNotFound, TransientStoreError
+from batchweave._errors import (
+    NamespaceNotFound,
+    ObjectNotFound,
+    StoreError,
+    StoreUnavailable,
+    TransientStoreError,
+)
 from batchweave._manifest._log import (
     MANIFESTS_DIR,
     PROBE_TRUST_SECONDS,
@@ -218,6 +224,8 @@ class Reclaimer:
         self._rng = random.Random()
         self._swept_below: int | None = None
         """A base_step whose lower steps this instance already deleted (skip finding them)."""
+        self._refused: list[StoreError] = []
+        """Deletions the store refused during the current pass (raised at its end)."""
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -276,19 +284,22 @@ class Reclaimer:
             return self._run_once()
 
     def _run_once(self) -> ReclaimReport:
+        self._refused = []
         started = self._clock()
         marks = self._watermarks.live()
         boundary = marks[0].step if marks else 0
         try:
             latest = self._log.latest()
         except NamespaceNotFound:
-            return ReclaimReport(
+            self.last_report = ReclaimReport(
                 boundary=boundary,
                 watermarks=len(marks),
                 base_step_before=0,
                 base_step_after=0,
                 latest_version=-1,
+                seconds=self._clock() - started,
             )
+            return self.last_report
         before = latest.base_step
         latest, cut_from, conflicts = self._commit_boundary(latest, boundary)
         now = self._clock()
@@ -321,6 +332,14 @@ class Reclaimer:
             seconds=self._clock() - started,
         )
         self.last_report = report
+        if self._refused:
+            first = self._refused[0]
+            raise type(first)(
+                f"{self.store.url}/{self.namespace}: the store refused to delete "
+                f"{len(self._refused)} objects (first: {first}); the rest of the pass went on "
+                f"({report.objects_deleted} objects deleted, base_step {latest.base_step}). Fix "
+                "the permissions (or object lock) on those keys; the next pass retries them"
+            ) from first
         if report.objects_deleted or before != latest.base_step:
             _log.info(
                 "%s/%s: base_step %d -> %d (boundary %d); deleted %d TGB objects, %d orphans, "
@@ -396,13 +415,14 @@ class Reclaimer:
                 reclaimed.append(meta)
             elif meta.last_modified <= cutoff and _OWN_KEYS.fullmatch(rel):
                 orphans.append(meta)
-        self._delete(reclaimed)
-        tally.add("tgb", reclaimed)
-        self._delete(orphans)
+        refused = len(self._refused)
+        tally.add("tgb", self._delete(reclaimed))
+        orphans = self._delete(orphans)
         tally.add("orphan", orphans)
         for meta in orphans:
             _log.info("deleted orphan %r (%d bytes, unreferenced)", meta.key, meta.size)
-        self._swept_below = latest.base_step
+        if len(self._refused) == refused:
+            self._swept_below = latest.base_step
 
     def _newest_below(
         self, numbered: list[tuple[int, ObjectMeta]], latest: Manifest
@@ -469,8 +489,7 @@ class Reclaimer:
             and meta.last_modified <= cutoff
             and _OWN_KEYS.fullmatch(self._relative(meta.key))
         ]
-        self._delete(doomed)
-        tally.add("segment", doomed)
+        tally.add("segment", self._delete(doomed))
 
     def _delete_manifests(
         self, numbered: list[tuple[int, ObjectMeta]], below: int, tally: _Tally
@@ -480,7 +499,8 @@ class Reclaimer:
         for version, meta in numbered:
             if version >= below:
                 break
-            self.store.delete_many([meta.key])
+            if not self._delete([meta]):
+                break  # never delete a newer version while an older one survives
             tally.add("manifest", [meta])
 
     # -- helpers -------------------------------------------------------------------------------
@@ -491,9 +511,36 @@ class Reclaimer:
     def _relative(self, key: str) -> str:
         return key[len(self.namespace) + 1 :]
 
-    def _delete(self, metas: list[ObjectMeta]) -> None:
+    def _delete(self, metas: list[ObjectMeta]) -> list[ObjectMeta]:
+        """Delete ``metas`` in batches and return those deleted.
+
+        A batch the store refuses (permission denied on some keys, an object lock) is retried
+        key by key, and the keys still refused are skipped and recorded, so one undeletable
+        object does not stop the whole pass; the pass raises at its end. An unreachable or
+        failing store (``StoreUnavailable``, ``TransientStoreError``) stops the pass at once.
+        """
+        deleted: list[ObjectMeta] = []
         for i in range(0, len(metas), self._delete_batch):
-            self.store.delete_many([m.key for m in metas[i : i + self._delete_batch]])
+            chunk = metas[i : i + self._delete_batch]
+            try:
+                self.store.delete_many([m.key for m in chunk])
+            except (StoreUnavailable, TransientStoreError):
+                raise
+            except StoreError:
+                for meta in chunk:
+                    try:
+                        self.store.delete_many([meta.key])
+                    except (StoreUnavailable, TransientStoreError):
+                        raise
+                    except StoreError as exc:
+                        level = logging.WARNING if not self._refused else logging.DEBUG
+                        _log.log(level, "cannot delete %r, skipping it: %s", meta.key, exc)
+                        self._refused.append(exc)
+                    else:
+                        deleted.append(meta)
+            else:
+                deleted.extend(chunk)
+        return deleted
 
 
 def _version_of(meta: ObjectMeta) -> int | None:

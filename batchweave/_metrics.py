@@ -14,11 +14,14 @@ Metric names (all prefixed ``batchweave_``): ``commit_attempts_total``, ``commit
 ``tgbs_published_total``, ``bytes_published_total``, ``producer_pending_tgbs``,
 ``producer_lag_blocked_seconds_total``, ``fragile_window_seconds`` (gauge: last) and
 ``fragile_window_seconds_hist``, ``commit_gap_seconds`` (gauge) and ``commit_gap_seconds_hist``;
+``producer_inflight_bytes``, ``policy_attempts_total{outcome}`` (instrumented policies);
 ``consumer_steps_total``, ``consumer_stall_seconds_total``, ``consumer_bytes_read_total``,
-``consumer_bytes_delivered_total``, ``consumer_requests_total``, ``consumer_read_amplification``,
+``consumer_bytes_delivered_total``, ``consumer_requests_total``, ``consumer_retries_total``,
+``consumer_read_amplification``,
 ``consumer_prefetch_depth``, ``consumer_in_flight_steps``, ``consumer_read_latency_seconds``,
 ``consumer_read_cpu_share``;
-``reclaim_passes_total``,
+``reclaim_passes_total``, ``reclaim_errors_total`` (failed passes),
+``reclaim_last_success_timestamp_seconds``, ``reclaim_boundary``, ``reclaim_base_step``,
 ``reclaimed_objects_total{kind}``, ``reclaimed_bytes_total{kind}``.
 """
 
@@ -30,7 +33,14 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -214,6 +224,30 @@ class _Metrics:
         self.passes = Counter(
             "batchweave_reclaim_passes", "Reclaimer passes.", ["namespace"], registry=registry
         )
+        self.reclaim_errors = Counter(
+            "batchweave_reclaim_errors",
+            "Reclaimer passes that failed (retried by the next pass; the log says why).",
+            ["namespace"],
+            registry=registry,
+        )
+        self.reclaim_last_success = Gauge(
+            "batchweave_reclaim_last_success_timestamp_seconds",
+            "Wall-clock time the last reclaimer pass completed (alert when it stops moving).",
+            ["namespace"],
+            registry=registry,
+        )
+        self.reclaim_boundary = Gauge(
+            "batchweave_reclaim_boundary",
+            "Reclamation boundary (minimum watermark step) seen by the last pass.",
+            ["namespace"],
+            registry=registry,
+        )
+        self.reclaim_base_step = Gauge(
+            "batchweave_reclaim_base_step",
+            "The manifest's base_step after the last pass (steps below it are deleted).",
+            ["namespace"],
+            registry=registry,
+        )
         self.reclaimed_objects = Counter(
             "batchweave_reclaimed_objects",
             "Objects deleted by the reclaimer.",
@@ -229,6 +263,9 @@ class _Metrics:
 
     def observe_reclaim(self, namespace: str, report: ReclaimReport) -> None:
         self.passes.labels(namespace).inc()
+        self.reclaim_last_success.labels(namespace).set_to_current_time()
+        self.reclaim_boundary.labels(namespace).set(report.boundary)
+        self.reclaim_base_step.labels(namespace).set(report.base_step_after)
         for kind, count, nbytes in (
             ("tgb", report.tgbs_deleted, report.tgb_bytes_deleted),
             ("orphan", report.orphans_deleted, report.orphan_bytes_deleted),
@@ -241,6 +278,8 @@ class _Metrics:
 
 _registries: dict[int, _Metrics] = {}
 _registries_lock = threading.Lock()
+_tracked_reclaimers: weakref.WeakKeyDictionary[Reclaimer, set[int]] = weakref.WeakKeyDictionary()
+"""Registries each reclaimer's ``run_once`` already reports to."""
 
 
 def metrics(registry: CollectorRegistry | None = None) -> _Metrics:
@@ -264,11 +303,21 @@ def track_metrics(obj: _T, *, registry: CollectorRegistry | None = None) -> _T:
     elif isinstance(obj, Consumer):
         m.collector.add_consumer(obj)
     elif isinstance(obj, Reclaimer):
+        with _registries_lock:
+            tracked_in = _tracked_reclaimers.setdefault(obj, set())
+            if id(m.registry) in tracked_in:
+                return obj  # tracked twice must not count every pass twice
+            tracked_in.add(id(m.registry))
+            m.reclaim_errors.labels(obj.namespace)  # exported as 0 before the first failure
         original = obj.run_once
         namespace = obj.namespace
 
         def run_once() -> ReclaimReport:
-            report = original()
+            try:
+                report = original()
+            except Exception:
+                m.reclaim_errors.labels(namespace).inc()
+                raise
             m.observe_reclaim(namespace, report)
             return report
 

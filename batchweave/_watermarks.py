@@ -83,8 +83,11 @@ class Watermarks:
 
     ``keep_last``: after each :meth:`record`, keep the new watermark and the ``keep_last - 1``
     others with the highest steps, releasing the rest (``None``: release only explicitly, when
-    the framework deletes a checkpoint). ``clock`` (wall-clock seconds) is stored in each
-    watermark for operators.
+    the framework deletes a checkpoint). ``scope``: a checkpoint-id prefix that confines this
+    instance to one reader's watermarks: :meth:`record` refuses ids outside it and ``keep_last``
+    releases only ids inside it, so several readers of one namespace (a training job and an
+    evaluation job) never release each other's (``None``: the whole namespace, for a namespace
+    with one reader). ``clock`` (wall-clock seconds) is stored in each watermark for operators.
 
     Safe to use from several processes: every watermark is its own object, written whole.
     """
@@ -95,6 +98,7 @@ class Watermarks:
         namespace: str,
         *,
         keep_last: int | None = None,
+        scope: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         check_store(store)
@@ -103,14 +107,20 @@ class Watermarks:
         validate_key(namespace)
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if scope is not None:
+            validate_checkpoint_id(scope)
         self.store = store
         self.namespace = namespace
         self.keep_last = keep_last
+        self.scope = scope
         self._clock = clock
         self._prefix = f"{namespace}/{WATERMARKS_DIR}/"
 
     def __repr__(self) -> str:
-        return f"Watermarks({self.store.url!r}, {self.namespace!r}, keep_last={self.keep_last})"
+        scope = "" if self.scope is None else f", scope={self.scope!r}"
+        return (
+            f"Watermarks({self.store.url!r}, {self.namespace!r}, keep_last={self.keep_last}{scope})"
+        )
 
     def key(self, checkpoint_id: str) -> str:
         """Store key of ``checkpoint_id``'s watermark."""
@@ -122,10 +132,16 @@ class Watermarks:
         Call it only after the checkpoint is durable. ``version`` is a manifest version the
         consumer had read when the checkpoint was taken; ``None`` reads the namespace's latest
         version (0 if the namespace does not exist yet). Recording the same id again replaces
-        its watermark. With ``keep_last``, older watermarks are then released.
+        its watermark. With ``keep_last``, older watermarks (of this ``scope``) are then released.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        validate_checkpoint_id(checkpoint_id)
+        if self.scope is not None and not checkpoint_id.startswith(self.scope):
+            raise ValueError(
+                f"checkpoint_id {checkpoint_id!r} is outside this reader's scope {self.scope!r}; "
+                f"name it {self.scope}..., or use another Watermarks(scope=...) for it"
+            )
         if version is None:
             version = self._latest_version()
         mark = Watermark(
@@ -144,7 +160,12 @@ class Watermarks:
             version,
         )
         if self.keep_last is not None:
-            others = [m for m in self.live() if m.checkpoint_id != checkpoint_id]
+            others = [
+                m
+                for m in self.live()
+                if m.checkpoint_id != checkpoint_id
+                and (self.scope is None or m.checkpoint_id.startswith(self.scope))
+            ]
             others.sort(key=lambda m: (m.step, m.recorded_at), reverse=True)
             for old in others[self.keep_last - 1 :]:
                 self.release(old.checkpoint_id)

@@ -33,6 +33,7 @@ from batchweave.cli._common import (
     validate_namespace,
 )
 from batchweave.cli._inspect import (
+    MAX_TABLE_ROWS,
     gather_inspection,
     human_bytes,
     render_inspection,
@@ -144,8 +145,16 @@ def verify(
             f"{report.objects} objects, {report.slices} slices, "
             f"{human_bytes(report.bytes_read)} read"
         )
-        for pid, count in sorted(report.producers.items()):
+        producers = sorted(report.producers.items())
+        shown = producers if len(producers) <= MAX_TABLE_ROWS else producers[: MAX_TABLE_ROWS - 1]
+        for pid, count in shown:
             out.print(f"  {pid}: {count} live steps")
+        if len(shown) < len(producers):
+            rest = producers[len(shown) :]
+            out.print(
+                f"  ... {len(rest)} more producers: {sum(c for _, c in rest)} live steps "
+                "(--json lists every producer)"
+            )
         for problem in report.problems[:100]:
             out.print(f"[red]problem[/red]: {escape(problem)}")
         if len(report.problems) > 100:
@@ -194,8 +203,12 @@ def reclaim(store: str, namespace: str, grace: float, as_json: bool, **options: 
     table.add_row(
         "orphans", f"{report.orphans_deleted} ({human_bytes(report.orphan_bytes_deleted)})"
     )
-    table.add_row("segments", f"{report.segments_deleted}")
-    table.add_row("manifests", f"{report.manifests_deleted}")
+    table.add_row(
+        "segments", f"{report.segments_deleted} ({human_bytes(report.segment_bytes_deleted)})"
+    )
+    table.add_row(
+        "manifests", f"{report.manifests_deleted} ({human_bytes(report.manifest_bytes_deleted)})"
+    )
     table.add_row(
         "deleted", f"{report.objects_deleted} objects, {human_bytes(report.bytes_deleted)}"
     )

@@ -8,15 +8,19 @@ from datetime import datetime, timezone
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from batchweave._errors import FormatError
 from batchweave._manifest._log import ManifestLog
 from batchweave._store._base import ObjectStore
 from batchweave._watermarks import Watermarks
 
 __all__ = [
+    "MAX_TABLE_ROWS",
     "gather_inspection",
     "human_bytes",
+    "human_duration",
     "render_inspection",
     "step_range",
     "storage_by_prefix",
@@ -72,7 +76,12 @@ def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
         }
         for pid, state in sorted(manifest.producers.items())
     ]
-    marks = Watermarks(store, namespace).live()
+    watermark_error: str | None = None
+    try:
+        marks = Watermarks(store, namespace).live()
+    except FormatError as exc:
+        # Show the rest of the namespace: the operator is here to find out why reclaim fails.
+        marks, watermark_error = [], str(exc)
     storage = storage_by_prefix(store, namespace)
     return {
         "store": store.url,
@@ -97,14 +106,42 @@ def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
                 "step": m.step,
                 "version": m.version,
                 "recorded_at": _iso(m.recorded_at),
+                "age_seconds": round(now - m.recorded_at, 1) if m.recorded_at > 0 else None,
             }
             for m in marks
         ],
-        "boundary": marks[0].step if marks else 0,
+        "boundary": None if watermark_error else (marks[0].step if marks else 0),
+        "watermark_error": watermark_error,
         "storage": storage,
         "stored_bytes": sum(row["bytes"] for row in storage),
         "stored_objects": sum(row["objects"] for row in storage),
     }
+
+
+MAX_TABLE_ROWS = 30
+"""Rows a table of ``inspect`` shows before summing the rest in one line (``--json``: all)."""
+
+
+def _first_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    if len(rows) <= MAX_TABLE_ROWS:
+        return rows, []
+    return rows[: MAX_TABLE_ROWS - 1], rows[MAX_TABLE_ROWS - 1 :]
+
+
+SKEW_TOLERANCE = 60.0
+"""A timestamp further in the future than this is flagged: the writer's clock runs ahead."""
+
+
+def _skew_note(age: float | None) -> str:
+    return " (future: clock skew?)" if age is not None and age < -SKEW_TOLERANCE else ""
+
+
+def human_duration(seconds: float) -> str:
+    """``5400`` -> ``1.5 h``: watermark ages at a glance."""
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if abs(seconds) >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
 
 
 def step_range(first: int, stop: int) -> str:
@@ -140,7 +177,12 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
             f"{step_range(data['base_step'], data['next_step'])} ({data['live_steps']} live)",
         ),
         ("base step", str(data["base_step"])),
-        ("boundary", f"{data['boundary']} (min watermark step)"),
+        (
+            "boundary",
+            f"{data['boundary']} (min watermark step)"
+            if data["boundary"] is not None
+            else "unknown: a watermark cannot be read, reclamation is blocked",
+        ),
         ("segments / tail", f"{data['segments']} / {data['tail']}"),
         ("sealed", "yes" if data["sealed"] else "no"),
         ("stored", f"{human_bytes(data['stored_bytes'])} in {data['stored_objects']} objects"),
@@ -152,30 +194,56 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
     producers = Table(title="producers")
     for col in ("producer", "epoch", "offset", "last version", "last commit", "live steps"):
         producers.add_column(col, justify="left" if col in ("producer", "last commit") else "right")
-    for p in data["producers"]:
+    shown, hidden = _first_rows(data["producers"])
+    for p in shown:
         producers.add_row(
             p["producer_id"],
             str(p["epoch"]),
             "-" if p["committed_offset"] is None else str(p["committed_offset"]),
             str(p["last_version"]),
-            p["last_commit_at"] or "-",
+            (p["last_commit_at"] or "-") + _skew_note(p["idle_seconds"]),
             str(p["live_steps"]),
+        )
+    if hidden:
+        producers.add_row(
+            f"... {len(hidden)} more",
+            "",
+            "",
+            "",
+            "",
+            str(sum(p["live_steps"] for p in hidden)),
         )
     console.print(producers)
 
-    marks = Table(title="watermarks")
-    for col in ("checkpoint", "step", "version", "recorded"):
-        marks.add_column(col, justify="right" if col in ("step", "version") else "left")
+    marks = Table(title="watermarks (the lowest step is the boundary; an old one holds it)")
+    for col in ("checkpoint", "step", "version", "recorded", "age"):
+        marks.add_column(col, justify="right" if col in ("step", "version", "age") else "left")
     for m in data["watermarks"]:
+        age = m.get("age_seconds")
         marks.add_row(
-            m["checkpoint_id"], str(m["step"]), str(m["version"]), m["recorded_at"] or "-"
+            m["checkpoint_id"],
+            str(m["step"]),
+            str(m["version"]),
+            m["recorded_at"] or "-",
+            "-" if age is None else human_duration(age) + _skew_note(age),
         )
     console.print(marks)
+    if data.get("watermark_error"):
+        console.print(f"[red]problem[/red]: {escape(data['watermark_error'])}")
 
     storage = Table(title="storage by prefix")
     storage.add_column("prefix")
     storage.add_column("objects", justify="right")
     storage.add_column("bytes", justify="right")
-    for row in data["storage"]:
+    shown, hidden = _first_rows(data["storage"])
+    for row in shown:
         storage.add_row(row["prefix"], str(row["objects"]), human_bytes(row["bytes"]))
+    if hidden:
+        storage.add_row(
+            f"... {len(hidden)} more prefixes",
+            str(sum(row["objects"] for row in hidden)),
+            human_bytes(sum(row["bytes"] for row in hidden)),
+        )
     console.print(storage)
+    if hidden or len(data["producers"]) > MAX_TABLE_ROWS:
+        console.print(f"(tables show {MAX_TABLE_ROWS} rows; --json lists every row)")

@@ -130,7 +130,11 @@ def _check_tgb(
                 decode_slice(raw, footer, j, key=key)
                 slices += 1
         except ObjectNotFound:
-            problems.append(f"{where}: object {key!r} is missing")
+            problems.append(
+                f"{where}: object {key!r} is missing (deleted outside BatchWeave, or reclaimed "
+                "as an orphan because grace was shorter than an upload-to-commit); the step is "
+                "lost: restore the object, or resume from a checkpoint past this step"
+            )
         except FormatError as exc:
             problems.append(f"{where}: {exc}")
     return problems, objects, slices, nread
@@ -150,7 +154,19 @@ def verify_namespace(
     missing object propagate (the verification could not complete: neither pass nor fail).
     """
     log = ManifestLog(store, namespace)
-    latest = log.latest()
+    try:
+        latest = log.latest()
+    except FormatError as exc:
+        # A damaged newest version is a finding, not a reason the check could not run.
+        report = VerifyReport()
+        report.problems.append(
+            f"the newest manifest version cannot be read: {exc}; producers and consumers stop "
+            "on it too. Restore the object from a backup, or resume in a new namespace"
+        )
+        stored = list(log.versions())
+        report.versions = len(stored)
+        report.latest_version = max(stored, default=-1)
+        return report
     report = VerifyReport(
         latest_version=latest.version, base_step=latest.base_step, next_step=latest.next_step
     )
@@ -160,7 +176,18 @@ def verify_namespace(
     seen: set[tuple[str, int]] = set()
     expected_step = latest.base_step
     items: list[tuple[int, TgbDescriptor]] = []
-    for step, desc in log.descriptors(latest, latest.base_step, latest.next_step):
+    try:
+        listed = list(log.descriptors(latest, latest.base_step, latest.next_step))
+    except (FormatError, ObjectNotFound) as exc:
+        report.problems.append(
+            f"manifest version {latest.version}: a segment it references is missing or damaged: "
+            f"{exc}; "
+            "the steps it lists are unreadable for every consumer (restore the segment object "
+            "from a backup, or resume in a new namespace)"
+        )
+        listed = []
+        expected_step = latest.next_step  # only the segment problem is reported
+    for step, desc in listed:
         if step != expected_step:
             report.problems.append(
                 f"steps are not dense: found step {step} after {expected_step - 1}"
