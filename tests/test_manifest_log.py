@@ -201,6 +201,23 @@ def test_latest_after_old_versions_were_reclaimed(store: ObjectStore) -> None:
     assert ManifestLog(store, NS).create_or_open(MESH) == head
 
 
+def test_a_version_from_a_clock_far_ahead_is_not_trusted_to_be_the_latest(
+    store: ObjectStore,
+) -> None:
+    now = 1_000_000.0
+    ahead = ManifestLog(store, NS, clock=lambda: now + 7200)  # a committer 2 h ahead
+    known = _commit(ahead, ahead.create_or_open(MESH), descriptor("fast", 0))
+    log = ManifestLog(store, NS, clock=lambda: now)
+    head = known
+    for i in range(3):
+        head = _commit(log, head, descriptor("slow", i))
+    # Reclamation took the successor of the version a reader holds.
+    store.delete_many([log.key(manifest_key(v)) for v in range(known.version + 2)])
+    reader = ManifestLog(store, NS, clock=lambda: now + 1)
+    # Before: "known is 7,199 s in the future, so young", and the reader stalled on it.
+    assert reader.latest(known) == head
+
+
 def test_recreated_prefix_is_detected(store: ObjectStore) -> None:
     log = ManifestLog(store, NS)
     first = log.create_or_open(MESH)

@@ -290,7 +290,10 @@ class ManifestLog:
             try:
                 found = self.read(known.version + 1)
             except ObjectNotFound:
-                if self._clock() - known.created_at <= PROBE_TRUST_SECONDS:
+                # Young versions cannot have lost their successor to reclamation (the grace is
+                # longer). ``created_at`` is the committer's clock: one far in the future says
+                # nothing about the version's age, so it is not trusted either.
+                if abs(self._clock() - known.created_at) <= PROBE_TRUST_SECONDS:
                     return known
                 # An old ``known`` may have had its successor reclaimed, so a missing
                 # ``known.version + 1`` proves nothing: one LIST after it decides.
