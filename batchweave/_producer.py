@@ -1109,8 +1109,9 @@ class Producer:
             else:
                 raise NamespaceSealed(
                     f"namespace {self._namespace!r} was sealed at manifest version "
-                    f"{manifest.version} by another producer; producer {self._producer_id!r} "
-                    f"still had {len(self._entries)} uncommitted TGBs"
+                    f"{manifest.version} (by another producer, or with `batchweave seal`); "
+                    f"producer {self._producer_id!r} still had {len(self._entries)} uncommitted "
+                    "TGBs, which a sealed namespace cannot take: stop this producer"
                 )
 
     # ------------------------------------------------------------------------------------------
