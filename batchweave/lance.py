@@ -168,17 +168,29 @@ def export_history(
     (``create``, ``overwrite``, ``append``). Returns the number of rows written.
     """
     counted = 0
+    failure: list[BaseException] = []
 
     def batches() -> Iterator[pa.RecordBatch]:
         nonlocal counted
-        for batch in membership_batches(store, namespace, start=start, stop=stop):
-            counted += batch.num_rows
-            yield batch
+        try:
+            for batch in membership_batches(store, namespace, start=start, stop=stop):
+                counted += batch.num_rows
+                yield batch
+        except BaseException as exc:
+            failure.append(exc)
+            raise
 
     reader = pa.RecordBatchReader.from_batches(MEMBERSHIP_SCHEMA, batches())
     options: dict[str, Any] = {"mode": mode}
     if storage_options is not None:
         options["storage_options"] = storage_options
     target = str(uri) if not isinstance(uri, Path) else str(uri.resolve())
-    lance.write_dataset(reader, target, schema=MEMBERSHIP_SCHEMA, **options)
+    try:
+        lance.write_dataset(reader, target, schema=MEMBERSHIP_SCHEMA, **options)
+    except Exception:
+        if failure:
+            # Lance reports an error raised while reading the rows as its own error, with the
+            # Python traceback flattened into the message: raise the original instead.
+            raise failure[0] from None
+        raise
     return counted

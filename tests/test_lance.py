@@ -105,3 +105,17 @@ def test_a_producer_fed_by_the_source_exports_its_history(dataset: str, tmp_path
         assert row["producer_id"] == "lance-0"
         assert row["samples"] == 4
     assert [r["step"] for r in history] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_an_export_that_fails_reading_raises_the_original_error(tmp_path: Path) -> None:
+    store = bw.open_store(f"file://{tmp_path / 'store'}")
+    with bw.Producer(store, "ns", producer_id="p", mesh=bw.Mesh(dp=2), policy="naive") as p:
+        for offset in range(3):
+            p.append([b"a" * 10, b"b" * 10], offset=offset)
+    gone = sorted(m.key for m in store.list("ns/data/"))[1]
+    store.delete_many([gone])
+    # Before: LanceError(Arrow) with the Python traceback flattened into its message.
+    with pytest.raises(bw.ObjectNotFound, match="no object") as info:
+        export_history(store, "ns", tmp_path / "history.lance")
+    assert gone in str(info.value)
+    assert "Traceback" not in str(info.value)
