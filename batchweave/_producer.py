@@ -33,6 +33,7 @@ from typing import Any
 from batchweave._checks import as_int, check_at_least
 from batchweave._errors import (
     AmbiguousWriteError,
+    FormatError,
     NamespaceSealed,
     OffsetOrderError,
     ProducerError,
@@ -294,9 +295,12 @@ class Producer:
         self._clock = clock
         self._wall_clock = wall_clock
         self._sleep = sleep
-        self._boundary_fn = (
-            boundary if boundary is not None else Watermarks(store, namespace).boundary
-        )
+        self._watermarks: Watermarks | None = None
+        """The namespace's watermarks when they give the boundary (named in max_lag logs)."""
+        if boundary is None:
+            self._watermarks = Watermarks(store, namespace)
+            boundary = self._watermarks.boundary
+        self._boundary_fn = boundary
         self._refresh_age = refresh_age
         self._active_horizon = active_horizon
         self._max_retries = max_retries
@@ -1117,6 +1121,22 @@ class Producer:
     # ------------------------------------------------------------------------------------------
     # max_lag
 
+    def _boundary_holder(self) -> str:
+        """Who holds the reclamation boundary back, for the max_lag log line (one LIST)."""
+        if self._watermarks is None:
+            return "the boundary comes from the boundary= callable"
+        try:
+            marks = self._watermarks.live()
+        except (*_RETRYABLE, FormatError) as exc:
+            return f"the watermarks cannot be read ({exc})"
+        if not marks:
+            return "no watermark is recorded yet (checkpoint_hook records them)"
+        oldest = marks[0]
+        return (
+            f"the oldest is {oldest.checkpoint_id!r} at step {oldest.step}, recorded "
+            f"{self._wall_clock() - oldest.recorded_at:.0f} s ago"
+        )
+
     def _wait_for_lag(self) -> None:
         if self._max_lag is None:
             return
@@ -1145,12 +1165,13 @@ class Producer:
                         _LOG.info(
                             "producer %r blocked by max_lag: %d visible steps, reclamation "
                             "boundary %d, max_lag %d (waiting %.0f s so far; checkpoints must "
-                            "advance the watermarks)",
+                            "advance the watermarks: %s)",
                             self._producer_id,
                             visible,
                             self._boundary_value,
                             max_lag,
                             now - blocked_since,
+                            self._boundary_holder(),
                         )
                     attempt += 1
                     self._sleep(min(self._backoff(attempt), 1.0))

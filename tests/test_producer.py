@@ -805,7 +805,9 @@ def test_max_lag_blocks_until_the_boundary_moves(
     assert committed_offsets(store, "p0") == [0, 1, 2, 3, 4]
 
 
-def test_default_boundary_comes_from_the_namespace_watermarks(store: MemoryStore) -> None:
+def test_default_boundary_comes_from_the_namespace_watermarks(
+    store: MemoryStore, caplog: pytest.LogCaptureFixture
+) -> None:
     lagging = threading.Event()
     fake = FakeTime(1000.0)
 
@@ -813,20 +815,23 @@ def test_default_boundary_comes_from_the_namespace_watermarks(store: MemoryStore
         fake.sleep(seconds)
         lagging.set()
 
-    with make(store, fake=fake, sleep=sleep, max_lag=2) as p:
+    with make(store, fake=fake, sleep=sleep, max_lag=2, lag_log_interval=0.0) as p:
         for off in range(3):
             p.append(payloads(off), offset=off)
         p.flush()
-        marks = Watermarks(store, NS)
+        marks = Watermarks(store, NS, clock=fake.wall)
         marks.record("ckpt-1", step=1)
         marks.record("ckpt-3", step=3)
         p.append(payloads(3), offset=3)  # 3 visible - boundary 1 <= 2
         p.flush()
         assert not lagging.is_set()
         blocked = threading.Thread(target=p.append, args=(payloads(4),), kwargs={"offset": 4})
-        blocked.start()
-        assert lagging.wait(10)  # 4 visible - boundary 1 > 2: blocked
-        assert blocked.is_alive()
+        with caplog.at_level(logging.INFO, logger="batchweave.producer"):
+            blocked.start()
+            assert lagging.wait(10)  # 4 visible - boundary 1 > 2: blocked
+            assert blocked.is_alive()
+        # The log names what holds the boundary back.
+        assert "the oldest is 'ckpt-1' at step 1, recorded" in caplog.text
         marks.release("ckpt-1")  # boundary becomes 3
         blocked.join(10)
         assert not blocked.is_alive()
