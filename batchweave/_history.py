@@ -75,7 +75,7 @@ def _sample_ids(footer: TgbFooter, key: str) -> list[tuple[str, ...]] | None:
         return None
     try:
         parsed = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise FormatError(f"object {key!r}: metadata {SAMPLE_IDS_KEY!r} is not JSON") from exc
     if not isinstance(parsed, list) or len(parsed) != len(footer.slices):
         raise FormatError(

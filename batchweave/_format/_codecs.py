@@ -223,7 +223,7 @@ def _tensors_decode(buf: bytes | memoryview) -> dict[str, np.ndarray[Any, Any]]:
         specs = header["tensors"]
         if not isinstance(specs, list):
             raise TypeError("'tensors' is not a list")
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise _bad_tensors(f"unreadable header: {exc}") from exc
 
     data_start = _TENSOR_PREFIX + header_len

@@ -207,7 +207,8 @@ def _validate(body: bytes, model: type[_M], *, key: str, what: str, supported: i
 def _peek_format(body: bytes) -> object:
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
+        # RecursionError: hostile nesting (pydantic already refused it, with a clear message).
         return None
     return obj.get("format") if isinstance(obj, dict) else None
 

@@ -39,7 +39,8 @@ __all__ = ["FileStore"]
 TEMP_DIR_NAME = ".bw-tmp"
 """Reserved top-level directory for in-flight writes; never listed, never a valid key prefix."""
 
-_MISSING_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
+_MISSING_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENXIO)
+"""Errors meaning "no object here" (``ENXIO``: a socket where the object's file would be)."""
 _PUBLISH_RETRIES = 100
 _IOV_MAX = 1024
 """Buffers per ``writev`` call (Linux's ``IOV_MAX``; a call may also write fewer bytes)."""
@@ -111,10 +112,17 @@ class FileStore(ObjectStore):
         return self._prefix + (key if os.sep == "/" else os.path.join(*parts))
 
     def _check_inside(self, key: str, path: str, real: str) -> None:
-        if real != path and not real.startswith(self._root + os.sep):
+        if real == path:
+            return
+        if not real.startswith(self._root + os.sep):
             raise InvalidKey(
                 f"object key {key!r} resolves to {real!r}, outside the root of {self.url} "
                 "(through a symlink); keys must stay inside the store root"
+            )
+        if real == self._tmp or real.startswith(self._tmp + os.sep):
+            raise InvalidKey(
+                f"object key {key!r} resolves into the reserved directory {TEMP_DIR_NAME!r} of "
+                f"{self.url} (through a symlink); remove the symlink, in-flight writes live there"
             )
 
     def _path(self, key: str) -> str:
@@ -355,7 +363,17 @@ class FileStore(ObjectStore):
 
     def get(self, key: str) -> bytes:
         with self._errors(key, "read"), open(self._open_for_read(key), "rb") as f:
+            self._require_file(key, os.fstat(f.fileno()))
             return f.read()
+
+    def _require_file(self, key: str, st: os.stat_result) -> None:
+        """``ObjectNotFound`` unless ``st`` is a regular file: a FIFO, device, socket or
+        directory planted under the root is not an object (reading ``/dev/zero`` never ends)."""
+        if not stat.S_ISREG(st.st_mode):
+            raise ObjectNotFound(
+                f"no object {key!r} in {self.url}: its path is not a regular file "
+                f"({_file_kind(st.st_mode)}); remove whatever was planted there"
+            )
 
     def get_range(self, key: str, rng: ByteRange) -> bytes:
         # try/except rather than ``with self._errors(...)``: a consumer's steps are often single
@@ -363,7 +381,10 @@ class FileStore(ObjectStore):
         try:
             fd = self._open_for_read(key)
             try:
-                start, end = resolve_range(rng, os.fstat(fd).st_size)
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):  # inline: the consumer's per-step path
+                    self._require_file(key, st)
+                start, end = resolve_range(rng, st.st_size)
                 data = os.pread(fd, end - start, start)
                 if len(data) == end - start:  # the common case: one pread returns the range
                     return data
@@ -389,6 +410,7 @@ class FileStore(ObjectStore):
         with self._errors(key, "read"):
             fd = self._open_for_read(key)
             try:
+                self._require_file(key, os.fstat(fd))
                 while filled < len(target):
                     n = os.preadv(fd, [target[filled:]], start + filled)
                     if n == 0:
@@ -406,7 +428,9 @@ class FileStore(ObjectStore):
         with self._errors(key, "map"):
             fd = self._open_for_read(key)
             try:
-                size = os.fstat(fd).st_size
+                st = os.fstat(fd)
+                self._require_file(key, st)
+                size = st.st_size
                 if min(end, size) <= start:
                     return memoryview(b"")
                 mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
@@ -428,8 +452,7 @@ class FileStore(ObjectStore):
             path = self._path(key)
             with self._errors(key, "stat"):
                 st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise ObjectNotFound(f"no object {key!r} in {self.url}")
+        self._require_file(key, st)
         return ObjectMeta(key=key, size=st.st_size, last_modified=st.st_mtime)
 
     def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
@@ -513,6 +536,20 @@ def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
 def _unlink_quietly(path: str) -> None:
     with suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def _file_kind(mode: int) -> str:
+    """What a non-regular ``st_mode`` is, for error messages."""
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return f"file type {stat.S_IFMT(mode):o}"
 
 
 def _is_dir_at(dfd: int, name: str) -> bool:

@@ -25,6 +25,7 @@ from batchweave._store._file import FileStore
 from batchweave._store._memory import MemoryStore
 from batchweave._store._obstore import ObstoreS3Store
 from batchweave._store._s3 import S3Store
+from batchweave._store._s3_location import redact_url
 
 __all__ = ["PROBE_PREFIX", "SCHEMES", "ensure_conditional_writes", "open_store"]
 
@@ -89,15 +90,16 @@ def _construct(url: str, options: dict[str, Any], s3_client: str) -> ObjectStore
     if not isinstance(url, str) or "://" not in url:
         raise InvalidStoreURL(_missing_slashes(url))
     parts = urlsplit(url)
+    shown = redact_url(url)  # messages never echo credentials or a query
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
         raise InvalidStoreURL(
-            f"store URL {url!r} has the unsupported scheme {parts.scheme!r}; "
+            f"store URL {shown!r} has the unsupported scheme {parts.scheme!r}; "
             f"supported: {', '.join(s + '://' for s in SCHEMES)}"
         )
     if parts.query or parts.fragment:
         raise InvalidStoreURL(
-            f"store URL {url!r} has a query or fragment; pass options as keyword arguments"
+            f"store URL {shown!r} has a query or fragment; pass options as keyword arguments"
         )
     kind = "s3+obstore" if scheme == "s3" and s3_client == "obstore" else scheme
     unknown = sorted(set(options) - set(_OPTIONS[kind]))
@@ -112,15 +114,15 @@ def _construct(url: str, options: dict[str, Any], s3_client: str) -> ObjectStore
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
             raise InvalidStoreURL(
-                f"file URL {url!r} names host {parts.netloc!r}; relative paths are not "
+                f"file URL {shown!r} names host {urlsplit(shown).netloc!r}; relative paths are not "
                 "supported, use file:///absolute/path (three slashes)"
             )
         path = unquote(parts.path)
         if not path.startswith("/"):
-            raise InvalidStoreURL(f"file URL {url!r} needs an absolute path: file:///abs/path")
+            raise InvalidStoreURL(f"file URL {shown!r} needs an absolute path: file:///abs/path")
         return FileStore(path, **options)
     if not parts.netloc:
-        raise InvalidStoreURL(f"S3 URL {url!r} has no bucket; use s3://bucket/prefix")
+        raise InvalidStoreURL(f"S3 URL {shown!r} has no bucket; use s3://bucket/prefix")
     if kind == "s3+obstore":
         return ObstoreS3Store(parts.netloc, unquote(parts.path), **options)
     return S3Store(parts.netloc, unquote(parts.path), **options)

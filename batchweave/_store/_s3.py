@@ -42,7 +42,7 @@ from batchweave._store._base import (
     Suffix,
     resolve_range,
 )
-from batchweave._store._s3_location import S3Location
+from batchweave._store._s3_location import S3Location, refuse_url_credentials
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -132,6 +132,10 @@ class S3Store(S3Location):
                 max_attempts=max_attempts,
                 addressing_style=addressing_style,
             )
+            # botocore may take the endpoint from AWS_ENDPOINT_URL(_S3) or the AWS config file.
+            refuse_url_credentials(
+                client.meta.endpoint_url, f"the endpoint botocore found for {self.url}"
+            )
         self._client = client
         # Note PutObject attempts that may have reached the server, so a final connect error
         # after an earlier timed-out attempt is reported as ambiguous, not as "never sent".
@@ -217,7 +221,9 @@ class S3Store(S3Location):
                     f"{what}: an earlier attempt may have landed before {endpoint} became "
                     "unreachable; read the object back to decide"
                 )
-            return StoreUnavailable(f"cannot {what}: {endpoint} is unreachable ({exc})")
+            return StoreUnavailable(
+                f"cannot {what}: {endpoint} is unreachable ({self._scrub(str(exc))})"
+            )
         if isinstance(exc, bex.BotoCoreError):
             if write:
                 return AmbiguousWriteError(

@@ -7,13 +7,42 @@ error wording live here once, so the two cannot drift apart.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from batchweave._errors import InvalidStoreURL
 from batchweave._store._base import ObjectStore, validate_key
 
-__all__ = ["S3Location"]
+__all__ = ["S3Location", "redact_url", "refuse_url_credentials"]
+
+_USERINFO = re.compile(r"(?<=://)[^/?#@\s\"']*@")
+"""The ``user:password@`` of any URL in a text (botocore and obstore quote request URLs)."""
+
+
+def _redact_userinfo(text: str) -> str:
+    return _USERINFO.sub("***@", text)
+
+
+def redact_url(url: str) -> str:
+    """``url`` for an error message: ``user:password@`` masked, query and fragment cut off."""
+    shown = _redact_userinfo(url)
+    cut = min((i for i in (shown.find("?"), shown.find("#")) if i >= 0), default=-1)
+    return shown if cut < 0 else shown[:cut] + "?..."
+
+
+def refuse_url_credentials(endpoint_url: str, what: str) -> None:
+    """``InvalidStoreURL`` (not echoing them) if ``endpoint_url`` has ``user:password@``.
+
+    They would be echoed in every error, repr and botocore log line; S3 signs requests with
+    access keys and never uses URL credentials.
+    """
+    if "@" in urlsplit(endpoint_url).netloc:
+        raise InvalidStoreURL(
+            f"{what} {_redact_userinfo(endpoint_url)!r} carries credentials (user:password@); "
+            "S3 does not use them: remove them from the URL and pass access_key_id/"
+            "secret_access_key (or set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) instead"
+        )
 
 
 class S3Location(ObjectStore):
@@ -33,16 +62,28 @@ class S3Location(ObjectStore):
     ) -> None:
         if not bucket:
             raise InvalidStoreURL("an S3 store needs a bucket: use s3://bucket/prefix")
+        if isinstance(bucket, str) and "@" in bucket:
+            # ``s3://key:secret@bucket`` parses with the credentials in the bucket name, which
+            # would then be in ``url``, meant to be safe to log.
+            raise InvalidStoreURL(
+                f"S3 store s3://***@{bucket.rsplit('@', 1)[1]} carries credentials "
+                "(user:password@) in its URL; remove them and pass access_key_id/"
+                "secret_access_key (or set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) instead"
+            )
         prefix = prefix.strip("/")
         if prefix:
             validate_key(prefix)
         if endpoint_url is not None:
             parts = urlsplit(endpoint_url) if isinstance(endpoint_url, str) else None
+            shown = (
+                _redact_userinfo(endpoint_url) if isinstance(endpoint_url, str) else endpoint_url
+            )
             if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
                 raise InvalidStoreURL(
-                    f"endpoint_url {endpoint_url!r} for s3://{bucket} is not an http(s) URL; "
+                    f"endpoint_url {shown!r} for s3://{bucket} is not an http(s) URL; "
                     "give scheme, host and port, e.g. http://127.0.0.1:9000"
                 )
+            refuse_url_credentials(endpoint_url, f"endpoint_url for s3://{bucket}")
         self.bucket = bucket
         self.prefix = f"{prefix}/" if prefix else ""
         self.endpoint_url = endpoint_url
@@ -60,7 +101,7 @@ class S3Location(ObjectStore):
     def _scrub(self, text: str) -> str:
         for secret in self._secrets:
             text = text.replace(secret, "***")
-        return text
+        return _redact_userinfo(text)
 
     def _describe(self, op: str, key: str | None) -> str:
         """``op`` on ``key`` (or on the store) in words, for error messages."""
