@@ -35,11 +35,15 @@ SEG_KEY = "runs/x/_segments/00000000000000000000-abc.seg"
 u32 = st.integers(0, 2**32 - 1)
 u64 = st.integers(0, 2**63 - 1)
 names = st.text(min_size=1, max_size=20)
+keys = st.lists(
+    st.from_regex(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,9}", fullmatch=True), min_size=1, max_size=3
+).map("/".join)
+"""Object keys relative to the namespace (what the store layer accepts)."""
 times = st.floats(min_value=0, max_value=4e9, allow_nan=False)
 
 objects = st.builds(
     TgbObjectRef,
-    key=names,
+    key=keys,
     size=u64,
     first_slice=st.integers(0, 1 << 20),
     slice_count=st.integers(1, 1 << 20),
@@ -67,7 +71,7 @@ def objects_with_tables(draw: st.DrawFn) -> TgbObjectRef:
         sample_counts=draw(st.lists(u32, min_size=n, max_size=n).map(tuple)),
     )
     return TgbObjectRef(
-        key=draw(names),
+        key=draw(keys),
         size=draw(u64),
         slice_count=n,
         footer_offset=sum(lengths),
@@ -102,7 +106,7 @@ def manifests(draw: st.DrawFn) -> Manifest:
     step = start
     for count in draw(st.lists(st.integers(1, 5000), max_size=5)):
         refs.append(
-            SegmentRef(key=draw(names), first_step=step, count=count, bytes=draw(u32), checksum=0)
+            SegmentRef(key=draw(keys), first_step=step, count=count, bytes=draw(u32), checksum=0)
         )
         step += count
     tail = tuple(draw(st.lists(descriptors, max_size=4)))

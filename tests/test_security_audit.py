@@ -18,9 +18,11 @@ from batchweave import (
     FormatError,
     InvalidKey,
     InvalidStoreURL,
+    MemoryStore,
     Mesh,
     ObjectNotFound,
     ObstoreS3Store,
+    Producer,
     S3Store,
     StoreError,
     StoreUnavailable,
@@ -248,3 +250,18 @@ def test_store_url_errors_do_not_echo_credentials_or_queries(url: str) -> None:
 def test_the_metrics_endpoint_listens_on_loopback_only() -> None:
     with start_metrics_server(0) as server:
         assert server._server.server_address[0] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("bad", ["../other-ns/data/x.tgb", "/abs/x.tgb", "data//x.tgb"])
+def test_a_manifest_naming_a_key_outside_its_namespace_is_refused(bad: str) -> None:
+    store = MemoryStore()
+    with Producer(store, "ns", producer_id="p", mesh=Mesh(dp=1), policy="naive") as producer:
+        producer.append([b"x"], offset=0)
+    key = sorted(m.key for m in store.list("ns/_manifests/"))[-1]
+    _, body = store.get(key).split(b"\n", 1)
+    good = next(m.key for m in store.list("ns/data/"))[len("ns/") :]
+    assert good.encode() in body
+    hostile = body.replace(good.encode(), bad.encode())
+    # Before: decoded, and the read failed later with InvalidKey naming only the store key.
+    with pytest.raises(FormatError, match=key):
+        decode_manifest(_envelope("batchweave-manifest", hostile), key=key)

@@ -16,6 +16,7 @@ from functools import cached_property
 from typing import Annotated, Any
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -24,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from batchweave._errors import InvalidKey
 from batchweave._format import (
     CHECKSUM_ALGOS,
     CODECS,
@@ -34,6 +36,7 @@ from batchweave._format import (
     checksum_bits,
 )
 from batchweave._mesh import Mesh
+from batchweave._store._base import validate_key
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -209,12 +212,25 @@ def _unpack_checksums(packed: str, count: int, algo: object) -> tuple[int, ...]:
     return struct.unpack(f">{count}{_PACKED[width]}", raw)
 
 
+def _relative_key(key: str) -> str:
+    try:
+        validate_key(key)
+    except InvalidKey as exc:
+        raise ValueError(str(exc)) from None
+    return key
+
+
+RelativeKey = Annotated[str, AfterValidator(_relative_key)]
+"""A key relative to the namespace that the store layer accepts: a manifest naming
+``../other-namespace/...`` or ``/abs`` is refused when decoded, naming the manifest."""
+
+
 class TgbObjectRef(BaseModel):
     """One immutable object holding a contiguous run of a TGB's slices."""
 
     model_config = _STRICT
 
-    key: str
+    key: RelativeKey
     """Object key relative to the namespace root, e.g. ``data/prep-0/3/17-<uuid>.tgb``."""
     size: int = Field(ge=0)
     first_slice: int = Field(default=0, ge=0)
@@ -264,7 +280,7 @@ class SegmentRef(BaseModel):
 
     model_config = _STRICT
 
-    key: str
+    key: RelativeKey
     """Object key relative to the namespace, ``_segments/{first_step:020d}-{uuid}.seg``."""
     first_step: int = Field(ge=0)
     count: int = Field(ge=1)
