@@ -231,7 +231,8 @@ class TgbObjectRef(BaseModel):
     model_config = _STRICT
 
     key: RelativeKey
-    """Object key relative to the namespace root, e.g. ``data/prep-0/3/17-<uuid>.tgb``."""
+    """Object key relative to the namespace root, e.g.
+    ``data/prep-0/3/00000000000000000017-<uuid>.tgb`` (producer, epoch, 20-digit offset)."""
     size: int = Field(ge=0)
     first_slice: int = Field(default=0, ge=0)
     """Index (``d * cp + c``) of the first slice this object holds."""
