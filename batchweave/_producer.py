@@ -47,7 +47,7 @@ from batchweave._format._checksum import (
     ChecksumAlgo,
     checksum,
 )
-from batchweave._format._codecs import COMPRESSIONS, get_codec
+from batchweave._format._codecs import check_compression, get_codec
 from batchweave._format._tgb import EncodedTgb, TgbBuilder, encode_tgb
 from batchweave._manifest._log import (
     DEFAULT_TAIL_BYTES_LIMIT,
@@ -275,13 +275,9 @@ class Producer:
         # Checked before the epoch commit: a typo must not wait for the first append.
         try:
             get_codec(codec)
+            check_compression(compression)
         except ValueError as exc:
             raise ValueError(f"producer {producer_id!r}: {exc}") from None
-        if compression is not None and compression not in COMPRESSIONS:
-            raise ValueError(
-                f"producer {producer_id!r}: unknown compression {compression!r}; expected None "
-                f"or one of {', '.join(map(repr, COMPRESSIONS))}"
-            )
         self._store = store
         self._namespace = namespace
         self._producer_id = producer_id

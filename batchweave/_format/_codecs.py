@@ -316,6 +316,15 @@ def get_codec(name: str) -> Codec:
         ) from None
 
 
+def check_compression(compression: str | None) -> None:
+    """``ValueError`` naming the known compressions unless ``compression`` is None or one."""
+    if compression is not None and compression not in COMPRESSIONS:
+        raise ValueError(
+            f"unknown compression {compression!r}; expected None or "
+            f"{', '.join(map(repr, COMPRESSIONS))}"
+        )
+
+
 def compress(data: Buffer, compression: str) -> bytes:
     """Compress an encoded slice; the frame records its content size."""
     if compression != "zstd":

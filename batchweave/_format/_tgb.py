@@ -39,6 +39,7 @@ from batchweave._format._codecs import (
     CODECS,
     COMPRESSIONS,
     Buffer,
+    check_compression,
     compress,
     decompress,
     first_overlap,
@@ -239,8 +240,7 @@ class TgbBuilder:
         metadata: Mapping[str, str] | None = None,
     ) -> None:
         self._codec = get_codec(codec)
-        if compression is not None and compression not in COMPRESSIONS:
-            raise ValueError(f"unknown compression {compression!r}; expected None or 'zstd'")
+        check_compression(compression)
         checksum_bits(checksum_algo)  # validates the name
         meta = dict(metadata or {})
         for k, v in meta.items():
