@@ -27,6 +27,7 @@ from batchweave._errors import (
     OffsetOrderError,
     ProducerError,
     ProducerFenced,
+    ProducerRetired,
     StepReclaimed,
     StoreError,
     StoreUnavailable,
@@ -59,6 +60,7 @@ from batchweave._policy import (
 )
 from batchweave._producer import Producer, ProducerStats
 from batchweave._projection import RankCoordinates, coordinates_for_rank, coordinates_from_env
+from batchweave._retire import RetireReport, retire_producers
 from batchweave._store._base import (
     Bounded,
     ByteRange,
@@ -122,11 +124,13 @@ __all__ = [
     "Producer",
     "ProducerError",
     "ProducerFenced",
+    "ProducerRetired",
     "ProducerStats",
     "PutMode",
     "RankCoordinates",
     "ReclaimReport",
     "Reclaimer",
+    "RetireReport",
     "S3Store",
     "SliceEntry",
     "StepReclaimed",
@@ -155,6 +159,7 @@ __all__ = [
     "policy_names",
     "read_footer",
     "read_slice",
+    "retire_producers",
     "slice_range",
     "start_metrics_server",
     "track_metrics",

@@ -28,6 +28,7 @@ working for callers that do not know BatchWeave.
     │   └── StepReclaimed              (IndexError) the step is below the reclamation boundary
     ├── ProducerError
     │   ├── ProducerFenced             a newer incarnation of this producer id has started
+    │   │   └── ProducerRetired        this producer id was retired (retire_producers)
     │   └── OffsetOrderError           (ValueError) offsets must strictly increase
     └── ConsumerError
         └── ConsumerTimeout            (TimeoutError) no new step arrived in time
@@ -56,6 +57,7 @@ __all__ = [
     "OffsetOrderError",
     "ProducerError",
     "ProducerFenced",
+    "ProducerRetired",
     "StepReclaimed",
     "StoreError",
     "StoreUnavailable",
@@ -161,6 +163,10 @@ class ProducerError(BatchWeaveError):
 
 class ProducerFenced(ProducerError):
     """A newer incarnation (higher epoch) of this producer id has started; this one must stop."""
+
+
+class ProducerRetired(ProducerFenced):
+    """This producer id was retired (:func:`~batchweave.retire_producers`); this one must stop."""
 
 
 class OffsetOrderError(ProducerError, ValueError):

@@ -31,8 +31,9 @@ from batchweave._errors import (
 from batchweave._manifest._log import (
     MANIFESTS_DIR,
     PROBE_TRUST_SECONDS,
-    Committed,
+    CommitResult,
     ManifestLog,
+    commit_until,
     manifest_key,
 )
 from batchweave._manifest._models import Manifest
@@ -365,24 +366,25 @@ class Reclaimer:
         Returns the newest manifest, the version the cut was committed on (``None`` if no commit
         was needed) and the number of conflicts.
         """
-        conflicts = 0
-        while True:
-            target = min(boundary, latest.next_step)
-            if target <= latest.base_step:
-                return latest, None, conflicts
-            result = self._log.commit(latest, base_step=target)
-            if isinstance(result, Committed):
-                _log.debug("committed base_step %d as version %d", target, result.manifest.version)
-                return result.manifest, latest, conflicts
-            conflicts += 1
-            if conflicts >= self._max_commit_attempts:
-                raise TransientStoreError(
-                    f"{self.store.url}/{self.namespace}: could not commit base_step {target} "
-                    f"after {conflicts} lost races (latest version {latest.version}); the next "
-                    "pass retries"
-                )
-            self._sleep(self._rng.uniform(0.0, min(1.0, 0.01 * 2**conflicts)))
-            latest = self._log.latest(result.winner or latest)
+
+        def cut(manifest: Manifest) -> CommitResult | None:
+            target = min(boundary, manifest.next_step)
+            if target <= manifest.base_step:
+                return None
+            return self._log.commit(manifest, base_step=target)
+
+        settled = commit_until(
+            self._log,
+            latest,
+            cut,
+            what=f"base_step {boundary}",
+            attempts=self._max_commit_attempts,
+            sleep=self._sleep,
+            rng=self._rng,
+        )
+        if settled.parent is not None:
+            _log.debug("committed base_step as version %d", settled.manifest.version)
+        return settled.manifest, settled.parent, settled.conflicts
 
     # -- data ----------------------------------------------------------------------------------
 

@@ -20,15 +20,15 @@ from __future__ import annotations
 import logging
 import math
 import random
+import secrets
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 from batchweave._checks import as_int, check_at_least
 from batchweave._errors import (
@@ -38,6 +38,7 @@ from batchweave._errors import (
     OffsetOrderError,
     ProducerError,
     ProducerFenced,
+    ProducerRetired,
     StoreUnavailable,
     TransientStoreError,
 )
@@ -69,6 +70,7 @@ from batchweave._outage import OutageLog
 from batchweave._policy import AttemptOutcome, CommitPolicy, make_policy
 from batchweave._store._base import ObjectStore, PutMode, validate_key
 from batchweave._store._wrappers import StoreWrapper
+from batchweave._unchecked import unchecked
 from batchweave._watermarks import Watermarks
 
 __all__ = ["Producer", "ProducerStats"]
@@ -431,7 +433,10 @@ class Producer:
             self._check_offset_locked(offset)
         self._wait_for_lag()
         encoded = self._encode(slices, offset, sample_counts, metadata)
-        key = f"data/{self._producer_id}/{self._epoch}/{offset:020d}-{uuid.uuid4().hex}.tgb"
+        # A TGB encoded here from payloads, with settings checked at start, is valid by
+        # construction; its descriptor is built without validating it again.
+        validate = isinstance(slices, EncodedTgb | TgbBuilder)
+        key = f"data/{self._producer_id}/{self._epoch}/{offset:020d}-{secrets.token_hex(16)}.tgb"
         entry = _Entry(offset=offset, key=key, size=encoded.size)
         with self._cond:
             while (
@@ -446,7 +451,7 @@ class Producer:
             self._last_appended = offset
             self._entries.append(entry)
         try:
-            self._uploads.submit(self._upload, entry, encoded)
+            self._uploads.submit(self._upload, entry, encoded, validate=validate)
         except RuntimeError as exc:  # executor shut down by a concurrent abort
             with self._cond:
                 self._inflight_bytes -= entry.size
@@ -721,30 +726,42 @@ class Producer:
             metadata=metadata,
         )
 
-    def _descriptor(self, entry: _Entry, encoded: EncodedTgb) -> TgbDescriptor:
+    def _descriptor(
+        self, entry: _Entry, encoded: EncodedTgb, *, validate: bool = True
+    ) -> TgbDescriptor:
+        """The descriptor of ``encoded``, uploaded as ``entry``.
+
+        ``validate=False`` only for a TGB this producer encoded from payloads itself: codec,
+        compression and checksum algorithm were checked at start, the footer by the encoder,
+        and key, epoch and offset are ours, so every model is valid by construction and equals
+        the validated one (tests compare both). A TGB the caller built is validated.
+        """
         footer = encoded.footer
-        ref = TgbObjectRef(
-            key=entry.key,
-            size=encoded.size,
-            first_slice=0,
-            slice_count=len(footer.slices),
-            footer_offset=encoded.footer_offset,
-            footer_length=encoded.footer_length,
-            footer_checksum=checksum(encoded.footer_bytes, footer.checksum_algo),
-            slices=(
-                SliceTable.from_footer(footer)
-                if len(footer.slices) <= self._slice_table_limit
-                else None
-            ),
+        table = (
+            SliceTable.from_footer(footer, validate=validate)
+            if len(footer.slices) <= self._slice_table_limit
+            else None
         )
-        return TgbDescriptor(
-            producer_id=self._producer_id,
-            epoch=self._epoch,
-            offset=entry.offset,
-            objects=(ref,),
-            bytes=encoded.size,
-            samples=sum(s.sample_count for s in footer.slices),
-        )
+        ref_fields: dict[str, Any] = {
+            "key": entry.key,
+            "size": encoded.size,
+            "first_slice": 0,
+            "slice_count": len(footer.slices),
+            "footer_offset": encoded.footer_offset,
+            "footer_length": encoded.footer_length,
+            "footer_checksum": checksum(encoded.footer_bytes, footer.checksum_algo),
+            "slices": table,
+        }
+        ref = TgbObjectRef(**ref_fields) if validate else unchecked(TgbObjectRef, ref_fields)
+        fields: dict[str, Any] = {
+            "producer_id": self._producer_id,
+            "epoch": self._epoch,
+            "offset": entry.offset,
+            "objects": (ref,),
+            "bytes": encoded.size,
+            "samples": sum([s.sample_count for s in footer.slices]),
+        }
+        return TgbDescriptor(**fields) if validate else unchecked(TgbDescriptor, fields)
 
     def _store_key(self, relative: str) -> str:
         return self._log.key(relative)
@@ -752,9 +769,10 @@ class Producer:
     # ------------------------------------------------------------------------------------------
     # uploads (pool threads)
 
-    def _upload(self, entry: _Entry, encoded: EncodedTgb) -> None:
+    def _upload(self, entry: _Entry, encoded: EncodedTgb, *, validate: bool = True) -> None:
         key = self._store_key(entry.key)
         attempt = failures = 0
+        released = False
         try:
             while True:
                 if self._aborted:
@@ -764,10 +782,6 @@ class Producer:
                     self._store.put_parts(key, encoded.parts)
                     took = self._clock() - began
                     self._outage.recovered()
-                    with self._cond:
-                        if self._first_upload is None:
-                            self._first_upload = took
-                        self._policy.observe_put(took, encoded.size)
                     break
                 except _RETRYABLE as exc:
                     attempt += 1
@@ -780,9 +794,15 @@ class Producer:
                             f"{entry.offset}) failed {failures} times; last error: {exc}"
                         ) from exc
                     self._note_transient(f"uploading {key!r}", exc, attempt)
-            descriptor = self._descriptor(entry, encoded)
+            descriptor = self._descriptor(entry, encoded, validate=validate)
+            # One lock round and one wake-up for everything a finished upload changes.
             with self._cond:
+                if self._first_upload is None:
+                    self._first_upload = took
+                self._policy.observe_put(took, encoded.size)
                 entry.descriptor = descriptor
+                self._inflight_bytes -= entry.size
+                released = True
                 self._cond.notify_all()
         except BaseException as exc:
             if not isinstance(exc, ProducerError):
@@ -794,9 +814,10 @@ class Producer:
                 exc = wrapped
             self._fail(exc)
         finally:
-            with self._cond:
-                self._inflight_bytes -= entry.size
-                self._cond.notify_all()
+            if not released:
+                with self._cond:
+                    self._inflight_bytes -= entry.size
+                    self._cond.notify_all()
 
     def _count_ambiguous(self) -> None:
         with self._cond:
@@ -1070,23 +1091,42 @@ class Producer:
                 exc,
             )
 
+    def _pending_locked(self) -> str:
+        """The offsets appended but not committed, for error messages."""
+        if not self._entries:
+            return "nothing"
+        return f"offsets {self._entries[0].offset}..{self._entries[-1].offset}"
+
+    def _raise_retired(self, manifest: Manifest) -> NoReturn:
+        """Our id is gone from a manifest after our epoch commit: only retirement removes ids."""
+        resume = (
+            f"it had committed offsets up to {self._committed_offset}, so resume the source "
+            f"after {self._committed_offset}"
+            if self._committed_offset is not None
+            else "it had committed nothing"
+        )
+        raise ProducerRetired(
+            f"producer {self._producer_id!r} (epoch {self._epoch}) in namespace "
+            f"{self._namespace!r} was retired: manifest version {manifest.version} no longer "
+            f"lists it (retire_producers / `batchweave retire` removes ids idle for long). Stop "
+            f"this process (uncommitted: {self._pending_locked()}). A new producer with this id "
+            f"starts a new stream with no resume offset; {resume}"
+        )
+
     def _adopt_locked(self, manifest: Manifest) -> None:
         """Rebase onto ``manifest``: fence, drop what it already holds for us, keep the newest."""
         state = manifest.producers.get(self._producer_id)
-        if state is not None and state.epoch > self._epoch:
-            pending = (
-                f"offsets {self._entries[0].offset}..{self._entries[-1].offset}"
-                if self._entries
-                else "nothing"
-            )
+        if state is None:
+            self._raise_retired(manifest)
+        if state.epoch > self._epoch:
             raise ProducerFenced(
                 f"producer {self._producer_id!r} in namespace {self._namespace!r} was fenced: "
                 f"manifest version {manifest.version} records epoch {state.epoch} for it, this "
                 f"incarnation has epoch {self._epoch}. A newer process with the same "
-                f"producer_id has started; stop this one (uncommitted: {pending}; the new "
-                "incarnation resumes from its resume_offset)"
+                f"producer_id has started; stop this one (uncommitted: "
+                f"{self._pending_locked()}; the new incarnation resumes from its resume_offset)"
             )
-        if state is not None and state.offset is not None:
+        if state.offset is not None:
             dropped = 0
             dropped_bytes = 0
             while self._entries and self._entries[0].offset <= state.offset:

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 from test_format_codecs import arrow_tables, assert_same_tensors, tensor_dicts
 
 import batchweave as bw
@@ -42,6 +43,7 @@ from batchweave._format import (
     TRAILER_SIZE,
     ChecksumAlgo,
     _tgb,
+    checksum,
 )
 from batchweave._format._tgb import _pack_trailer
 from batchweave._store._base import ByteRange
@@ -722,3 +724,84 @@ def test_container_decodes_tensors_without_copying() -> None:
     assert not out["x"].flags.writeable
     assert out["x"].ctypes.data % out["x"].dtype.itemsize == 0
     assert enc.footer.slices[1].sample_count == 10
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    dp=st.integers(1, 4),
+    cp=st.integers(1, 3),
+    data=st.data(),
+    compression=st.sampled_from([None, "zstd"]),
+    algo=st.sampled_from(CHECKSUM_ALGOS),
+    metadata=st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
+)
+def test_built_footer_equals_the_fully_validated_footer(
+    dp: int,
+    cp: int,
+    data: st.DataObject,
+    compression: str | None,
+    algo: ChecksumAlgo,
+    metadata: dict[str, str],
+) -> None:
+    # The builder wraps the entries of slices it stored without validating them again; the
+    # footer must be the one full validation builds, down to its JSON bytes.
+    mesh = Mesh(dp=dp, cp=cp)
+    payloads = [data.draw(st.binary(max_size=64)) for _ in range(mesh.slices)]
+    counts = data.draw(
+        st.none()
+        | st.lists(st.none() | st.integers(0, 1 << 40), min_size=mesh.slices, max_size=mesh.slices)
+    )
+    enc = encode_tgb(
+        payloads,
+        mesh,
+        compression=compression,
+        checksum_algo=algo,
+        sample_counts=counts,
+        metadata=metadata,
+    )
+    # The validated path, computed independently from the stored parts.
+    entries, offset = [], 0
+    for i, part in enumerate(enc.parts[: mesh.slices]):
+        entries.append(
+            bw.SliceEntry(
+                offset=offset,
+                length=len(part),
+                uncompressed_length=len(payloads[i]),
+                checksum=checksum(part, algo),
+                sample_count=1 if counts is None or counts[i] is None else counts[i],
+            )
+        )
+        offset += len(part)
+    validated = bw.TgbFooter(
+        format_version=2 if algo == "xxh3" else 1,
+        mesh=mesh,
+        codec="raw",
+        compression=compression,
+        checksum_algo=algo,
+        payload_length=offset,
+        slices=tuple(entries),
+        metadata=metadata,
+    )
+    assert enc.footer == validated
+    assert enc.footer.slices == validated.slices
+    assert bytes(enc.footer_bytes) == validated.model_dump_json().encode()
+    for built, checked in zip(enc.footer.slices, validated.slices, strict=True):
+        assert type(built) is bw.SliceEntry
+        assert built.model_fields_set == checked.model_fields_set
+        assert built.model_dump_json() == checked.model_dump_json()
+        assert repr(built) == repr(checked)
+    assert parse_footer(enc.data, key=KEY) == enc.footer
+
+
+@pytest.mark.parametrize(("given_count", "stored"), [(2.0, 2), (np.int64(3), 3), (True, 1), (7, 7)])
+def test_sample_counts_that_are_not_plain_ints_are_still_validated(
+    given_count: object, stored: int
+) -> None:
+    enc = encode_tgb([b"a", b"b"], Mesh(dp=2), sample_counts=[given_count, 1])  # type: ignore[list-item]
+    assert enc.footer.slices[0].sample_count == stored
+    assert type(enc.footer.slices[0].sample_count) is int
+
+
+def test_a_fractional_sample_count_is_refused_by_validation() -> None:
+    with pytest.raises(ValidationError, match="sample_count"):
+        encode_tgb([b"a", b"b"], Mesh(dp=2), sample_counts=[2.5, 1])  # type: ignore[list-item]

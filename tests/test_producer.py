@@ -8,6 +8,8 @@ import threading
 import numpy as np
 import pytest
 from fake_time import FakeTime
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import batchweave as bw
 from batchweave import (
@@ -24,9 +26,11 @@ from batchweave import (
     StoreWrapper,
     TransientStoreError,
 )
-from batchweave._format._tgb import TgbBuilder, encode_tgb, read_footer, read_slice
+from batchweave._format import CHECKSUM_ALGOS, ChecksumAlgo
+from batchweave._format._tgb import EncodedTgb, TgbBuilder, encode_tgb, read_footer, read_slice
 from batchweave._manifest._log import ManifestLog
-from batchweave._manifest._models import Manifest
+from batchweave._manifest._models import Manifest, TgbDescriptor
+from batchweave._producer import _Entry
 from batchweave._store._memory import MemoryStore
 from batchweave._store._wrappers import FaultInjectingStore
 from batchweave._watermarks import Watermarks
@@ -881,3 +885,82 @@ class TickingStore(GatedStore):
 def test_public_names_are_exported() -> None:
     assert bw.Producer is Producer
     assert bw.ProducerStats.__doc__
+
+
+@pytest.fixture(scope="module")
+def closed_producer() -> Producer:
+    """A producer whose ``_descriptor`` is called directly (it reads only settings)."""
+    p = make(MemoryStore())
+    p.close()
+    return p
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dp=st.integers(1, 12),
+    cp=st.integers(1, 12),
+    data=st.data(),
+    compression=st.sampled_from([None, "zstd"]),
+    algo=st.sampled_from(CHECKSUM_ALGOS),
+    metadata=st.dictionaries(st.text(max_size=6), st.text(max_size=6), max_size=2),
+    offset=st.integers(0, 1 << 62),
+)
+def test_descriptor_of_an_own_encoding_equals_the_validated_descriptor(
+    closed_producer: Producer,
+    dp: int,
+    cp: int,
+    data: st.DataObject,
+    compression: str | None,
+    algo: ChecksumAlgo,
+    metadata: dict[str, str],
+    offset: int,
+) -> None:
+    # A TGB the producer encoded itself gets its descriptor without validation; it must be the
+    # validated one, nested models and persisted JSON included (meshes above the 128-slice
+    # table limit too).
+    mesh = Mesh(dp=dp, cp=cp)
+    sizes = data.draw(st.lists(st.integers(0, 40), min_size=mesh.slices, max_size=mesh.slices))
+    counts = data.draw(
+        st.none()
+        | st.lists(st.none() | st.integers(0, 1 << 40), min_size=mesh.slices, max_size=mesh.slices)
+    )
+    enc = encode_tgb(
+        [bytes([i % 256]) * n for i, n in enumerate(sizes)],
+        mesh,
+        compression=compression,
+        checksum_algo=algo,
+        sample_counts=counts,
+        metadata=metadata,
+    )
+    p = closed_producer
+    entry = _Entry(offset=offset, key=f"data/p0/0/{offset:020d}-{'ab' * 16}.tgb", size=enc.size)
+    fast = p._descriptor(entry, enc, validate=False)
+    checked = p._descriptor(entry, enc, validate=True)
+    assert fast == checked
+    assert fast.objects == checked.objects
+    assert fast.objects[0].slices == checked.objects[0].slices
+    assert (fast.objects[0].slices is None) == (mesh.slices > 128)
+    assert fast.model_dump_json() == checked.model_dump_json()
+    assert repr(fast) == repr(checked)
+    assert fast.model_fields_set == checked.model_fields_set
+    assert fast.objects[0].model_fields_set == checked.objects[0].model_fields_set
+    assert TgbDescriptor.model_validate_json(fast.model_dump_json()) == checked
+
+
+def test_a_tgb_built_by_the_caller_is_still_validated_before_commit() -> None:
+    # Only TGBs encoded from payloads skip validation: a caller's EncodedTgb whose footer
+    # names a codec nobody knows fails its upload instead of reaching a manifest.
+    store = MemoryStore()
+    enc = encode_tgb(payloads(0), MESH)
+    bogus = EncodedTgb(
+        parts=enc.parts,
+        footer=enc.footer.model_copy(update={"codec": "bogus"}),
+        footer_offset=enc.footer_offset,
+        footer_length=enc.footer_length,
+    )
+    p = make(store)
+    p.append(bogus, offset=0)
+    with pytest.raises(ProducerError, match="unknown codec 'bogus'"):
+        p.flush()
+    p.abort()
+    assert committed_offsets(store, "p0") == []

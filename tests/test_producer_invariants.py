@@ -9,7 +9,9 @@ every step the committed history is checked against the commit protocol's invari
 - steps are dense and never reassigned, and independent readers agree on step -> TGB;
 - nothing is visible before it exists: a manifest is only ever written after every TGB object it
   references was fully uploaded (audited at the moment of each conditional PUT);
-- each producer's committed offset equals its last committed TGB's offset (exactly-once resume).
+- each producer's committed offset equals its last committed TGB's offset (exactly-once resume);
+- a retired producer id commits nothing after the version that retired it: its running
+  incarnations are fenced with ``ProducerRetired``, whatever they were doing at the time.
 """
 
 from __future__ import annotations
@@ -25,7 +27,16 @@ from hypothesis.stateful import (
     rule,
 )
 
-from batchweave import Mesh, Producer, ProducerError, ProducerFenced, PutMode, StoreWrapper
+from batchweave import (
+    Mesh,
+    Producer,
+    ProducerError,
+    ProducerFenced,
+    ProducerRetired,
+    PutMode,
+    StoreWrapper,
+    retire_producers,
+)
 from batchweave._errors import AmbiguousWriteError, TransientStoreError
 from batchweave._manifest._codec import decode_manifest
 from batchweave._manifest._log import ManifestLog
@@ -35,8 +46,8 @@ from batchweave._store._wrappers import FaultInjectingStore
 
 MESH = Mesh(dp=2, cp=1)
 NS = "sm"
-PIDS = ("a", "b")
-TAIL_BOUNDS = {"a": {"tail_limit": 3}, "b": {"tail_bytes_limit": 700}}
+PIDS = ("a", "b", "c")
+TAIL_BOUNDS = {"a": {"tail_limit": 3}, "b": {"tail_bytes_limit": 700}, "c": {}}
 """Small tails, so commits roll into segments: "a" by count, "b" by bytes (two descriptors)."""
 
 TgbKey = tuple[str, int, int, str]
@@ -76,6 +87,15 @@ class Incarnation:
         self.next_offset = producer.resume_offset
         self.appended: list[int] = []
         self.fenced = False
+        self.retired = False
+        """Its id was retired while it ran: it must stop with ProducerRetired."""
+
+    def check_stopped_by(self, newest: Incarnation, exc: ProducerError) -> None:
+        """Being stopped by ``exc`` must be legitimate: a zombie, or an id retired meanwhile."""
+        if isinstance(exc, ProducerRetired):
+            assert self.retired, exc
+        else:
+            assert newest is not self or self.retired, exc
 
     def __repr__(self) -> str:
         return f"Incarnation({self.pid}@{self.epoch})"
@@ -97,6 +117,8 @@ class ProducerMachine(RuleBasedStateMachine):
         self.time = FakeTime()
         self.live: list[Incarnation] = []
         self.newest: dict[str, Incarnation] = {}
+        self.retired: dict[str, tuple[int, int]] = {}
+        """Retired id -> (version that retired it, its committed TGB count then)."""
         self.seen: dict[int, TgbKey] = {}
         """Every step -> TGB ever observed; a step must never map to another TGB."""
         self.checked_version = -1
@@ -147,6 +169,8 @@ class ProducerMachine(RuleBasedStateMachine):
     @rule(pid=st.sampled_from(PIDS))
     def start(self, pid: str) -> None:
         """Start (or restart) a producer id; a still-running older incarnation becomes a zombie."""
+        if pid in self.retired:
+            return  # a retired id would start a new stream; these invariants follow one per id
         if pid in self.newest and self.newest[pid] in self.live:
             event("start while an older incarnation runs (zombie)")
         self._start(pid)
@@ -162,8 +186,8 @@ class ProducerMachine(RuleBasedStateMachine):
             offset = inc.next_offset + skip
             try:
                 inc.producer.append([f"{inc.pid}{offset}".encode(), b"x"], offset=offset)
-            except ProducerFenced:
-                assert self.newest[inc.pid] is not inc
+            except ProducerFenced as exc:
+                inc.check_stopped_by(self.newest[inc.pid], exc)
                 inc.fenced = True
                 return
             inc.appended.append(offset)
@@ -175,9 +199,9 @@ class ProducerMachine(RuleBasedStateMachine):
         inc = self._pick(which)
         try:
             inc.producer.flush(timeout=30)
-        except ProducerFenced:
-            assert self.newest[inc.pid] is not inc, "the newest incarnation was fenced"
-            event("zombie fenced at flush")
+        except ProducerFenced as exc:
+            inc.check_stopped_by(self.newest[inc.pid], exc)
+            event("retired id fenced at flush" if inc.retired else "zombie fenced at flush")
             inc.fenced = True
             return
         # Flushed: everything this incarnation appended is committed.
@@ -200,13 +224,41 @@ class ProducerMachine(RuleBasedStateMachine):
         inc = self._pick(which)
         try:
             inc.producer.close()
-        except ProducerError:
+        except ProducerError as exc:
             event("zombie fenced at close")
-            assert self.newest[inc.pid] is not inc
-            assert inc.fenced or inc.producer.stats().pending > 0
+            inc.check_stopped_by(self.newest[inc.pid], exc)
+            assert inc.fenced or inc.retired or inc.producer.stats().pending > 0
         else:
             assert self._committed_by(inc) == inc.appended
         self.live.remove(inc)
+
+    @rule(pid=st.sampled_from(PIDS))
+    def retire(self, pid: str) -> None:
+        """An operator retires an id, while its incarnations may be committing."""
+        report = retire_producers(
+            self.audit,  # no scripted faults: retirement itself is not under test for those
+            NS,
+            idle_for=1e-9,
+            producer_ids=[pid],
+            wall_clock=lambda: self.time.wall() + 1.0,
+            sleep=self.time.sleep,
+        )
+        if not report.retired:
+            assert pid in report.unknown
+            return
+        event(
+            "retired an id with a live incarnation"
+            if any(inc.pid == pid for inc in self.live)
+            else "retired an id"
+        )
+        assert report.version is not None
+        committed = self.reader.read(report.version)
+        assert pid not in committed.producers
+        count = sum(1 for key in self._steps(self.reader, committed) if key[0] == pid)
+        self.retired[pid] = (report.version, count)
+        for inc in self.live:
+            if inc.pid == pid:
+                inc.retired = True
 
     @rule(landed=st.booleans(), times=st.integers(1, 3))
     def ambiguous_manifest_writes(self, landed: bool, times: int) -> None:
@@ -279,6 +331,11 @@ class ProducerMachine(RuleBasedStateMachine):
             # The resumption state matches the TGB list (exactly-once restart).
             for pid, state in manifest.producers.items():
                 assert state.offset == last.get(pid), (version, pid, state.offset, last)
+            # A retired id commits nothing after its retirement.
+            for pid, (retired_in, count) in self.retired.items():
+                if version >= retired_in:
+                    assert pid not in manifest.producers, (version, pid)
+                    assert sum(1 for key in steps if key[0] == pid) == count, (version, pid)
             previous = steps
             self.checked_version = version
         self.checked_steps = previous

@@ -390,3 +390,38 @@ def test_put_parts_finishes_short_writes(store: FileStore, monkeypatch: pytest.M
     monkeypatch.undo()
     assert store.get("short/writes") == b"first part-second-third"
     assert calls == 5  # 10 + 8 + 5 bytes, at most five per call: 2 + 2 + 1 calls
+
+
+@KERNEL_CHECK
+@pytest.mark.parametrize("mode", [PutMode.OVERWRITE, PutMode.CREATE])
+def test_a_put_removes_its_temp_file_and_unlinks_only_what_is_left(
+    store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch, kernel_check: bool, mode: PutMode
+) -> None:
+    # A published replace consumed the temp name (no unlink spent on it); a link (CREATE)
+    # leaves it, and so does a failed publish: those are unlinked. Either way none stays.
+    store._proc_fd = kernel_check and store._proc_fd
+    temp_dir = root / TEMP_DIR_NAME
+    real_unlink = os.unlink
+    unlinked: list[str] = []
+
+    def recording_unlink(path: str, *args: object, **kwargs: object) -> None:
+        unlinked.append(os.fspath(path))
+        real_unlink(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "unlink", recording_unlink)
+    store.put("ns/a", b"1", mode=mode)
+    store.put_parts("ns/d/b", [b"2", memoryview(b"3")], mode=mode)
+    assert len(unlinked) == (0 if mode is PutMode.OVERWRITE else 2)
+    assert all(os.path.dirname(path) == str(temp_dir) for path in unlinked)
+    assert list(temp_dir.iterdir()) == []
+
+    unlinked.clear()
+    with pytest.raises(InvalidKey, match="'a' and 'a/b'"):
+        store.put("ns/a/c", b"x", mode=mode)  # ns/a is an object: nothing can go under it
+    if mode is PutMode.CREATE:
+        with pytest.raises(ObjectExists):
+            store.put("ns/a", b"x", mode=mode)
+    assert len(unlinked) == (1 if mode is PutMode.OVERWRITE else 2)
+    assert list(temp_dir.iterdir()) == []
+    monkeypatch.undo()
+    assert (store.get("ns/a"), store.get("ns/d/b")) == (b"1", b"23")

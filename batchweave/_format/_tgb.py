@@ -47,6 +47,7 @@ from batchweave._format._codecs import (
 )
 from batchweave._mesh import Mesh
 from batchweave._store._base import Bounded, ObjectStore, Suffix
+from batchweave._unchecked import unchecked
 
 __all__ = [
     "FOOTER_READ_GUESS",
@@ -215,9 +216,10 @@ class EncodedTgb:
 # writing
 
 
-@dataclass(frozen=True)
-class _StoredSlice:
+class _StoredSlice(NamedTuple):
     data: Buffer
+    length: int
+    """Stored bytes: ``len(data)`` in bytes, whatever the buffer's item size."""
     uncompressed_length: int
     checksum: int
     sample_count: int
@@ -274,9 +276,14 @@ class TgbBuilder:
         elif sample_count < 0:
             raise ValueError(f"sample_count must be >= 0, got {sample_count}")
         raw_length = len(memoryview(encoded).cast("B"))
-        stored = encoded if self.compression is None else compress(encoded, self.compression)
+        if self.compression is None:
+            stored, length = encoded, raw_length
+        else:
+            stored = compress(encoded, self.compression)
+            length = len(memoryview(stored).cast("B"))
         self._slices[index] = _StoredSlice(
             data=stored,
+            length=length,
             uncompressed_length=raw_length,
             checksum=checksum(stored, self.checksum_algo),
             sample_count=sample_count,
@@ -295,17 +302,8 @@ class TgbBuilder:
         entries: list[SliceEntry] = []
         offset = 0
         for s in stored:
-            length = len(memoryview(s.data).cast("B"))
-            entries.append(
-                SliceEntry(
-                    offset=offset,
-                    length=length,
-                    uncompressed_length=s.uncompressed_length,
-                    checksum=s.checksum,
-                    sample_count=s.sample_count,
-                )
-            )
-            offset += length
+            entries.append(_built_entry(offset, s))
+            offset += s.length
         version = _ALGO_VERSIONS[self.checksum_algo]
         footer = TgbFooter(
             format_version=version,
@@ -328,6 +326,26 @@ class TgbBuilder:
         return EncodedTgb(
             parts=parts, footer=footer, footer_offset=offset, footer_length=len(footer_bytes)
         )
+
+
+def _built_entry(offset: int, stored: _StoredSlice) -> SliceEntry:
+    """The footer entry of ``stored``, a slice this builder laid out at ``offset``.
+
+    Offset, lengths and checksum were computed here, so they are valid non-negative ints (the
+    checksum fits 64 bits); only the sample count can come from the caller. A plain
+    non-negative ``int`` skips validation (footers hold one entry per slice); anything else is
+    validated, which converts it or raises exactly as before.
+    """
+    fields = {
+        "offset": offset,
+        "length": stored.length,
+        "uncompressed_length": stored.uncompressed_length,
+        "checksum": stored.checksum,
+        "sample_count": stored.sample_count,
+    }
+    if type(stored.sample_count) is int and stored.sample_count >= 0:
+        return _entry(fields)
+    return SliceEntry(**fields)
 
 
 def _immutable(data: Buffer) -> bytes | memoryview:
@@ -526,8 +544,6 @@ def _footer_from_json(footer_bytes: bytes, key: str) -> TgbFooter:
 _ENTRY_FIELDS: Final = frozenset(SliceEntry.model_fields)
 _ALL_ENTRY_FIELDS_SET: Final = set(_ENTRY_FIELDS)
 _U64_LIMIT: Final = 1 << 64
-_new_object = object.__new__
-_set_attr = object.__setattr__
 
 
 def _entry(fields: dict[str, Any]) -> SliceEntry:
@@ -538,12 +554,7 @@ def _entry(fields: dict[str, Any]) -> SliceEntry:
     share one fields-set (every field is always set, and frozen models never add to it), which
     halves the objects the garbage collector tracks per parsed footer.
     """
-    entry: SliceEntry = _new_object(SliceEntry)
-    _set_attr(entry, "__dict__", fields)
-    _set_attr(entry, "__pydantic_fields_set__", _ALL_ENTRY_FIELDS_SET)
-    _set_attr(entry, "__pydantic_extra__", None)
-    _set_attr(entry, "__pydantic_private__", None)
-    return entry
+    return unchecked(SliceEntry, fields, _ALL_ENTRY_FIELDS_SET)
 
 
 def _fast_footer(doc: Any) -> TgbFooter | None:

@@ -9,11 +9,12 @@ attempt and reports who won; rebasing and pacing belong to the producer. See ``d
 from __future__ import annotations
 
 import logging
+import random
 import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from batchweave._errors import (
@@ -55,6 +56,7 @@ __all__ = [
     "ManifestLog",
     "active_producer_ids",
     "active_producers",
+    "commit_until",
     "manifest_key",
 ]
 
@@ -122,6 +124,67 @@ def active_producer_ids(manifest: Manifest, now: float, horizon: float) -> list[
     """The ids of the producers :func:`active_producers` counts, sorted (a producer's rank)."""
     cutoff = now - horizon
     return sorted(pid for pid, p in manifest.producers.items() if p.last_commit_at >= cutoff)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What :func:`commit_until` did."""
+
+    manifest: Manifest
+    """The newest manifest: the version committed, or the one found to need no change."""
+    parent: Manifest | None
+    """The version the change was committed on; ``None`` when no commit was needed."""
+    conflicts: int
+    """Races lost on the way."""
+
+
+def commit_until(
+    log: ManifestLog,
+    latest: Manifest,
+    attempt: Callable[[Manifest], CommitResult | None],
+    *,
+    what: str,
+    attempts: int = 50,
+    sleep: Callable[[float], None] = time.sleep,
+    rng: random.Random | None = None,
+) -> Settled:
+    """Commit a change on the newest version, rebasing on every lost race, until it lands.
+
+    ``attempt(manifest)`` makes one :meth:`ManifestLog.commit` on ``manifest``, or returns
+    ``None`` when ``manifest`` needs no change (someone else made it, or it no longer applies);
+    it is called again on the winner of every lost race, after a jittered backoff (up to 20 ms,
+    doubling, at most 1 s). For operator changes (seal, reclamation boundary, retiring
+    producer ids), which have no pacing of their own. Raises :class:`TransientStoreError`
+    naming ``what`` after ``attempts`` lost races.
+    """
+    rng = rng or random.Random()
+    conflicts = 0
+    while True:
+        result = attempt(latest)
+        if result is None:
+            return Settled(latest, None, conflicts)
+        if isinstance(result, Committed):
+            return Settled(result.manifest, latest, conflicts)
+        conflicts += 1
+        if conflicts >= attempts:
+            raise TransientStoreError(
+                f"{log.store.url}/{log.namespace}: could not commit {what} after {conflicts} "
+                f"lost races (latest version {latest.version}); retry"
+            )
+        sleep(rng.uniform(0.0, min(1.0, 0.01 * 2**conflicts)))
+        latest = log.latest(result.winner or latest)
+
+
+def _check_retire(
+    retire: Collection[str], append: Sequence[TgbDescriptor], producers: Mapping[str, ProducerState]
+) -> None:
+    if isinstance(retire, str):
+        raise TypeError(f"retire takes a collection of producer ids, not the string {retire!r}")
+    touched = sorted(set(retire) & ({d.producer_id for d in append} | set(producers)))
+    if touched:
+        raise ValueError(
+            f"cannot retire producer id(s) {touched} in the commit that appends or updates them"
+        )
 
 
 class ManifestLog:
@@ -392,13 +455,17 @@ class ManifestLog:
         producers: Mapping[str, ProducerState] = {},
         base_step: int | None = None,
         seal: bool = False,
+        retire: Collection[str] = (),
     ) -> CommitResult:
         """One attempt to write version ``base.version + 1`` = ``base`` plus this change.
 
         ``append`` gets steps ``base.next_step...``; ``producers`` entries replace whole producer
         states; then every producer that appends gets ``offset`` (its last appended offset),
         ``last_version`` and ``last_commit_at`` updated. ``base_step`` raises the reclamation
-        boundary; ``seal`` ends the stream. Appended descriptors must not repeat or reorder a
+        boundary; ``seal`` ends the stream. ``retire`` removes producer ids from the state map
+        (their TGBs stay; a running incarnation of a retired id is fenced at its next rebase,
+        see :func:`batchweave.retire_producers`); it cannot be combined with a change to the
+        same ids. Appended descriptors must not repeat or reorder a
         committed offset (:class:`OffsetOrderError`) nor carry an epoch older than the committed
         one (:class:`ProducerFenced`); appending to a sealed manifest is :class:`NamespaceSealed`.
 
@@ -410,6 +477,7 @@ class ManifestLog:
         now = self._clock()
         self.last_commit_bytes = 0
         self._check_append(base, append, version)
+        _check_retire(retire, append, producers)
         next_step = base.next_step + len(append)
         if base_step is not None and base_step > next_step:
             raise ValueError(
@@ -426,7 +494,7 @@ class ManifestLog:
             _log.warning("commit of %s: transient error checking the parent: %s", key, exc)
             return Conflict(None)
         try:
-            manifest = self._build(base, version, now, append, producers, base_step, seal)
+            manifest = self._build(base, version, now, append, producers, base_step, seal, retire)
         except (TransientStoreError, AmbiguousWriteError) as exc:
             _log.warning("commit of %s: transient error writing segments: %s", key, exc)
             return Conflict(None)
@@ -466,8 +534,11 @@ class ManifestLog:
         producers: Mapping[str, ProducerState],
         base_step: int | None,
         seal: bool,
+        retire: Collection[str],
     ) -> Manifest:
         states = {**base.producers, **producers}
+        for pid in retire:
+            states.pop(pid, None)
         for desc in append:
             prev = states.get(desc.producer_id)
             states[desc.producer_id] = ProducerState(

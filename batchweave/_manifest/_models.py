@@ -37,6 +37,7 @@ from batchweave._format import (
 )
 from batchweave._mesh import Mesh
 from batchweave._store._base import validate_key
+from batchweave._unchecked import unchecked
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -174,23 +175,29 @@ class SliceTable(BaseModel):
         )
 
     @classmethod
-    def from_footer(cls, footer: TgbFooter) -> SliceTable | None:
-        """The table of ``footer``, or None if its slices are not stored back to back from 0."""
+    def from_footer(cls, footer: TgbFooter, *, validate: bool = True) -> SliceTable | None:
+        """The table of ``footer``, or None if its slices are not stored back to back from 0.
+
+        ``validate=False`` skips validation, for a footer this library has just built from
+        settings it checked (a producer's own encoding): every value is then valid by
+        construction, and the table equals the validated one.
+        """
         entries = footer.slices
-        lengths = tuple(e.length for e in entries)
-        if not entries or tuple(e.offset for e in entries) != _back_to_back(lengths):
+        lengths = tuple([e.length for e in entries])
+        if not entries or tuple([e.offset for e in entries]) != _back_to_back(lengths):
             return None
-        return cls(
-            codec=footer.codec,
-            compression=footer.compression,
-            checksum_algo=footer.checksum_algo,
-            lengths=lengths,
-            checksums=tuple(e.checksum for e in entries),
-            uncompressed_lengths=(
-                tuple(e.uncompressed_length for e in entries) if footer.compression else None
+        fields: dict[str, Any] = {
+            "codec": footer.codec,
+            "compression": footer.compression,
+            "checksum_algo": footer.checksum_algo,
+            "lengths": lengths,
+            "checksums": tuple([e.checksum for e in entries]),
+            "uncompressed_lengths": (
+                tuple([e.uncompressed_length for e in entries]) if footer.compression else None
             ),
-            sample_counts=tuple(e.sample_count for e in entries),
-        )
+            "sample_counts": tuple([e.sample_count for e in entries]),
+        }
+        return cls(**fields) if validate else unchecked(cls, fields)
 
 
 def _unpack_checksums(packed: str, count: int, algo: object) -> tuple[int, ...]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import secrets
 import stat
-import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -179,7 +179,7 @@ class FileStore(ObjectStore):
     # -- writes ------------------------------------------------------------------------------
 
     def _write_temp(self, parts: Sequence[bytes | memoryview]) -> str:
-        tmp = os.path.join(self._tmp, f"{uuid.uuid4().hex}.tmp")
+        tmp = os.path.join(self._tmp, f"{secrets.token_hex(16)}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _write_all(fd, parts)
@@ -266,6 +266,7 @@ class FileStore(ObjectStore):
         publish = self._publish_at if at_fd else self._publish_by_path
         with self._errors(key, "write"):
             tmp = self._write_temp(parts)
+            new_directory: bool | None = None
             try:
                 # A concurrent delete_many may prune the (empty) parent between makedirs and
                 # the publish; recreate it and try again.
@@ -279,7 +280,10 @@ class FileStore(ObjectStore):
                         "under concurrent deletes"
                     )
             finally:
-                _unlink_quietly(tmp)  # after a successful replace it is already gone
+                # A published replace consumed the temp name; a link (CREATE) or a failure
+                # left it behind.
+                if new_directory is None or mode is PutMode.CREATE:
+                    _unlink_quietly(tmp)
             if new_directory:
                 self._fsync_ancestors(os.path.dirname(path))
 

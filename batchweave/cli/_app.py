@@ -20,6 +20,7 @@ from batchweave._errors import BatchWeaveError
 from batchweave._history import write_parquet
 from batchweave._lifecycle import Reclaimer
 from batchweave._manifest._log import ManifestLog
+from batchweave._retire import retire_producers
 from batchweave._store._base import ObjectStore
 from batchweave.cli._common import (
     CliFailure,
@@ -29,6 +30,7 @@ from batchweave.cli._common import (
     one_line,
     open_cli_store,
     out_console,
+    parse_duration,
     store_options,
     validate_namespace,
 )
@@ -232,6 +234,61 @@ def seal(store: str, namespace: str, **options: Any) -> None:
         f"{namespace} {what} at version {manifest.version} "
         f"(steps {step_range(manifest.base_step, manifest.next_step)})"
     )
+
+
+# -- retire -------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("store")
+@click.argument("namespace")
+@click.option(
+    "--idle-for",
+    callback=parse_duration,
+    default="7d",
+    show_default=True,
+    help="Retire ids whose last commit is at least this old (90s, 30m, 12h, 7d).",
+)
+@click.option("--id", "ids", multiple=True, help="Only consider this producer id (repeatable).")
+@click.option("--dry-run", is_flag=True, help="Show what would be retired; commit nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@store_options
+def retire(
+    store: str,
+    namespace: str,
+    idle_for: float,
+    ids: tuple[str, ...],
+    dry_run: bool,
+    as_json: bool,
+    **options: Any,
+) -> None:
+    """Remove idle producer ids from NAMESPACE's manifests (their TGBs stay).
+
+    Every id ever started stays in every manifest until retired. A process still running under
+    a retired id stops with ProducerRetired; a producer started later under it begins a new
+    stream with no resume offset.
+    """
+    namespace = validate_namespace(namespace)
+    st = _open(store, options, writes=not dry_run)
+    report = retire_producers(
+        st, namespace, idle_for=idle_for, producer_ids=ids or None, dry_run=dry_run
+    )
+    if as_json:
+        echo_json(asdict(report))
+        return
+    verb = "would retire" if dry_run else "retired"
+    where = f" in version {report.version}" if report.version is not None else ""
+    click.echo(
+        f"{namespace}: {verb} {len(report.retired)} producer id(s){where}, "
+        f"{report.remaining} remain"
+    )
+    for label, names in (
+        (verb, report.retired),
+        ("kept (active)", report.active),
+        ("not listed", report.unknown),
+    ):
+        if names:
+            click.echo(f"  {label}: {', '.join(names)}")
 
 
 # -- export -------------------------------------------------------------------------------------

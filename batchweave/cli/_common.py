@@ -26,6 +26,7 @@ __all__ = [
     "one_line",
     "open_cli_store",
     "out_console",
+    "parse_duration",
     "store_options",
     "store_url",
     "validate_namespace",
@@ -39,6 +40,24 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 class CliFailure(Exception):
     """A problem the user must fix (bad argument, missing dependency): exit status 2."""
+
+
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(ctx: click.Context, param: click.Parameter, value: str) -> float:
+    """Option callback: seconds from ``90``, ``90s``, ``30m``, ``12h`` or ``7d``."""
+    text = str(value).strip().lower()
+    number = text.rstrip("smhd")
+    try:
+        seconds = float(number) * _DURATION_UNITS[text[len(number) :]]
+    except (KeyError, ValueError):
+        raise click.BadParameter(
+            f"{value!r} is not a duration; write e.g. 90s, 30m, 12h or 7d", ctx, param
+        ) from None
+    if not seconds > 0:
+        raise click.BadParameter(f"{value!r} is not a positive duration", ctx, param)
+    return seconds
 
 
 def out_console() -> Console:

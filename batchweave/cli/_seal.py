@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
 
-from batchweave._manifest._log import Committed, ManifestLog
+from batchweave._manifest._log import CommitResult, ManifestLog, commit_until
 from batchweave._manifest._models import Manifest
 from batchweave._store._base import ObjectStore
-from batchweave.cli._common import CliFailure
 
 __all__ = ["seal_namespace"]
 
@@ -27,14 +25,11 @@ def seal_namespace(
     stop cleanly after the last step. Lost races are retried on the winner.
     """
     log = ManifestLog(store, namespace)
-    latest = log.latest()
-    rng = random.Random()
-    for attempt in range(attempts):
-        if latest.sealed:
-            return latest, False
-        result = log.commit(latest, seal=True)
-        if isinstance(result, Committed):
-            return result.manifest, True
-        sleep(rng.uniform(0.0, min(1.0, 0.01 * 2**attempt)))
-        latest = log.latest(result.winner or latest)
-    raise CliFailure(f"could not seal {namespace!r} after {attempts} lost races; retry")
+
+    def seal(manifest: Manifest) -> CommitResult | None:
+        return None if manifest.sealed else log.commit(manifest, seal=True)
+
+    settled = commit_until(
+        log, log.latest(), seal, what=f"the seal of {namespace!r}", attempts=attempts, sleep=sleep
+    )
+    return settled.manifest, settled.parent is not None

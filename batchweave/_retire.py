@@ -1,0 +1,133 @@
+"""Retiring producer ids: the producer map of every manifest holds only ids that may come back.
+
+Fencing and exactly-once resume need each producer id's state (epoch, committed offset) in every
+manifest for as long as the id may start again, so the map never forgets an id by itself. A job
+that names producers after pods, hosts or attempts starts new ids all the time, and each one
+adds about 100-250 bytes to every manifest from then on: to every commit's fragile window.
+Retiring ids whose streams are over keeps the manifest, and the commit, as small as the live
+job. The ids' TGBs stay where they are; consumers see no change.
+
+Retirement is one commit that removes the ids. A process still running under a retired id is
+fenced (:class:`~batchweave.ProducerRetired`) at its next rebase, because a started producer
+finds its own state in every manifest unless it was retired; the conditional PUT orders the
+retirement against that producer's commits, so a producer that commits in between is seen as
+active and kept. A producer started later under a retired id begins a new stream: epoch 0, no
+resume offset.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from batchweave._manifest._log import CommitResult, ManifestLog, commit_until
+from batchweave._manifest._models import Manifest
+from batchweave._store._base import ObjectStore
+
+__all__ = ["RetireReport", "retire_producers"]
+
+_log = logging.getLogger("batchweave.retire")
+
+
+@dataclass(frozen=True)
+class RetireReport:
+    """What :func:`retire_producers` did (or, with ``dry_run``, would do)."""
+
+    retired: tuple[str, ...]
+    """Ids removed from the producer map (with ``dry_run``: the ids that would be)."""
+    active: tuple[str, ...]
+    """Ids kept because they committed within ``idle_for`` (among those named, if any)."""
+    unknown: tuple[str, ...]
+    """Named ids that the newest manifest does not list (never started, or already retired)."""
+    version: int | None
+    """The manifest version that removed them; ``None`` if nothing was committed."""
+    remaining: int
+    """Producer ids the newest manifest still lists."""
+    dry_run: bool = False
+
+
+def retire_producers(
+    store: ObjectStore,
+    namespace: str,
+    *,
+    idle_for: float,
+    producer_ids: Iterable[str] | None = None,
+    dry_run: bool = False,
+    wall_clock: Callable[[], float] = time.time,
+    attempts: int = 50,
+    sleep: Callable[[float], None] = time.sleep,
+) -> RetireReport:
+    """Remove producer ids whose last commit is ``idle_for`` seconds old or older.
+
+    Use it for ids whose streams are over (a finished worker, a replaced pod): a producer later
+    started under a retired id begins a new stream with no resume offset, and a process still
+    running under it stops with :class:`~batchweave.ProducerRetired`, naming the offset to
+    resume after. ``producer_ids`` limits retirement to those ids (still only the idle ones);
+    ``None`` considers every id. ``idle_for`` is measured with ``wall_clock`` against each id's
+    ``last_commit_at``, so keep it well above the producers' clock skew and their longest
+    pause between commits (a day or more). ``dry_run`` reports without committing. Lost races
+    are retried on the winner, re-checking idleness there, up to ``attempts`` times.
+    """
+    if not idle_for > 0:
+        raise ValueError(f"idle_for must be a positive number of seconds, got {idle_for!r}")
+    named = None if producer_ids is None else _as_ids(producer_ids)
+    log = ManifestLog(store, namespace)
+    decided: list[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = []
+
+    def retire(manifest: Manifest) -> CommitResult | None:
+        now = wall_clock()
+        candidates = manifest.producers if named is None else named
+        unknown = tuple(pid for pid in candidates if pid not in manifest.producers)
+        idle = tuple(
+            pid
+            for pid in candidates
+            if pid in manifest.producers
+            and now - manifest.producers[pid].last_commit_at >= idle_for
+        )
+        active = tuple(pid for pid in candidates if pid in manifest.producers and pid not in idle)
+        decided.append((idle, active, unknown))
+        if dry_run or not idle:
+            return None
+        return log.commit(manifest, retire=idle)
+
+    settled = commit_until(
+        log,
+        log.latest(),
+        retire,
+        what=f"the retirement of idle producer ids in {namespace!r}",
+        attempts=attempts,
+        sleep=sleep,
+    )
+    idle, active, unknown = decided[-1]
+    committed = settled.parent is not None
+    if committed:
+        _log.info(
+            "retired %d producer id(s) of namespace %r in manifest version %d: %s",
+            len(idle),
+            namespace,
+            settled.manifest.version,
+            ", ".join(idle),
+        )
+    return RetireReport(
+        retired=idle,
+        active=active,
+        unknown=unknown,
+        version=settled.manifest.version if committed else None,
+        remaining=len(settled.manifest.producers) - (len(idle) if dry_run else 0),
+        dry_run=dry_run,
+    )
+
+
+def _as_ids(producer_ids: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(producer_ids, str):
+        raise TypeError(
+            f"producer_ids takes a collection of ids, not the string {producer_ids!r}; "
+            f"write [{producer_ids!r}]"
+        )
+    ids = tuple(dict.fromkeys(producer_ids))
+    for pid in ids:
+        if not isinstance(pid, str):
+            raise TypeError(f"producer ids are strings, got {pid!r} ({type(pid).__name__})")
+    return ids

@@ -1,0 +1,232 @@
+"""Retiring producer ids: manifests forget ids whose streams are over, and nothing is lost.
+
+The interleavings with running producers (zombies, crashes, ambiguous writes) are in the state
+machine of ``test_producer_invariants.py``; these tests pin down the API, the CLI and the size
+of the manifests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from manifest_helpers import descriptor
+
+import batchweave as bw
+from batchweave._manifest._codec import encode_manifest
+from batchweave._manifest._log import Committed, ManifestLog
+from batchweave._manifest._models import ProducerState
+
+MESH = bw.Mesh(dp=2, cp=1)
+NS = "retire"
+DAY = 86400.0
+
+
+def publish(store: bw.ObjectStore, producer_id: str, offsets: range) -> None:
+    with bw.Producer(store, NS, producer_id=producer_id, mesh=MESH) as producer:
+        for offset in offsets:
+            producer.append([b"%d" % offset, b"x"], offset=offset)
+
+
+def later(days: float) -> float:
+    """A wall clock ``days`` from now, as retire_producers sees it."""
+    import time
+
+    return time.time() + days * DAY
+
+
+def steps(store: bw.ObjectStore) -> list[tuple[str, int]]:
+    log = ManifestLog(store, NS)
+    latest = log.latest()
+    return [(d.producer_id, d.offset) for _, d in log.descriptors(latest, 0, latest.next_step)]
+
+
+# -- the commit ---------------------------------------------------------------------------------
+
+
+def test_a_retiring_commit_drops_the_states_and_keeps_every_step() -> None:
+    log = ManifestLog(bw.MemoryStore(), NS)
+    m0 = log.create_or_open(MESH)
+    m1 = log.commit(m0, append=[descriptor("a", 0), descriptor("b", 0), descriptor("a", 1)])
+    assert isinstance(m1, Committed)
+    m2 = log.commit(m1.manifest, retire=["a", "never-started"])
+    assert isinstance(m2, Committed)
+    assert set(m2.manifest.producers) == {"b"}
+    assert m2.manifest.next_step == 3
+    assert [d.producer_id for _, d in log.descriptors(m2.manifest, 0, 3)] == ["a", "b", "a"]
+
+
+def test_a_commit_cannot_retire_an_id_it_appends_or_updates() -> None:
+    log = ManifestLog(bw.MemoryStore(), NS)
+    m0 = log.create_or_open(MESH)
+    with pytest.raises(ValueError, match=r"cannot retire producer id\(s\) \['a'\]"):
+        log.commit(m0, append=[descriptor("a", 0)], retire=["a"])
+    state = ProducerState(epoch=0, last_version=1)
+    with pytest.raises(ValueError, match=r"\['b'\]"):
+        log.commit(m0, producers={"b": state}, retire=["b"])
+    with pytest.raises(TypeError, match="not the string 'ab'"):
+        log.commit(m0, retire="ab")
+    assert log.latest().version == 0
+
+
+# -- retire_producers ---------------------------------------------------------------------------
+
+
+def test_only_ids_idle_for_long_enough_are_retired() -> None:
+    store = bw.MemoryStore()
+    publish(store, "old", range(3))
+    publish(store, "new", range(2))
+    old_state = ManifestLog(store, NS).latest().producers["old"]
+    # "old" last committed 2 days before the clock below, "new" 1 day before.
+    clock = old_state.last_commit_at + 2 * DAY
+    log = ManifestLog(store, NS)
+    latest = log.latest()
+    newer = {
+        "new": latest.producers["new"].model_copy(update={"last_commit_at": clock - DAY}),
+    }
+    assert isinstance(log.commit(latest, producers=newer), Committed)
+
+    report = bw.retire_producers(store, NS, idle_for=1.5 * DAY, wall_clock=lambda: clock)
+    assert report.retired == ("old",)
+    assert report.active == ("new",)
+    assert report.remaining == 1
+    latest = ManifestLog(store, NS).latest()
+    assert report.version == latest.version
+    assert set(latest.producers) == {"new"}
+    assert steps(store) == [("old", 0), ("old", 1), ("old", 2), ("new", 0), ("new", 1)]
+
+
+def test_dry_run_reports_without_committing_and_named_ids_limit_the_choice() -> None:
+    store = bw.MemoryStore()
+    for pid in ("a", "b", "c"):
+        publish(store, pid, range(1))
+    version = ManifestLog(store, NS).latest().version
+
+    dry = bw.retire_producers(
+        store, NS, idle_for=DAY, producer_ids=["a", "zz"], dry_run=True, wall_clock=lambda: later(2)
+    )
+    assert (dry.retired, dry.unknown, dry.version, dry.remaining) == (("a",), ("zz",), None, 2)
+    assert dry.dry_run
+    assert ManifestLog(store, NS).latest().version == version
+
+    done = bw.retire_producers(
+        store, NS, idle_for=DAY, producer_ids=["a", "b"], wall_clock=lambda: later(2)
+    )
+    assert done.retired == ("a", "b")
+    assert set(ManifestLog(store, NS).latest().producers) == {"c"}
+
+
+def test_bad_arguments_are_refused_before_anything_is_read() -> None:
+    store = bw.MemoryStore()
+    with pytest.raises(ValueError, match="idle_for must be a positive number of seconds"):
+        bw.retire_producers(store, NS, idle_for=0)
+    with pytest.raises(TypeError, match=r"write \['prep-1'\]"):
+        bw.retire_producers(store, NS, idle_for=DAY, producer_ids="prep-1")
+    with pytest.raises(TypeError, match="producer ids are strings"):
+        bw.retire_producers(store, NS, idle_for=DAY, producer_ids=[7])  # type: ignore[list-item]
+    with pytest.raises(bw.NamespaceNotFound):
+        bw.retire_producers(store, NS, idle_for=DAY)
+
+
+def test_a_commit_landing_first_keeps_its_producer() -> None:
+    """The id commits between retire's read and its conditional PUT: it is active again."""
+    store = bw.MemoryStore()
+    publish(store, "a", range(1))
+    log = ManifestLog(store, NS)
+    before = log.latest().producers["a"]
+    now = before.last_commit_at + 100.0
+    calls = []
+
+    def clock() -> float:
+        if not calls:  # retire has read the manifest, where "a" is idle: "a" commits again
+            fresh = before.model_copy(update={"last_commit_at": now - 5.0})
+            assert isinstance(log.commit(log.latest(), producers={"a": fresh}), Committed)
+        calls.append(1)
+        return now
+
+    report = bw.retire_producers(store, NS, idle_for=60.0, wall_clock=clock, sleep=lambda _: None)
+    assert report.retired == ()
+    assert report.active == ("a",)
+    assert report.version is None
+    assert len(calls) == 2  # re-checked on the winner
+    assert "a" in log.latest().producers
+
+
+def test_a_running_producer_of_a_retired_id_stops_and_says_where_to_resume() -> None:
+    store = bw.MemoryStore()
+    zombie = bw.Producer(store, NS, producer_id="pod-7", mesh=MESH)
+    try:
+        zombie.append([b"0", b"x"], offset=0)
+        zombie.flush(timeout=30)
+        report = bw.retire_producers(store, NS, idle_for=DAY, wall_clock=lambda: later(2))
+        assert report.retired == ("pod-7",)
+        zombie.append([b"1", b"x"], offset=1)
+        with pytest.raises(bw.ProducerRetired) as info:
+            zombie.flush(timeout=30)
+    finally:
+        zombie.abort()
+    message = str(info.value)
+    assert f"manifest version {report.version} no longer lists it" in message
+    assert "uncommitted: offsets 1..1" in message
+    assert "resume the source after 0" in message
+    assert isinstance(info.value, bw.ProducerFenced)
+    assert steps(store) == [("pod-7", 0)]
+
+    # A producer started later under the id begins a new stream.
+    with bw.Producer(store, NS, producer_id="pod-7", mesh=MESH) as again:
+        assert again.epoch == 0
+        assert again.resume_offset == 0
+
+
+def test_retiring_churned_ids_shrinks_the_manifest_back() -> None:
+    """Every id ever started stays in every manifest until it is retired."""
+    store = bw.MemoryStore()
+    publish(store, "steady", range(1))
+    first = len(encode_manifest(ManifestLog(store, NS).latest()))
+    log = ManifestLog(store, NS)
+    latest = log.latest()
+    churned = {
+        f"pod-{i:04d}": ProducerState(epoch=0, offset=None, last_version=latest.version + 1)
+        for i in range(300)
+    }
+    grown = log.commit(latest, producers=churned)
+    assert isinstance(grown, Committed)
+    assert len(encode_manifest(grown.manifest)) > first + 300 * 50
+
+    report = bw.retire_producers(store, NS, idle_for=DAY, wall_clock=lambda: later(2))
+    assert len(report.retired) == 301
+    assert len(encode_manifest(ManifestLog(store, NS).latest())) <= first
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+
+
+def run(*args: str, check: int = 0) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchweave.cli", *args], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == check, (proc.returncode, proc.stdout, proc.stderr)
+    return proc
+
+
+def test_cli_retire_dry_run_ids_and_json(tmp_path: Path) -> None:
+    store = bw.open_store(tmp_path.as_uri())
+    publish(store, "prep-0", range(2))
+    publish(store, "prep-1", range(2))
+
+    dry = run("retire", str(tmp_path), NS, "--idle-for", "1s", "--dry-run")
+    assert "would retire 0 producer id(s), 2 remain" in dry.stdout  # both committed just now
+    assert "kept (active): prep-0, prep-1" in dry.stdout
+
+    by_id = json.loads(
+        run("retire", str(tmp_path), NS, "--idle-for", "0.001s", "--id", "prep-1", "--json").stdout
+    )
+    assert by_id["retired"] == ["prep-1"]
+    assert by_id["remaining"] == 1
+    assert set(ManifestLog(store, NS).latest().producers) == {"prep-0"}
+
+    bad = run("retire", str(tmp_path), NS, "--idle-for", "soon", check=2)
+    assert "'soon' is not a duration; write e.g. 90s, 30m, 12h or 7d" in bad.stderr
