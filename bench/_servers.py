@@ -68,12 +68,14 @@ def obstore_available() -> bool:
 
 @contextlib.contextmanager
 def storages(
-    names: Sequence[str], *, clients: Sequence[str] = ("boto3",)
+    names: Sequence[str], *, clients: Sequence[str] = ("boto3",), file_root: str | None = None
 ) -> Iterator[dict[str, list[StoreSpec]]]:
     """Start the named storages; yield ``{storage: [StoreSpec per client]}``.
 
     ``file`` always has the one ``file`` client; ``seaweedfs`` gets one spec per entry of
-    ``clients`` (``boto3``, and ``obstore`` when installed). Everything is removed on exit.
+    ``clients`` (``boto3``, and ``obstore`` when installed). ``file_root`` is the directory the
+    ``file`` store (and SeaweedFS's data) lives under (default: the system temp directory).
+    Everything is removed on exit.
     """
     unknown = sorted(set(names) - set(STORAGES))
     if unknown:
@@ -82,7 +84,9 @@ def storages(
         # Make `kill <pid>` unwind the context managers: stop SeaweedFS, delete the data.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with contextlib.ExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bw-bench-")))
+        tmp = Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="bw-bench-", dir=file_root))
+        )
         out: dict[str, list[StoreSpec]] = {}
         for name in names:
             if name == "file":

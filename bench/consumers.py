@@ -383,6 +383,11 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--full", action="store_true", help="every world size and slice size")
     p.add_argument("--storages", type=_csv(str), default=None, help="file,seaweedfs")
+    p.add_argument(
+        "--file-root",
+        default=None,
+        help="directory for the file:// store (default: the temp dir)",
+    )
     p.add_argument("--clients", type=_csv(str), default=None, help="S3 clients: boto3,obstore")
     p.add_argument("--worlds", type=_csv(int), default=None, help="e.g. 8,32,128")
     p.add_argument("--slices", type=_csv(_check_slice), default=None, help="100KB,1MB,10MB")
@@ -416,7 +421,10 @@ def main() -> None:
     command = "python bench/consumers.py " + " ".join(sys.argv[1:])
     report = Report("consumers", COLUMNS)
     skipped: list[str] = []
-    with storages(names, clients=clients) as specs, WorkerPool(args.procs) as pool:
+    with (
+        storages(names, clients=clients, file_root=args.file_root) as specs,
+        WorkerPool(args.procs) as pool,
+    ):
         for name in names:
             for world, size_name in plan(args):
                 size = SLICES[size_name]

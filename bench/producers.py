@@ -621,6 +621,12 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--full", action="store_true", help="the whole matrix of issue #3")
     p.add_argument("--storages", type=_csv(str), default=None, help="file,seaweedfs")
+    p.add_argument(
+        "--file-root",
+        default=None,
+        help="directory for the file:// store (default: the temp dir; /dev/shm takes the disk "
+        "and its fsyncs out of the measurement)",
+    )
     p.add_argument("--producers", type=_csv(int), default=None, help="e.g. 4,8,16")
     p.add_argument("--payloads", type=_csv(_check_payload), default=None, help="100KB,1MB,10MB")
     p.add_argument("--policies", type=_csv(_check_policy), default=None, help="dac,naive,...")
@@ -658,7 +664,7 @@ def main() -> None:
     command = "python bench/producers.py " + " ".join(sys.argv[1:])
     report = Report("producers", COLUMNS)
     long_report = Report("producers_longrun", LONG_COLUMNS)
-    with storages(names) as specs, WorkerPool(pool_size) as pool:
+    with storages(names, file_root=args.file_root) as specs, WorkerPool(pool_size) as pool:
         for name in names:
             spec = specs[name][0]
             raw_cache: dict[tuple[int, str], float] = {}
