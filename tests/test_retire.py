@@ -230,3 +230,19 @@ def test_cli_retire_dry_run_ids_and_json(tmp_path: Path) -> None:
 
     bad = run("retire", str(tmp_path), NS, "--idle-for", "soon", check=2)
     assert "'soon' is not a duration; write e.g. 90s, 30m, 12h or 7d" in bad.stderr
+
+
+def test_cli_inspect_suggests_retiring_ids_idle_for_a_week(tmp_path: Path) -> None:
+    store = bw.open_store(tmp_path.as_uri())
+    publish(store, "prep-0", range(1))
+    publish(store, "pod-old", range(1))
+    assert "have not committed" not in run("inspect", str(tmp_path), NS).stdout
+
+    log = ManifestLog(store, NS)
+    latest = log.latest()
+    state = latest.producers["pod-old"]
+    aged = {"pod-old": state.model_copy(update={"last_commit_at": later(-8)})}
+    assert isinstance(log.commit(latest, producers=aged), Committed)
+    out = " ".join(run("inspect", str(tmp_path), NS).stdout.split())
+    assert "1 producer id(s) have not committed for 7 days or more" in out
+    assert f"batchweave retire {store.url} {NS} --dry-run" in out

@@ -35,6 +35,7 @@ from batchweave.cli._common import (
     validate_namespace,
 )
 from batchweave.cli._inspect import (
+    IDLE_PRODUCER_DAYS,
     MAX_TABLE_ROWS,
     gather_inspection,
     human_bytes,
@@ -245,7 +246,7 @@ def seal(store: str, namespace: str, **options: Any) -> None:
 @click.option(
     "--idle-for",
     callback=parse_duration,
-    default="7d",
+    default=f"{IDLE_PRODUCER_DAYS}d",
     show_default=True,
     help="Retire ids whose last commit is at least this old (90s, 30m, 12h, 7d).",
 )

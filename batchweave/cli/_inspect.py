@@ -17,6 +17,7 @@ from batchweave._store._base import ObjectStore
 from batchweave._watermarks import Watermarks
 
 __all__ = [
+    "IDLE_PRODUCER_DAYS",
     "MAX_TABLE_ROWS",
     "gather_inspection",
     "human_bytes",
@@ -158,6 +159,10 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+IDLE_PRODUCER_DAYS = 7
+"""``inspect`` suggests ``batchweave retire`` for producer ids idle this long (its default too)."""
+
+
 def render_inspection(data: dict[str, Any], console: Console) -> None:
     """Print ``data`` (from :func:`gather_inspection`) as tables."""
     summary = Table(title=f"namespace {data['namespace']}", show_header=False, box=None)
@@ -214,6 +219,17 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
             str(sum(p["live_steps"] for p in hidden)),
         )
     console.print(producers)
+    idle = [
+        p
+        for p in data["producers"]
+        if p["idle_seconds"] is not None and p["idle_seconds"] >= IDLE_PRODUCER_DAYS * 86400
+    ]
+    if idle:
+        console.print(
+            f"{len(idle)} producer id(s) have not committed for {IDLE_PRODUCER_DAYS} days or "
+            "more, and every manifest still carries them; if their streams are over, `batchweave "
+            f"retire {data['store']} {data['namespace']} --dry-run` shows what would go"
+        )
 
     marks = Table(title="watermarks (the lowest step is the boundary; an old one holds it)")
     for col in ("checkpoint", "step", "version", "recorded", "age"):
