@@ -616,7 +616,10 @@ class Producer:
                     manifest = self._log.create_or_open(self._mesh)
                 self._check_not_sealed(manifest)
                 old = manifest.producers.get(self._producer_id)
-                epoch = 0 if old is None else old.epoch + 1
+                # An id the manifest does not list (new, or retired) takes the version of this
+                # epoch commit: higher than any epoch the id had before a retirement (each was
+                # committed in an earlier version), so a process left running from then is fenced.
+                epoch = manifest.version + 1 if old is None else old.epoch + 1
                 state = ProducerState(
                     epoch=epoch,
                     offset=None if old is None else old.offset,

@@ -11,8 +11,9 @@ Retirement is one commit that removes the ids. A process still running under a r
 fenced (:class:`~batchweave.ProducerRetired`) at its next rebase, because a started producer
 finds its own state in every manifest unless it was retired; the conditional PUT orders the
 retirement against that producer's commits, so a producer that commits in between is seen as
-active and kept. A producer started later under a retired id begins a new stream: epoch 0, no
-resume offset.
+active and kept. A producer started later under a retired id begins a new stream, with no
+resume offset and an epoch above every epoch the id had (an unlisted id's epoch is the version
+of its epoch commit), so an old process that missed the retirement is fenced by that epoch.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def retire_producers(
 
     Use it for ids whose streams are over (a finished worker, a replaced pod): a producer later
     started under a retired id begins a new stream with no resume offset, and a process still
-    running under it stops with :class:`~batchweave.ProducerRetired`, naming the offset to
+    running under it stops with :class:`~batchweave.ProducerRetired` (or
+    :class:`~batchweave.ProducerFenced`, if the id started again first), naming the offset to
     resume after. ``producer_ids`` limits retirement to those ids (still only the idle ones);
     ``None`` considers every id. ``idle_for`` is measured with ``wall_clock`` against each id's
     ``last_commit_at``, so keep it well above the producers' clock skew and their longest

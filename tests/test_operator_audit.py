@@ -124,7 +124,7 @@ def test_verify_fails_with_exit_1_on_a_damaged_segment(
 
 def test_verify_says_what_to_do_about_a_missing_object(root: Path, store: bw.ObjectStore) -> None:
     publish(store, 4)
-    victim = sorted((root / NS / "data" / "p0" / "0").iterdir())[2]
+    victim = sorted((root / NS / "data" / "p0").glob("*/*.tgb"))[2]
     victim.unlink()
     result = run("verify", str(root), NS, "--footers-only")
     assert result.exit_code == 1
@@ -134,7 +134,7 @@ def test_verify_says_what_to_do_about_a_missing_object(root: Path, store: bw.Obj
 
 def test_a_truncated_object_message_says_what_was_read(root: Path, store: bw.ObjectStore) -> None:
     publish(store, 4)
-    victim = sorted((root / NS / "data" / "p0" / "0").iterdir())[1]
+    victim = sorted((root / NS / "data" / "p0").glob("*/*.tgb"))[1]
     size = victim.stat().st_size
     os.truncate(victim, 10)
     result = run("verify", str(root), NS, "--footers-only")
@@ -152,7 +152,7 @@ def test_a_failed_parquet_export_leaves_no_partial_file(
     root: Path, store: bw.ObjectStore, tmp_path: Path
 ) -> None:
     publish(store, 6)
-    victim = sorted((root / NS / "data" / "p0" / "0").iterdir())[4]
+    victim = sorted((root / NS / "data" / "p0").glob("*/*.tgb"))[4]
     os.truncate(victim, 10)
     dest = tmp_path / "history.parquet"
     with pytest.raises(bw.FormatError, match="truncated"):

@@ -80,11 +80,12 @@ def store() -> MemoryStore:
 def test_first_start_creates_namespace_and_resumes_at_zero(store: MemoryStore) -> None:
     with make(store) as p:
         assert p.resume_offset == 0
-        assert p.epoch == 0
+        # A new id's epoch is the version of its epoch commit (the namespace is version 0).
+        assert p.epoch == 1
         assert p.committed_offset is None
     _, m = latest(store)
     assert m.mesh == MESH
-    assert m.producers["p0"].epoch == 0
+    assert m.producers["p0"].epoch == 1
     assert m.producers["p0"].offset is None
 
 
@@ -102,11 +103,11 @@ def test_appended_tgbs_are_committed_in_offset_order_and_readable(store: MemoryS
     log, m = latest(store)
     descs = [d for _, d in log.descriptors(m, 0, m.next_step)]
     assert [d.offset for d in descs] == [3, 7, 8, 20]
-    assert all(d.epoch == 0 and d.producer_id == "p0" for d in descs)
+    assert all(d.epoch == 1 and d.producer_id == "p0" for d in descs)
     d = descs[1]
     ref = d.objects[0]
     key = log.key(ref.key)
-    assert ref.key.startswith("data/p0/0/00000000000000000007-")
+    assert ref.key.startswith("data/p0/1/00000000000000000007-")
     assert ref.key.endswith(".tgb")
     footer = read_footer(
         store, key, footer_offset=ref.footer_offset, footer_length=ref.footer_length
@@ -137,14 +138,14 @@ def test_restart_resumes_after_committed_offset_and_bumps_epoch(store: MemorySto
         for off in range(5):
             p.append(payloads(off), offset=off)
     with make(store) as p2:
-        assert p2.epoch == 1
+        assert p2.epoch == 2
         assert p2.resume_offset == 5
         assert p2.committed_offset == 4
         for off in range(p2.resume_offset, 8):
             p2.append(payloads(off), offset=off)
     assert committed_offsets(store, "p0") == list(range(8))
     _, m = latest(store)
-    assert m.producers["p0"].epoch == 1
+    assert m.producers["p0"].epoch == 2
 
 
 def test_encoded_tgb_and_builder_are_accepted(store: MemoryStore) -> None:
@@ -318,8 +319,8 @@ def test_zombie_is_fenced_after_a_new_incarnation_starts(store: MemoryStore) -> 
         old.flush()
     msg = str(info.value)
     assert "'p0'" in msg
-    assert "epoch 1" in msg
-    assert "epoch 0" in msg
+    assert f"epoch {new.epoch} for it" in msg
+    assert f"this incarnation has epoch {old.epoch}" in msg
     assert "newer process" in msg
     # Once fenced, everything else fails the same way, and close still stops the threads.
     with pytest.raises(ProducerFenced):
@@ -330,7 +331,7 @@ def test_zombie_is_fenced_after_a_new_incarnation_starts(store: MemoryStore) -> 
     new.close()
     assert committed_offsets(store, "p0") == [0, 1]
     _, m = latest(store)
-    assert all(d.epoch == 1 for d in m.tail if d.offset == 1)
+    assert all(d.epoch == new.epoch for d in m.tail if d.offset == 1)
 
 
 def test_fenced_pending_tgbs_are_never_committed(store: MemoryStore) -> None:

@@ -10,8 +10,9 @@ every step the committed history is checked against the commit protocol's invari
 - nothing is visible before it exists: a manifest is only ever written after every TGB object it
   references was fully uploaded (audited at the moment of each conditional PUT);
 - each producer's committed offset equals its last committed TGB's offset (exactly-once resume);
-- a retired producer id commits nothing after the version that retired it: its running
-  incarnations are fenced with ``ProducerRetired``, whatever they were doing at the time.
+- retiring a producer id ends its stream: its incarnations running then commit nothing more
+  (``ProducerRetired``, or ``ProducerFenced`` once the id starts again), and a later start of
+  the id begins a new stream, with higher epochs, whose offsets start again.
 """
 
 from __future__ import annotations
@@ -117,8 +118,9 @@ class ProducerMachine(RuleBasedStateMachine):
         self.time = FakeTime()
         self.live: list[Incarnation] = []
         self.newest: dict[str, Incarnation] = {}
-        self.retired: dict[str, tuple[int, int]] = {}
-        """Retired id -> (version that retired it, its committed TGB count then)."""
+        self.retirements: dict[str, list[tuple[int, int, int]]] = {}
+        """Id -> per retirement: (version that retired it, its committed TGB count then, the
+        highest epoch any of its incarnations had)."""
         self.seen: dict[int, TgbKey] = {}
         """Every step -> TGB ever observed; a step must never map to another TGB."""
         self.checked_version = -1
@@ -169,8 +171,8 @@ class ProducerMachine(RuleBasedStateMachine):
     @rule(pid=st.sampled_from(PIDS))
     def start(self, pid: str) -> None:
         """Start (or restart) a producer id; a still-running older incarnation becomes a zombie."""
-        if pid in self.retired:
-            return  # a retired id would start a new stream; these invariants follow one per id
+        if pid in self.retirements:
+            event("start of a retired id")
         if pid in self.newest and self.newest[pid] in self.live:
             event("start while an older incarnation runs (zombie)")
         self._start(pid)
@@ -255,7 +257,8 @@ class ProducerMachine(RuleBasedStateMachine):
         committed = self.reader.read(report.version)
         assert pid not in committed.producers
         count = sum(1 for key in self._steps(self.reader, committed) if key[0] == pid)
-        self.retired[pid] = (report.version, count)
+        ceiling = self.newest[pid].epoch if pid in self.newest else -1
+        self.retirements.setdefault(pid, []).append((report.version, count, ceiling))
         for inc in self.live:
             if inc.pid == pid:
                 inc.retired = True
@@ -323,19 +326,26 @@ class ProducerMachine(RuleBasedStateMachine):
             assert steps[: len(previous)] == previous, f"version {version} rewrote history"
             for step, tgb in enumerate(steps):
                 assert self.seen.setdefault(step, tgb) == tgb, f"step {step} reassigned"
-            # No (producer, offset) twice; per-producer offsets increase with steps.
+            # No (producer, offset) twice in a stream; a stream's offsets increase with steps. A
+            # retirement ends the id's stream: what follows comes from later starts only.
             last: dict[str, int] = {}
-            for pid, _, off, _ in steps:
+            position: dict[str, int] = {}
+            for pid, epoch, off, _ in steps:
+                at = position.get(pid, 0)
+                ended = [r for r in self.retirements.get(pid, []) if r[1] <= at]
+                if any(count == at for _, count, _ in ended):
+                    last.pop(pid, None)  # the first step of a new stream
+                ceiling = max((c for _, _, c in ended), default=-1)
+                assert epoch > ceiling, f"{pid} epoch {epoch} committed after its retirement"
                 assert off > last.get(pid, -1), f"{pid} offset {off} repeated or out of order"
                 last[pid] = off
+                position[pid] = at + 1
+            for pid, retirements in self.retirements.items():
+                if any(v <= version and c == position.get(pid, 0) for v, c, _ in retirements):
+                    last.pop(pid, None)  # retired, and its new stream has committed nothing
             # The resumption state matches the TGB list (exactly-once restart).
             for pid, state in manifest.producers.items():
                 assert state.offset == last.get(pid), (version, pid, state.offset, last)
-            # A retired id commits nothing after its retirement.
-            for pid, (retired_in, count) in self.retired.items():
-                if version >= retired_in:
-                    assert pid not in manifest.producers, (version, pid)
-                    assert sum(1 for key in steps if key[0] == pid) == count, (version, pid)
             previous = steps
             self.checked_version = version
         self.checked_steps = previous

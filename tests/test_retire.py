@@ -177,7 +177,7 @@ def test_a_running_producer_of_a_retired_id_stops_and_says_where_to_resume() -> 
 
     # A producer started later under the id begins a new stream.
     with bw.Producer(store, NS, producer_id="pod-7", mesh=MESH) as again:
-        assert again.epoch == 0
+        assert again.epoch > 0  # above every epoch the id had: see the next test
         assert again.resume_offset == 0
 
 
@@ -246,3 +246,50 @@ def test_cli_inspect_suggests_retiring_ids_idle_for_a_week(tmp_path: Path) -> No
     out = " ".join(run("inspect", str(tmp_path), NS).stdout.split())
     assert "1 producer id(s) have not committed for 7 days or more" in out
     assert f"batchweave retire {store.url} {NS} --dry-run" in out
+
+
+def test_cli_verify_and_inspect_account_for_retired_ids(tmp_path: Path) -> None:
+    store = bw.open_store(tmp_path.as_uri())
+    publish(store, "pod-a", range(3))
+    publish(store, "pod-b", range(2))
+    bw.retire_producers(
+        store, NS, idle_for=DAY, producer_ids=["pod-a"], wall_clock=lambda: later(2)
+    )
+
+    report = json.loads(run("verify", str(tmp_path), NS, "--json").stdout)
+    assert report["ok"], report["problems"]
+    assert report["retired"] == ["pod-a"]
+    assert report["producers"] == {"pod-a": 3, "pod-b": 2}
+    assert "pod-a: 3 live steps (retired id)" in run("verify", str(tmp_path), NS).stdout
+
+    data = json.loads(run("inspect", str(tmp_path), NS, "--json").stdout)
+    rows = {p["producer_id"]: p for p in data["producers"]}
+    assert rows["pod-a"]["retired"]
+    assert rows["pod-a"]["live_steps"] == 3
+    assert not rows["pod-b"]["retired"]
+    assert rows["pod-b"]["live_steps"] == 2
+    assert sum(p["live_steps"] for p in data["producers"]) == data["live_steps"]
+
+
+def test_a_process_of_the_old_stream_is_fenced_when_the_id_starts_again() -> None:
+    """Retire, start the id again, and only then let the old process try to commit."""
+    store = bw.MemoryStore()
+    old = bw.Producer(store, NS, producer_id="pod-7", mesh=MESH)
+    try:
+        old.append([b"0", b"x"], offset=0)
+        old.flush(timeout=30)
+        bw.retire_producers(store, NS, idle_for=DAY, wall_clock=lambda: later(2))
+        with bw.Producer(store, NS, producer_id="pod-7", mesh=MESH) as new:
+            assert new.epoch > old.epoch
+            assert new.resume_offset == 0
+            new.append([b"n0", b"x"], offset=0)
+            new.flush(timeout=30)
+            old.append([b"1", b"x"], offset=1)
+            with pytest.raises(bw.ProducerFenced):
+                old.flush(timeout=30)
+            new.append([b"n1", b"x"], offset=1)
+    finally:
+        old.abort()
+    assert steps(store) == [("pod-7", 0), ("pod-7", 0), ("pod-7", 1)]
+    state = ManifestLog(store, NS).latest().producers["pod-7"]
+    assert (state.epoch, state.offset) == (new.epoch, 1)

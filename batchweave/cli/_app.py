@@ -150,8 +150,9 @@ def verify(
         )
         producers = sorted(report.producers.items())
         shown = producers if len(producers) <= MAX_TABLE_ROWS else producers[: MAX_TABLE_ROWS - 1]
+        retired = set(report.retired)
         for pid, count in shown:
-            out.print(f"  {pid}: {count} live steps")
+            out.print(f"  {pid}: {count} live steps" + (" (retired id)" if pid in retired else ""))
         if len(shown) < len(producers):
             rest = producers[len(shown) :]
             out.print(

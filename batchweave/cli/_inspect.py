@@ -74,8 +74,24 @@ def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
             "last_commit_at": _iso(state.last_commit_at),
             "idle_seconds": round(now - state.last_commit_at, 1) if state.last_commit_at else None,
             "live_steps": steps.get(pid, 0),
+            "retired": False,
         }
         for pid, state in sorted(manifest.producers.items())
+    ]
+    # Retired ids (retire_producers) have no state left, only their live steps.
+    producers += [
+        {
+            "producer_id": pid,
+            "epoch": None,
+            "committed_offset": None,
+            "last_version": None,
+            "last_commit_at": None,
+            "idle_seconds": None,
+            "live_steps": count,
+            "retired": True,
+        }
+        for pid, count in sorted(steps.items())
+        if pid not in manifest.producers
     ]
     watermark_error: str | None = None
     try:
@@ -201,6 +217,9 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
         producers.add_column(col, justify="left" if col in ("producer", "last commit") else "right")
     shown, hidden = _first_rows(data["producers"])
     for p in shown:
+        if p["retired"]:
+            producers.add_row(p["producer_id"], "-", "-", "-", "retired", str(p["live_steps"]))
+            continue
         producers.add_row(
             p["producer_id"],
             str(p["epoch"]),
