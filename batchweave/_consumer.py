@@ -167,26 +167,29 @@ class _Counters:
 
     # The per-step path uses these rather than add(): no keyword dict, no getattr/setattr.
 
-    def requested(self) -> None:
-        """A range read was issued (counted before it may fail)."""
+    def read_failed(self) -> None:
+        """A range read was issued and failed."""
         with self.lock:
             self.requests += 1
 
-    def returned(self, nbytes: int) -> None:
-        """A range read returned ``nbytes``."""
+    def read_returned(self, nbytes: int) -> None:
+        """A range read was issued and returned ``nbytes``."""
         with self.lock:
+            self.requests += 1
             self.bytes_read += nbytes
 
     def stalled(self, seconds: float) -> None:
-        """The caller was blocked in ``next()`` for ``seconds``."""
+        """The caller was blocked in a ``next()`` that delivered nothing for ``seconds``."""
         with self.lock:
             self.stall_seconds += seconds
 
-    def delivered(self, nbytes: int, since_created: float) -> None:
-        """One step of ``nbytes`` stored bytes was delivered, ``since_created`` seconds in."""
+    def delivered(self, nbytes: int, stalled: float, since_created: float) -> None:
+        """One step of ``nbytes`` stored bytes was delivered after the caller was blocked in
+        ``next()`` for ``stalled`` seconds, ``since_created`` seconds in."""
         with self.lock:
             self.steps += 1
             self.bytes_delivered += nbytes
+            self.stall_seconds += stalled
             if self.time_to_first_batch is None:
                 self.time_to_first_batch = since_created
 
@@ -493,9 +496,14 @@ class Consumer:
             )
         started = self._clock()
         try:
-            return self._next()
-        finally:
+            step, data, nbytes = self._next()
+        except BaseException:
             self._counters.stalled(self._clock() - started)
+            raise
+        now = self._clock()
+        self._counters.delivered(nbytes, now - started, now - self._created_at)
+        self._delivered_any = True
+        return step, data
 
     def open(self, *, wait: bool = True) -> None:
         """Open the namespace now rather than at the first ``next()``.
@@ -595,8 +603,10 @@ class Consumer:
 
     # -- iteration ---------------------------------------------------------------------------
 
-    def _next(self) -> tuple[int, Any]:
-        self._ensure_open(wait=True)
+    def _next(self) -> tuple[int, Any, int]:
+        """Read the next step: ``(step, data, stored bytes)``."""
+        if self._manifest is None:
+            self._ensure_open(wait=True)
         step = self._next_step
         self._check_not_reclaimed(step)
         depth = self._read_ahead() or 1
@@ -636,9 +646,7 @@ class Consumer:
             self._next_step = step
             self._drop_window()
             raise
-        self._counters.delivered(nbytes, self._clock() - self._created_at)
-        self._delivered_any = True
-        return step, data
+        return step, data, nbytes
 
     def _read_ahead(self) -> int:
         """Steps to read ahead of the caller now (0: read each step when the caller asks).
@@ -876,7 +884,12 @@ class Consumer:
         cpu_started = self._cpu_started()
         budget = _Budget(self.retry_budget)
         what = f"step {step} (TGB step {loc.tgb_step})"
-        desc = self._retrying(budget, what, lambda: self._descriptor(manifest, step, loc))
+        try:
+            desc: TgbDescriptor = self._retrying(
+                budget, what, functools.partial(self._log.descriptor, manifest, loc.tgb_step)
+            )
+        except StepReclaimed as exc:
+            raise StepReclaimed(f"step {step}: {exc}") from exc
         groups = _group_by_object(desc, loc, what)
         if len(groups) == 1:  # one object holds the rank's slices: no jobs to gather
             values, nbytes = self._read_object_slices(what, *groups[0], budget)
@@ -917,28 +930,15 @@ class Consumer:
             return None
         return self._cpu_clock()
 
-    def _descriptor(self, manifest: Manifest, step: int, loc: SliceLocation) -> TgbDescriptor:
-        try:
-            return self._log.descriptor(manifest, loc.tgb_step)
-        except StepReclaimed as exc:
-            raise StepReclaimed(f"step {step}: {exc}") from exc
-
     def _read_object_slices(
         self, step_what: str, ref: TgbObjectRef, indices: list[int], budget: _Budget
     ) -> tuple[list[Any], int]:
         key = self._log.key(ref.key)
         what = f"{step_what}, object {key!r}"
         layout = ref.slices if ref.slices is not None else self._layout(key, ref, what, budget)
-        entries = _entries(layout, ref.first_slice, indices)
-        runs: list[list[tuple[int, SliceEntry | SliceSpan]]] = [[(indices[0], entries[0])]]
-        for prev, cur, i in zip(entries, entries[1:], indices[1:], strict=False):
-            if cur.offset == prev.offset + prev.length:
-                runs[-1].append((i, cur))
-            else:
-                runs.append([(i, cur)])
         values: list[Any] = []
         nbytes = 0
-        for run in runs:
+        for run in _runs(layout, ref.first_slice, indices):
             (first_index, first), (_, last) = run[0], run[-1]
             start, end = first.offset, last.offset + last.length
             if len(run) == 1:
@@ -1042,21 +1042,26 @@ class Consumer:
     def _map(self, key: str, start: int, end: int) -> memoryview | None:
         view = self._store.map_range(key, start, end)
         if view is not None:
-            self._counters.requested()
-            self._counters.returned(len(view))
+            self._counters.read_returned(len(view))
             _check_complete(key, start, end, len(view))
         return view
 
     def _get_into(self, key: str, start: int, target: memoryview) -> None:
-        self._counters.requested()
-        n = self._store.get_range_into(key, start, target)
-        self._counters.returned(n)
+        try:
+            n = self._store.get_range_into(key, start, target)
+        except BaseException:
+            self._counters.read_failed()
+            raise
+        self._counters.read_returned(n)
         _check_complete(key, start, start + len(target), n)
 
     def _get(self, key: str, rng: Bounded) -> bytes:
-        self._counters.requested()
-        data = self._store.get_range(key, rng)
-        self._counters.returned(len(data))
+        try:
+            data = self._store.get_range(key, rng)
+        except BaseException:
+            self._counters.read_failed()
+            raise
+        self._counters.read_returned(len(data))
         return data
 
     def _retrying(self, budget: _Budget, what: str, fn: Callable[[], Any]) -> Any:
@@ -1117,13 +1122,24 @@ def _group_by_object(
     return groups
 
 
-def _entries(
+def _runs(
     layout: SliceTable | TgbFooter, first_slice: int, indices: list[int]
-) -> list[SliceEntry | SliceSpan]:
-    """The entries of slices ``indices`` (numbered within the TGB) of an object's layout."""
-    if isinstance(layout, TgbFooter):
-        return [layout.slices[i - first_slice] for i in indices]
-    return [layout.span(i - first_slice) for i in indices]
+) -> list[list[tuple[int, SliceEntry | SliceSpan]]]:
+    """Slices ``indices`` (numbered within the TGB) of an object with their entries in its
+    layout, in runs of slices stored back to back: one range read per run."""
+    entry: Callable[[int], SliceEntry | SliceSpan] = (
+        layout.slices.__getitem__ if isinstance(layout, TgbFooter) else layout.span
+    )
+    runs: list[list[tuple[int, SliceEntry | SliceSpan]]] = []
+    run_end = -1  # where the last run's bytes end; no slice starts at -1
+    for index in indices:
+        cur = entry(index - first_slice)
+        if cur.offset == run_end:
+            runs[-1].append((index, cur))
+        else:
+            runs.append([(index, cur)])
+        run_end = cur.offset + cur.length
+    return runs
 
 
 def _resolve_coordinates(

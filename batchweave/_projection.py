@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from batchweave._mesh import Mesh
 
@@ -149,9 +150,11 @@ def coordinates_from_env(
     )
 
 
-@dataclass(frozen=True)
-class SliceLocation:
-    """What one rank reads for one logical step: consecutive slices of one TGB."""
+class SliceLocation(NamedTuple):
+    """What one rank reads for one logical step: consecutive slices of one TGB.
+
+    A consumer builds one per step: a tuple costs a fraction of a frozen dataclass.
+    """
 
     tgb_step: int
     """Step (index in the manifest's TGB list) of the TGB holding the slices."""
@@ -211,7 +214,8 @@ class Projection:
         tgb_step, replica = divmod(self.global_replica(step, dp_rank), self.stored.dp)
         k = self.chunks_per_rank
         first = replica * self.stored.cp + cp_rank * k
-        return SliceLocation(tgb_step, replica, tuple(range(first, first + k)))
+        slices = (first,) if k == 1 else tuple(range(first, first + k))
+        return SliceLocation(tgb_step, replica, slices)
 
     def first_tgb_step(self, step: int) -> int:
         """The first TGB step that logical ``step`` reads (consumer replica 0's)."""

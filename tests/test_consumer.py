@@ -29,9 +29,11 @@ from batchweave import (
     Producer,
     read_footer,
 )
+from batchweave._consumer import _runs
 from batchweave._format._checksum import CHECKSUM_ALGOS, ChecksumAlgo
-from batchweave._format._tgb import TRAILER_SIZE
+from batchweave._format._tgb import TRAILER_SIZE, TgbFooter
 from batchweave._manifest._log import ManifestLog
+from batchweave._manifest._models import SliceTable
 
 MIB = 1 << 20
 
@@ -617,3 +619,72 @@ def _buffer_owner(array: np.ndarray) -> object:
     while isinstance(base, memoryview):
         base = base.obj
     return base
+
+
+# ---------------------------------------------------------------------------------------------
+# per-step bookkeeping
+
+
+def test_failed_range_reads_count_as_requests_but_not_as_bytes() -> None:
+    inner = MemoryStore()
+    mesh = Mesh(dp=2)
+    produce(inner, "run", mesh, tgbs=3, size=1000)
+    counting = CountingStore(inner)  # sees only the reads that reached the store
+    store = FaultInjectingStore(counting)
+    store.fail_next("get_range", times=2)
+    fake = FakeTime()
+    c = Consumer(store, "run", mesh=mesh, dp_rank=1, clock=fake.clock, sleep=fake.sleep)
+    assert len(list(c)) == 3
+    counts = counting.snapshot()
+    assert c.stats.retries == 2
+    assert c.stats.requests == counts.range_gets + 2
+    assert c.stats.bytes_read == counts.range_bytes == c.stats.bytes_delivered
+
+
+def test_stall_time_counts_calls_that_deliver_and_calls_that_fail() -> None:
+    inner = MemoryStore()
+    mesh = Mesh(dp=2)
+    produce(inner, "run", mesh, tgbs=2)
+    store = FaultInjectingStore(inner)
+    fake = FakeTime()  # moves only in sleep, and every sleep here is a retry inside next()
+    c = Consumer(
+        store,
+        "run",
+        mesh=mesh,
+        dp_rank=1,
+        prefetch=0,
+        retry_budget=1,
+        clock=fake.clock,
+        sleep=fake.sleep,
+    )
+    assert next(c)[0] == 0
+    store.fail_next("get_range", times=2)
+    with pytest.raises(ConsumerError, match="budget"):
+        next(c)  # one backoff, then the budget is spent
+    assert c.stats.steps == 1
+    assert c.stats.stall_seconds == pytest.approx(0.05)
+    store.fail_next("get_range", times=1)
+    assert next(c)[0] == 1  # one backoff, then delivered
+    assert c.stats.steps == 2
+    assert c.stats.stall_seconds == pytest.approx(0.1) == pytest.approx(sum(fake.sleeps))
+
+
+def test_slices_stored_back_to_back_are_read_in_one_run_from_footer_or_table() -> None:
+    store = MemoryStore()
+    produce(store, "run", Mesh(dp=2, cp=2), tgbs=1)
+    _, footer = _object_of(store, "run", 0)
+    table = SliceTable.from_footer(footer)
+    assert table is not None
+
+    def spans(layout: SliceTable | TgbFooter, first: int, indices: list[int]) -> Any:
+        return [
+            [(i, e.offset, e.length, e.uncompressed_length, e.checksum) for i, e in run]
+            for run in _runs(layout, first, indices)
+        ]
+
+    e = footer.slices
+    whole = [[(i, e[i].offset, e[i].length, e[i].length, e[i].checksum) for i in range(4)]]
+    assert spans(footer, 0, [0, 1, 2, 3]) == spans(table, 0, [0, 1, 2, 3]) == whole
+    # a gap splits the reads; indices are numbered within the TGB, from the object's first slice
+    assert spans(table, 0, [0, 2, 3]) == [whole[0][:1], whole[0][2:]]
+    assert spans(footer, 10, [11, 12]) == [[(10 + i, *rest) for i, *rest in whole[0][1:3]]]
