@@ -61,10 +61,10 @@ def test_producer_worker_resumes_where_it_stopped(tmp_path: Path) -> None:
         [*script, "--batches", "3", *small], capture_output=True, text=True, timeout=120
     )
     assert first.returncode == 0, first.stderr
-    assert "epoch 0, resuming at offset 0 of 3" in first.stdout
+    assert "epoch 1, resuming at offset 0 of 3" in first.stdout  # its epoch commit: version 1
     second = subprocess.run(
         [*script, "--batches", "5", "--seal", *small], capture_output=True, text=True, timeout=120
     )
     assert second.returncode == 0, second.stderr
-    assert "epoch 1, resuming at offset 3 of 5" in second.stdout
+    assert "epoch 2, resuming at offset 3 of 5" in second.stdout
     assert "committed offset 4" in second.stdout
