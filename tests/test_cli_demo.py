@@ -73,11 +73,11 @@ def test_demo_kills_restarts_and_verifies_exactly_once(tmp_path: Path) -> None:
     data = json.loads(inspected.stdout)
     assert data["sealed"] is True
     assert data["next_step"] == 24
-    # The victim's first start took manifest version 1 or 2 as its epoch (two producers start
-    # together), and its restart one more; the exactly-once PASS above is the real check.
+    # The restarted victim finished its stream (the exactly-once PASS above checks every offset).
     victim = out.split("SIGKILLed producer ")[1].split()[0]
-    epochs = {p["producer_id"]: p["epoch"] for p in data["producers"]}
-    assert epochs[victim] in (2, 3)
+    states = {p["producer_id"]: p for p in data["producers"]}
+    assert states[victim]["committed_offset"] is not None
+    assert not states[victim]["retired"]
 
 
 def test_demo_rejects_bad_options(tmp_path: Path) -> None:
