@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from batchweave._manifest._log import CommitResult, ManifestLog, commit_until
 from batchweave._manifest._models import Manifest
@@ -76,23 +77,14 @@ def retire_producers(
         raise ValueError(f"idle_for must be a positive number of seconds, got {idle_for!r}")
     named = None if producer_ids is None else _as_ids(producer_ids)
     log = ManifestLog(store, namespace)
-    decided: list[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = []
+    decisions: list[_Decision] = []  # one per attempt; the last one is what happened
 
     def retire(manifest: Manifest) -> CommitResult | None:
-        now = wall_clock()
-        candidates = manifest.producers if named is None else named
-        unknown = tuple(pid for pid in candidates if pid not in manifest.producers)
-        idle = tuple(
-            pid
-            for pid in candidates
-            if pid in manifest.producers
-            and now - manifest.producers[pid].last_commit_at >= idle_for
-        )
-        active = tuple(pid for pid in candidates if pid in manifest.producers and pid not in idle)
-        decided.append((idle, active, unknown))
-        if dry_run or not idle:
+        decision = _decide(manifest, named, wall_clock() - idle_for)
+        decisions.append(decision)
+        if dry_run or not decision.idle:
             return None
-        return log.commit(manifest, retire=idle)
+        return log.commit(manifest, retire=decision.idle)
 
     settled = commit_until(
         log,
@@ -102,7 +94,7 @@ def retire_producers(
         attempts=attempts,
         sleep=sleep,
     )
-    idle, active, unknown = decided[-1]
+    idle, active, unknown = decisions[-1]
     committed = settled.parent is not None
     if committed:
         _log.info(
@@ -119,6 +111,26 @@ def retire_producers(
         version=settled.manifest.version if committed else None,
         remaining=len(settled.manifest.producers) - (len(idle) if dry_run else 0),
         dry_run=dry_run,
+    )
+
+
+class _Decision(NamedTuple):
+    idle: tuple[str, ...]
+    active: tuple[str, ...]
+    unknown: tuple[str, ...]
+
+
+def _decide(manifest: Manifest, named: tuple[str, ...] | None, idle_before: float) -> _Decision:
+    """Split the candidate ids (``named``, or every listed id) by ``manifest``'s states."""
+    listed = manifest.producers
+    candidates = listed if named is None else named
+    idle = tuple(
+        pid for pid in candidates if pid in listed and listed[pid].last_commit_at <= idle_before
+    )
+    return _Decision(
+        idle=idle,
+        active=tuple(pid for pid in candidates if pid in listed and pid not in idle),
+        unknown=tuple(pid for pid in candidates if pid not in listed),
     )
 
 
