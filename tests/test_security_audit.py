@@ -128,7 +128,11 @@ def test_a_put_over_a_hard_link_never_writes_to_the_outside_file(
 @pytest.mark.parametrize("cls", [S3Store, ObstoreS3Store])
 @pytest.mark.parametrize(
     "endpoint",
-    [f"http://user:{PASSWORD}@127.0.0.1:9", f"ftp://user:{PASSWORD}@127.0.0.1:9"],
+    [
+        f"http://user:{PASSWORD}@127.0.0.1:9",
+        f"ftp://user:{PASSWORD}@127.0.0.1:9",
+        f"http://user:p@{PASSWORD}@127.0.0.1:9",  # an '@' inside the password
+    ],
 )
 def test_an_endpoint_with_url_credentials_is_refused_without_echoing_them(
     cls: type[S3Store] | type[ObstoreS3Store], endpoint: str
@@ -191,10 +195,11 @@ def test_an_unreachable_endpoint_error_carries_no_secret(
     assert SECRET not in store.url
 
 
-def test_credentials_in_an_s3_url_are_refused_without_echoing_them() -> None:
+@pytest.mark.parametrize("secret", [SECRET, f"p@{SECRET}"], ids=["plain", "with-at"])
+def test_credentials_in_an_s3_url_are_refused_without_echoing_them(secret: str) -> None:
     # ``s3://key:secret@bucket`` put the secret into the bucket name, hence into ``url``.
     with pytest.raises(InvalidStoreURL, match=r"s3://\*\*\*@bucket") as info:
-        open_store(f"s3://AKID:{SECRET}@bucket/prefix")
+        open_store(f"s3://AKID:{secret}@bucket/prefix")
     assert SECRET not in "".join(traceback.format_exception(info.value))
 
 

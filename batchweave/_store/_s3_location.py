@@ -16,8 +16,9 @@ from batchweave._store._base import ObjectStore, validate_key
 
 __all__ = ["S3Location", "redact_url", "refuse_url_credentials"]
 
-_USERINFO = re.compile(r"(?<=://)[^/?#@\s\"']*@")
-"""The ``user:password@`` of any URL in a text (botocore and obstore quote request URLs)."""
+_USERINFO = re.compile(r"(?<=://)[^/?#\s\"']*@")
+"""The ``user:password@`` of any URL in a text (botocore and obstore quote request URLs), up to
+the authority's last ``@``, as ``urlsplit`` reads it: a password may contain ``@`` itself."""
 
 
 def _redact_userinfo(text: str) -> str:
@@ -62,14 +63,10 @@ class S3Location(ObjectStore):
     ) -> None:
         if not bucket:
             raise InvalidStoreURL("an S3 store needs a bucket: use s3://bucket/prefix")
-        if isinstance(bucket, str) and "@" in bucket:
+        if isinstance(bucket, str):
             # ``s3://key:secret@bucket`` parses with the credentials in the bucket name, which
             # would then be in ``url``, meant to be safe to log.
-            raise InvalidStoreURL(
-                f"S3 store s3://***@{bucket.rsplit('@', 1)[1]} carries credentials "
-                "(user:password@) in its URL; remove them and pass access_key_id/"
-                "secret_access_key (or set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) instead"
-            )
+            refuse_url_credentials(f"s3://{bucket}", "S3 store URL")
         prefix = prefix.strip("/")
         if prefix:
             validate_key(prefix)
