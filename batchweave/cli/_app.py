@@ -36,7 +36,7 @@ from batchweave.cli._common import (
 )
 from batchweave.cli._inspect import (
     IDLE_PRODUCER_DAYS,
-    MAX_TABLE_ROWS,
+    first_rows,
     gather_inspection,
     human_bytes,
     render_inspection,
@@ -148,13 +148,11 @@ def verify(
             f"{report.objects} objects, {report.slices} slices, "
             f"{human_bytes(report.bytes_read)} read"
         )
-        producers = sorted(report.producers.items())
-        shown = producers if len(producers) <= MAX_TABLE_ROWS else producers[: MAX_TABLE_ROWS - 1]
+        shown, rest = first_rows(sorted(report.producers.items()))
         retired = set(report.retired)
         for pid, count in shown:
             out.print(f"  {pid}: {count} live steps" + (" (retired id)" if pid in retired else ""))
-        if len(shown) < len(producers):
-            rest = producers[len(shown) :]
+        if rest:
             out.print(
                 f"  ... {len(rest)} more producers: {sum(c for _, c in rest)} live steps "
                 "(--json lists every producer)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.markup import escape
@@ -19,6 +19,7 @@ from batchweave._watermarks import Watermarks
 __all__ = [
     "IDLE_PRODUCER_DAYS",
     "MAX_TABLE_ROWS",
+    "first_rows",
     "gather_inspection",
     "human_bytes",
     "human_duration",
@@ -135,11 +136,14 @@ def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
     }
 
 
+_Row = TypeVar("_Row")
+
 MAX_TABLE_ROWS = 30
 """Rows a table of ``inspect`` shows before summing the rest in one line (``--json``: all)."""
 
 
-def _first_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def first_rows(rows: list[_Row]) -> tuple[list[_Row], list[_Row]]:
+    """``rows`` split into those a table shows and the rest, summed up in one last line."""
     if len(rows) <= MAX_TABLE_ROWS:
         return rows, []
     return rows[: MAX_TABLE_ROWS - 1], rows[MAX_TABLE_ROWS - 1 :]
@@ -215,7 +219,7 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
     producers = Table(title="producers")
     for col in ("producer", "epoch", "offset", "last version", "last commit", "live steps"):
         producers.add_column(col, justify="left" if col in ("producer", "last commit") else "right")
-    shown, hidden = _first_rows(data["producers"])
+    shown, hidden = first_rows(data["producers"])
     for p in shown:
         if p["retired"]:
             producers.add_row(p["producer_id"], "-", "-", "-", "retired", str(p["live_steps"]))
@@ -270,7 +274,7 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
     storage.add_column("prefix")
     storage.add_column("objects", justify="right")
     storage.add_column("bytes", justify="right")
-    shown, hidden = _first_rows(data["storage"])
+    shown, hidden = first_rows(data["storage"])
     for row in shown:
         storage.add_row(row["prefix"], str(row["objects"]), human_bytes(row["bytes"]))
     if hidden:
