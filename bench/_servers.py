@@ -8,6 +8,7 @@ started by :func:`storages` itself (``batchweave.testing.seaweedfs_server``: ``w
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import shutil
 import signal
@@ -64,6 +65,16 @@ def obstore_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def add_file_root_option(p: argparse.ArgumentParser) -> None:
+    """``--file-root``: where :func:`storages` puts the ``file://`` store (and SeaweedFS's data)."""
+    p.add_argument(
+        "--file-root",
+        default=None,
+        help="directory for the file:// store (default: the temp dir; /dev/shm takes the disk "
+        "and its fsyncs out of the measurement)",
+    )
 
 
 @contextlib.contextmanager

@@ -51,7 +51,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import Report, parser, percentile
-from _servers import STORAGES, StoreSpec, obstore_available, storages
+from _servers import STORAGES, StoreSpec, add_file_root_option, obstore_available, storages
 from _workers import TimedStore, WorkerPool
 
 from batchweave import (
@@ -383,11 +383,7 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--full", action="store_true", help="every world size and slice size")
     p.add_argument("--storages", type=_csv(str), default=None, help="file,seaweedfs")
-    p.add_argument(
-        "--file-root",
-        default=None,
-        help="directory for the file:// store (default: the temp dir)",
-    )
+    add_file_root_option(p)
     p.add_argument("--clients", type=_csv(str), default=None, help="S3 clients: boto3,obstore")
     p.add_argument("--worlds", type=_csv(int), default=None, help="e.g. 8,32,128")
     p.add_argument("--slices", type=_csv(_check_slice), default=None, help="100KB,1MB,10MB")

@@ -61,7 +61,7 @@ from typing import Any, ClassVar
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import Report, parser, percentile
-from _servers import STORAGES, StoreSpec, storages
+from _servers import STORAGES, StoreSpec, add_file_root_option, storages
 from _workers import TimedStore, WorkerPool
 
 from batchweave import AttemptOutcome, CommitPolicy, Mesh, Producer, encode_tgb
@@ -621,12 +621,7 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--full", action="store_true", help="the whole matrix of issue #3")
     p.add_argument("--storages", type=_csv(str), default=None, help="file,seaweedfs")
-    p.add_argument(
-        "--file-root",
-        default=None,
-        help="directory for the file:// store (default: the temp dir; /dev/shm takes the disk "
-        "and its fsyncs out of the measurement)",
-    )
+    add_file_root_option(p)
     p.add_argument("--producers", type=_csv(int), default=None, help="e.g. 4,8,16")
     p.add_argument("--payloads", type=_csv(_check_payload), default=None, help="100KB,1MB,10MB")
     p.add_argument("--policies", type=_csv(_check_policy), default=None, help="dac,naive,...")
