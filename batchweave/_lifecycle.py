@@ -383,7 +383,11 @@ class Reclaimer:
             rng=self._rng,
         )
         if settled.parent is not None:
-            _log.debug("committed base_step as version %d", settled.manifest.version)
+            _log.debug(
+                "committed base_step %d as version %d",
+                settled.manifest.base_step,
+                settled.manifest.version,
+            )
         return settled.manifest, settled.parent, settled.conflicts
 
     # -- data ----------------------------------------------------------------------------------
