@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from batchweave._checks import as_int, check_at_least, check_store
+from batchweave._checks import as_int, check_at_least
 from batchweave._errors import (
     ChecksumMismatch,
     ConsumerError,
@@ -323,7 +323,6 @@ class Consumer:
         sleep: Callable[[float], None] = time.sleep,
         cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
-        check_store(store)
         # Plain ints: they end up in state_dict(), which must survive json and
         # torch.load(weights_only=True); a numpy integer would not.
         start_step, stride = as_int("start_step", start_step), as_int("stride", stride)

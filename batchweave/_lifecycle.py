@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from batchweave._checks import check_at_least, check_store
+from batchweave._checks import check_at_least
 from batchweave._errors import (
     NamespaceNotFound,
     ObjectNotFound,
@@ -201,7 +201,6 @@ class Reclaimer:
         delete_batch: int = 1000,
         log: ManifestLog | None = None,
     ) -> None:
-        check_store(store)
         if grace < 0:
             raise ValueError(f"grace must be >= 0 seconds, got {grace}")
         if grace < 2 * PROBE_TRUST_SECONDS:

@@ -144,8 +144,9 @@ def test_a_valid_endpoint_is_accepted() -> None:
         lambda url: bw.Producer(url, NAMESPACE, producer_id="p", mesh=bw.Mesh(dp=1, cp=1)),
         lambda url: bw.Watermarks(url, NAMESPACE),
         lambda url: bw.Reclaimer(url, NAMESPACE),
+        lambda url: bw.retire_producers(url, NAMESPACE, idle_for=60),
     ],
-    ids=["Consumer", "Producer", "Watermarks", "Reclaimer"],
+    ids=["Consumer", "Producer", "Watermarks", "Reclaimer", "retire_producers"],
 )
 def test_a_url_string_instead_of_a_store_says_to_open_it(
     make: Callable[[Any], object], tmp_path: Path

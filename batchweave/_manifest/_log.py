@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from batchweave._checks import check_store
 from batchweave._errors import (
     AmbiguousWriteError,
     FormatError,
@@ -216,6 +217,7 @@ class ManifestLog:
         merge_fanout: int = DEFAULT_MERGE_FANOUT,
         deferred_merges: bool = False,
     ) -> None:
+        check_store(store)  # every reader and writer of a namespace starts here
         if namespace.endswith("/"):
             raise ValueError(f"namespace {namespace!r} must not end with '/'")
         validate_key(namespace)
