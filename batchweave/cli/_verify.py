@@ -208,11 +208,7 @@ def verify_namespace(
             )
         last_offset[pid] = max(desc.offset, last_offset.get(pid, desc.offset))
         state = latest.producers.get(pid)
-        if state is None:
-            # Only retirement removes an id's state (retire_producers); its steps stay.
-            if pid not in report.retired:
-                report.retired.append(pid)
-        else:
+        if state is not None:  # None: a retired id (see report.retired)
             if state.offset is None or desc.offset > state.offset:
                 report.problems.append(
                     f"step {step}: {pid} offset {desc.offset} is above its committed offset "
@@ -226,6 +222,8 @@ def verify_namespace(
         problem = _check_object_set(step, desc, latest.mesh.slices)
         if problem is not None:
             report.problems.append(problem)
+    # Only retirement (retire_producers) removes an id's state; its steps stay.
+    report.retired = sorted(pid for pid in report.producers if pid not in latest.producers)
     if expected_step != latest.next_step:
         report.problems.append(
             f"steps end at {expected_step - 1}, the manifest says {latest.next_step - 1}"
