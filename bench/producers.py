@@ -34,9 +34,12 @@ manifest at all. Reported per run:
   floor ms, start-up window ms)``.
 
 ``--long-run`` publishes 20,000 TGBs (segmented, DAC) and compares throughput over the last
-tenth of the TGBs with the first tenth, both as ingestion (appends, which block while the upload
-queue is full; the first tenth starts once the queue has filled) and as visibility (TGBs
-committed per second; the last tenth includes the final drain of ``close()``).
+tenth of the TGBs with the first tenth: as ingestion of each producer against itself (its
+appends, which block while its upload queue is full; its first tenth starts once the queue has
+filled), as ingestion of all producers together (whose last tenth counts only the producers not
+yet finished, while the others drain their final commits), and as visibility (TGBs committed per
+second; the last tenth includes the final drain of ``close()``). The same run measures raw PUTs
+of 20,000 TGBs, whose own last/first shows how much the store itself slows as it fills.
 
     python bench/producers.py                 # the default subset (about 15-20 min, 2 cores)
     python bench/producers.py --full          # the whole matrix of issue #3 (hours)
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import os
 import sys
 import time
@@ -112,6 +116,8 @@ LONG_COLUMNS = [
     "ingest first TGB/s",
     "ingest last TGB/s",
     "ingest last/first",
+    "raw last/first",
+    "producer ingest last/first",
     "first tenth TGB/s",
     "last tenth TGB/s",
     "last/first",
@@ -223,19 +229,24 @@ def raw_put_task(params: dict[str, Any], ready: Callable[[], None]) -> dict[str,
     store = spec.open()
     data = encode_tgb(_slices(params["payload"]), MESH).data
     prefix = f"{params['namespace']}/raw/{params['producer_id']}"
+
+    def put(i: int) -> float:
+        store.put(f"{prefix}/{i}.tgb", data)
+        return time.monotonic()
+
     ready()
     t0 = time.monotonic()
     with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
-        list(pool.map(lambda i: store.put(f"{prefix}/{i}.tgb", data), range(params["tgbs"])))
+        done = list(pool.map(put, range(params["tgbs"])))
     t1 = time.monotonic()
     store.close()
-    return {"t0": t0, "t1": t1, "bytes": len(data) * params["tgbs"]}
+    return {"t0": t0, "t1": t1, "bytes": len(data) * params["tgbs"], "done": done}
 
 
 def _throughput(results: Sequence[dict[str, Any]]) -> float:
     start = min(r["t0"] for r in results)
     end = max(r["t1"] for r in results)
-    return sum(r["bytes"] for r in results) / 1e6 / (end - start)
+    return float(sum(r["bytes"] for r in results) / 1e6 / (end - start))
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -295,6 +306,36 @@ def _manifest_kb_per_commit(
     return [sum(b) / 1e3 / len(b) if b else float("nan") for b in buckets]
 
 
+def _commit_cost_by_tenth(results: Sequence[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """Commit time (ms) and manifest + segment bytes (KB) per 100 committed TGBs, by tenths.
+
+    The direct measure of flat commit cost: the run's commits in ten buckets (as
+    :func:`_manifest_kb_per_commit`), each bucket's attempt windows (failed attempts charged to
+    the next success) and writes (segment merges included) over the TGBs its commits published.
+    Merges are lumpy (one level merge rewrites several segments at once), so single buckets
+    swing; a cost that grows with history shows as a trend.
+    """
+    commits = sorted((t, n) for r in results for t, ok, _, n in r["log"] if ok and n)
+    if not commits:
+        return [float("nan")] * 10, [float("nan")] * 10
+    ends = [t for t, _ in commits]
+    spent = [0.0] * len(commits)
+    sent = [0.0] * len(commits)
+    for r in results:
+        for t, _, window, _ in r["log"]:
+            spent[min(len(commits) - 1, bisect.bisect_left(ends, t))] += window
+        for start, nbytes in r["writes"]:
+            sent[min(len(commits) - 1, bisect.bisect_left(ends, start))] += nbytes
+    ms: list[float] = []
+    kb: list[float] = []
+    for b in range(10):
+        members = [i for i in range(len(commits)) if i * 10 // len(commits) == b]
+        tgbs = sum(commits[i][1] for i in members)
+        ms.append(sum(spent[i] for i in members) * 1e3 * 100 / tgbs if tgbs else float("nan"))
+        kb.append(sum(sent[i] for i in members) / 1e3 * 100 / tgbs if tgbs else float("nan"))
+    return ms, kb
+
+
 def _tenths(results: Sequence[dict[str, Any]]) -> tuple[float, float]:
     """Committed TGBs per second over the first and the last tenth of all committed TGBs.
 
@@ -337,6 +378,44 @@ def _ingest_tenths(
     if len(times) < queued + 2 * tenth:
         return float("nan"), float("nan")
     first = tenth / (times[queued + tenth] - times[queued])
+    last = tenth / (times[-1] - times[-1 - tenth])
+    return first, last
+
+
+def _producer_ingest_ratios(
+    results: Sequence[dict[str, Any]], payload: int, max_inflight: int
+) -> list[float]:
+    """Per producer: its append rate over the last tenth of its TGBs over that of its first tenth.
+
+    As :func:`_ingest_tenths`, but each producer against itself: in the run's last tenth some
+    producers have already finished (their shares end at different times) and are draining
+    their final commits with ``close()``, so the aggregate rate there counts fewer producers.
+    A producer's own tenths show whether its ingestion slows as the namespace's history grows.
+    """
+    ratios = []
+    for r in results:
+        times = r["appended"][max(1, max_inflight // payload) :]
+        tenth = len(times) // 10
+        if tenth < 2:
+            return []
+        first = (tenth - 1) / (times[tenth - 1] - times[0])
+        last = (tenth - 1) / (times[-1] - times[-tenth])
+        ratios.append(last / first)
+    return ratios
+
+
+def _raw_tenths(results: Sequence[dict[str, Any]]) -> tuple[float, float]:
+    """Raw PUTs completed per second over the first and the last tenth of the run's PUTs.
+
+    The baseline of the long run's ingestion ratio: a store that slows down as it fills (more
+    objects, a growing volume) slows raw PUTs by as much, and that is no cost of BatchWeave's.
+    """
+    times = sorted(t for r in results for t in r["done"])
+    start = min(r["t0"] for r in results)
+    tenth = len(times) // 10
+    if tenth < 1:
+        return float("nan"), float("nan")
+    first = tenth / (times[tenth - 1] - start)
     last = tenth / (times[-1] - times[-1 - tenth])
     return first, last
 
@@ -479,7 +558,10 @@ def run_producers(
         spec.clean(namespace)
 
 
-def run_raw(pool: WorkerPool, spec: StoreSpec, *, producers: int, payload: int, tgbs: int) -> float:
+def run_raw(
+    pool: WorkerPool, spec: StoreSpec, *, producers: int, payload: int, tgbs: int
+) -> list[dict[str, Any]]:
+    """Raw PUTs of ``tgbs`` encoded TGBs by ``producers`` processes; one result per process."""
     namespace = f"raw-{uuid.uuid4().hex[:10]}"
     params = [
         {
@@ -492,7 +574,7 @@ def run_raw(pool: WorkerPool, spec: StoreSpec, *, producers: int, payload: int, 
         for i, n in enumerate(_split(tgbs, producers))
     ]
     try:
-        return _throughput(pool.run(raw_put_task, params))
+        return pool.run(raw_put_task, params)
     finally:
         spec.clean(namespace)
 
@@ -608,11 +690,28 @@ def targets(rows: Sequence[dict[str, Any]], long_rows: Sequence[dict[str, Any]])
             )
         longs = [r for r in long_rows if r["storage"] == storage and r["segmented"] == "yes"]
         for r in longs:
-            for what, key in (("ingestion", "ingest last/first"), ("visible", "last/first")):
+            run = f"[{storage}] segmented long run ({r['tgbs']} TGBs)"
+            worst = r.get("producer ingest last/first", float("nan"))
+            notes.append(
+                f"{run}, ingestion of each producer: last tenth of its TGBs within 15% of its "
+                f"first: {_fmt_target(None if math.isnan(worst) else worst >= 0.85)} (worst "
+                f"producer {worst:.2f}; raw PUT's last/first in the same run "
+                f"{r.get('raw last/first', float('nan')):.2f})"
+            )
+            if "commit ms/100 TGBs by tenth" in r:
+                ms, kb = r["commit ms/100 TGBs by tenth"], r["mf KB/100 TGBs by tenth"]
                 notes.append(
-                    f"[{storage}] segmented long run ({r['tgbs']} TGBs), {what} throughput: last "
-                    f"tenth within 15% of the first: {_fmt_target(r[key] >= 0.85)} "
-                    f"(last/first = {r[key]:.2f})"
+                    f"{run}, commit cost per 100 TGBs by tenth of the commits: "
+                    f"{' '.join(f'{x:.0f}' for x in ms)} ms in windows; "
+                    f"{' '.join(f'{x:.0f}' for x in kb)} KB of manifests and segments"
+                )
+            for what, key in (
+                ("ingestion of all producers together", "ingest last/first"),
+                ("visible", "last/first"),
+            ):
+                notes.append(
+                    f"{run}, {what}: last tenth within 15% of the first: "
+                    f"{_fmt_target(r[key] >= 0.85)} (last/first = {r[key]:.2f})"
                 )
     return notes
 
@@ -669,8 +768,8 @@ def main() -> None:
                     payload, producers, args.budget_mb * 1_000_000, args.max_tgbs
                 )
                 if (producers, size) not in raw_cache:
-                    raw_cache[(producers, size)] = run_raw(
-                        pool, spec, producers=producers, payload=payload, tgbs=tgbs
+                    raw_cache[(producers, size)] = _throughput(
+                        run_raw(pool, spec, producers=producers, payload=payload, tgbs=tgbs)
                     )
                 raw = raw_cache[(producers, size)]
                 results = run_producers(
@@ -698,6 +797,15 @@ def main() -> None:
             if long_run:
                 for segmented in (True, False) if args.long_run_unsegmented else (True,):
                     payload = PAYLOADS[args.long_run_payload]
+                    raw_first, raw_last = _raw_tenths(
+                        run_raw(
+                            pool,
+                            spec,
+                            producers=args.long_run_producers,
+                            payload=payload,
+                            tgbs=args.long_run_tgbs,
+                        )
+                    )
                     results = run_producers(
                         pool,
                         spec,
@@ -712,6 +820,10 @@ def main() -> None:
                     ingest_first, ingest_last = _ingest_tenths(
                         results, payload, args.max_inflight_mb * MIB
                     )
+                    cost_ms, cost_kb = _commit_cost_by_tenth(results)
+                    per_producer = _producer_ingest_ratios(
+                        results, payload, args.max_inflight_mb * MIB
+                    )
                     row = {
                         "storage": spec.label,
                         "producers": args.long_run_producers,
@@ -722,6 +834,11 @@ def main() -> None:
                         "ingest first TGB/s": ingest_first,
                         "ingest last TGB/s": ingest_last,
                         "ingest last/first": ingest_last / ingest_first,
+                        "raw last/first": raw_last / raw_first,
+                        "producer ingest last/first": min(per_producer, default=float("nan")),
+                        "producer ingest last/first all": per_producer,
+                        "commit ms/100 TGBs by tenth": cost_ms,
+                        "mf KB/100 TGBs by tenth": cost_kb,
                         "first tenth TGB/s": first,
                         "last tenth TGB/s": last,
                         "last/first": last / first,
