@@ -23,7 +23,7 @@ from typing import Final
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from batchweave._checks import check_store
+from batchweave._checks import as_int, check_store
 from batchweave._errors import FormatError, NamespaceNotFound, ObjectNotFound
 from batchweave._manifest._codec import decode_object, encode_object
 from batchweave._manifest._log import ManifestLog
@@ -134,7 +134,8 @@ class Watermarks:
         version (0 if the namespace does not exist yet). Recording the same id again replaces
         its watermark. With ``keep_last``, older watermarks (of this ``scope``) are then released.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        step = as_int("step", step)  # the step counter of a loop is often a NumPy integer
+        if step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         validate_checkpoint_id(checkpoint_id)
         if self.scope is not None and not checkpoint_id.startswith(self.scope):

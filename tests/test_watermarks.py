@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import batchweave as bw
@@ -86,6 +87,20 @@ def test_bad_arguments(store: bw.MemoryStore) -> None:
         bw.Watermarks(store, NS, keep_last=0)
     with pytest.raises(ValueError, match="step"):
         bw.Watermarks(store, NS).record("c", -1)
+    with pytest.raises(TypeError, match="step must be an integer"):
+        bw.Watermarks(store, NS).record("c", 1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="step must be an integer"):
+        bw.Watermarks(store, NS).record("c", True)
+    assert list(store.list(f"{NS}/")) == []
+
+
+def test_numpy_steps_are_recorded_as_plain_ints(store: bw.MemoryStore) -> None:
+    # A training loop's step counter is often a NumPy integer; the watermark must still be
+    # plain JSON that every reader decodes.
+    marks = bw.Watermarks(store, NS)
+    mark = marks.record("ckpt-7", np.int64(7), version=0)
+    assert type(mark.step) is int
+    assert [(m.checkpoint_id, m.step) for m in marks.live()] == [("ckpt-7", 7)]
 
 
 @pytest.mark.parametrize(
