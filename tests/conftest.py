@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -59,3 +62,26 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStor
     )
     yield s
     s.close()
+
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture
+def load_bench(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], ModuleType]:
+    """Import a script of ``bench/`` (``"producers"``) as a module, to test its pure functions.
+
+    A benchmark script puts ``bench/`` on ``sys.path`` when imported; that is undone after the
+    test.
+    """
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+    def load(name: str) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -7,28 +7,19 @@ benchmark cannot silently turn a slow-down into a pass.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
 PAYLOAD = 1_000
 INFLIGHT = 3_000  # three appends of each producer return at once, before its queue is full
 
 
 @pytest.fixture
-def producers(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_producers", BENCH / "producers.py")
-    assert spec is not None
-    assert spec.loader is not None
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts bench/ on sys.path
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def producers(load_bench: Callable[[str], ModuleType]) -> ModuleType:
+    return load_bench("producers")
 
 
 def _producer(start: float, gaps: list[float]) -> dict[str, Any]:
