@@ -8,7 +8,9 @@ every rank reads its data of every step, with the same prefetch depth:
 - ``batchweave``: one :class:`batchweave.Consumer` per rank (manifest, cached footer, one range
   read per slice, checksums verified, parallel part reads for slices >= 64 MiB);
 - ``dense``: the paper's dense-read baseline, each rank GETs the whole TGB object, parses the
-  footer and keeps (and verifies) its own slice;
+  footer and keeps (and verifies) its own slice. The notes give, per slice size at ``W = 32``,
+  the faster raw mode's per-rank MB/s over dense: the most any slice reader with the client
+  gets over dense, so whether the 5x target is reachable at all;
 - ``raw-range``: the same client issuing exactly the rank's slice range per step, nothing else
   (no manifest, no footer, no checksum), with the same prefetch depth on a thread pool;
 - ``raw-inline``: the same requests one after the other on the rank's own thread (faster than
@@ -35,6 +37,7 @@ GET through a ``CountingStore``, manifests and footers included) / slice bytes d
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -64,11 +67,13 @@ from batchweave import (
     parse_footer,
     read_footer,
 )
-from batchweave._format._checksum import CHECKSUM_ALGOS, checksum
+from batchweave._format._checksum import CHECKSUM_ALGOS, ChecksumAlgo, checksum
 from batchweave._manifest._log import ManifestLog
 
 SLICES = {"100KB": 100_000, "1MB": 1_000_000, "10MB": 10_000_000}
 MODES = ("batchweave", "dense", "raw-range", "raw-inline", "raw-verify")
+RAW_MODES = ("raw-range", "raw-inline")
+"""The slice readers with nothing but the requests: the faster one is ``vs raw``'s ceiling."""
 PREFETCH = 4
 COLUMNS = [
     "client",
@@ -166,7 +171,7 @@ def read_task(params: dict[str, Any], ready: Callable[[], None]) -> dict[str, An
             return bytes(decode_slice(view, footer, rank, key=key))
 
         window = params["dense_window"]
-        return _ordered(pool, [(lambda k=k: dense(k)) for k in keys], window)
+        return _ordered(pool, [functools.partial(dense, k) for k in keys], window)
 
     def rank_loop(rank: int) -> None:
         try:
@@ -218,7 +223,7 @@ def read_task(params: dict[str, Any], ready: Callable[[], None]) -> dict[str, An
 
 
 def write_namespace(
-    spec: StoreSpec, namespace: str, world: int, size: int, steps: int, algo: str
+    spec: StoreSpec, namespace: str, world: int, size: int, steps: int, algo: ChecksumAlgo
 ) -> tuple[list[str], list[tuple[int, int]], list[int], int]:
     """Publish and seal ``steps`` TGBs of ``world`` slices; return keys, slice ranges, slice
     checksums (the same for every step: every TGB holds the same slices), footer read size."""
@@ -376,6 +381,21 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[str]:
                 f"[{client}] ceiling of a reader that verifies each slice (raw-verify vs raw): "
                 + ", ".join(ceilings)
             )
+        # The 5x target's ceiling: what any slice reader with this client reaches over dense.
+        best: dict[str, float] = {}
+        for r in rows:
+            if (
+                r["client"] == client
+                and r["world"] == 32
+                and r["mode"] in RAW_MODES
+                and math.isfinite(r["vs dense"])
+            ):
+                best[r["slice"]] = max(best.get(r["slice"], 0.0), r["vs dense"])
+        if best:
+            notes.append(
+                f"[{client}] ceiling of any slice reader at world size 32 (faster raw mode's "
+                "per-rank MB/s over dense): " + ", ".join(f"{s} {v:.2f}x" for s, v in best.items())
+            )
     return notes
 
 
@@ -485,7 +505,7 @@ def main() -> None:
                             "rounds": len(mode_runs),
                         }
                     dense = rows.get("dense", {}).get("rank MB/s", math.nan)
-                    raw = max(rows[m]["agg MB/s"] for m in ("raw-range", "raw-inline"))
+                    raw = max(rows[m]["agg MB/s"] for m in RAW_MODES)
                     for row in rows.values():
                         row["vs dense"] = row["rank MB/s"] / dense
                         row["vs raw"] = row["agg MB/s"] / raw

@@ -10,7 +10,9 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -99,3 +101,32 @@ def test_consumers_smoke(tmp_path: Path) -> None:
     assert rows["batchweave"]["vs raw"] == pytest.approx(
         rows["batchweave"]["agg MB/s"] / fastest_raw
     )
+
+
+def test_consumers_dense_ceiling_note(load_bench: Callable[[str], ModuleType]) -> None:
+    # The 5x-dense target's ceiling: per slice size at W=32, the faster raw mode's per-rank
+    # MB/s over dense, so a reader sees whether any slice reader with the client reaches 5x.
+    consumers = load_bench("consumers")
+
+    def row(mode: str, world: int, size: str, vs_dense: float) -> dict[str, Any]:
+        return {
+            "client": "c",
+            "world": world,
+            "slice": size,
+            "mode": mode,
+            "amp": 1.0,
+            "vs dense": vs_dense,
+            "vs raw": 1.0,
+        }
+
+    rows = [
+        row("batchweave", 32, "100KB", 2.0),
+        row("raw-range", 32, "100KB", 1.5),
+        row("raw-inline", 32, "100KB", 2.25),
+        row("raw-verify", 32, "100KB", 9.0),  # verifies: not a bare slice reader
+        row("raw-inline", 32, "1MB", 7.0),
+        row("raw-range", 32, "1MB", math.nan),
+        row("raw-inline", 8, "100KB", 40.0),  # another world size
+    ]
+    (note,) = [n for n in consumers.targets(rows) if "any slice reader" in n]
+    assert note.endswith("100KB 2.25x, 1MB 7.00x")
