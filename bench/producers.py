@@ -795,17 +795,17 @@ def main() -> None:
                 report.add(**row)
                 print(_progress(row), flush=True)
             if long_run:
-                for segmented in (True, False) if args.long_run_unsegmented else (True,):
-                    payload = PAYLOADS[args.long_run_payload]
-                    raw_first, raw_last = _raw_tenths(
-                        run_raw(
-                            pool,
-                            spec,
-                            producers=args.long_run_producers,
-                            payload=payload,
-                            tgbs=args.long_run_tgbs,
-                        )
+                payload = PAYLOADS[args.long_run_payload]
+                raw_first, raw_last = _raw_tenths(
+                    run_raw(
+                        pool,
+                        spec,
+                        producers=args.long_run_producers,
+                        payload=payload,
+                        tgbs=args.long_run_tgbs,
                     )
+                )
+                for segmented in (True, False) if args.long_run_unsegmented else (True,):
                     results = run_producers(
                         pool,
                         spec,
