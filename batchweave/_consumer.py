@@ -18,7 +18,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from batchweave._checks import as_int, check_at_least
 from batchweave._errors import (
@@ -64,6 +64,8 @@ STATE_FORMAT: Final = 1
 
 _MIB: Final = 1 << 20
 _RETRYABLE: Final = (TransientStoreError, StoreUnavailable)
+
+_T = TypeVar("_T")
 
 
 class _OpenConsumers:
@@ -214,17 +216,23 @@ class _Counters:
                 self.read_cpu_share = share if old is None else old + weight * (share - old)
 
 
+# Every step creates a budget, but only failed reads spend one: a lock shared by all budgets
+# costs nothing, a lock per budget would be created on every step.
+_BUDGET_LOCK: Final = threading.Lock()
+
+
 class _Budget:
     """The retries one step may still spend, shared by all of its reads."""
+
+    __slots__ = ("_left", "limit")
 
     def __init__(self, retries: int) -> None:
         self.limit = retries
         self._left = retries
-        self._lock = threading.Lock()
 
     def spend(self) -> int | None:
         """Take one retry; return how many were used so far, or ``None`` if none is left."""
-        with self._lock:
+        with _BUDGET_LOCK:
             if self._left <= 0:
                 return None
             self._left -= 1
@@ -606,8 +614,10 @@ class Consumer:
         """Read the next step: ``(step, data, stored bytes)``."""
         if self._manifest is None:
             self._ensure_open(wait=True)
+        assert self._manifest is not None
         step = self._next_step
-        self._check_not_reclaimed(step)
+        if self._manifest.base_step > 0:  # else nothing was ever reclaimed: no step can be
+            self._check_not_reclaimed(step)
         depth = self._read_ahead() or 1
         self._top_up(depth, inline_head=True)
         if not self._window:
@@ -627,7 +637,8 @@ class Consumer:
         self._window.popleft()
         self._next_step = step + self.stride
         try:
-            self._ramp()
+            if self._depth < self.prefetch:
+                self._ramp()
             ahead = self._read_ahead()
             # The first step returns before any read is handed to the pool: starting a worker
             # thread costs the caller a scheduling round-trip on a busy machine, right when
@@ -670,8 +681,7 @@ class Consumer:
         return max(0, min(self._depth, process_share))
 
     def _ramp(self) -> None:
-        if self._depth >= self.prefetch:
-            return
+        """Count one more step delivered while ``_depth`` is below ``prefetch``."""
         self._delivered_since_ramp += 1
         if self._delivered_since_ramp >= self.ramp_every:
             self._delivered_since_ramp = 0
@@ -701,7 +711,8 @@ class Consumer:
                 self._counters.add(retries=1)
                 _log.debug("%s: manifest refresh failed, will retry: %s", self._where, exc)
             end = self._projection.end_step(self._manifest.next_step)
-        while nxt < min(limit, end):
+        stop = min(limit, end)
+        while nxt < stop:
             self._schedule(nxt, submit=not (inline_head and nxt == self._next_step))
             nxt += self.stride
 
@@ -884,31 +895,36 @@ class Consumer:
         budget = _Budget(self.retry_budget)
         what = f"step {step} (TGB step {loc.tgb_step})"
         try:
-            desc: TgbDescriptor = self._retrying(
-                budget, what, functools.partial(self._log.descriptor, manifest, loc.tgb_step)
-            )
+            desc = self._retrying(budget, what, self._log.descriptor, manifest, loc.tgb_step)
         except StepReclaimed as exc:
             raise StepReclaimed(f"step {step}: {exc}") from exc
-        groups = _group_by_object(desc, loc, what)
-        if len(groups) == 1:  # one object holds the rank's slices: no jobs to gather
-            values, nbytes = self._read_object_slices(what, *groups[0], budget)
+        data: Any
+        if len(loc.slices) == 1:  # the common case: nothing to group by object or into runs
+            index = loc.slices[0]
+            data, nbytes = self._read_slice(what, _object_holding(desc, index, what), index, budget)
+            one_object = True
         else:
-            results = gather(
-                self._pool,
-                [
-                    functools.partial(self._read_object_slices, what, ref, idx, budget)
-                    for ref, idx in groups
-                ],
-            )
-            values = [value for values, _ in results for value in values]
-            nbytes = sum(n for _, n in results)
+            groups = _group_by_object(desc, loc, what)
+            one_object = len(groups) == 1
+            if one_object:  # one object holds the rank's slices: no jobs to gather
+                data, nbytes = self._read_object_slices(what, *groups[0], budget)
+            else:
+                results = gather(
+                    self._pool,
+                    [
+                        functools.partial(self._read_object_slices, what, ref, idx, budget)
+                        for ref, idx in groups
+                    ],
+                )
+                data = [value for values, _ in results for value in values]
+                nbytes = sum(n for _, n in results)
         took = self._clock() - started
         # Several objects are read by pool threads: this thread's CPU is not the step's.
-        if cpu_started is None or len(groups) > 1:
+        if cpu_started is None or not one_object:
             self._counters.read_took(took)
         else:
             self._counters.read_took(took, self._cpu_clock() - cpu_started)
-        return (values if len(loc.slices) > 1 else values[0]), nbytes
+        return data, nbytes
 
     def _cpu_started(self) -> float | None:
         """This thread's CPU time now if this step's CPU share is to be measured, else None.
@@ -929,6 +945,26 @@ class Consumer:
             return None
         return self._cpu_clock()
 
+    def _read_slice(
+        self, step_what: str, ref: TgbObjectRef, index: int, budget: _Budget
+    ) -> tuple[Any, int]:
+        """Slice ``index`` (numbered within the TGB) of ``ref``'s object, decoded, and its stored
+        bytes: :meth:`_read_object_slices` for one slice, without building runs of slices."""
+        key = self._log.key(ref.key)
+        what = f"{step_what}, object {key!r}"
+        entry: SliceEntry | SliceSpan
+        if ref.slices is not None:
+            layout: SliceTable | TgbFooter = ref.slices
+            entry = ref.slices.span(index - ref.first_slice)
+        else:
+            layout = self._layout(key, ref, what, budget)
+            entry = layout.slices[index - ref.first_slice]
+        where = f"{what}, slice {index}"
+        buf = self._read_range(key, entry.offset, entry.offset + entry.length, where, budget)
+        # Checksums and raw decoding take bytes without a copy.
+        raw = buf if isinstance(buf, bytes) else memoryview(buf)
+        return decode_entry(raw, entry, layout, where=where), entry.length
+
     def _read_object_slices(
         self, step_what: str, ref: TgbObjectRef, indices: list[int], budget: _Budget
     ) -> tuple[list[Any], int]:
@@ -944,10 +980,7 @@ class Consumer:
                 where = f"{what}, slice {first_index}"
             else:
                 where = f"{what}, slices {', '.join(str(i) for i, _ in run)}"
-            try:
-                buf = self._read_range(key, start, end, where, budget)
-            except FormatError as exc:
-                raise type(exc)(f"{where}: {exc}") from exc
+            buf = self._read_range(key, start, end, where, budget)
             if isinstance(buf, bytes) and len(run) == 1:
                 # Checksums and raw decoding take bytes without a copy.
                 values.append(decode_entry(buf, first, layout, where=where))
@@ -964,7 +997,7 @@ class Consumer:
         try:
             footer, hit = self._footers.get(
                 key,
-                lambda: self._retrying(budget, f"{what}, footer", lambda: self._footer(key, ref)),
+                lambda: self._retrying(budget, f"{what}, footer", self._footer, key, ref),
             )
         except FormatError as exc:
             raise type(exc)(f"{what}, footer: {exc}") from exc
@@ -979,7 +1012,7 @@ class Consumer:
     def _footer(self, key: str, ref: TgbObjectRef) -> TgbFooter:
         """Fetch ``ref``'s footer and trailer with one exact range read and verify both."""
         want = ref.footer_length + TRAILER_SIZE
-        buf = self._get(key, Bounded(ref.footer_offset, ref.footer_offset + want))
+        buf = self._get(key, ref.footer_offset, ref.footer_offset + want)
         self._counters.add(footer_reads=1)
         if len(buf) != want:
             raise FormatError(
@@ -1006,43 +1039,46 @@ class Consumer:
     def _read_range(
         self, key: str, start: int, end: int, where: str, budget: _Budget
     ) -> bytes | bytearray | memoryview:
-        """Bytes ``[start, end)`` of ``key``: mapped, one range read, or parallel parts."""
+        """Bytes ``[start, end)`` of ``key``: mapped, one range read, or parallel parts.
+
+        ``where`` names the slices read in errors: a format error (a truncated object) is
+        raised again with it in front.
+        """
         length = end - start
         if length == 0:
             return b""
-        if length >= self.map_threshold:
-            mapped: memoryview | None = self._retrying(
-                budget, where, lambda: self._map(key, start, end)
+        try:
+            if length >= self.map_threshold:
+                mapped = self._retrying(budget, where, self._map, key, start, end)
+                if mapped is not None:
+                    return mapped
+            if length < self.split_threshold or length <= self.part_size:
+                data = self._retrying(budget, where, self._get, key, start, end)
+                if len(data) != length:
+                    raise _truncated(key, start, end, len(data))
+                return data
+            buf = bytearray(length)
+            view = memoryview(buf)
+
+            def part(lo: int, hi: int) -> None:
+                target = view[lo - start : hi - start]
+                self._retrying(budget, where, self._get_into, key, lo, target)
+
+            bounds = range(start, end, self.part_size)
+            gather(
+                self._pool,
+                [functools.partial(part, a, min(a + self.part_size, end)) for a in bounds],
             )
-            if mapped is not None:
-                return mapped
-        if length < self.split_threshold or length <= self.part_size:
-            data: bytes = self._retrying(budget, where, lambda: self._get_exact(key, start, end))
-            return data
-        buf = bytearray(length)
-        view = memoryview(buf)
-
-        def part(lo: int, hi: int) -> None:
-            self._retrying(
-                budget, where, lambda: self._get_into(key, lo, view[lo - start : hi - start])
-            )
-
-        bounds = range(start, end, self.part_size)
-        gather(
-            self._pool, [functools.partial(part, a, min(a + self.part_size, end)) for a in bounds]
-        )
-        return buf
-
-    def _get_exact(self, key: str, start: int, end: int) -> bytes:
-        data = self._get(key, Bounded(start, end))
-        _check_complete(key, start, end, len(data))
-        return data
+            return buf
+        except FormatError as exc:
+            raise type(exc)(f"{where}: {exc}") from exc
 
     def _map(self, key: str, start: int, end: int) -> memoryview | None:
         view = self._store.map_range(key, start, end)
         if view is not None:
             self._counters.read_returned(len(view))
-            _check_complete(key, start, end, len(view))
+            if len(view) != end - start:
+                raise _truncated(key, start, end, len(view))
         return view
 
     def _get_into(self, key: str, start: int, target: memoryview) -> None:
@@ -1052,22 +1088,26 @@ class Consumer:
             self._counters.read_failed()
             raise
         self._counters.read_returned(n)
-        _check_complete(key, start, start + len(target), n)
+        if n != len(target):
+            raise _truncated(key, start, start + len(target), n)
 
-    def _get(self, key: str, rng: Bounded) -> bytes:
+    def _get(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``key`` with one range read (fewer at the object's end)."""
         try:
-            data = self._store.get_range(key, rng)
+            data = self._store.get_range(key, Bounded(start, end))
         except BaseException:
             self._counters.read_failed()
             raise
         self._counters.read_returned(len(data))
         return data
 
-    def _retrying(self, budget: _Budget, what: str, fn: Callable[[], Any]) -> Any:
+    def _retrying(self, budget: _Budget, what: str, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)``, retried on transient store errors within ``budget`` and through
+        outages; ``what`` names the read in errors and logs."""
         attempt = 0
         while True:
             try:
-                result = fn()
+                result = fn(*args)
                 self._outage.recovered()
                 return result
             except StoreUnavailable as exc:
@@ -1096,11 +1136,18 @@ class Consumer:
             attempt += 1
 
 
-def _check_complete(key: str, start: int, end: int, got: int) -> None:
-    if got != end - start:
-        raise FormatError(
-            f"object {key!r} is truncated: bytes [{start}, {end}) requested, {got} returned"
-        )
+def _truncated(key: str, start: int, end: int, got: int) -> FormatError:
+    return FormatError(
+        f"object {key!r} is truncated: bytes [{start}, {end}) requested, {got} returned"
+    )
+
+
+def _object_holding(desc: TgbDescriptor, index: int, what: str) -> TgbObjectRef:
+    """The object of ``desc`` holding slice ``index`` (numbered within the TGB)."""
+    for ref in desc.objects:
+        if ref.first_slice <= index < ref.first_slice + ref.slice_count:
+            return ref
+    raise FormatError(f"{what}: no object of the TGB holds slice {index}")
 
 
 def _group_by_object(
@@ -1109,11 +1156,7 @@ def _group_by_object(
     """Split ``loc.slices`` by the object holding each, keeping their order."""
     groups: list[tuple[TgbObjectRef, list[int]]] = []
     for index in loc.slices:
-        for ref in desc.objects:
-            if ref.first_slice <= index < ref.first_slice + ref.slice_count:
-                break
-        else:
-            raise FormatError(f"{what}: no object of the TGB holds slice {index}")
+        ref = _object_holding(desc, index, what)
         if groups and groups[-1][0] is ref:
             groups[-1][1].append(index)
         else:
