@@ -614,10 +614,8 @@ class Consumer:
         """Read the next step: ``(step, data, stored bytes)``."""
         if self._manifest is None:
             self._ensure_open(wait=True)
-        assert self._manifest is not None
         step = self._next_step
-        if self._manifest.base_step > 0:  # else nothing was ever reclaimed: no step can be
-            self._check_not_reclaimed(step)
+        self._check_not_reclaimed(step)
         depth = self._read_ahead() or 1
         self._top_up(depth, inline_head=True)
         if not self._window:
