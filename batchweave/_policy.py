@@ -445,7 +445,7 @@ class DacPolicy(CommitPolicy):
         self._won_windows: deque[float] = deque(maxlen=_RECENT_WON)
         """The windows of the latest won attempts (the start-up commit counts): slot sizing."""
         self._slot_backoff = 0
-        """Lost forced (slotted) attempts in a row: each doubles the slot."""
+        """Lost forced (slotted) attempts in a row that overran their slot: each doubles it."""
         self._fastest_put: tuple[float, int] | None = None
         """``(seconds, bytes)`` of the fastest data PUT seen (:meth:`observe_put`)."""
         self._commit_bytes = 0
@@ -541,10 +541,11 @@ class DacPolicy(CommitPolicy):
         periods from 0.125 s to 2 s), and 1-5 ms on SeaweedFS where close-time commits took
         10-35 ms (8 ms slots: a third of the close attempts lost). The fastest upload, a PUT
         made in the same run under the load, bounds it on both sides. Estimating low costs at
-        most a lost attempt: a lost slotted attempt shows the slot was too short (or shared
-        with a producer on another grid), and doubles it until an attempt wins again (binary
-        exponential backoff, over grids that stay nested). Estimating high costs every closer
-        a longer wait. 0 before any measurement.
+        most a lost attempt: a lost slotted attempt that ran past its slot's end (longer than
+        half a slot, as it starts at the middle) shows the slot was too short, and doubles it
+        until an attempt wins again (binary exponential backoff, over grids that stay nested);
+        a loser that ended inside its slot was hit by one that did not, and keeps its slot.
+        Estimating high costs every closer a longer wait. 0 before any measurement.
         """
         put = self.put_window
         candidates = [*self._won_windows, *([] if put is None else [put])]
@@ -674,6 +675,8 @@ class DacPolicy(CommitPolicy):
     def record(self, outcome: AttemptOutcome) -> None:
         _check_window(outcome.fragile_window)
         _check_producers(outcome.active_producers)
+        # The slot the attempt was made in, before this outcome changes the estimates.
+        slot = self.slot_period / self._producers
         sample = outcome.fragile_window
         if self._window is None:
             self._window = sample
@@ -692,7 +695,10 @@ class DacPolicy(CommitPolicy):
             self._slot_backoff = 0
             if outcome.bytes_written > 0:
                 self._commit_bytes = outcome.bytes_written
-        elif outcome.forced:
+        elif outcome.forced and outcome.fragile_window > slot / 2:
+            # Started at the middle of its slot, the attempt ran past the slot's end: the slot
+            # is too short. A loser that ended inside its slot was hit by an attempt that did
+            # not (whose producer backs off itself), so doubling would only lengthen its wait.
             self._slot_backoff = min(self._slot_backoff + 1, _MAX_SLOT_BACKOFF)
         self._producers = outcome.active_producers
         u = self._rng.uniform(-self.jitter, self.jitter) if self.jitter else 0.0

@@ -585,6 +585,25 @@ def test_slot_window_is_the_shortest_recent_win_doubled_per_lost_slot() -> None:
     assert seeded.slot_window == pytest.approx(0.01)
 
 
+def test_only_a_lost_slotted_attempt_that_overran_its_slot_doubles_it() -> None:
+    # 16 closers on the 0.125 s grid: slots of 7.8 ms, an attempt starts at a slot's middle.
+    policy = _slotted(0.003, 16)
+    assert policy.slot_period / 16 == pytest.approx(0.0078125)
+    # Lost, but ended inside its slot (3 ms < 3.9 ms): another attempt overran into it, and a
+    # longer slot would only make this closer wait longer.
+    policy.record(AttemptOutcome(False, 0.003, 16, 1, forced=True))
+    assert policy.slot_window == pytest.approx(0.003)
+    # Lost after running past its slot's end (5 ms): the slot is too short and doubles.
+    policy.record(AttemptOutcome(False, 0.005, 16, 1, forced=True))
+    assert policy.slot_window == pytest.approx(0.006)
+    # The doubled slot (15.6 ms) holds a 5 ms attempt: losing one again doubles nothing.
+    policy.record(AttemptOutcome(False, 0.005, 16, 1, forced=True))
+    assert policy.slot_window == pytest.approx(0.006)
+    # Regular (not slotted) attempts never touch the slot.
+    policy.record(AttemptOutcome(False, 0.5, 16, 1))
+    assert policy.slot_window == pytest.approx(0.006)
+
+
 def test_the_fastest_data_put_is_a_floor_under_the_slot_window() -> None:
     # A start-up commit made before the data load (1 ms) would put 16 closers on 7.8 ms slots,
     # while their fastest 100 KB upload under load took 40 ms (SeaweedFS): a commit writing
