@@ -363,6 +363,14 @@ def _success(logs: Iterable[Sequence[tuple[float, bool, float, int]]]) -> float:
     return sum(outcomes) / len(outcomes) if outcomes else float("nan")
 
 
+def _edge_rates(times: Sequence[float], count: int) -> tuple[float, float]:
+    """Events per second over the first and over the last ``count`` of sorted event ``times``
+    (``count - 1`` intervals each): the rates of a run's first and last tenth."""
+    first = (count - 1) / (times[count - 1] - times[0])
+    last = (count - 1) / (times[-1] - times[-count])
+    return first, last
+
+
 def _ingest_tenths(
     results: Sequence[dict[str, Any]], payload: int, max_inflight: int
 ) -> tuple[float, float]:
@@ -377,9 +385,7 @@ def _ingest_tenths(
     tenth = len(times) // 10
     if len(times) < queued + 2 * tenth:
         return float("nan"), float("nan")
-    first = tenth / (times[queued + tenth] - times[queued])
-    last = tenth / (times[-1] - times[-1 - tenth])
-    return first, last
+    return _edge_rates(times[queued:], tenth + 1)
 
 
 def _producer_ingest_ratios(
@@ -398,8 +404,7 @@ def _producer_ingest_ratios(
         tenth = len(times) // 10
         if tenth < 2:
             return []
-        first = (tenth - 1) / (times[tenth - 1] - times[0])
-        last = (tenth - 1) / (times[-1] - times[-tenth])
+        first, last = _edge_rates(times, tenth)
         ratios.append(last / first)
     return ratios
 
@@ -411,13 +416,11 @@ def _raw_tenths(results: Sequence[dict[str, Any]]) -> tuple[float, float]:
     objects, a growing volume) slows raw PUTs by as much, and that is no cost of BatchWeave's.
     """
     times = sorted(t for r in results for t in r["done"])
-    start = min(r["t0"] for r in results)
     tenth = len(times) // 10
     if tenth < 1:
         return float("nan"), float("nan")
-    first = tenth / (times[tenth - 1] - start)
-    last = tenth / (times[-1] - times[-1 - tenth])
-    return first, last
+    # From the start: the first PUT's completion already took one PUT's time.
+    return _edge_rates([min(r["t0"] for r in results), *times], tenth + 1)
 
 
 PHASES = ("first", "steady", "close")
