@@ -530,6 +530,8 @@ class Producer:
         """Commit everything appended (like :meth:`flush`), then stop the background threads.
 
         Idempotent. If a background failure happened, threads are stopped and it is raised.
+        An ``append`` from another thread once ``close()`` began raises :class:`ProducerError`
+        (nothing it was given is published).
         """
         if self._closed:
             return
@@ -670,6 +672,12 @@ class Producer:
         self._raise_if_failed_locked()
         if self._closed or self._aborted:
             raise ProducerError(f"producer {self._producer_id!r} is closed")
+        if self._closing:
+            # close() commits what was appended when it began; a TGB appended during its drain
+            # could land after the commit thread ended, and would be silently lost.
+            raise ProducerError(
+                f"producer {self._producer_id!r} is closing; append before close() to publish"
+            )
         if self._seal_requested or self._sealed:
             raise ProducerError(
                 f"producer {self._producer_id!r} sealed namespace {self._namespace!r}; "
@@ -930,7 +938,12 @@ class Producer:
                         return seal_now
                     remaining = until_regular
                 else:
-                    if n > 0 and self._policy.ready(n, since):
+                    # An append blocked by max_lag counts these TGBs as visible: publish them
+                    # after the gap even if a count-paced policy wants more (nobody could read,
+                    # checkpoint past and unblock TGBs that are never committed).
+                    if n > 0 and (
+                        self._policy.ready(n, since) or (self._lag_blocked and since >= gap)
+                    ):
                         return seal_now
                     remaining = gap - since
                 if remaining > 0:
@@ -1199,6 +1212,7 @@ class Producer:
                         blocked_since = now
                         with self._cond:
                             self._lag_blocked = True
+                            self._cond.notify_all()  # the commit loop publishes what blocks us
                     if now - last_log >= self._lag_log_interval:
                         last_log = now
                         _LOG.info(

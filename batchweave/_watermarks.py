@@ -24,7 +24,12 @@ from typing import Final
 from pydantic import BaseModel, ConfigDict, Field
 
 from batchweave._checks import as_int, check_store
-from batchweave._errors import FormatError, NamespaceNotFound, ObjectNotFound
+from batchweave._errors import (
+    FormatError,
+    NamespaceNotFound,
+    ObjectNotFound,
+    TransientStoreError,
+)
 from batchweave._manifest._codec import decode_object, encode_object
 from batchweave._manifest._log import ManifestLog
 from batchweave._store._base import ObjectStore, validate_key
@@ -46,6 +51,8 @@ WATERMARK_FORMAT: Final = 1
 _MAGIC: Final = "batchweave-watermark"
 _MAX_BYTES: Final = 64 << 10
 _SUFFIX: Final = ".json"
+_LIST_ATTEMPTS: Final = 10
+"""Listings :meth:`Watermarks.live` makes while watermarks vanish under it, before giving up."""
 _ID_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,199}")
 
 
@@ -191,6 +198,26 @@ class Watermarks:
 
         A watermark object that cannot be decoded raises :class:`FormatError` naming its key:
         ignoring it could reclaim data its checkpoint needs. Delete or re-record it to go on.
+        A listing in which a watermark is released before it is read is taken again (see
+        :meth:`_list_once`); :class:`TransientStoreError` if that keeps happening.
+        """
+        for _ in range(_LIST_ATTEMPTS):
+            marks = self._list_once()
+            if marks is not None:
+                marks.sort(key=lambda m: (m.step, m.checkpoint_id))
+                return marks
+        raise TransientStoreError(
+            f"{self.store.url}/{self._prefix}: watermarks kept being released while they were "
+            f"listed ({_LIST_ATTEMPTS} listings); retry"
+        )
+
+    def _list_once(self) -> list[Watermark] | None:
+        """The watermarks of one LIST, or ``None`` if one was released before it was read.
+
+        Such a listing is stale: its checkpoint's successor is recorded before the old one is
+        released (``keep_last`` does so, and so should callers), and may be missing from it.
+        Without the released mark its minimum could skip the successor's lower step (another
+        reader's watermark above it), so the caller lists again.
         """
         marks: list[Watermark] = []
         for meta in self.store.list(self._prefix):
@@ -200,9 +227,8 @@ class Watermarks:
             try:
                 data = self.store.get(meta.key)
             except ObjectNotFound:
-                continue  # released between LIST and GET
+                return None  # released between LIST and GET
             marks.append(self._decode(data, meta.key))
-        marks.sort(key=lambda m: (m.step, m.checkpoint_id))
         return marks
 
     def boundary(self) -> int:

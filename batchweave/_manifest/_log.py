@@ -47,6 +47,7 @@ from batchweave._store._base import ObjectStore, validate_key
 __all__ = [
     "MANIFESTS_DIR",
     "NAMESPACE_DIRS",
+    "PREPARED_MERGE_MAX_AGE",
     "PROBE_TRUST_SECONDS",
     "DEFAULT_MERGE_FANOUT",
     "DEFAULT_TAIL_BYTES_LIMIT",
@@ -71,6 +72,14 @@ PROBE_TRUST_SECONDS = 60.0
 """``latest(known)`` trusts a missing ``known.version + 1`` only for a ``known`` committed this
 recently; older ones are confirmed with a LIST, since the reclaimer may have deleted versions
 superseded more than its grace period (default 600 s, which must stay well above this) ago."""
+
+PREPARED_MERGE_MAX_AGE = PROBE_TRUST_SECONDS
+"""Seconds after :meth:`ManifestLog.prepare_merge` during which a commit may swap its merge in.
+
+Until swapped in, a prepared merge is a segment no version references, and the reclaimer
+deletes such segments once they are ``2 x grace`` old. A producer that commits nothing for
+that long (a slow source, ``append`` blocked by ``max_lag``) must not then reference the
+deleted object, so an older merge is dropped (an orphan) and a later roll merges again."""
 
 DEFAULT_TAIL_LIMIT = 256
 """Descriptors kept inline in a manifest before a commit rolls them into a segment object."""
@@ -247,6 +256,8 @@ class ManifestLog:
         """Key of the segment the last commit built by this log rolled (deferred merges)."""
         self._prepared: tuple[tuple[SegmentRef, ...], SegmentRef] | None = None
         """A merge written outside the fragile window: (references it replaces, its reference)."""
+        self._prepared_at = 0.0
+        """``clock()`` when the prepared merge began to be written (see PREPARED_MERGE_MAX_AGE)."""
         self._namespace_id: str | None = None
         self._reclaimed_below = 0
         """Versions below this were seen reclaimed: ``latest`` must not trust them as current."""
@@ -554,6 +565,10 @@ class ManifestLog:
         segments = cut_below(base.segments, new_base)
         with self._merge_lock:
             prepared = self._prepared
+            if prepared is not None and not 0 <= now - self._prepared_at <= PREPARED_MERGE_MAX_AGE:
+                # The reclaimer may have deleted it as an unreferenced segment: never list it.
+                _log.info("dropping segment merge %s: prepared too long ago", prepared[1].key)
+                prepared = self._prepared = None
         if prepared is not None:
             swapped = swap_in(segments, *prepared)
             if swapped is not None:
@@ -634,6 +649,7 @@ class ManifestLog:
             # swapped in by its next one): merging them again would only duplicate it. If it
             # never lands, the level keeps growing and the rolls after F - 1 more do merge.
             return 0
+        started = self._clock()  # before the write: the segment is at least this old
         result = self._segments.merge_newest(
             committed.namespace_id,
             committed.segments,
@@ -645,7 +661,7 @@ class ManifestLog:
         if result is None:
             return 0
         with self._merge_lock:
-            self._prepared = result
+            self._prepared, self._prepared_at = result, started
         return result[1].bytes
 
     def _put(self, key: str, manifest: Manifest) -> CommitResult:
