@@ -17,6 +17,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
@@ -96,6 +97,15 @@ _LATENCY_WEIGHT: Final = 0.2
 
 # The trailer starts with the footer length, a little-endian u64 (docs/format.md).
 _U64: Final = struct.Struct("<Q")
+
+_UNREACHABLE: Final = (
+    "The object store was unreachable at the last attempt (see the warnings logged): check its "
+    "endpoint and the network."
+)
+"""Why a wait timed out when the store, not the producers, was the problem."""
+
+_RESTORE: Final = "restore it, or resume past this step"
+"""What to do about a committed object that is no longer what the manifest recorded."""
 
 
 @dataclass(frozen=True)
@@ -411,7 +421,11 @@ class Consumer:
         self._anchor_replica = 0
         self._next_step = start_step
         self._window: deque[_Pending] = deque()
-        self._pool: Workers | None = None
+        # Made now (it starts no thread before the first read ahead), so that a next() racing
+        # close() on another thread finds it closed rather than making a new one.
+        self._pool = Workers(max_workers, name="batchweave-consumer")
+        # Held by next(): close() from another thread leaves the read window to it.
+        self._reading = threading.Lock()
         self._depth = min(1, prefetch)
         self._delivered_since_ramp = 0
         self._delivered_any = False
@@ -503,7 +517,12 @@ class Consumer:
             )
         started = self._clock()
         try:
-            step, data, nbytes = self._next()
+            with self._reading:
+                try:
+                    step, data, nbytes = self._next()
+                finally:
+                    if self._closed:  # by another thread, during this call: drop what it read
+                        self._drop_window()
         except BaseException:
             self._counters.stalled(self._clock() - started)
             raise
@@ -525,17 +544,25 @@ class Consumer:
     def close(self) -> None:
         """Stop prefetching and release the read threads. Idempotent.
 
-        May be called from another thread: a ``next()`` waiting for producers, for the
-        namespace or for the end of an outage then raises :class:`ConsumerError` once its
-        current sleep (at most ``max_poll_interval`` or ``max_retry_backoff``) or store request
-        ends.
+        May be called from another thread: a ``next()`` reading a step, or waiting for
+        producers, for the namespace or for the end of an outage, then raises
+        :class:`ConsumerError` once its current sleep (at most ``max_poll_interval`` or
+        ``max_retry_backoff``) or store request ends.
         """
         self._closed = True
         self._unregister()  # runs once, however often close() is called
-        self._drop_window()
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        if self._reading.acquire(blocking=False):
+            try:
+                self._drop_window()
+            finally:
+                self._reading.release()
+        else:
+            # A next() on another thread owns the window (and drops it when it sees the close):
+            # only make sure nothing queued in it starts.
+            for pending in tuple(self._window):
+                if pending.job is not None:
+                    pending.job.cancel()
+        self._pool.close()
 
     def __enter__(self) -> Consumer:
         return self
@@ -598,15 +625,20 @@ class Consumer:
                 step,
                 anchor_replica,
             )
-        self._drop_window()
+        before = (self._anchor_step, self._anchor_replica, self._next_step, self._projection)
         self._anchor_step, self._anchor_replica = anchor_step, anchor_replica
         self._next_step = step
+        if self._manifest is not None:
+            try:
+                self._projection = self._make_projection(self._manifest)
+                self._check_not_reclaimed(step)
+            except BaseException:  # a refused state changes nothing
+                self._anchor_step, self._anchor_replica, self._next_step, self._projection = before
+                raise
+        self._drop_window()
         self._depth = min(1, self.prefetch)
         self._delivered_since_ramp = 0
         self._delivered_any = False
-        if self._manifest is not None:
-            self._projection = self._make_projection(self._manifest)
-            self._check_not_reclaimed(step)
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -629,9 +661,12 @@ class Consumer:
                 data, nbytes = self._fetch_step(step, pending.location, pending.manifest)
             else:
                 data, nbytes = pending.job.result()  # runs here if no worker has started it
-        except BaseException:
+        except BaseException as exc:
             self._drop_window()  # the step is retried from scratch by the next call
+            if isinstance(exc, CancelledError):  # only close() cancels the step in hand
+                self._check_not_closed(f"reading step {step}")
             raise
+        self._check_not_closed(f"reading step {step}")  # close() came from another thread
         self._window.popleft()
         self._next_step = step + self.stride
         try:
@@ -731,11 +766,16 @@ class Consumer:
             if self._manifest.sealed:
                 _log.info("%s: sealed stream ends before step %d", self._where, step)
                 return False
-            since = self._clock() - self._last_refresh
+            now = self._clock()
+            since = now - self._last_refresh
             if since < self._poll_delay:
                 self._sleep_or_time_out(
                     started, self._poll_delay - since, lambda: self._timeout_error(step)
                 )
+            elif self.timeout is not None and now - started > self.timeout:
+                # No sleep is due when a poll itself took the poll delay (a slow store, or
+                # connection attempts timing out in an outage): the timeout holds all the same.
+                raise self._timeout_error(step)
             try:
                 self._refresh()
                 failures = 0
@@ -784,7 +824,16 @@ class Consumer:
         return ConsumerTimeout(
             f"{self._where}: step {step} (TGB steps {first}..{end - 1}) did not become visible "
             f"within {self.timeout} s; manifest version {m.version} holds TGB steps "
-            f"{m.base_step}..{m.next_step - 1}. Are the producers running?"
+            f"{m.base_step}..{m.next_step - 1}. "
+            + (_UNREACHABLE if self._outage.down else "Are the producers running?")
+        )
+
+    def _open_timeout_error(self) -> ConsumerTimeout:
+        waiting = f"within {self.timeout} s while waiting for step {self._next_step}"
+        if self._outage.down:
+            return ConsumerTimeout(f"{self._where} could not be opened {waiting}. {_UNREACHABLE}")
+        return ConsumerTimeout(
+            f"{self._where} was not created {waiting}; start a producer or check the namespace name"
         )
 
     def _refresh(self) -> None:
@@ -827,10 +876,7 @@ class Consumer:
             self._sleep_or_time_out(
                 started,
                 self._poll_delay,
-                lambda: ConsumerTimeout(
-                    f"{self._where} was not created within {self.timeout} s while waiting for "
-                    f"step {self._next_step}; start a producer or check the namespace name"
-                ),
+                self._open_timeout_error,
             )
             self._poll_delay = min(2 * self._poll_delay, self.max_poll_interval)
         self._poll_delay = self.poll_interval
@@ -871,13 +917,16 @@ class Consumer:
     def _schedule(self, step: int, *, submit: bool = True) -> None:
         assert self._manifest is not None
         assert self._projection is not None
-        if self._pool is None:
-            self._pool = Workers(self.max_workers, name="batchweave-consumer")
+        self._check_not_closed(f"scheduling step {step}")  # close() came from another thread
         location = self._projection.locate(step, self.dp_rank, self.cp_rank)
         job = None
         if submit:
             job = Job(functools.partial(self._fetch_step, step, location, self._manifest))
-            self._pool.submit(job)
+            try:
+                self._pool.submit(job)
+            except RuntimeError:  # closed by another thread since the check above
+                self._check_not_closed(f"scheduling step {step}")
+                raise
         self._window.append(_Pending(step, location, self._manifest, job))
 
     def _drop_window(self) -> None:
@@ -1003,7 +1052,7 @@ class Consumer:
         if len(footer.slices) != ref.slice_count:
             raise FormatError(
                 f"{what}: the manifest records {ref.slice_count} slices in the object, its footer "
-                f"{len(footer.slices)}; manifest and object disagree"
+                f"{len(footer.slices)}; the object was replaced after it was committed: {_RESTORE}"
             )
         return footer
 
@@ -1015,7 +1064,8 @@ class Consumer:
         if len(buf) != want:
             raise FormatError(
                 f"object {key!r} is truncated: expected footer and trailer at bytes "
-                f"[{ref.footer_offset}, {ref.footer_offset + want}), got {len(buf)} bytes"
+                f"[{ref.footer_offset}, {ref.footer_offset + want}), got {len(buf)} bytes; "
+                f"{_RESTORE}"
             )
         footer = parse_footer(buf, key=key)  # verifies the trailer's checksum over the footer
         (footer_length,) = _U64.unpack_from(buf, len(buf) - TRAILER_SIZE)
@@ -1023,14 +1073,14 @@ class Consumer:
             raise FormatError(
                 f"object {key!r}: the manifest locates its footer at [{ref.footer_offset}, "
                 f"+{ref.footer_length}), the object at [{footer.payload_length}, "
-                f"+{footer_length}); manifest and object disagree"
+                f"+{footer_length}); the object was replaced after it was committed: {_RESTORE}"
             )
         computed = checksum(buf[: ref.footer_length], footer.checksum_algo)
         if computed != ref.footer_checksum:
             raise ChecksumMismatch(
                 f"object {key!r}: its footer's {footer.checksum_algo} checksum is {computed:#x}, "
                 f"the manifest recorded {ref.footer_checksum:#x}; the object was replaced or "
-                "damaged after it was committed"
+                f"damaged after it was committed: {_RESTORE}"
             )
         return footer
 
@@ -1117,7 +1167,8 @@ class Consumer:
                 if used is None:
                     raise ConsumerError(
                         f"{what}: read failed and the step's retry budget ({budget.limit}) is "
-                        f"spent; last error: {exc}"
+                        f"spent (next() retries the step from scratch; a flaky store may need "
+                        f"a larger retry_budget); last error: {exc}"
                     ) from exc
                 _log.debug("%s: %s; retry %d", what, exc, used)
             except ObjectNotFound as exc:
@@ -1136,7 +1187,7 @@ class Consumer:
 
 def _truncated(key: str, start: int, end: int, got: int) -> FormatError:
     return FormatError(
-        f"object {key!r} is truncated: bytes [{start}, {end}) requested, {got} returned"
+        f"object {key!r} is truncated: bytes [{start}, {end}) requested, {got} returned; {_RESTORE}"
     )
 
 
@@ -1227,7 +1278,7 @@ def _parse_state(state: Mapping[str, Any]) -> dict[str, Any]:
             f"consumer state format {parsed['format']} is not {STATE_FORMAT}; it was written by "
             "another BatchWeave version"
         )
-    if min(parsed["step"], parsed["dp"], parsed["cp"], parsed["anchor_replica"]) < 0 or (
+    if min(parsed["step"], parsed["anchor_step"], parsed["anchor_replica"]) < 0 or (
         parsed["step"] < parsed["anchor_step"] or min(parsed["dp"], parsed["cp"]) < 1
     ):
         raise ConsumerError(f"consumer state is inconsistent: {dict(state)!r}")

@@ -201,7 +201,7 @@ def test_a_truncated_object_fails_alike() -> None:
     exc = same_error(both(store, 1), FormatError)
     assert str(exc) == (
         f"step 1 (TGB step 1), object {key!r}, slice 3: object {key!r} is truncated: bytes "
-        f"[192, 256) requested, 10 returned"
+        f"[192, 256) requested, 10 returned; restore it, or resume past this step"
     )
 
 
