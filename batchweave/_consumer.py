@@ -696,7 +696,9 @@ class Consumer:
 
         0 while reads are faster than ``prefetch_min_latency``, or while their thread spends
         more than ``prefetch_max_cpu_share`` of their time on CPU (memory copies and decoding:
-        nothing to overlap). Otherwise the ramped depth, bounded by this consumer's share of
+        nothing to overlap), or while that share is not known yet: reads just became slow (one
+        descheduled page-cache copy lifts the average past the threshold), and the next one,
+        read inline, is measured. Otherwise the ramped depth, bounded by this consumer's share of
         ``max_process_reads``: every open consumer of the process keeps its own next read in
         flight, and read-ahead only adds to those. (64 consumers as threads of one process with
         4 steps ahead each would queue 320 requests for a client's 64 connections and spend the
@@ -708,7 +710,9 @@ class Consumer:
             if latency < self.prefetch_min_latency:
                 return 0
             share = counters.read_cpu_share
-            if share is not None and share > self.prefetch_max_cpu_share:
+            if self._measure_cpu_from is not None and (
+                share is None or share > self.prefetch_max_cpu_share
+            ):
                 return 0
         process_share = self.max_process_reads // max(1, _OPEN.count) - 1
         return max(0, min(self._depth, process_share))
@@ -982,7 +986,8 @@ class Consumer:
         half of that threshold: fast inline reads pay nothing. From half of it up they are,
         so the share is current by the time the average reaches the threshold. (One step of
         more than 3x the threshold can jump it there from below half; an unmeasured step
-        forgets the share, so that step is followed by read-ahead, and the next is measured.)
+        forgets the share, so the step after it is read inline and measured before any read
+        ahead: see :meth:`_read_ahead`.)
         """
         start = self._measure_cpu_from
         if start is None:

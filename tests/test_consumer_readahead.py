@@ -124,6 +124,22 @@ def test_read_ahead_follows_the_cpu_share_as_it_moves(steps: MemoryStore) -> Non
     c.close()
 
 
+def test_one_slow_read_among_fast_cpu_reads_starts_no_read_ahead(steps: MemoryStore) -> None:
+    # Page-cache copies of 100 us, one of them descheduled for 10 ms (a busy machine): the
+    # latency average jumps past 1 ms while no CPU share is known (fast reads are not
+    # measured). Reading ahead then would hand CPU work to threads; the next read is measured
+    # on the caller's thread instead, shows the reads are CPU work, and all stay inline.
+    store = TimedReads(steps, wall=0.0001, cpu=0.0001)
+    c = _reader(store)
+    in_flight = []
+    for step, _ in c:
+        in_flight.append(c.stats.in_flight)
+        store.wall, store.cpu = (0.01, 0.0001) if step == 9 else (0.0001, 0.0001)
+    assert in_flight == [0] * STEPS
+    assert store.threads == {threading.current_thread()}
+    c.close()
+
+
 def test_the_cpu_clock_is_not_read_while_reads_are_fast(steps: MemoryStore) -> None:
     store = TimedReads(steps, wall=0.0001, cpu=0.0001)  # 100 us: far below 1 ms
     c = _reader(store)
