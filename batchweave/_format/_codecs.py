@@ -102,7 +102,9 @@ def _arrow_encode(value: Any) -> Buffer:
 def _arrow_decode(buf: bytes | memoryview) -> Any:
     try:
         table = pa.ipc.open_stream(pa.py_buffer(buf)).read_all()
-        table.validate()
+        # Full validation: the shallow one misses non-monotonic offsets, which make a zero-copy
+        # table read outside its buffer. Costs ~50 us per MB of strings (UTF-8), ~0 for numbers.
+        table.validate(full=True)
     except (pa.ArrowException, ValueError, OSError) as exc:
         raise FormatError(f"invalid Arrow IPC stream: {exc}") from exc
     return table
@@ -242,7 +244,10 @@ def _tensors_decode(buf: bytes | memoryview) -> dict[str, np.ndarray[Any, Any]]:
         if nbytes:
             spans.append((offset, offset + nbytes, name))
         count = nbytes // dtype.itemsize
-        out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+        try:
+            out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+        except ValueError as exc:  # a shape numpy cannot hold: over 64 axes, an axis over 2^63
+            raise _bad_tensors(f"tensor {name!r} has a shape numpy cannot hold: {exc}") from exc
     overlap = first_overlap(spans)
     if overlap is not None:
         raise _bad_tensors(f"tensors {overlap[0]!r} and {overlap[1]!r} overlap")

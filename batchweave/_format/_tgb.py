@@ -102,6 +102,13 @@ _ALGO_VERSIONS: Final[dict[ChecksumAlgo, int]] = {"crc32c": 1, "xxhash64": 1, "x
 """The format version that introduced each algorithm: the version an object using it is written
 with, and the lowest version a valid object using it can have."""
 _RESERVED: Final = bytes(5)
+_DAMAGED_ADVICE: Final = (
+    "Committed TGBs are immutable (the manifest records their checksums), so do not rewrite "
+    "it: read it again (a transfer error may pass), restore the object from a backup or "
+    "replica, or skip its step deliberately (Consumer(start_step=...) past it); "
+    "`batchweave verify` lists every damaged object"
+)
+"""What a reader can do about a damaged TGB object: never rewrite it in place."""
 
 assert _TRAILER.size == TRAILER_SIZE
 
@@ -489,7 +496,7 @@ def _parse_with_trailer(buf: bytes | memoryview, trailer: _Trailer, key: str) ->
         raise ChecksumMismatch(
             f"footer of object {key!r} is corrupt: stored {algo} checksum "
             f"{trailer.footer_checksum:#x}, computed {computed:#x}; the object was damaged in "
-            "storage or transit, rewrite it"
+            f"storage or transit, or replaced. {_DAMAGED_ADVICE}"
         )
     _check_version(trailer.version, key)
     if trailer.reserved != _RESERVED:
@@ -765,7 +772,8 @@ def decode_entry(
     if computed != entry.checksum:
         raise ChecksumMismatch(
             f"{where} is corrupt: stored {layout.checksum_algo} checksum {entry.checksum:#x}, "
-            f"computed {computed:#x}; the object was damaged in storage or transit, rewrite it"
+            f"computed {computed:#x}; the object was damaged in storage or transit, or replaced. "
+            f"{_DAMAGED_ADVICE}"
         )
     try:
         body: bytes | memoryview = raw

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -94,21 +95,29 @@ def resolve_range(rng: ByteRange, size: int) -> tuple[int, int]:
     return max(0, size - rng.length), size
 
 
-_FORBIDDEN_CHARS = ("\x00", "\\")
+_FORBIDDEN_CHAR = re.compile(r"[\x00-\x1f\x7f\\\ud800-\udfff\ufffe\uffff]")
+"""Characters no key may contain: control characters (NUL, tab, newline, DEL, ...), the
+backslash, lone surrogates (not encodable as UTF-8, so no S3 key) and U+FFFE/U+FFFF. S3's XML
+listings and bulk deletes cannot carry the control and non-characters, and obstore refuses
+control characters outright, so such a key would work on one backend and fail on another."""
 
 
 def validate_key(key: str) -> str:
     """Return ``key`` if it is a safe relative object key, else raise :class:`InvalidKey`.
 
     Keys are ``/``-separated relative paths. Empty keys, absolute keys, ``.``/``..`` segments,
-    empty segments, NUL bytes and backslashes are refused on every backend, so a key that works
-    on one backend works on all and can never escape a ``file://`` root.
+    empty segments, control characters (NUL included), backslashes and characters that are not
+    valid UTF-8 text (lone surrogates) are refused on every backend, so a key that works on one
+    backend works on all and can never escape a ``file://`` root.
     """
     if not isinstance(key, str) or not key:
         raise InvalidKey(f"object key must be a non-empty string, got {key!r}")
-    for ch in _FORBIDDEN_CHARS:
-        if ch in key:
-            raise InvalidKey(f"object key {key!r} contains a forbidden character {ch!r}")
+    bad = _FORBIDDEN_CHAR.search(key)
+    if bad is not None:
+        raise InvalidKey(
+            f"object key {key!r} contains the forbidden character {bad.group()!r}; keys may not "
+            "hold control characters, backslashes or invalid unicode"
+        )
     if key.startswith("/"):
         raise InvalidKey(f"object key {key!r} is absolute; keys are relative to the store root")
     for part in key.split("/"):

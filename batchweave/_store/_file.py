@@ -79,6 +79,8 @@ class FileStore(ObjectStore):
         root_path = Path(root)
         if not root_path.is_absolute():
             raise InvalidStoreURL(f"file store root {str(root)!r} must be an absolute path")
+        if "\x00" in str(root_path):
+            raise InvalidStoreURL(f"file store root {str(root)!r} contains a NUL byte")
         try:
             root_path.mkdir(parents=True, exist_ok=True)
         except PermissionError as exc:
@@ -180,7 +182,14 @@ class FileStore(ObjectStore):
 
     def _write_temp(self, parts: Sequence[bytes | memoryview]) -> str:
         tmp = os.path.join(self._tmp, f"{secrets.token_hex(16)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileNotFoundError:
+            # An operator removed the temp directory (cleaning up stray temp files): recreate
+            # it rather than failing every later write with "no object".
+            os.makedirs(self._tmp, exist_ok=True)
+            fd = os.open(tmp, flags, 0o644)
         try:
             _write_all(fd, parts)
             if self._fsync:
@@ -503,17 +512,49 @@ class FileStore(ObjectStore):
 
     def delete_many(self, keys: Iterable[str]) -> None:
         for key in keys:
-            path = self._path(key)
-            with self._errors(key, "delete"):
-                try:
-                    os.unlink(path)
-                except OSError as exc:
-                    if exc.errno in _MISSING_ERRNOS or (
-                        isinstance(exc, PermissionError) and os.path.isdir(path)
-                    ):
+            if self._proc_fd and _PUBLISH_AT:
+                path = self._lexical_path(key)
+                with self._errors(key, "delete"):
+                    if not self._unlink_at(key, path):
                         continue
-                    raise
+            else:
+                path = self._path(key)
+                with self._errors(key, "delete"):
+                    try:
+                        os.unlink(path)
+                    except OSError as exc:
+                        if exc.errno in _MISSING_ERRNOS or (
+                            isinstance(exc, PermissionError) and os.path.isdir(path)
+                        ):
+                            continue
+                        raise
             self._prune_empty_dirs(os.path.dirname(path))
+
+    def _unlink_at(self, key: str, path: str) -> bool:
+        """Unlink ``path`` through a confined descriptor of its directory; False if absent.
+
+        As for writes: a directory swapped for a symlink after the check cannot redirect the
+        unlink to a file outside the root.
+        """
+        parent, name = os.path.split(path)
+        try:
+            dfd = self._open_confined(key, parent, _DIR_FLAGS)
+        except OSError as exc:
+            if exc.errno in _MISSING_ERRNOS:
+                return False
+            raise
+        try:
+            self._refuse_escaping_link(key, path, dfd, name)
+            os.unlink(name, dir_fd=dfd)
+        except OSError as exc:
+            if exc.errno in _MISSING_ERRNOS or (
+                isinstance(exc, PermissionError) and _is_dir_at(dfd, name)
+            ):
+                return False
+            raise
+        finally:
+            os.close(dfd)
+        return True
 
     def _prune_empty_dirs(self, directory: str) -> None:
         while directory != self._root and directory.startswith(self._root + os.sep):

@@ -21,6 +21,7 @@ from batchweave._errors import (
     AccessDenied,
     AmbiguousWriteError,
     ConcurrentWriteConflict,
+    ConditionalWritesUnsupported,
     InvalidStoreURL,
     ObjectExists,
     ObjectNotFound,
@@ -46,6 +47,22 @@ _TRANSIENT = re.compile(
     r"timeout|connection|reset|broken pipe|error sending request|dns",
     re.IGNORECASE,
 )
+_STATUS = re.compile(r"status code: (\d{3})\b")
+"""The HTTP status object_store quotes when the server answered with an error."""
+_THROTTLED_CODE = re.compile(
+    r"<Code>(SlowDown|RequestTimeout|Throttling|ThrottlingException|TooManyRequests|"
+    r"RequestLimitExceeded|RequestThrottled)</Code>"
+)
+"""Error codes that mean "retry later" whatever the status (S3's RequestTimeout is a 400)."""
+_CONFLICT = re.compile(r"status code: 409\b|<Code>ConditionalRequestConflict</Code>")
+_DENIED = re.compile(r"status code: 40[13]\b")
+"""Where object_store reports 401/403 as a generic error (listing does)."""
+_NOT_IMPLEMENTED = re.compile(r"status code: 501\b|<Code>NotImplemented</Code>")
+_PAST_THE_END = re.compile(
+    r"status code: 416\b|<Code>InvalidRange</Code>|out of bounds", re.IGNORECASE
+)
+"""A range starting at or past the object's end. Matched exactly: a bare "416" also occurs in
+request ids and timings ("in 1.416ms") of unrelated errors, which must not read as b""."""
 _UNREACHABLE = re.compile(r"connection refused|error sending request|dns|tcp connect", re.I)
 _INSTANCE_METADATA = "169.254.169.254"
 
@@ -144,7 +161,8 @@ class ObstoreS3Store(S3Location):
         # obstore appends a multi-line debug dump; the first line is the useful part
         detail = f"{what}: {message.splitlines()[0] if message else type(exc).__name__}"
         errors = self._errors
-        write = op in ("put", "put_if_absent", "delete")
+        # A delete is idempotent: a failed one is retried, never "ambiguous" (as on boto3).
+        write = op in ("put", "put_if_absent")
         if "NoSuchBucket" in message:
             return self._missing_bucket(detail)
         if _INSTANCE_METADATA in message:
@@ -154,18 +172,33 @@ class ObstoreS3Store(S3Location):
                 "instance metadata endpoint, which failed); pass access_key_id and "
                 "secret_access_key or set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
             )
+        if op == "put_if_absent" and _CONFLICT.search(message):
+            # Before the "exists" check: object_store reports a 409 as AlreadyExistsError, but
+            # it means another conditional write is in flight (boto3: the same leaf).
+            return ConcurrentWriteConflict(detail)
         exists = (errors.AlreadyExistsError, errors.PreconditionError, FileExistsError)
         if op == "put_if_absent" and isinstance(exc, exists):
             return ObjectExists(detail)
         if isinstance(exc, (errors.NotFoundError, FileNotFoundError)):
             return ObjectNotFound(detail)
         denied = (errors.PermissionDeniedError, errors.UnauthenticatedError, PermissionError)
-        if isinstance(exc, denied):
+        if isinstance(exc, denied) or _DENIED.search(message):
             return AccessDenied(f"{detail} (check the credentials and the bucket policy)")
-        if op == "put_if_absent" and ("ConditionalRequestConflict" in message or " 409" in message):
-            return ConcurrentWriteConflict(detail)
+        if op == "put_if_absent" and _NOT_IMPLEMENTED.search(message):
+            return ConditionalWritesUnsupported(
+                f"{detail}: the store does not implement If-None-Match; BatchWeave needs "
+                "conditional writes"
+            )
         if write:
             return AmbiguousWriteError(f"{detail}; the write may have landed, read it back")
+        status = _STATUS.search(message)
+        if status is not None:
+            # The server answered: classify by its status and code only. The keyword patterns
+            # below would also match request ids and timings in its reply ("in 503.1ms").
+            code = int(status.group(1))
+            if code >= 500 or code == 429 or _THROTTLED_CODE.search(message):
+                return TransientStoreError(detail)
+            return StoreError(detail)
         if _UNREACHABLE.search(message):
             return StoreUnavailable(f"cannot {what}: {self.endpoint_url or 'S3'} is unreachable")
         if _TRANSIENT.search(message):
@@ -224,8 +257,7 @@ class ObstoreS3Store(S3Location):
     def _past_the_end(self, exc: Exception) -> bool:
         if isinstance(exc, (self._errors.NotFoundError, FileNotFoundError)):
             return False
-        text = str(exc)
-        return "416" in text or "InvalidRange" in text or "out of bounds" in text.lower()
+        return _PAST_THE_END.search(str(exc)) is not None
 
     def head(self, key: str) -> ObjectMeta:
         full = self._key(key)
@@ -276,6 +308,7 @@ class ObstoreS3Store(S3Location):
         try:
             self._obs.delete(self._store, paths)
         except Exception as exc:
-            if isinstance(exc, (self._errors.NotFoundError, FileNotFoundError)):
+            missing = isinstance(exc, (self._errors.NotFoundError, FileNotFoundError))
+            if missing and "NoSuchBucket" not in str(exc):
                 return
             raise self._translate(exc, op="delete", key=paths[0][len(self.prefix) :]) from exc

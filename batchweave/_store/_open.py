@@ -117,7 +117,9 @@ def _construct(url: str, options: dict[str, Any], s3_client: str) -> ObjectStore
                 f"file URL {shown!r} names host {urlsplit(shown).netloc!r}; relative paths are not "
                 "supported, use file:///absolute/path (three slashes)"
             )
-        path = unquote(parts.path)
+        # Undecodable %XX bytes (a non-UTF-8 directory name, as Path.as_uri writes it) stay
+        # those bytes, not U+FFFD: that would name another directory.
+        path = unquote(parts.path, errors="surrogateescape")
         if not path.startswith("/"):
             raise InvalidStoreURL(f"file URL {shown!r} needs an absolute path: file:///abs/path")
         return FileStore(path, **options)

@@ -77,6 +77,17 @@ _THROTTLED = frozenset(
     }
 )
 _WRITE_OPS = frozenset({"put", "put_if_absent"})
+_CREDENTIAL_ERRORS = (
+    bex.NoCredentialsError,
+    bex.PartialCredentialsError,
+    bex.CredentialRetrievalError,  # a failing credential_process, assume-role, ...
+    bex.TokenRetrievalError,
+    bex.SSOError,  # no or expired SSO token: `aws sso login`
+    bex.NoAuthTokenError,
+    bex.RefreshWithMFAUnsupportedError,
+    bex.UnknownCredentialError,
+)
+"""botocore's "could not get credentials" errors, raised before any request is sent."""
 
 
 class S3Store(S3Location):
@@ -182,7 +193,15 @@ class S3Store(S3Location):
             s3=cast(Any, {"addressing_style": style} if style else None),
             user_agent_extra="batchweave",
         )
-        return session.client("s3", endpoint_url=endpoint_url, config=config)
+        try:
+            # Resolves the credentials: a failing credential_process or SSO profile fails here.
+            return session.client("s3", endpoint_url=endpoint_url, config=config)
+        except _CREDENTIAL_ERRORS as exc:
+            raise self._no_credentials(f"open {self.url}", exc) from exc
+        except bex.BotoCoreError as exc:
+            raise InvalidStoreURL(
+                f"cannot configure boto3 for {self.url}: {self._scrub(str(exc))}"
+            ) from exc
 
     @property
     def client(self) -> S3Client:
@@ -209,11 +228,11 @@ class S3Store(S3Location):
             status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
             detail = f"{what}: {code or status} {message}".rstrip()
             return self._from_code(code, status, detail, op=op, key=key)
-        if isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError)):
-            return AccessDenied(
-                f"cannot {what}: no usable AWS credentials found; pass access_key_id and "
-                "secret_access_key, set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or use a profile"
-            )
+        if isinstance(exc, _CREDENTIAL_ERRORS):
+            return self._no_credentials(what, exc)
+        if isinstance(exc, bex.ParamValidationError):
+            # Refused by botocore before anything was sent: neither ambiguous nor transient.
+            return StoreError(f"cannot {what}: boto3 refused the request: {self._scrub(str(exc))}")
         endpoint = self.endpoint_url or "the AWS S3 endpoint"
         if isinstance(exc, bex.ConnectionError):
             if write and getattr(self._local, "put_maybe_sent", False):
@@ -232,6 +251,14 @@ class S3Store(S3Location):
                 )
             return TransientStoreError(f"{what} failed transiently: {self._scrub(str(exc))}")
         return StoreError(f"{what} failed: {type(exc).__name__}: {self._scrub(str(exc))}")
+
+    def _no_credentials(self, what: str, exc: Exception) -> AccessDenied:
+        reason = "" if isinstance(exc, bex.NoCredentialsError) else f" ({self._scrub(str(exc))})"
+        return AccessDenied(
+            f"cannot {what}: no usable AWS credentials found{reason}; pass access_key_id and "
+            "secret_access_key, set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or use a profile "
+            "(for an SSO profile, log in again: aws sso login)"
+        )
 
     def _from_code(
         self, code: str, status: int, detail: str, *, op: str, key: str | None

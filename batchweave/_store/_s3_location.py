@@ -21,6 +21,19 @@ _USERINFO = re.compile(r"(?<=://)[^/?#\s\"']*@")
 the authority's last ``@``, as ``urlsplit`` reads it: a password may contain ``@`` itself."""
 
 
+_BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
+"""Bucket names both S3 clients accept: botocore's own rule, which already admits the legacy
+names (upper case, ``_``) some self-hosted servers allow. Anything else is refused up front:
+botocore would fail every request with a ``ParamValidationError`` and obstore panics on a
+bucket that is not valid in a URL."""
+_ACCESS_POINT_ARN = re.compile(
+    r"arn:aws[a-z-]*:(s3|s3-object-lambda):[a-z\-0-9]*:[0-9]{12}:accesspoint[/:][a-zA-Z0-9\-.]{1,63}"
+    r"|arn:aws[a-z-]*:s3-outposts:[a-z\-0-9]+:[0-9]{12}:outpost[/:][a-zA-Z0-9\-]{1,63}[/:]"
+    r"accesspoint[/:][a-zA-Z0-9\-]{1,63}"
+)
+"""An S3 access point ARN, which boto3 accepts in place of a bucket name (botocore's rule)."""
+
+
 def _redact_userinfo(text: str) -> str:
     return _USERINFO.sub("***@", text)
 
@@ -67,6 +80,13 @@ class S3Location(ObjectStore):
             # ``s3://key:secret@bucket`` parses with the credentials in the bucket name, which
             # would then be in ``url``, meant to be safe to log.
             refuse_url_credentials(f"s3://{bucket}", "S3 store URL")
+            if not (_BUCKET.fullmatch(bucket) or _ACCESS_POINT_ARN.fullmatch(bucket)):
+                shown = repr(bucket) if "@" not in bucket else "the bucket"
+                raise InvalidStoreURL(
+                    f"{shown} is not a valid S3 bucket name: use letters, digits, '.', '-' "
+                    "and '_' (at most 255 characters; AWS S3 itself requires 3-63 lower-case "
+                    "characters), e.g. s3://my-bucket/prefix"
+                )
         prefix = prefix.strip("/")
         if prefix:
             validate_key(prefix)

@@ -143,7 +143,7 @@ def open_cli_store(
     # A malformed file URL (no '//', or naming a host) is left to open_store, which explains it.
     well_formed = "://" in url and parts.netloc in ("", "localhost")
     if parts.scheme.lower() == "file" and well_formed and not create:
-        path = Path(unquote(parts.path))
+        path = Path(unquote(parts.path, errors="surrogateescape"))  # as open_store reads it
         if not path.is_dir():
             what = "it is a file" if path.exists() else "it does not exist"
             raise CliFailure(f"no store directory at {path} ({what}); check the path")

@@ -110,6 +110,13 @@ def _check(config: DemoConfig) -> None:
         problems.append("--steps must be at least twice --producers")
     if config.checkpoint_every < 1 or config.micro_batch < 1 or config.documents < 100:
         problems.append("--checkpoint-every, --micro-batch >= 1 and --documents >= 100")
+    if config.seq_len < 1 or config.step_time < 0:
+        problems.append("--seq-len must be >= 1 and --step-time >= 0")
+    if config.store is not None and store_url(config.store).lower().startswith("memory:"):
+        problems.append(
+            "--store memory:// lives in one process, and the demo's producers and consumers are "
+            "processes: use a file:// directory or s3://"
+        )
     if problems:
         raise CliFailure("; ".join(problems))
     if importlib.util.find_spec("lance") is None:
