@@ -171,6 +171,9 @@ class _Counters:
         self.read_cpu_share: float | None = None
         self.cpu_samples = 0
         """Steps averaged into ``read_cpu_share`` since it was last forgotten."""
+        self.cpu_pending = False
+        """``read_cpu_share`` was forgotten by a step skipped as fast, and the next slow step
+        measures it (not by one read in several objects: such steps are never measured)."""
 
     def add(self, **deltas: float) -> None:
         with self.lock:
@@ -205,16 +208,21 @@ class _Counters:
             if self.time_to_first_batch is None:
                 self.time_to_first_batch = since_created
 
-    def read_took(self, seconds: float, cpu_seconds: float | None = None) -> None:
+    def read_took(
+        self, seconds: float, cpu_seconds: float | None = None, *, measurable: bool = True
+    ) -> None:
         """One step's reads took ``seconds``, ``cpu_seconds`` of them on its thread's CPU
         (``None``: not measured, which forgets the CPU share: it would be stale when measuring
-        resumes, e.g. from a first step that parsed footers to slow network reads)."""
+        resumes, e.g. from a first step that parsed footers to slow network reads).
+        ``measurable=False``: no step like this one is measured (its reads ran on several
+        threads), so no share is coming."""
         with self.lock:
             old = self.read_latency
             self.read_latency = seconds if old is None else old + _LATENCY_WEIGHT * (seconds - old)
             if cpu_seconds is None:
                 self.read_cpu_share = None
                 self.cpu_samples = 0
+                self.cpu_pending = measurable
             elif seconds > 0:  # a clock that did not move tells nothing about the share
                 share = min(1.0, max(0.0, cpu_seconds / seconds))
                 # The plain mean of the first samples, then the moving average: the first step
@@ -698,11 +706,12 @@ class Consumer:
         more than ``prefetch_max_cpu_share`` of their time on CPU (memory copies and decoding:
         nothing to overlap), or while that share is not known yet: reads just became slow (one
         descheduled page-cache copy lifts the average past the threshold), and the next one,
-        read inline, is measured. Otherwise the ramped depth, bounded by this consumer's share of
-        ``max_process_reads``: every open consumer of the process keeps its own next read in
-        flight, and read-ahead only adds to those. (64 consumers as threads of one process with
-        4 steps ahead each would queue 320 requests for a client's 64 connections and spend the
-        difference on thread switches.)
+        read inline, is measured (steps read from several objects are never measured: for them
+        the latency rule alone decides). Otherwise the ramped depth, bounded by this consumer's
+        share of ``max_process_reads``: every open consumer of the process keeps its own next
+        read in flight, and read-ahead only adds to those. (64 consumers as threads of one
+        process with 4 steps ahead each would queue 320 requests for a client's 64 connections
+        and spend the difference on thread switches.)
         """
         counters = self._counters
         latency = counters.read_latency
@@ -711,7 +720,7 @@ class Consumer:
                 return 0
             share = counters.read_cpu_share
             if self._measure_cpu_from is not None and (
-                share is None or share > self.prefetch_max_cpu_share
+                counters.cpu_pending if share is None else share > self.prefetch_max_cpu_share
             ):
                 return 0
         process_share = self.max_process_reads // max(1, _OPEN.count) - 1
@@ -972,7 +981,7 @@ class Consumer:
         took = self._clock() - started
         # Several objects are read by pool threads: this thread's CPU is not the step's.
         if cpu_started is None or not one_object:
-            self._counters.read_took(took)
+            self._counters.read_took(took, measurable=one_object)
         else:
             self._counters.read_took(took, self._cpu_clock() - cpu_started)
         return data, nbytes

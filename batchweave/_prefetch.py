@@ -127,12 +127,11 @@ class Workers:
         """Let every worker exit once the queued jobs are done; returns at once. Idempotent.
 
         Jobs still queued are run by workers as usual: cancel those nobody should run first.
+        Never waits for a lock: a signal handler may call it on a thread that is in
+        :meth:`_spawn` (``_stop`` runs once however often it is called).
         """
-        with self._spawn_lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._stop()
+        self._closed = True
+        self._stop()
 
     def _spawn(self) -> None:
         with self._spawn_lock:
@@ -146,6 +145,8 @@ class Workers:
             )
             thread.start()
             self._threads.append(thread)
+            if self._closed:  # close() ran meanwhile and may not have counted this thread
+                self._queue.put(None)
 
 
 def _stop(queue: SimpleQueue[Job[Any] | None], threads: list[threading.Thread]) -> None:

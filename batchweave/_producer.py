@@ -17,6 +17,7 @@ caller's thread at the next ``append``, ``flush``, ``seal`` or ``close``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -1002,6 +1003,8 @@ class Producer:
         return max(1, len(ids))
 
     def _attempt(self, seal: bool) -> None:
+        # Before the window: a merge prepared long ago is written again rather than dropped.
+        self._write_merge(self._log.refresh_prepared_merge, "before the next commit")
         start = self._clock()
         base = self._base
         if start - self._base_read_at >= self._refresh_age:
@@ -1095,14 +1098,21 @@ class Producer:
 
         An optimization only: a failure is logged, and the merge is retried after a later roll.
         """
+        self._write_merge(
+            functools.partial(self._log.prepare_merge, committed),
+            f"after version {committed.version}",
+        )
+
+    def _write_merge(self, write: Callable[[], int], when: str) -> None:
+        """Run ``write`` (a segment merge, an optimization): a store failure is only logged."""
         try:
-            self._log.prepare_merge(committed)
+            write()
         except _RETRYABLE as exc:
             _LOG.warning(
-                "producer %r: writing a segment merge after version %d failed (%s: %s); the "
-                "segments stay unmerged until a later commit",
+                "producer %r: writing a segment merge %s failed (%s: %s); the segments stay "
+                "unmerged until a later commit",
                 self._producer_id,
-                committed.version,
+                when,
                 type(exc).__name__,
                 exc,
             )

@@ -664,6 +664,38 @@ class ManifestLog:
             self._prepared, self._prepared_at = result, started
         return result[1].bytes
 
+    def refresh_prepared_merge(self) -> int:
+        """Write the prepared merge again, under a fresh key, once it is half its age limit old.
+
+        Call it right before :meth:`commit`, outside the fragile window. A producer committing
+        less often than ``PREPARED_MERGE_MAX_AGE`` would otherwise have every merge it prepares
+        dropped by its next commit, and its segments would never merge. The old copy is left to
+        the reclaimer (an orphan). Returns the bytes written.
+        """
+        with self._merge_lock:
+            prepared, prepared_at = self._prepared, self._prepared_at
+        namespace_id = self._namespace_id
+        started = self._clock()  # before the write: the segment is at least this old
+        if (
+            prepared is None
+            or namespace_id is None
+            or 0 <= started - prepared_at <= PREPARED_MERGE_MAX_AGE / 2
+        ):
+            return 0
+        replaced, merged = prepared
+        try:
+            segment = self._segments.read(merged, namespace_id)
+        except (ObjectNotFound, FormatError) as exc:  # reclaimed or damaged: a later roll merges
+            _log.info("dropping segment merge %s: %s", merged.key, exc)
+            fresh = None
+        else:
+            fresh = self._segments.write(namespace_id, segment.first_step, segment.tgbs)
+        with self._merge_lock:
+            if self._prepared is prepared:
+                self._prepared = None if fresh is None else (replaced, fresh)
+                self._prepared_at = started
+        return 0 if fresh is None else fresh.bytes
+
     def _put(self, key: str, manifest: Manifest) -> CommitResult:
         data = encode_manifest(manifest)
         self.last_commit_bytes += len(data)
