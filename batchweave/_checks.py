@@ -5,7 +5,10 @@ from __future__ import annotations
 import operator
 import os
 
-__all__ = ["as_int", "check_at_least", "check_store"]
+from batchweave._errors import InvalidKey
+from batchweave._store._base import validate_key
+
+__all__ = ["as_int", "check_at_least", "check_key_name", "check_store"]
 
 
 def check_at_least(minimum: int, **values: int) -> None:
@@ -25,6 +28,18 @@ def check_store(store: object) -> None:
             f"expected an opened store, got the {type(store).__name__} {store!r}; open it "
             "first (store = batchweave.open_store(url)) and pass the store"
         )
+
+
+def check_key_name(name: str, value: str) -> None:
+    """Refuse a ``namespace`` or ``producer_id`` that cannot be part of an object key.
+
+    :class:`InvalidKey` naming the parameter: the store's own message names only the key, which
+    a caller never wrote (``object key 'a\\tb' contains ...`` for ``namespace="a\\tb"``).
+    """
+    try:
+        validate_key(value)
+    except InvalidKey as exc:
+        raise InvalidKey(f"{name} {value!r} cannot be used in object keys: {exc}") from exc
 
 
 def as_int(name: str, value: object) -> int:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NoReturn
 
-from batchweave._checks import as_int, check_at_least
+from batchweave._checks import as_int, check_at_least, check_key_name
 from batchweave._errors import (
     AmbiguousWriteError,
     FormatError,
@@ -69,7 +69,7 @@ from batchweave._manifest._models import (
 from batchweave._mesh import Mesh
 from batchweave._outage import OutageLog
 from batchweave._policy import AttemptOutcome, CommitPolicy, make_policy
-from batchweave._store._base import ObjectStore, PutMode, validate_key
+from batchweave._store._base import ObjectStore, PutMode
 from batchweave._store._wrappers import StoreWrapper
 from batchweave._unchecked import unchecked
 from batchweave._watermarks import Watermarks
@@ -266,7 +266,7 @@ class Producer:
     ) -> None:
         if "/" in producer_id:
             raise ValueError(f"producer_id {producer_id!r} must not contain '/'")
-        validate_key(producer_id)
+        check_key_name("producer_id", producer_id)
         if max_lag is not None and max_lag < 0:
             raise ValueError(f"max_lag must be >= 0 or None, got {max_lag}")
         check_at_least(1, upload_threads=upload_threads, max_inflight_bytes=max_inflight_bytes)

@@ -23,7 +23,7 @@ from typing import Final
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from batchweave._checks import as_int, check_store
+from batchweave._checks import as_int, check_key_name, check_store
 from batchweave._errors import (
     FormatError,
     NamespaceNotFound,
@@ -32,7 +32,7 @@ from batchweave._errors import (
 )
 from batchweave._manifest._codec import decode_object, encode_object
 from batchweave._manifest._log import ManifestLog
-from batchweave._store._base import ObjectStore, validate_key
+from batchweave._store._base import ObjectStore
 
 __all__ = [
     "WATERMARKS_DIR",
@@ -111,7 +111,7 @@ class Watermarks:
         check_store(store)
         if namespace.endswith("/"):
             raise ValueError(f"namespace {namespace!r} must not end with '/'")
-        validate_key(namespace)
+        check_key_name("namespace", namespace)
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if scope is not None:

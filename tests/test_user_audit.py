@@ -8,6 +8,7 @@ from a mistyped path.
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -354,3 +355,34 @@ def _committed_steps(store_dir: Path) -> int:
         return 0
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (
+            lambda s: bw.Producer(s, "ns", producer_id="prep\t3", mesh=bw.Mesh(dp=1)),
+            "producer_id 'prep\\t3' cannot be used in object keys: ",
+        ),
+        (
+            lambda s: bw.Producer(s, "job//42", producer_id="p", mesh=bw.Mesh(dp=1)),
+            "namespace 'job//42' cannot be used in object keys: ",
+        ),
+        (
+            lambda s: bw.Consumer(s, "", mesh=bw.Mesh(dp=1), dp_rank=0),
+            "namespace '' cannot be used in object keys: ",
+        ),
+        (
+            lambda s: bw.Watermarks(s, "../up"),
+            "namespace '../up' cannot be used in object keys: ",
+        ),
+    ],
+)
+def test_a_bad_namespace_or_producer_id_is_named_as_such(
+    make: Callable[[bw.ObjectStore], object], needle: str
+) -> None:
+    # The store's own message names only the object key, which the caller never wrote.
+    store = bw.MemoryStore()
+    with pytest.raises(bw.InvalidKey, match="^" + re.escape(needle)):
+        make(store)
+    assert list(store.list("")) == []  # refused before anything was written

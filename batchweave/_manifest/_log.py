@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from batchweave._checks import check_store
+from batchweave._checks import check_key_name, check_store
 from batchweave._errors import (
     AmbiguousWriteError,
     FormatError,
@@ -42,7 +42,7 @@ from batchweave._manifest._segments import (
     swap_in,
 )
 from batchweave._mesh import Mesh
-from batchweave._store._base import ObjectStore, validate_key
+from batchweave._store._base import ObjectStore
 
 __all__ = [
     "MANIFESTS_DIR",
@@ -229,7 +229,7 @@ class ManifestLog:
         check_store(store)  # every reader and writer of a namespace starts here
         if namespace.endswith("/"):
             raise ValueError(f"namespace {namespace!r} must not end with '/'")
-        validate_key(namespace)
+        check_key_name("namespace", namespace)
         if tail_limit < 1:
             raise ValueError(f"tail_limit must be >= 1, got {tail_limit}")
         if tail_bytes_limit is not None and tail_bytes_limit < 1:
