@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from batchweave._checks import as_int
+
 __all__ = ["Mesh"]
 
 
@@ -27,6 +29,8 @@ class Mesh(BaseModel):
 
     def slice_index(self, dp_rank: int, cp_rank: int) -> int:
         """Position of slice ``(dp_rank, cp_rank)`` in a TGB's slice list."""
+        if type(dp_rank) is not int or type(cp_rank) is not int:
+            dp_rank, cp_rank = as_int("dp_rank", dp_rank), as_int("cp_rank", cp_rank)
         if not (0 <= dp_rank < self.dp and 0 <= cp_rank < self.cp):
             raise ValueError(
                 f"slice ({dp_rank}, {cp_rank}) is outside mesh dp={self.dp}, cp={self.cp}"

@@ -46,7 +46,7 @@ from prometheus_client.registry import Collector
 
 from batchweave._consumer import Consumer
 from batchweave._lifecycle import Reclaimer, ReclaimReport
-from batchweave._policy import AttemptOutcome, CommitPolicy, PolicyWrapper, make_policy
+from batchweave._policy import AttemptOutcome, CommitPolicy, PolicyWrapper, resolve_policy
 from batchweave._producer import Producer
 
 __all__ = [
@@ -361,7 +361,7 @@ def instrument_policy(
 
     Pass the result as ``Producer(..., policy=instrument_policy("dac"))``.
     """
-    inner = make_policy(policy, **options) if isinstance(policy, str) else policy
+    inner = resolve_policy(policy, **options)
     return InstrumentedPolicy(inner, registry=registry)
 
 

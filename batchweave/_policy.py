@@ -38,6 +38,7 @@ __all__ = [
     "duty",
     "make_policy",
     "policy_names",
+    "resolve_policy",
 ]
 
 DEFAULT_CONFLICT_BUDGET = 0.1
@@ -110,9 +111,18 @@ class AttemptOutcome:
 
 
 class CommitPolicy(abc.ABC):
-    """Decides when the commit loop starts an attempt."""
+    """Decides when the commit loop starts an attempt.
+
+    Subclass it for a custom policy: implement :meth:`ready` and :meth:`record`; ``name`` (the
+    label metrics show) defaults to the class name.
+    """
 
     name: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not hasattr(cls, "name"):
+            cls.name = cls.__name__
 
     @abc.abstractmethod
     def ready(self, pending: int, since_last_attempt: float) -> bool:
@@ -272,6 +282,33 @@ def make_policy(name: str, **options: Any) -> CommitPolicy:
         raise ValueError(
             f"bad options {sorted(options)} for commit policy {name!r}: {exc}"
         ) from exc
+
+
+def resolve_policy(policy: str | CommitPolicy, **options: Any) -> CommitPolicy:
+    """``policy`` as a :class:`CommitPolicy`: a name is built by :func:`make_policy`.
+
+    Anything else is refused here, when a producer is configured, rather than by its commit
+    thread after the first upload.
+    """
+    if isinstance(policy, str):
+        return make_policy(policy, **options)
+    if options:
+        raise ValueError(
+            f"policy options {sorted(options)} apply to a policy name; this policy instance "
+            f"({policy!r}) is already built"
+        )
+    if isinstance(policy, CommitPolicy):
+        return policy
+    if isinstance(policy, type) and issubclass(policy, CommitPolicy):
+        raise TypeError(
+            f"policy must be a CommitPolicy instance, got the class {policy.__name__}; "
+            f"instantiate it (policy={policy.__name__}(...)) or pass a name "
+            f"({', '.join(policy_names())})"
+        )
+    raise TypeError(
+        f"policy must be a commit policy name ({', '.join(policy_names())}) or a CommitPolicy "
+        f"instance, got the {type(policy).__name__} {policy!r:.100}"
+    )
 
 
 # --- DAC model -------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
@@ -50,7 +50,13 @@ from batchweave._format._checksum import (
     checksum,
 )
 from batchweave._format._codecs import check_compression, get_codec
-from batchweave._format._tgb import EncodedTgb, TgbBuilder, encode_tgb
+from batchweave._format._tgb import (
+    EncodedTgb,
+    TgbBuilder,
+    check_encoded,
+    encode_tgb,
+    payload_list,
+)
 from batchweave._manifest._log import (
     DEFAULT_TAIL_BYTES_LIMIT,
     DEFAULT_TAIL_LIMIT,
@@ -68,7 +74,7 @@ from batchweave._manifest._models import (
 )
 from batchweave._mesh import Mesh
 from batchweave._outage import OutageLog
-from batchweave._policy import AttemptOutcome, CommitPolicy, make_policy
+from batchweave._policy import AttemptOutcome, CommitPolicy, resolve_policy
 from batchweave._store._base import ObjectStore, PutMode
 from batchweave._store._wrappers import StoreWrapper
 from batchweave._unchecked import unchecked
@@ -264,12 +270,30 @@ class Producer:
         tail_bytes_limit: int | None = DEFAULT_TAIL_BYTES_LIMIT,
         slice_table_limit: int = DEFAULT_SLICE_TABLE_LIMIT,
     ) -> None:
+        # Every argument is checked before the namespace is created or the epoch committed.
+        for name, value in (("namespace", namespace), ("producer_id", producer_id)):
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got the {type(value).__name__} {value!r}")
+        if not isinstance(mesh, Mesh):
+            raise TypeError(
+                f"mesh must be a batchweave.Mesh, got the {type(mesh).__name__} {mesh!r}; "
+                "e.g. mesh=batchweave.Mesh(dp=8, cp=2)"
+            )
         if "/" in producer_id:
             raise ValueError(f"producer_id {producer_id!r} must not contain '/'")
         check_key_name("producer_id", producer_id)
         if max_lag is not None and max_lag < 0:
             raise ValueError(f"max_lag must be >= 0 or None, got {max_lag}")
         check_at_least(1, upload_threads=upload_threads, max_inflight_bytes=max_inflight_bytes)
+        check_at_least(0, max_retries=max_retries, slice_table_limit=slice_table_limit)
+        for name, seconds in (
+            ("refresh_age", refresh_age),
+            ("active_horizon", active_horizon),
+            ("lag_log_interval", lag_log_interval),
+        ):
+            if not seconds >= 0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {seconds!r}")
+        resolved_policy = resolve_policy(policy)
         if checksum_algo not in CHECKSUM_ALGOS:
             raise ValueError(
                 f"producer {producer_id!r}: unknown checksum_algo {checksum_algo!r}; expected "
@@ -285,7 +309,7 @@ class Producer:
         self._namespace = namespace
         self._producer_id = producer_id
         self._mesh = mesh
-        self._policy = make_policy(policy) if isinstance(policy, str) else policy
+        self._policy = resolved_policy
         self._max_lag = max_lag
         self._codec = codec
         self._compression = compression
@@ -412,10 +436,10 @@ class Producer:
 
     def append(
         self,
-        slices: Sequence[Any] | EncodedTgb | TgbBuilder,
+        slices: Iterable[Any] | EncodedTgb | TgbBuilder,
         *,
         offset: int,
-        sample_counts: Sequence[int | None] | None = None,
+        sample_counts: Iterable[int | None] | None = None,
         metadata: Mapping[str, str] | None = None,
     ) -> None:
         """Encode and upload one TGB for source ``offset``; it is committed in the background.
@@ -704,13 +728,17 @@ class Producer:
 
     def _encode(
         self,
-        slices: Sequence[Any] | EncodedTgb | TgbBuilder,
+        slices: Iterable[Any] | EncodedTgb | TgbBuilder,
         offset: int,
-        sample_counts: Sequence[int | None] | None,
+        sample_counts: Iterable[int | None] | None,
         metadata: Mapping[str, str] | None,
     ) -> EncodedTgb:
         if isinstance(slices, TgbBuilder):
             slices = slices.build()
+        elif isinstance(slices, EncodedTgb):
+            # Built elsewhere: its footer object (which the manifest records) must be the one
+            # its bytes hold, or the committed step would be unreadable.
+            check_encoded(slices, what=f"TGB for offset {offset}")
         if isinstance(slices, EncodedTgb):
             if sample_counts is not None or metadata is not None:
                 raise ValueError(
@@ -723,6 +751,7 @@ class Producer:
                     f"namespace {self._namespace!r} has mesh {self._mesh}"
                 )
             return slices
+        slices = payload_list(slices, self._mesh)
         if len(slices) != self._mesh.slices:
             raise ValueError(
                 f"producer {self._producer_id!r}: offset {offset} got {len(slices)} slices; mesh "

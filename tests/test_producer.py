@@ -960,8 +960,9 @@ def test_a_tgb_built_by_the_caller_is_still_validated_before_commit() -> None:
         footer_length=enc.footer_length,
     )
     p = make(store)
-    p.append(bogus, offset=0)
-    with pytest.raises(ProducerError, match="unknown codec 'bogus'"):
-        p.flush()
+    # Refused before its upload: the footer it carries is not the one its bytes hold.
+    with pytest.raises(bw.FormatError, match="not the one stored in its bytes"):
+        p.append(bogus, offset=0)
     p.abort()
     assert committed_offsets(store, "p0") == []
+    assert not [m for m in store.list("") if "/data/" in m.key]

@@ -67,8 +67,12 @@ class Codec:
 
 
 def _raw_encode(value: Any) -> Buffer:
-    if isinstance(value, bytes | bytearray | memoryview):
+    if isinstance(value, bytes | bytearray):
         return value
+    if isinstance(value, memoryview):
+        # A strided or Fortran-ordered view is no single run of bytes: store what
+        # ``bytes(view)`` gives (its elements in C order), which is what a reader gets back.
+        return value if value.c_contiguous else value.tobytes()
     raise TypeError(
         f"codec 'raw' stores bytes, bytearray or memoryview, got {type(value).__name__}; "
         "use codec 'arrow' or 'tensors' for structured data"
@@ -179,6 +183,13 @@ def _tensors_encode(value: Any) -> Buffer:
             raise TypeError(
                 f"codec 'tensors': tensor {name!r} is a {type(raw).__name__}, not a "
                 "numpy.ndarray; convert it first (np.asarray(x), or tensor.numpy() for torch)"
+            )
+        if isinstance(raw, np.ma.MaskedArray):
+            # np.asarray would keep the values under the mask and silently drop the mask.
+            raise TypeError(
+                f"codec 'tensors': tensor {name!r} is a masked array, whose mask would be lost; "
+                f"store the mask as its own tensor ({{{name!r}: arr.data, "
+                f"{name + '_mask'!r}: np.ma.getmaskarray(arr)}}) or fill it (arr.filled(...))"
             )
         dtype_name = _dtype_name(name, raw)
         arr = np.asarray(raw, dtype=TENSOR_DTYPES[dtype_name], order="C")

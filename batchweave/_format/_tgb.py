@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple, Protocol
 
@@ -62,11 +62,13 @@ __all__ = [
     "TgbBuilder",
     "SliceLayout",
     "TgbFooter",
+    "check_encoded",
     "decode_entry",
     "decode_slice",
     "encode_tgb",
     "parse_footer",
     "parse_footer_exact",
+    "payload_list",
     "read_footer",
     "read_slice",
     "slice_range",
@@ -201,6 +203,25 @@ class EncodedTgb:
     footer_offset: int
     footer_length: int
 
+    def __post_init__(self) -> None:
+        # One built by hand is published as it is: parts that disagree with the footer would
+        # commit a step no consumer can read.
+        expected = self.footer.payload_length + self.footer_length + TRAILER_SIZE
+        if self.footer_offset != self.footer.payload_length or self.size != expected:
+            raise ValueError(
+                f"inconsistent EncodedTgb: its parts hold {self.size} bytes and footer_offset is "
+                f"{self.footer_offset}, but its footer describes {self.footer.payload_length} "
+                f"payload bytes, then a {self.footer_length}-byte footer and the "
+                f"{TRAILER_SIZE}-byte trailer ({expected} bytes); build TGBs with encode_tgb or "
+                "TgbBuilder and pass them on unchanged"
+            )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Parts may be views of the caller's ``bytes``, which cannot be pickled: a TGB built in
+        # a worker process must still reach the producer's process.
+        parts = tuple(bytes(p) if isinstance(p, memoryview) else p for p in self.parts)
+        return (EncodedTgb, (parts, self.footer, self.footer_offset, self.footer_length))
+
     @functools.cached_property
     def data(self) -> bytes:
         """The whole object as one ``bytes`` (joined on first use, then kept)."""
@@ -224,7 +245,8 @@ class EncodedTgb:
 
 
 class _StoredSlice(NamedTuple):
-    data: Buffer
+    data: bytes | memoryview
+    """Immutable: copied when the slice was set if the caller could still change it."""
     length: int
     """Stored bytes: ``len(data)`` in bytes, whatever the buffer's item size."""
     uncompressed_length: int
@@ -255,6 +277,15 @@ class TgbBuilder:
         for k, v in meta.items():
             if not isinstance(k, str) or not isinstance(v, str):
                 raise TypeError(f"TGB metadata must map str to str, got {k!r}: {v!r}")
+            try:
+                k.encode()
+                v.encode()
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"TGB metadata {k!r}: {v!r:.100} is not valid Unicode ({exc}); the footer is "
+                    "UTF-8 JSON, so remove lone surrogates (e.g. decode bytes with errors="
+                    "'replace')"
+                ) from None
         self.mesh = mesh
         self.codec = codec
         self.compression = compression
@@ -280,14 +311,17 @@ class TgbBuilder:
             raise TypeError(f"slice ({d}, {c}): {exc}") from exc
         if sample_count is None:
             sample_count = self._codec.sample_count(payload)
-        elif sample_count < 0:
+        elif isinstance(sample_count, int | float) and sample_count < 0:
             raise ValueError(f"sample_count must be >= 0, got {sample_count}")
-        raw_length = len(memoryview(encoded).cast("B"))
+        raw_length = memoryview(encoded).nbytes
+        stored: bytes | memoryview
         if self.compression is None:
-            stored, length = encoded, raw_length
+            # Copied now, not at build(): the checksum must cover exactly the bytes laid out,
+            # and a caller filling a builder may reuse its buffer for the next slice.
+            stored, length = _immutable(encoded), raw_length
         else:
             stored = compress(encoded, self.compression)
-            length = len(memoryview(stored).cast("B"))
+            length = len(stored)
         self._slices[index] = _StoredSlice(
             data=stored,
             length=length,
@@ -329,7 +363,7 @@ class TgbBuilder:
                 f"{MAX_FOOTER_LENGTH}-byte limit; use a smaller mesh or less metadata"
             )
         trailer = _pack_trailer(footer_bytes, version, self.checksum_algo)
-        parts = (*(_immutable(s.data) for s in stored), footer_bytes, trailer)
+        parts = (*(s.data for s in stored), footer_bytes, trailer)
         return EncodedTgb(
             parts=parts, footer=footer, footer_offset=offset, footer_length=len(footer_bytes)
         )
@@ -369,14 +403,44 @@ def _immutable(data: Buffer) -> bytes | memoryview:
     return bytes(memoryview(data).cast("B"))
 
 
+def payload_list(slices: Iterable[Any], mesh: Mesh) -> Sequence[Any]:
+    """``slices`` as a sequence in ``(d, c)`` order: lists and tuples as they are, iterators
+    (a generator) read into a list; ``TypeError`` for one payload or an unordered collection.
+    """
+    return _ordered(
+        slices, "slices", f"dp*cp = {mesh.slices} payloads in (d, c) order for mesh ({mesh})"
+    )
+
+
+def _ordered(values: Iterable[Any], name: str, what: str) -> Sequence[Any]:
+    if isinstance(values, str | bytes | bytearray | memoryview | Mapping):
+        raise TypeError(
+            f"{name} must be a list of {what}, got one {type(values).__name__}; wrap a single "
+            "payload in a list"
+        )
+    if isinstance(values, Sequence):
+        return values
+    if isinstance(values, Set):
+        raise TypeError(
+            f"{name} must be a list of {what}, got a {type(values).__name__}, which has no "
+            "order; pass a list"
+        )
+    try:
+        return list(values)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a list of {what}, got the {type(values).__name__} {values!r:.100}"
+        ) from None
+
+
 def encode_tgb(
-    slices: Sequence[Any],
+    slices: Iterable[Any],
     mesh: Mesh,
     *,
     codec: str = "raw",
     compression: str | None = None,
     checksum_algo: ChecksumAlgo = DEFAULT_CHECKSUM_ALGO,
-    sample_counts: Sequence[int | None] | None = None,
+    sample_counts: Iterable[int | None] | None = None,
     metadata: Mapping[str, str] | None = None,
 ) -> EncodedTgb:
     """Encode ``mesh.slices`` payloads, given in ``(d, c)`` order, into one TGB object.
@@ -386,11 +450,9 @@ def encode_tgb(
     the footer; ``"xxh3"`` objects are written as format 2, which needs a reader of BatchWeave
     with xxh3 support (``docs/format.md``).
     """
-    if isinstance(slices, str | bytes | bytearray | memoryview | Mapping):
-        raise TypeError(
-            f"slices must be a list of dp*cp = {mesh.slices} payloads in (d, c) order for mesh "
-            f"({mesh}), got one {type(slices).__name__}; wrap a single payload in a list"
-        )
+    slices = payload_list(slices, mesh)
+    if sample_counts is not None:
+        sample_counts = _ordered(sample_counts, "sample_counts", "one count (or None) per slice")
     if len(slices) != mesh.slices:
         raise ValueError(
             f"a TGB for mesh {mesh} needs {mesh.slices} slices in (d, c) order, got {len(slices)}"
@@ -721,6 +783,27 @@ def read_footer(
             f"{footer.payload_length + want}: truncated or damaged"
         )
     return footer
+
+
+def check_encoded(tgb: EncodedTgb, *, what: str) -> None:
+    """Raise ``FormatError`` unless ``tgb.footer`` is exactly the footer its bytes hold.
+
+    For a TGB built elsewhere and passed on (possibly reassembled by hand): the manifest
+    records the ``footer`` object (slice table, checksums), readers verify the bytes, and a
+    disagreement would commit a step no consumer can read. ``what`` names the TGB in errors.
+    """
+    parts = tgb.parts
+    if len(parts) >= 2 and len(parts[-1]) == TRAILER_SIZE and len(parts[-2]) == tgb.footer_length:
+        tail: bytes | memoryview = bytes(parts[-2]) + bytes(parts[-1])
+    else:
+        tail = memoryview(tgb.data)[tgb.footer_offset :]
+    parsed = parse_footer(tail, key=what)
+    if parsed != tgb.footer:
+        raise FormatError(
+            f"{what}: its footer is not the one stored in its bytes (a footer of another TGB, "
+            "or one changed after encoding); pass the EncodedTgb that encode_tgb / "
+            "TgbBuilder.build returned, unchanged"
+        )
 
 
 # --------------------------------------------------------------------------------------------
