@@ -17,7 +17,7 @@ import contextlib
 import json
 import os
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -133,11 +133,12 @@ def iter_membership(
     manifest: Manifest | None = None,
     start: int | None = None,
     stop: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[MembershipRow]:
     """Rows for steps ``start .. stop - 1`` (default: every readable step), in step order.
 
     Costs one footer range read per TGB object (slices are not read). ``manifest`` defaults to
-    the namespace's newest version.
+    the namespace's newest version. ``progress(done, total)`` is called as steps are read.
     """
     log = ManifestLog(store, namespace)
     if manifest is None:
@@ -145,7 +146,8 @@ def iter_membership(
     first = manifest.base_step if start is None else max(start, manifest.base_step)
     last = manifest.next_step if stop is None else min(stop, manifest.next_step)
     cp = manifest.mesh.cp
-    for step, desc in log.descriptors(manifest, first, last):
+    total = max(0, last - first)
+    for done, (step, desc) in enumerate(log.descriptors(manifest, first, last), 1):
         for ref in desc.objects:
             key = log.key(ref.key)
             footer = read_object_footer(store, key, ref)
@@ -164,6 +166,8 @@ def iter_membership(
                     samples=entry.sample_count,
                     sample_ids=None if ids is None else ids[j],
                 )
+        if progress is not None:
+            progress(done, total)
 
 
 MEMBERSHIP_SCHEMA = pa.schema(
@@ -190,6 +194,7 @@ def membership_batches(
     start: int | None = None,
     stop: int | None = None,
     batch_rows: int = 8192,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """:func:`iter_membership` as Arrow record batches of at most ``batch_rows`` rows."""
     names = MEMBERSHIP_SCHEMA.names
@@ -203,7 +208,7 @@ def membership_batches(
         buffer.clear()
         return pa.RecordBatch.from_pydict(columns, schema=MEMBERSHIP_SCHEMA)
 
-    for row in iter_membership(store, namespace, start=start, stop=stop):
+    for row in iter_membership(store, namespace, start=start, stop=stop, progress=progress):
         buffer.append(row)
         if len(buffer) >= batch_rows:
             yield flush()
@@ -218,18 +223,23 @@ def write_parquet(
     *,
     start: int | None = None,
     stop: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> int:
     """Write the membership history to the Parquet file ``path``; return the row count.
 
     The file appears only complete: rows go to a temporary file next to ``path``, renamed over
     it at the end. An export that fails midway (a damaged object, a store error) leaves no
-    truncated file that would pass for the whole history.
+    truncated file that would pass for the whole history. ``progress(done, total)`` is called
+    as steps are read.
     """
     rows = 0
     partial = f"{path}.partial-{uuid.uuid4().hex[:8]}"
     try:
         with pq.ParquetWriter(partial, MEMBERSHIP_SCHEMA) as writer:
-            for batch in membership_batches(store, namespace, start=start, stop=stop):
+            batches = membership_batches(
+                store, namespace, start=start, stop=stop, progress=progress
+            )
+            for batch in batches:
                 writer.write_batch(batch)
                 rows += batch.num_rows
         os.replace(partial, path)

@@ -17,7 +17,7 @@ every step into a Lance dataset. Requires ``pylance`` (``pip install batchweave[
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import lance
 import numpy as np
 import pyarrow as pa
 
+from batchweave._checks import as_int
 from batchweave._history import MEMBERSHIP_SCHEMA, membership_batches
 from batchweave._store._base import ObjectStore
 
@@ -59,13 +60,33 @@ class LanceSource:
         version: int | None = None,
         storage_options: dict[str, str] | None = None,
     ) -> None:
+        # Checked here: a bad value would otherwise fail at the first take(), after the
+        # producer fed by this source has started.
+        rows_per_batch, seed = as_int("rows_per_batch", rows_per_batch), as_int("seed", seed)
+        shard, num_shards = as_int("shard", shard), as_int("num_shards", num_shards)
+        if epochs is not None:
+            epochs = as_int("epochs", epochs)
         if rows_per_batch < 1:
             raise ValueError(f"rows_per_batch must be >= 1, got {rows_per_batch}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
         if not 0 <= shard < num_shards:
             raise ValueError(f"need 0 <= shard < num_shards, got shard {shard} of {num_shards}")
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs must be >= 1 or None, got {epochs}")
+        if columns is not None and (isinstance(columns, str) or not columns):
+            raise ValueError(
+                f"columns must be a non-empty list of column names (None reads all), got "
+                f"{columns!r}"
+            )
         if isinstance(dataset, lance.LanceDataset):
+            if version is not None and version != dataset.version:
+                # Silently reading another version would map offsets to other rows on resume.
+                raise ValueError(
+                    f"dataset {dataset.uri!r} is open at version {dataset.version}, not the "
+                    f"version={version} asked for; pass its path with version={version}, or "
+                    f"dataset.checkout_version({version})"
+                )
             self.dataset = dataset
         else:
             self.dataset = lance.dataset(
@@ -78,6 +99,16 @@ class LanceSource:
         self.shuffle = shuffle
         self.epochs = epochs
         self.columns = None if columns is None else list(columns)
+        if self.columns is not None:
+            try:
+                # Lance resolves the names without reading data; an unknown one passed to
+                # take() panics in Rust instead of raising.
+                self.dataset.scanner(columns=self.columns, limit=0).projected_schema  # noqa: B018
+            except (ValueError, OSError) as exc:
+                raise ValueError(
+                    f"columns {self.columns} of dataset {self.dataset.uri!r}: {exc}; the "
+                    f"dataset has columns {self.dataset.schema.names}"
+                ) from None
         self._rows = np.arange(shard, self.dataset.count_rows(), num_shards, dtype=np.int64)
         if len(self._rows) == 0:
             raise ValueError(
@@ -116,6 +147,7 @@ class LanceSource:
 
     def indices(self, offset: int) -> np.ndarray:
         """Row positions of batch ``offset`` (``IndexError`` past the last batch)."""
+        offset = as_int("offset", offset)
         if offset < 0:
             raise IndexError(f"batch offset must be >= 0, got {offset}")
         total = self.num_batches
@@ -160,12 +192,14 @@ def export_history(
     stop: int | None = None,
     mode: str = "create",
     storage_options: dict[str, str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> int:
     """Write the namespace's batch membership history to the Lance dataset ``uri``.
 
     One row per ``(step, dp, cp)`` with the producer, epoch, offset, object key, slice bytes,
     sample count and sample ids (see :mod:`batchweave._history`); ``mode`` is Lance's
     (``create``, ``overwrite``, ``append``). Returns the number of rows written.
+    ``progress(done, total)`` is called as steps are read.
     """
     counted = 0
     failure: list[BaseException] = []
@@ -173,7 +207,10 @@ def export_history(
     def batches() -> Iterator[pa.RecordBatch]:
         nonlocal counted
         try:
-            for batch in membership_batches(store, namespace, start=start, stop=stop):
+            batches = membership_batches(
+                store, namespace, start=start, stop=stop, progress=progress
+            )
+            for batch in batches:
                 counted += batch.num_rows
                 yield batch
         except BaseException as exc:

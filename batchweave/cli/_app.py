@@ -1,19 +1,19 @@
 """The click application: one command per operator task (see ``docs/cli.md``).
 
 Exit status: 0 success; 1 a check failed (``verify``, ``demo``); 2 the command could not run
-(bad URL or option, missing namespace, store unreachable, ...), reported as one line on stderr.
-``BATCHWEAVE_DEBUG=1`` shows tracebacks instead.
+(bad URL or option, missing namespace, store unreachable, ...), reported as one line on stderr;
+130 interrupted (Ctrl-C). ``BATCHWEAVE_DEBUG=1`` shows tracebacks instead.
 """
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import click
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from batchweave._errors import BatchWeaveError
@@ -25,12 +25,13 @@ from batchweave._store._base import ObjectStore
 from batchweave.cli._common import (
     CliFailure,
     debug_enabled,
+    deferred_interrupt,
     echo_json,
-    err_console,
     one_line,
     open_cli_store,
     out_console,
     parse_duration,
+    progress_bar,
     store_options,
     validate_namespace,
 )
@@ -49,14 +50,22 @@ __all__ = ["cli", "main"]
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+"""Ctrl-C: 128 + SIGINT, as shells report it; never 1, which means a check failed."""
 
 
 class _Group(click.Group):
-    """Turns expected errors into one line on stderr and exit status 2."""
+    """Turns expected errors into one line on stderr and exit status 2, Ctrl-C into 130."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            if debug_enabled():
+                raise
+            # Every command is safe to repeat: commits are atomic, exports appear only whole.
+            click.echo("batchweave: interrupted; the command is safe to run again", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
         except (BatchWeaveError, CliFailure, OSError, ValueError) as exc:
             if debug_enabled() or isinstance(exc, click.ClickException):
                 raise
@@ -120,23 +129,9 @@ def verify(
     """
     namespace = validate_namespace(namespace)
     st = _open(store, options, writes=False)
-    console = err_console()
-    with Progress(
-        TextColumn("verifying"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=as_json or not console.is_terminal,
-    ) as progress:
-        task = progress.add_task("verify", total=None)
+    with progress_bar("verifying", quiet=as_json) as progress:
         report = verify_namespace(
-            st,
-            namespace,
-            read_slices=not footers_only,
-            workers=workers,
-            progress=lambda done, total: progress.update(task, completed=done, total=total),
+            st, namespace, read_slices=not footers_only, workers=workers, progress=progress
         )
     if as_json:
         echo_json({"ok": report.ok, **asdict(report)})
@@ -329,10 +324,15 @@ def export(
         fmt = "parquet" if destination.suffix == ".parquet" else "lance"
     if destination.exists() and not overwrite:
         raise CliFailure(f"{destination} exists; pass --overwrite to replace it")
+    if not destination.parent.is_dir():
+        raise CliFailure(f"directory {destination.parent} does not exist; create it first")
     st = _open(store, options, writes=False)
     ManifestLog(st, namespace).latest()
     if fmt == "parquet":
-        rows = write_parquet(st, namespace, str(destination), start=start, stop=stop)
+        with progress_bar("exporting") as progress:
+            rows = write_parquet(
+                st, namespace, str(destination), start=start, stop=stop, progress=progress
+            )
     else:
         try:
             from batchweave.lance import export_history
@@ -341,14 +341,29 @@ def export(
                 f"exporting to Lance needs pylance ({exc}); pip install 'batchweave[lance]' "
                 "or use --format parquet"
             ) from exc
-        rows = export_history(
-            st,
-            namespace,
-            destination,
-            start=start,
-            stop=stop,
-            mode="overwrite" if overwrite else "create",
-        )
+        created = not destination.exists()
+        try:
+            with progress_bar("exporting") as progress, deferred_interrupt() as check:
+
+                def step_done(done: int, total: int) -> None:
+                    check()  # on Lance's thread: Ctrl-C stops the write from inside
+                    progress(done, total)
+
+                rows = export_history(
+                    st,
+                    namespace,
+                    destination,
+                    start=start,
+                    stop=stop,
+                    mode="overwrite" if overwrite else "create",
+                    progress=step_done,
+                )
+        except BaseException:
+            # Lance creates the dataset directory before its first commit: a failed or
+            # interrupted export would leave one that a re-run refuses as "exists".
+            if created:
+                shutil.rmtree(destination, ignore_errors=True)
+            raise
     click.echo(f"exported {rows} rows ({fmt}) to {destination}")
 
 

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import click
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from batchweave._errors import BatchWeaveError, InvalidStoreURL
 from batchweave._store._base import ObjectStore, validate_key
@@ -21,12 +25,14 @@ __all__ = [
     "DEBUG_ENV",
     "CliFailure",
     "debug_enabled",
+    "deferred_interrupt",
     "echo_json",
     "err_console",
     "one_line",
     "open_cli_store",
     "out_console",
     "parse_duration",
+    "progress_bar",
     "store_options",
     "store_url",
     "validate_namespace",
@@ -68,6 +74,58 @@ def out_console() -> Console:
 def err_console() -> Console:
     """The console for progress and diagnostics (stderr)."""
     return Console(stderr=True, highlight=False)
+
+
+@contextmanager
+def progress_bar(label: str, *, quiet: bool = False) -> Iterator[Callable[[int, int], None]]:
+    """A ``progress(done, total)`` callback drawing a bar on stderr while the block runs.
+
+    Drawn only when stderr is a terminal and not ``quiet`` (``--json``), so logs and pipes get
+    nothing; the bar disappears when the block ends.
+    """
+    console = err_console()
+    with Progress(
+        TextColumn(label),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=quiet or not console.is_terminal,
+    ) as progress:
+        task = progress.add_task(label, total=None)
+        yield lambda done, total: progress.update(task, completed=done, total=total)
+
+
+@contextmanager
+def deferred_interrupt() -> Iterator[Callable[[], None]]:
+    """Turn Ctrl-C into a flag that the yielded ``check()`` raises as ``KeyboardInterrupt``.
+
+    For work that runs on a thread the interpreter cannot interrupt: Lance pulls the exported
+    rows from a thread of its own, and a ``KeyboardInterrupt`` raised in the main thread leaves
+    that thread running into interpreter shutdown, which aborts the process ("Fatal Python
+    error"). Calling ``check()`` from the row generator stops the write from inside instead.
+    A second Ctrl-C interrupts at once. Outside the main thread ``check()`` does nothing.
+    """
+    pressed = threading.Event()
+
+    def check() -> None:
+        if pressed.is_set():
+            raise KeyboardInterrupt
+
+    def on_sigint(signum: int, frame: object) -> None:
+        if pressed.is_set():
+            raise KeyboardInterrupt
+        pressed.set()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield check
+        return
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def one_line(exc: BaseException) -> str:

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from batchweave._errors import FormatError
+from batchweave._errors import FormatError, ObjectNotFound
 from batchweave._manifest._log import ManifestLog
 from batchweave._store._base import ObjectStore
 from batchweave._watermarks import Watermarks
@@ -62,9 +62,18 @@ def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
     versions = list(log.versions())
     steps: Counter[str] = Counter()
     tgb_bytes = 0
-    for _, desc in log.descriptors(manifest, manifest.base_step, manifest.next_step):
-        steps[desc.producer_id] += 1
-        tgb_bytes += desc.bytes
+    steps_error: str | None = None
+    try:
+        for _, desc in log.descriptors(manifest, manifest.base_step, manifest.next_step):
+            steps[desc.producer_id] += 1
+            tgb_bytes += desc.bytes
+    except (FormatError, ObjectNotFound) as exc:
+        # Show the rest of the namespace: a damaged namespace is when the operator needs it.
+        steps.clear()
+        steps_error = (
+            f"a segment of manifest version {manifest.version} cannot be read ({exc}); live "
+            "steps per producer are unknown and consumers stop there: run `batchweave verify`"
+        )
     now = time.time()
     producers = [
         {
@@ -74,7 +83,7 @@ def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
             "last_version": state.last_version,
             "last_commit_at": _iso(state.last_commit_at),
             "idle_seconds": round(now - state.last_commit_at, 1) if state.last_commit_at else None,
-            "live_steps": steps.get(pid, 0),
+            "live_steps": None if steps_error else steps.get(pid, 0),
             "retired": False,
         }
         for pid, state in sorted(manifest.producers.items())
@@ -116,7 +125,8 @@ def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
         "segments": len(manifest.segments),
         "tail": len(manifest.tail),
         "sealed": manifest.sealed,
-        "live_tgb_bytes": tgb_bytes,
+        "live_tgb_bytes": None if steps_error else tgb_bytes,
+        "steps_error": steps_error,
         "producers": producers,
         "watermarks": [
             {
@@ -230,7 +240,7 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
             "-" if p["committed_offset"] is None else str(p["committed_offset"]),
             str(p["last_version"]),
             (p["last_commit_at"] or "-") + _skew_note(p["idle_seconds"]),
-            str(p["live_steps"]),
+            "?" if p["live_steps"] is None else str(p["live_steps"]),
         )
     if hidden:
         producers.add_row(
@@ -239,9 +249,11 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
             "",
             "",
             "",
-            str(sum(p["live_steps"] for p in hidden)),
+            "?" if data.get("steps_error") else str(sum(p["live_steps"] for p in hidden)),
         )
     console.print(producers)
+    if data.get("steps_error"):
+        console.print(f"[red]problem[/red]: {escape(data['steps_error'])}")
     idle = [
         p
         for p in data["producers"]

@@ -114,7 +114,7 @@ def _check_tgb(
         try:
             footer = read_object_footer(store, key, ref)
             objects += 1
-            nread += ref.footer_length
+            nread += ref.size - ref.footer_offset  # the footer and its trailer
             if footer.mesh != latest.mesh:
                 problems.append(f"{where}: object {key!r} was written for mesh ({footer.mesh})")
                 continue

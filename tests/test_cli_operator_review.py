@@ -1,0 +1,300 @@
+"""Operator review of the CLI: every command on one realistic namespace, as an SRE runs them.
+
+Each test reproduces a problem found by running the commands against a namespace with several
+producers, a few hundred TGBs, watermarks, a reclaim pass, a retired id and a seal: numbers
+that disagree with the store, Ctrl-C handling, what an interrupted export leaves behind, and
+progress on a terminal.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pty
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+import batchweave as bw
+import batchweave.lance as bw_lance
+from batchweave._history import membership_batches
+from batchweave._manifest import ManifestLog
+from batchweave.cli import _app
+from batchweave.cli._app import EXIT_INTERRUPTED, cli
+
+NS = "runs/review"
+MESH = bw.Mesh(dp=2, cp=2)
+PRODUCERS = 3
+PER_PRODUCER = 40
+STEPS = PRODUCERS * PER_PRODUCER
+
+
+def run(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A namespace of 120 steps from three producers, with two watermarks (never modified)."""
+    root = tmp_path_factory.mktemp("review") / "store"
+    root.mkdir()
+    store = bw.open_store(root.as_uri())
+    for p in range(PRODUCERS):
+        with bw.Producer(
+            store, NS, producer_id=f"prep-{p}", mesh=MESH, policy="naive", tail_limit=16
+        ) as producer:
+            for offset in range(PER_PRODUCER):
+                producer.append(
+                    [f"{p}:{offset}:{s}".encode() * 8 for s in range(MESH.slices)], offset=offset
+                )
+    marks = bw.Watermarks(store, NS)
+    marks.record("ckpt-30", step=30)
+    marks.record("ckpt-60", step=60)
+    return root
+
+
+@pytest.fixture
+def root(built: Path, tmp_path: Path) -> Path:
+    """A private copy of the built namespace, free to damage."""
+    copy = tmp_path / "store"
+    subprocess.run(["cp", "-r", str(built), str(copy)], check=True)
+    return copy
+
+
+def interrupt_after(monkeypatch: pytest.MonkeyPatch, root: Path, reads: int) -> None:
+    """Make the CLI's store raise KeyboardInterrupt (Ctrl-C) at its ``reads``-th read."""
+    store = bw.open_store(root.as_uri())
+    count = 0
+
+    def interrupting(original: Callable[..., bytes]) -> Callable[..., bytes]:
+        def read(*args: Any) -> bytes:
+            nonlocal count
+            count += 1
+            if count == reads:
+                raise KeyboardInterrupt
+            return original(*args)
+
+        return read
+
+    monkeypatch.setattr(store, "get", interrupting(store.get))
+    monkeypatch.setattr(store, "get_range", interrupting(store.get_range))
+    monkeypatch.setattr(_app, "_open", lambda *args, **kwargs: store)
+
+
+# -- numbers that must agree --------------------------------------------------------------------
+
+
+def test_verify_counts_every_byte_it_reads(root: Path) -> None:
+    """A full verify reads each live object exactly once: footer, trailer and every slice.
+
+    It reported the footers without their trailers, 32 bytes short per object.
+    """
+    inspected = json.loads(run("inspect", str(root), NS, "--json").output)
+    verified = json.loads(run("verify", str(root), NS, "--json").output)
+    assert verified["ok"] is True
+    assert verified["steps"] == inspected["live_steps"] == STEPS
+    assert verified["objects"] == STEPS
+    assert verified["bytes_read"] == inspected["live_tgb_bytes"]
+    data_bytes = sum(r["bytes"] for r in inspected["storage"] if r["prefix"].startswith("data/"))
+    assert inspected["live_tgb_bytes"] == data_bytes
+
+
+def test_inspect_still_shows_the_namespace_when_a_segment_is_missing(root: Path) -> None:
+    """inspect exited 2 with only the missing segment's key: no producers, watermarks or
+    storage, just when the operator needs them, and no pointer to ``verify``."""
+    manifest = ManifestLog(bw.open_store(root.as_uri()), NS).latest()
+    assert manifest.segments, "the namespace needs segments"
+    segment = root / NS / manifest.segments[0].key
+    segment.unlink()
+    result = run("inspect", str(root), NS)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert segment.name in text
+    assert "run `batchweave verify`" in text
+    for shown in ("prep-2", "ckpt-30", "storage by prefix"):
+        assert shown in text
+    data = json.loads(run("inspect", str(root), NS, "--json").output)
+    assert segment.name in data["steps_error"]
+    assert data["live_tgb_bytes"] is None
+    assert {p["live_steps"] for p in data["producers"]} == {None}
+    assert data["watermarks"][0]["checkpoint_id"] == "ckpt-30"
+    assert run("verify", str(root), NS).exit_code == 1
+
+
+# -- Ctrl-C -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_ctrl_c_is_one_line_and_not_the_check_failed_status(
+    root: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """Ctrl-C printed click's "Aborted!" and exited 1, the status of "verify found problems"."""
+    interrupt_after(monkeypatch, root, reads=5)
+    result = CliRunner().invoke(cli, [command, str(root), NS])
+    assert result.exit_code == EXIT_INTERRUPTED == 130, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines == ["batchweave: interrupted; the command is safe to run again"]
+    assert "Aborted" not in result.output
+
+
+def test_an_interrupted_lance_export_leaves_nothing_that_blocks_a_rerun(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An export interrupted after Lance created the dataset directory left it behind, and the
+    re-run refused it ("exists; pass --overwrite") though no dataset was ever written."""
+    monkeypatch.setattr(
+        bw_lance, "membership_batches", functools.partial(membership_batches, batch_rows=16)
+    )
+    dest = tmp_path / "history.lance"
+    interrupt_after(monkeypatch, root, reads=40)  # after a few batches have gone to Lance
+    result = CliRunner().invoke(cli, ["export", str(root), NS, str(dest)])
+    assert result.exit_code == EXIT_INTERRUPTED, result.output
+    assert not dest.exists()
+    monkeypatch.undo()
+    rerun = run("export", str(root), NS, str(dest))
+    assert rerun.exit_code == 0, rerun.output
+    assert f"exported {STEPS * MESH.slices} rows (lance)" in rerun.output
+
+
+SIGINT_AT_READ = """
+import functools, os, signal, sys, time
+import batchweave as bw
+import batchweave.lance as bw_lance
+from batchweave._history import membership_batches
+from batchweave._manifest import ManifestLog
+from batchweave.cli import _app
+url, namespace, dest, at = sys.argv[1:]
+bw_lance.membership_batches = functools.partial(membership_batches, batch_rows=16)
+store = bw.open_store(url)
+original, reads = store.get_range, 0
+def get_range(key, rng):
+    global reads
+    reads += 1
+    if reads == int(at):
+        os.kill(os.getpid(), signal.SIGINT)
+    if reads >= int(at):
+        time.sleep(0.01)  # an S3 read, not a page-cache hit: the export is still running
+    return original(key, rng)
+store.get_range = get_range
+_app._open = lambda *args, **kwargs: store
+sys.argv = ["batchweave", "export", url, namespace, dest]
+_app.main()
+"""
+
+
+def test_a_real_ctrl_c_during_a_lance_export_exits_cleanly(root: Path, tmp_path: Path) -> None:
+    """A real SIGINT while Lance pulled rows on its own thread raised in the main thread and
+    left that thread running into interpreter shutdown: "Fatal Python error:
+    PyGILState_Release" and SIGABRT (status 134) in about one run of three."""
+    dest = tmp_path / "history.lance"
+    for _ in range(3):
+        proc = subprocess.run(
+            [sys.executable, "-c", SIGINT_AT_READ, root.as_uri(), NS, str(dest), "60"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == EXIT_INTERRUPTED, proc.stderr
+        assert proc.stderr == "batchweave: interrupted; the command is safe to run again\n"
+        assert not dest.exists()
+
+
+def test_a_failed_lance_export_leaves_no_dataset_directory(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same for a store problem midway (a missing object): nothing is left to refuse later."""
+    monkeypatch.setattr(
+        bw_lance, "membership_batches", functools.partial(membership_batches, batch_rows=16)
+    )
+    victim = sorted((root / NS / "data" / "prep-2").rglob("*.tgb"))[-1]
+    victim.unlink()
+    dest = tmp_path / "history.lance"
+    result = run("export", str(root), NS, str(dest))
+    assert result.exit_code == 2
+    assert victim.name in result.output
+    assert not dest.exists()
+
+
+def test_an_interrupted_overwrite_keeps_the_existing_lance_dataset(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dest = tmp_path / "history.lance"
+    assert run("export", str(root), NS, str(dest), "--stop", "10").exit_code == 0
+    interrupt_after(monkeypatch, root, reads=3)
+    result = CliRunner().invoke(cli, ["export", str(root), NS, str(dest), "--overwrite"])
+    assert result.exit_code == EXIT_INTERRUPTED
+    import lance
+
+    assert lance.dataset(str(dest)).count_rows() == 10 * MESH.slices
+
+
+def test_export_to_a_missing_directory_names_the_directory(root: Path, tmp_path: Path) -> None:
+    """The error named a temporary ``.partial-...`` file the operator never asked for."""
+    dest = tmp_path / "no-such-dir" / "history.parquet"
+    result = run("export", str(root), NS, str(dest))
+    assert result.exit_code == 2
+    assert "partial" not in result.output
+    assert f"{dest.parent} does not exist" in result.output
+
+
+# -- progress -----------------------------------------------------------------------------------
+
+
+def run_on_terminal(*args: str) -> tuple[int, str, str]:
+    """Run the CLI with stderr on a pseudo-terminal; return status, stdout and the terminal."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchweave.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=follower,
+        env={**os.environ, "TERM": "xterm", "COLUMNS": "100"},
+    )
+    os.close(follower)
+    terminal = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        terminal += chunk
+    stdout = proc.stdout.read() if proc.stdout else b""
+    status = proc.wait(timeout=120)
+    os.close(leader)
+    return status, stdout.decode(), terminal.decode(errors="replace")
+
+
+@pytest.mark.parametrize(
+    ("args", "label"),
+    [
+        (("verify",), "verifying"),
+        (("export", "{dest}"), "exporting"),
+    ],
+)
+def test_long_commands_show_progress_on_a_terminal_only(
+    root: Path, tmp_path: Path, args: tuple[str, ...], label: str
+) -> None:
+    """``export`` (one footer read per TGB) ran silently for minutes on a large namespace."""
+    fill: Callable[[str], str] = lambda a: a.format(dest=tmp_path / "h.parquet")  # noqa: E731
+    command = [args[0], str(root), NS, *map(fill, args[1:])]
+    status, stdout, terminal = run_on_terminal(*command)
+    assert status == 0, (stdout, terminal)
+    assert label in terminal
+    assert label not in stdout
+    if args[0] == "export":
+        (tmp_path / "h.parquet").unlink()
+    quiet = subprocess.run(
+        [sys.executable, "-m", "batchweave.cli", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stderr == ""
