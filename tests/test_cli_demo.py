@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from batchweave import Consumer, Mesh, Watermarks, open_store
+from batchweave.cli._common import CliFailure
 from batchweave.cli._demo import DemoConfig, _RankLog, _verify_deliveries, run_demo
 from batchweave.cli._demo_work import (
     WorkerConfig,
@@ -255,3 +256,17 @@ def test_a_restarted_rank_re_records_the_watermark_of_the_checkpoint_it_restores
     assert mark.step == 4
     delivered = [json.loads(line) for line in (tmp_path / "logs" / "rank-1.jsonl").open()]
     assert [r["step"] for r in delivered if "digest" in r] == [4, 5]
+
+
+def test_a_demo_that_fails_leaves_no_work_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The work directory (corpus, logs) went only at a normal end: a failure or Ctrl-C left it.
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    store = open_store((tmp_path / "store").as_uri())
+    store.put("taken/x", b"")
+    config = DemoConfig(store=store.url, namespace="taken")
+    with pytest.raises(CliFailure, match="is not empty"):
+        run_demo(config)
+    assert list((tmp_path / "tmp").iterdir()) == []

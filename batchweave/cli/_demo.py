@@ -284,14 +284,26 @@ def _demo_reclaimer(store: ObjectStore, namespace: str) -> Reclaimer:
 def run_demo(config: DemoConfig) -> bool:
     """Run the demo; print the summary; return whether every check passed."""
     _check(config)
-    console = err_console()
-    out = out_console()
     base = _default_base() if config.store is None else Path(tempfile.mkdtemp(prefix="bw-demo-"))
     url = (base / "store").as_uri() if config.store is None else store_url(config.store)
     namespace = config.namespace or f"demo-{uuid.uuid4().hex[:8]}"
     work = base / f"work-{namespace.replace('/', '-')}"
     for sub in ("logs", "checkpoints", "stats"):
         (work / sub).mkdir(parents=True, exist_ok=True)
+    try:
+        return _run(config, base, url, namespace, work)
+    finally:
+        # Also after a failure or Ctrl-C: the work directory holds the corpus and the logs.
+        if not config.keep:
+            shutil.rmtree(work, ignore_errors=True)
+            if config.store is not None:
+                shutil.rmtree(base, ignore_errors=True)
+
+
+def _run(config: DemoConfig, base: Path, url: str, namespace: str, work: Path) -> bool:
+    """The demo itself, in ``work``: start, supervise, verify, print the summary."""
+    console = err_console()
+    out = out_console()
     store = open_cli_store(url, config.store_options, writes=True, create=True)
     ManifestLog(store, namespace)  # validates the namespace name
     if any(True for _ in store.list(f"{namespace}/")):
@@ -397,10 +409,6 @@ def run_demo(config: DemoConfig) -> bool:
         f" --{name.replace('_', '-')} {value}" for name, value in config.store_options.items()
     )
     out.print(f"inspect it: batchweave inspect {location} {namespace}{flags}", markup=False)
-    if not config.keep:
-        shutil.rmtree(work, ignore_errors=True)
-        if config.store is not None:
-            shutil.rmtree(base, ignore_errors=True)
     return ok
 
 
