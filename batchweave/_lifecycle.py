@@ -93,7 +93,16 @@ def checkpoint_hook(
     call left that checkpoint without a watermark, and producers with a ``max_lag`` below two
     checkpoint intervals would block until the next checkpoint, which needs the steps they
     hold back. For a checkpoint whose watermark was recorded, the call writes the same one again.
+
+    A consumer of another namespace than ``watermarks`` is a ``ValueError`` on every rank: its
+    step and version mean nothing there, and such a watermark would hold (or free) the wrong data.
     """
+    namespace = getattr(consumer, "namespace", None)
+    if namespace is not None and namespace != watermarks.namespace:
+        raise ValueError(
+            f"checkpoint_hook: the consumer reads namespace {namespace!r} but the watermarks are "
+            f"for {watermarks.namespace!r}; pass Watermarks(store, {namespace!r})"
+        )
     if rank is None:
         env = os.environ if environ is None else environ
         raw = env.get("RANK", "0")
@@ -243,13 +252,18 @@ class Reclaimer:
         A failing pass is logged and kept in ``last_error``; the next pass retries (reclamation
         is off the critical path: a failure delays it, never affects training).
         """
-        if interval <= 0:
-            raise ValueError(f"interval must be > 0 seconds, got {interval}")
+        if not 0 < interval <= threading.TIMEOUT_MAX:  # NaN would loop without pausing
+            raise ValueError(
+                f"interval must be > 0 and at most {threading.TIMEOUT_MAX:.0f} seconds, "
+                f"got {interval}"
+            )
         if self._thread is not None:
             raise RuntimeError(f"{self!r} is already running")
-        self._stop.clear()
+        # A fresh event per thread: a loop whose stop() timed out mid-pass must still end after
+        # that pass, even when start() is called again meanwhile.
+        self._stop = threading.Event()
         self._thread = threading.Thread(
-            target=self._loop, args=(interval,), name="batchweave-reclaimer", daemon=True
+            target=self._loop, args=(interval, self._stop), name="batchweave-reclaimer", daemon=True
         )
         self._thread.start()
 
@@ -266,15 +280,15 @@ class Reclaimer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _loop(self, interval: float) -> None:
-        while not self._stop.is_set():
+    def _loop(self, interval: float, stop: threading.Event) -> None:
+        while not stop.is_set():
             try:
                 self.run_once()
                 self.last_error = None
             except Exception as exc:
                 self.last_error = exc
                 _log.warning("%r: pass failed, retrying in %.1f s: %s", self, interval, exc)
-            self._stop.wait(interval)
+            stop.wait(interval)
 
     # -- one pass ------------------------------------------------------------------------------
 

@@ -27,10 +27,12 @@ Metric names (all prefixed ``batchweave_``): ``commit_attempts_total``, ``commit
 
 from __future__ import annotations
 
+import errno
+import itertools
 import math
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, TypeVar
 
 from prometheus_client import (
@@ -60,6 +62,7 @@ __all__ = [
 ]
 
 _T = TypeVar("_T", Producer, Consumer, Reclaimer)
+_Tracked = TypeVar("_Tracked", Producer, Consumer)
 
 _WINDOW_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _GAP_BUCKETS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -70,22 +73,26 @@ class BatchWeaveCollector(Collector):
 
     Objects are held weakly: a producer or consumer that is garbage-collected disappears from
     the exposition (its counters were per-incarnation anyway, labelled by producer id or rank).
+    Each label set is exported once: when a producer or consumer is replaced in the same process
+    (a restart after an error) while the old object is still alive, the open one wins over a
+    closed one, then the most recently tracked one (two samples of one series break a scrape).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._producers: weakref.WeakSet[Producer] = weakref.WeakSet()
-        self._consumers: weakref.WeakSet[Consumer] = weakref.WeakSet()
+        self._order = itertools.count()
+        self._producers: weakref.WeakKeyDictionary[Producer, int] = weakref.WeakKeyDictionary()
+        self._consumers: weakref.WeakKeyDictionary[Consumer, int] = weakref.WeakKeyDictionary()
 
     def add_producer(self, producer: Producer) -> None:
         """Expose ``producer``'s :meth:`~batchweave.Producer.stats`."""
         with self._lock:
-            self._producers.add(producer)
+            self._producers[producer] = next(self._order)
 
     def add_consumer(self, consumer: Consumer) -> None:
         """Expose ``consumer``'s :attr:`~batchweave.Consumer.stats`."""
         with self._lock:
-            self._consumers.add(consumer)
+            self._consumers[consumer] = next(self._order)
 
     def describe(self) -> list[Metric]:
         """No fixed description: the series depend on what is tracked."""
@@ -94,10 +101,14 @@ class BatchWeaveCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """Build every family from fresh ``stats`` snapshots."""
         with self._lock:
-            producers = list(self._producers)
-            consumers = list(self._consumers)
-        yield from self._producer_families(producers)
-        yield from self._consumer_families(consumers)
+            producers = list(self._producers.items())
+            consumers = list(self._consumers.items())
+        yield from self._producer_families(
+            _one_per_series(producers, lambda p: (p.namespace, p.producer_id))
+        )
+        yield from self._consumer_families(
+            _one_per_series(consumers, lambda c: (c.namespace, c.dp_rank, c.cp_rank))
+        )
 
     @staticmethod
     def _producer_families(producers: list[Producer]) -> Iterator[Metric]:
@@ -194,6 +205,20 @@ class BatchWeaveCollector(Collector):
         yield cpu_share
 
 
+def _one_per_series(
+    tracked: list[tuple[_Tracked, int]], labels: Callable[[_Tracked], Hashable]
+) -> list[_Tracked]:
+    """One object per label set: open before closed, then the most recently tracked."""
+    best: dict[Hashable, tuple[tuple[bool, int], _Tracked]] = {}
+    for obj, order in tracked:
+        # ``_closed`` is set by close() on both classes; a missing one counts as open
+        rank = (not getattr(obj, "_closed", False), order)
+        key = labels(obj)
+        if key not in best or rank > best[key][0]:
+            best[key] = (rank, obj)
+    return [obj for _, obj in best.values()]
+
+
 class _Metrics:
     """The metric objects of one registry."""
 
@@ -261,9 +286,14 @@ class _Metrics:
             registry=registry,
         )
 
-    def observe_reclaim(self, namespace: str, report: ReclaimReport) -> None:
-        self.passes.labels(namespace).inc()
-        self.reclaim_last_success.labels(namespace).set_to_current_time()
+    def observe_reclaim(
+        self, namespace: str, report: ReclaimReport, *, succeeded: bool = True
+    ) -> None:
+        """Count a pass's deletions; a pass that failed after deleting (``succeeded=False``:
+        keys the store refused) still counts them but is no successful pass."""
+        if succeeded:
+            self.passes.labels(namespace).inc()
+            self.reclaim_last_success.labels(namespace).set_to_current_time()
         self.reclaim_boundary.labels(namespace).set(report.boundary)
         self.reclaim_base_step.labels(namespace).set(report.base_step_after)
         for kind, count, nbytes in (
@@ -311,15 +341,23 @@ def track_metrics(obj: _T, *, registry: CollectorRegistry | None = None) -> _T:
             m.reclaim_errors.labels(obj.namespace)  # exported as 0 before the first failure
         original = obj.run_once
         namespace = obj.namespace
+        reclaimer = obj
+        lock = threading.Lock()  # keeps ``last_report`` before and after from one pass
 
         def run_once() -> ReclaimReport:
-            try:
-                report = original()
-            except Exception:
-                m.reclaim_errors.labels(namespace).inc()
-                raise
-            m.observe_reclaim(namespace, report)
-            return report
+            with lock:
+                before = reclaimer.last_report
+                try:
+                    report = original()
+                except Exception:
+                    m.reclaim_errors.labels(namespace).inc()
+                    partial = reclaimer.last_report
+                    if partial is not None and partial is not before:
+                        # the store refused some deletions, the rest went: count those
+                        m.observe_reclaim(namespace, partial, succeeded=False)
+                    raise
+                m.observe_reclaim(namespace, report)
+                return report
 
         obj.run_once = run_once  # type: ignore[method-assign]
     else:
@@ -401,5 +439,16 @@ def start_metrics_server(
     """
     reg = REGISTRY if registry is None else registry
     metrics(reg)
-    server, thread = start_http_server(port, addr=addr, registry=reg)
+    try:
+        server, thread = start_http_server(port, addr=addr, registry=reg)
+    except OSError as exc:
+        hint = (
+            "; another process (or a metrics server not closed) holds it: pick another port, or "
+            "0 for any free one"
+            if exc.errno == errno.EADDRINUSE
+            else ""
+        )
+        raise OSError(
+            exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}{hint}"
+        ) from exc
     return MetricsServer(server, thread)
