@@ -259,6 +259,7 @@ class ManifestLog:
         self._prepared_at = 0.0
         """``clock()`` when the prepared merge began to be written (see PREPARED_MERGE_MAX_AGE)."""
         self._namespace_id: str | None = None
+        self._mesh: Mesh | None = None
         self._reclaimed_below = 0
         """Versions below this were seen reclaimed: ``latest`` must not trust them as current."""
 
@@ -407,12 +408,18 @@ class ManifestLog:
 
     def _check_identity(self, manifest: Manifest, key: str) -> None:
         if self._namespace_id is None:
-            self._namespace_id = manifest.namespace_id
+            self._namespace_id, self._mesh = manifest.namespace_id, manifest.mesh
         elif manifest.namespace_id != self._namespace_id:
             raise NamespaceMismatch(
                 f"{key} belongs to namespace id {manifest.namespace_id}, but this client "
                 f"opened namespace id {self._namespace_id} at {self._where}; was the prefix "
                 "deleted and re-created?"
+            )
+        elif manifest.mesh != self._mesh:
+            raise NamespaceMismatch(
+                f"{key} says namespace {self._where} has mesh ({manifest.mesh}), but this client "
+                f"opened it with mesh ({self._mesh}); a namespace's mesh never changes, so the "
+                "object is corrupt or forged"
             )
 
     # -- steps -------------------------------------------------------------------------------

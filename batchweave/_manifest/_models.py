@@ -115,13 +115,19 @@ class SliceTable(BaseModel):
             raise ValueError(f"count must be a positive integer, got {count!r}")
         for name in _INT_COLUMNS:
             value = data.get(name)
-            if isinstance(value, int) and not isinstance(value, bool):
-                data[name] = (value,) * count
-            elif isinstance(value, list | tuple) and len(value) != count:
+            if isinstance(value, list | tuple) and len(value) != count:
                 raise ValueError(f"{name} has {len(value)} entries, count is {count}")
+        # The checksum column holds one explicit value per slice, so it bounds ``count`` by the
+        # object's size: check it before expanding a repeated value ``count`` times.
         packed = data.get("checksums")
         if isinstance(packed, str):
             data["checksums"] = _unpack_checksums(packed, count, data.get("checksum_algo"))
+        elif not isinstance(packed, list | tuple) or len(packed) != count:
+            raise ValueError(f"checksums must be packed base64 or a list of {count} values")
+        for name in _INT_COLUMNS:
+            value = data.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                data[name] = (value,) * count
         return data
 
     @model_serializer(mode="wrap")
@@ -207,6 +213,8 @@ def _unpack_checksums(packed: str, count: int, algo: object) -> tuple[int, ...]:
             f"checksums use algorithm {algo!r}, which this BatchWeave does not know (it knows "
             f"{', '.join(CHECKSUM_ALGOS)}): written by a newer BatchWeave, upgrade batchweave"
         )
+    if not isinstance(algo, str):
+        raise ValueError(f"checksum_algo must be a string, got {algo!r}")
     try:
         width = checksum_bits(algo) // 8  # type: ignore[arg-type]  # validated as a field later
         raw = base64.b64decode(packed, validate=True)

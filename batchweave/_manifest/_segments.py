@@ -182,15 +182,16 @@ class SegmentFiles:
         self._store = store
         self._key = key
         self._capacity = max(cache, 0)
-        self._cache: OrderedDict[str, Segment] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[SegmentRef, Segment]] = OrderedDict()
+        """Decoded segments by key, with the reference they were verified against."""
         self._lock = threading.Lock()
 
-    def _remember(self, key: str, segment: Segment) -> None:
+    def _remember(self, ref: SegmentRef, segment: Segment) -> None:
         if self._capacity == 0:
             return
         with self._lock:
-            self._cache[key] = segment
-            self._cache.move_to_end(key)
+            self._cache[ref.key] = (ref, segment)
+            self._cache.move_to_end(ref.key)
             while len(self._cache) > self._capacity:
                 self._cache.popitem(last=False)
 
@@ -198,9 +199,11 @@ class SegmentFiles:
         """The segment ``ref`` points to, verified against the reference and namespace."""
         with self._lock:
             cached = self._cache.get(ref.key)
-            if cached is not None:
+            # Only a reference equal to the verified one may reuse it: a hostile or damaged
+            # manifest naming this key for other steps, size or checksum is checked afresh.
+            if cached is not None and (cached[0] is ref or cached[0] == ref):
                 self._cache.move_to_end(ref.key)
-                return cached
+                return cached[1]
         full_key = self._key(ref.key)
         data = self._store.get(full_key)
         if len(data) != ref.bytes:
@@ -225,7 +228,7 @@ class SegmentFiles:
                 f"{segment.first_step + len(segment.tgbs) - 1}, its manifest reference says "
                 f"{ref.first_step}..{ref.end_step - 1}"
             )
-        self._remember(ref.key, segment)
+        self._remember(ref, segment)
         return segment
 
     def write(
@@ -236,15 +239,16 @@ class SegmentFiles:
         data = encode_segment(segment)
         rel = segment_key(first_step)
         self._store.put(self._key(rel), data)
-        self._remember(rel, segment)
         body = data[data.index(b"\n") + 1 :]
-        return SegmentRef(
+        ref = SegmentRef(
             key=rel,
             first_step=first_step,
             count=len(segment.tgbs),
             bytes=len(data),
             checksum=body_checksum(body),
         )
+        self._remember(ref, segment)
+        return ref
 
     def roll(
         self,

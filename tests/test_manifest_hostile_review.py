@@ -1,0 +1,150 @@
+"""Hostile, damaged or foreign manifest content: refused with a named error, never mis-mapped.
+
+Regressions from an adversarial review of how manifests, segments and slice tables are read.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from manifest_helpers import descriptor
+from pydantic import ValidationError
+
+from batchweave import FormatError, MemoryStore, Mesh, NamespaceMismatch
+from batchweave._manifest import (
+    Committed,
+    Manifest,
+    ManifestLog,
+    encode_manifest,
+    manifest_key,
+)
+from batchweave._manifest._codec import body_checksum, decode_manifest
+from batchweave._manifest._models import SliceTable
+
+MESH = Mesh(dp=2, cp=1)
+NS = "runs/hostile-review"
+
+
+def _grow(log: ManifestLog, head: Manifest, count: int) -> Manifest:
+    for _ in range(count):
+        result = log.commit(head, append=[descriptor("p", head.next_step)])
+        assert isinstance(result, Committed)
+        head = result.manifest
+    return head
+
+
+def _table(**overrides: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "codec": "raw",
+        "checksum_algo": "crc32c",
+        "count": 2,
+        "lengths": 10,
+        "checksums": "AAAAAAAAAAA=",  # two zero crc32c values
+        "sample_counts": 1,
+    }
+    fields.update(overrides)
+    return fields
+
+
+def test_the_compact_table_fixture_is_valid() -> None:
+    table = SliceTable.model_validate(_table())
+    assert table.lengths == (10, 10)
+    assert table.checksums == (0, 0)
+
+
+def test_a_huge_slice_count_is_refused_without_allocating_it() -> None:
+    # A few bytes of JSON must not expand into a column of 10**12 entries (MemoryError or OOM).
+    with pytest.raises(ValidationError, match="checksums"):
+        SliceTable.model_validate(_table(count=10**12, checksums=[0]))
+    with pytest.raises(ValidationError, match="checksums"):
+        SliceTable.model_validate(_table(count=10**12, checksums=None))
+
+
+@pytest.mark.parametrize("algo", [["crc32c"], {"a": 1}, None, 32])
+def test_a_non_string_checksum_algorithm_is_a_validation_error(algo: object) -> None:
+    with pytest.raises(ValidationError):
+        SliceTable.model_validate(_table(checksum_algo=algo))
+
+
+def test_a_hostile_slice_table_in_a_manifest_is_a_format_error_naming_the_object() -> None:
+    body = json.loads(
+        Manifest(namespace_id="n", mesh=MESH, version=3, commit_id="c").model_dump_json()
+    )
+    desc = json.loads(descriptor("p", 0).model_dump_json())
+    desc["objects"][0]["slices"] = _table(checksum_algo=["crc32c"])
+    body["tail"] = [desc]
+    raw = json.dumps(body).encode()
+    header = f"batchweave-manifest crc32c={body_checksum(raw):08x} length={len(raw)}\n"
+    with pytest.raises(FormatError, match="ns/_manifests/x"):
+        decode_manifest(header.encode() + raw, key="ns/_manifests/x")
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    field=st.sampled_from(
+        [
+            "codec",
+            "compression",
+            "checksum_algo",
+            "count",
+            "lengths",
+            "checksums",
+            "uncompressed_lengths",
+            "sample_counts",
+        ]
+    ),
+    value=_JSON | st.integers(min_value=2**31, max_value=2**80),
+)
+def test_any_json_in_a_slice_table_field_is_accepted_or_a_validation_error(
+    field: str, value: object
+) -> None:
+    try:
+        table = SliceTable.model_validate(_table(**{field: value}))
+    except ValidationError:
+        return  # anything else (TypeError, MemoryError...) fails the test
+    assert len(table.checksums) == len(table.lengths) == len(table.sample_counts)
+
+
+def test_a_segment_reused_under_another_reference_is_not_served_from_the_cache() -> None:
+    store = MemoryStore()
+    log = ManifestLog(store, NS, tail_limit=4, merge_fanout=2)
+    head = _grow(log, log.create_or_open(MESH), 12)
+    assert [(r.first_step, r.count) for r in head.segments] == [(0, 8), (8, 4)]
+    first, second = head.segments
+    assert log.descriptor(head, 0).offset == 0  # caches the segment of steps 0..7
+    # A hostile version points steps 8..11 at the first segment's key (with the second's
+    # checksum and size): step 8 must not silently become the descriptor of step 0.
+    hostile = head.model_copy(
+        update={"segments": (first, second.model_copy(update={"key": first.key}))}
+    )
+    with pytest.raises(FormatError, match=first.key):
+        log.descriptor(hostile, 8)
+    # The honest version still reads from the cache.
+    assert log.descriptor(head, 8).offset == 8
+
+
+def test_a_later_version_with_another_mesh_is_a_namespace_mismatch() -> None:
+    store = MemoryStore()
+    log = ManifestLog(store, NS)
+    head = _grow(log, log.create_or_open(MESH), 2)
+    # Same namespace id, same slice count, another meaning of each slice: consumers and
+    # producers would silently read or write the wrong replicas.
+    forged = head.model_copy(
+        update={"version": head.version + 1, "parent": head.version, "mesh": Mesh(dp=1, cp=2)}
+    )
+    store.put(log.key(manifest_key(forged.version)), encode_manifest(forged))
+    with pytest.raises(NamespaceMismatch, match="mesh"):
+        log.latest(head)
+    with pytest.raises(NamespaceMismatch, match=f"{forged.version:020d}"):
+        log.read(forged.version)
