@@ -6,7 +6,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 
-from batchweave import ObjectStore, PutMode, StoreWrapper
+from batchweave import ByteRange, ObjectStore, PutMode, StoreWrapper
 from batchweave._manifest import TgbDescriptor, TgbObjectRef
 from batchweave._store._base import ObjectMeta
 
@@ -61,6 +61,13 @@ class CountingStore(StoreWrapper):
         with self._lock:
             self.gets.append(key)
         return super().get(key)
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        # Counted as a GET: manifests and segments are read with one bounded range read each.
+        self._count("get")
+        with self._lock:
+            self.gets.append(key)
+        return super().get_range(key, rng)
 
     def head(self, key: str) -> ObjectMeta:
         self._count("head")

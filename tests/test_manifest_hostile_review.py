@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from manifest_helpers import descriptor
 from pydantic import ValidationError
 
-from batchweave import FormatError, MemoryStore, Mesh, NamespaceMismatch
+from batchweave import CountingStore, FormatError, MemoryStore, Mesh, NamespaceMismatch
 from batchweave._manifest import (
     Committed,
     Manifest,
@@ -148,3 +148,16 @@ def test_a_later_version_with_another_mesh_is_a_namespace_mismatch() -> None:
         log.latest(head)
     with pytest.raises(NamespaceMismatch, match=f"{forged.version:020d}"):
         log.read(forged.version)
+
+
+def test_a_segment_object_replaced_by_a_huge_one_is_refused_without_downloading_it() -> None:
+    inner = MemoryStore()
+    log = ManifestLog(inner, NS, tail_limit=4, merge_fanout=2)
+    head = _grow(log, log.create_or_open(MESH), 12)
+    second = head.segments[1]
+    inner.put(log.key(second.key), b"x" * (second.bytes + (8 << 20)))
+    store = CountingStore(inner)
+    with pytest.raises(FormatError, match=second.key):
+        ManifestLog(store, NS).descriptor(head, 8)
+    # One byte past the size the reference records is enough to tell: not the whole object.
+    assert store.snapshot().range_bytes + store.snapshot().get_bytes <= second.bytes + 1

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from batchweave._errors import ChecksumMismatch, FormatError
 from batchweave._manifest._codec import body_checksum, decode_segment, encode_segment
 from batchweave._manifest._models import Segment, SegmentRef, TgbDescriptor
-from batchweave._store._base import ObjectStore
+from batchweave._store._base import Bounded, ObjectStore
 
 __all__ = [
     "DEFAULT_MERGE_FANOUT",
@@ -205,7 +205,9 @@ class SegmentFiles:
                 self._cache.move_to_end(ref.key)
                 return cached[1]
         full_key = self._key(ref.key)
-        data = self._store.get(full_key)
+        # One byte past the size the reference records: a bigger object is refused below
+        # without downloading it whole.
+        data = self._store.get_range(full_key, Bounded(0, ref.bytes + 1))
         if len(data) != ref.bytes:
             raise FormatError(
                 f"{full_key}: segment has {len(data)} bytes, its manifest reference says "
