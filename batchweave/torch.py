@@ -14,6 +14,8 @@ resumes there (with any number of workers). Requires ``torch`` (``pip install ba
 from __future__ import annotations
 
 import contextlib
+import functools
+import multiprocessing
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -106,6 +108,13 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
         self.consumer_options = consumer_options
         self.resume_state: dict[str, Any] | None = None
         """Consumer state the next iteration starts from (set by :class:`WeaveLoader`)."""
+        self.stop_event: Any = None
+        """A multiprocessing ``Event`` :class:`WeaveLoader` sets when its loop ends (or None).
+
+        Workers waiting for producers then close their consumers at once: a worker waits at the
+        head of the stream for as long as producers are behind, and torch waits 5 s for each
+        worker that does not stop before killing it.
+        """
 
     def open_store(self) -> tuple[ObjectStore, bool]:
         """The store to read, and whether the caller opened it (and must close it)."""
@@ -114,8 +123,19 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
             return store, True
         return self.store, False
 
-    def consumer(self, store: ObjectStore, *, worker: int = 0, workers: int = 1) -> Consumer:
-        """A consumer for DataLoader worker ``worker`` of ``workers``, at :attr:`resume_state`."""
+    def consumer(
+        self, store: ObjectStore, *, worker: int = 0, workers: int = 1, stop: Any = None
+    ) -> Consumer:
+        """A consumer for DataLoader worker ``worker`` of ``workers``, at :attr:`resume_state`.
+
+        With ``stop`` (a multiprocessing ``Event``) set, its next wait closes it instead.
+        """
+        options = dict(self.consumer_options)
+        made: list[Consumer] = []  # the consumer, once made, for the sleep to close
+        if stop is not None:
+            options["sleep"] = functools.partial(
+                _sleep_unless_stopped, stop, options.get("sleep"), made
+            )
         consumer = Consumer(
             store,
             self.namespace,
@@ -124,8 +144,9 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
             cp_rank=self.cp_rank,
             start_step=worker,
             stride=workers,
-            **self.consumer_options,
+            **options,
         )
+        made.append(consumer)
         if self.resume_state is not None:
             state = dict(self.resume_state)
             state["step"] = int(state["step"]) + worker
@@ -135,13 +156,31 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        stop = None if info is None else self.stop_event
         store, owned = self.open_store()
         try:
-            with self.consumer(store, worker=worker, workers=workers) as consumer:
+            with self.consumer(store, worker=worker, workers=workers, stop=stop) as consumer:
                 yield from consumer
         finally:
             if owned:
                 store.close()
+
+
+def _sleep_unless_stopped(
+    stop: Any,
+    sleep: Callable[[float], None] | None,
+    consumers: list[Consumer],
+    seconds: float,
+) -> None:
+    """A worker consumer's sleep: wakes early and closes the consumer once ``stop`` is set."""
+    if sleep is None:
+        stopped = stop.wait(seconds)
+    else:
+        sleep(seconds)
+        stopped = stop.is_set()
+    if stopped:  # the loader's loop ended: nobody will ask for the step this worker waits for
+        for consumer in consumers:
+            consumer.close()
 
 
 class WeaveLoader:
@@ -177,9 +216,35 @@ class WeaveLoader:
         if self._next_step is not None:
             self.dataset.resume_state = self.state_dict()
         loader = DataLoader(self.dataset, batch_size=None, **self.dataloader_options)
-        for step, data in loader:
-            self._next_step = int(step) + 1
-            yield step, data
+        stop = self._stop_event()
+        self.dataset.stop_event = stop  # pickled into (or forked with) this iteration's workers
+        batches = iter(loader)
+        try:
+            for step, data in batches:
+                self._next_step = int(step) + 1
+                yield step, data
+        finally:
+            # A worker still waiting for producers would hold up the shutdown for 5 s before
+            # torch kills it: it gives up now instead.
+            if stop is not None:
+                stop.set()
+            self.dataset.stop_event = None
+            # Shut the workers down now, not when ``batches`` is collected: a worker's error
+            # re-raised here puts ``batches`` in a reference cycle, and collected in a cycle its
+            # queues are closed before it tells the workers to stop, so torch waits 5 s for
+            # each worker and then kills it, at whatever later moment the collector runs.
+            shutdown = getattr(batches, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+
+    def _stop_event(self) -> Any:
+        """A fresh ``Event`` of the DataLoader's multiprocessing context; None without workers."""
+        if not self.dataloader_options.get("num_workers", 0):
+            return None
+        context = self.dataloader_options.get("multiprocessing_context")
+        if context is None or isinstance(context, str):
+            context = multiprocessing.get_context(context)
+        return context.Event()
 
     def _consumer(self) -> Consumer:
         """A never-iterated consumer that validates states and fills in the namespace id."""
