@@ -589,6 +589,9 @@ def test_reads_are_classified_by_the_server_status_not_by_words_in_its_reply(
         ({"seq_len": 0}, "--seq-len"),
         ({"store": "memory://demo"}, "memory://"),
         ({"step_time": -1.0}, "--step-time"),
+        # Before: one message for three options, naming none of them as the wrong one.
+        ({"micro_batch": 0}, "--micro-batch must be >= 1, got 0"),
+        ({"documents": 50}, "--documents must be >= 100, got 50"),
     ],
 )
 def test_demo_refuses_arguments_that_cannot_work_before_starting(

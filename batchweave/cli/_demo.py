@@ -108,10 +108,15 @@ def _check(config: DemoConfig) -> None:
         problems.append(f"--seq-len {config.seq_len} must be a multiple of --cp {config.cp}")
     if config.steps < 2 * config.producers:
         problems.append("--steps must be at least twice --producers")
-    if config.checkpoint_every < 1 or config.micro_batch < 1 or config.documents < 100:
-        problems.append("--checkpoint-every, --micro-batch >= 1 and --documents >= 100")
-    if config.seq_len < 1 or config.step_time < 0:
-        problems.append("--seq-len must be >= 1 and --step-time >= 0")
+    for option, value, least in (
+        ("--checkpoint-every", config.checkpoint_every, 1),
+        ("--micro-batch", config.micro_batch, 1),
+        ("--documents", config.documents, 100),
+        ("--seq-len", config.seq_len, 1),
+        ("--step-time", config.step_time, 0),
+    ):
+        if value < least:
+            problems.append(f"{option} must be >= {least}, got {value}")
     if config.store is not None and store_url(config.store).lower().startswith("memory:"):
         problems.append(
             "--store memory:// lives in one process, and the demo's producers and consumers are "
