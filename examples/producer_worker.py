@@ -92,7 +92,8 @@ def main() -> None:
     )
     mesh = bw.Mesh(dp=args.dp, cp=args.cp)
     if args.metrics_port is not None:
-        bw.start_metrics_server(args.metrics_port)
+        metrics = bw.start_metrics_server(args.metrics_port)
+        print(f"{args.producer_id}: metrics at http://127.0.0.1:{metrics.port}/metrics")
 
     stop = threading.Event()
 

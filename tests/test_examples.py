@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,10 +59,15 @@ def test_producer_worker_resumes_where_it_stopped(tmp_path: Path) -> None:
     script = [sys.executable, str(EXAMPLES / "producer_worker.py"), "--store", str(tmp_path / "s")]
     small = ["--seq-len", "32", "--rows", "4"]
     first = subprocess.run(
-        [*script, "--batches", "3", *small], capture_output=True, text=True, timeout=120
+        [*script, "--batches", "3", "--metrics-port", "0", *small],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert first.returncode == 0, first.stderr
     assert "epoch 1, resuming at offset 0 of 3" in first.stdout  # its epoch commit: version 1
+    # With port 0 the kernel picks one: the worker says which, or nobody could scrape it.
+    assert re.search(r"metrics at http://127\.0\.0\.1:[1-9]\d*/metrics", first.stdout)
     second = subprocess.run(
         [*script, "--batches", "5", "--seal", *small], capture_output=True, text=True, timeout=120
     )
