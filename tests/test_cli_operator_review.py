@@ -24,9 +24,10 @@ from click.testing import CliRunner, Result
 import batchweave as bw
 import batchweave.lance as bw_lance
 from batchweave._history import membership_batches
-from batchweave._manifest import ManifestLog
+from batchweave._manifest import ManifestLog, encode_manifest, manifest_key
 from batchweave.cli import _app
 from batchweave.cli._app import EXIT_INTERRUPTED, cli
+from batchweave.cli._verify import verify_namespace
 
 NS = "runs/review"
 MESH = bw.Mesh(dp=2, cp=2)
@@ -298,3 +299,21 @@ def test_long_commands_show_progress_on_a_terminal_only(
     )
     assert quiet.returncode == 0, quiet.stderr
     assert quiet.stderr == ""
+
+
+def test_verify_lists_an_old_version_of_another_mesh_and_goes_on(tmp_path: Path) -> None:
+    # Before: the first such version stopped verify with one NamespaceMismatch (exit 2), so the
+    # operator saw neither the other problems nor that everything else checked out.
+    store = bw.open_store(tmp_path.as_uri())
+    with bw.Producer(store, "ns", producer_id="p", mesh=bw.Mesh(dp=2), policy="fixed10") as p:
+        for offset in range(3):
+            p.append([b"a", b"b"], offset=offset)
+            p.flush()
+    log = ManifestLog(store, "ns")
+    latest = log.latest()
+    old = log.read(1)
+    forged = old.model_copy(update={"mesh": bw.Mesh(dp=1, cp=2)})
+    store.put(log.key(manifest_key(1)), encode_manifest(forged))
+    report = verify_namespace(store, "ns")
+    assert [p for p in report.problems if "version 1:" in p and "mesh" in p], report.problems
+    assert report.versions == latest.version + 1

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from batchweave._errors import FormatError, ObjectNotFound
+from batchweave._errors import FormatError, NamespaceMismatch, ObjectNotFound
 from batchweave._format._tgb import decode_slice, slice_range
 from batchweave._history import read_object_footer
 from batchweave._manifest._log import ManifestLog
@@ -62,7 +62,7 @@ def _check_versions(log: ManifestLog, latest: Manifest, report: VerifyReport) ->
             manifest = log.read(version)
         except ObjectNotFound:
             continue  # reclaimed while we were verifying
-        except FormatError as exc:
+        except (FormatError, NamespaceMismatch) as exc:  # damaged, or another namespace's
             report.problems.append(f"manifest version {version}: {exc}")
             continue
         if previous is not None and previous.version == version - 1:
