@@ -7,7 +7,14 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 from batchweave import ByteRange, ObjectStore, PutMode, StoreWrapper
-from batchweave._manifest import TgbDescriptor, TgbObjectRef
+from batchweave._manifest import (
+    Committed,
+    Manifest,
+    ManifestLog,
+    TgbDescriptor,
+    TgbObjectRef,
+    encode_manifest,
+)
 from batchweave._store._base import ObjectMeta
 
 __all__ = ["CountingStore", "FaultyPutStore", "descriptor", "landed_then"]
@@ -102,6 +109,17 @@ class FaultyPutStore(StoreWrapper):
             super().put(key, data, mode=mode)
         if error is not None:
             raise error
+
+
+def grow(log: ManifestLog, head: Manifest, count: int, sizes: list[int] | None = None) -> Manifest:
+    """Commit ``count`` one-TGB versions on ``head``; append each manifest's size to ``sizes``."""
+    for _ in range(count):
+        result = log.commit(head, append=[descriptor("p", head.next_step)])
+        assert isinstance(result, Committed)
+        head = result.manifest
+        if sizes is not None:
+            sizes.append(len(encode_manifest(head)))
+    return head
 
 
 def landed_then(error: type[Exception]) -> tuple[bool, Exception]:

@@ -11,12 +11,11 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from manifest_helpers import descriptor
+from manifest_helpers import descriptor, grow
 from pydantic import ValidationError
 
 from batchweave import CountingStore, FormatError, MemoryStore, Mesh, NamespaceMismatch
 from batchweave._manifest import (
-    Committed,
     Manifest,
     ManifestLog,
     encode_manifest,
@@ -27,14 +26,6 @@ from batchweave._manifest._models import SliceTable
 
 MESH = Mesh(dp=2, cp=1)
 NS = "runs/hostile-review"
-
-
-def _grow(log: ManifestLog, head: Manifest, count: int) -> Manifest:
-    for _ in range(count):
-        result = log.commit(head, append=[descriptor("p", head.next_step)])
-        assert isinstance(result, Committed)
-        head = result.manifest
-    return head
 
 
 def _table(**overrides: Any) -> dict[str, Any]:
@@ -119,7 +110,7 @@ def test_any_json_in_a_slice_table_field_is_accepted_or_a_validation_error(
 def test_a_segment_reused_under_another_reference_is_not_served_from_the_cache() -> None:
     store = MemoryStore()
     log = ManifestLog(store, NS, tail_limit=4, merge_fanout=2)
-    head = _grow(log, log.create_or_open(MESH), 12)
+    head = grow(log, log.create_or_open(MESH), 12)
     assert [(r.first_step, r.count) for r in head.segments] == [(0, 8), (8, 4)]
     first, second = head.segments
     assert log.descriptor(head, 0).offset == 0  # caches the segment of steps 0..7
@@ -137,7 +128,7 @@ def test_a_segment_reused_under_another_reference_is_not_served_from_the_cache()
 def test_a_later_version_with_another_mesh_is_a_namespace_mismatch() -> None:
     store = MemoryStore()
     log = ManifestLog(store, NS)
-    head = _grow(log, log.create_or_open(MESH), 2)
+    head = grow(log, log.create_or_open(MESH), 2)
     # Same namespace id, same slice count, another meaning of each slice: consumers and
     # producers would silently read or write the wrong replicas.
     forged = head.model_copy(
@@ -153,7 +144,7 @@ def test_a_later_version_with_another_mesh_is_a_namespace_mismatch() -> None:
 def test_a_segment_object_replaced_by_a_huge_one_is_refused_without_downloading_it() -> None:
     inner = MemoryStore()
     log = ManifestLog(inner, NS, tail_limit=4, merge_fanout=2)
-    head = _grow(log, log.create_or_open(MESH), 12)
+    head = grow(log, log.create_or_open(MESH), 12)
     second = head.segments[1]
     inner.put(log.key(second.key), b"x" * (second.bytes + (8 << 20)))
     store = CountingStore(inner)

@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from manifest_helpers import CountingStore, descriptor
+from manifest_helpers import CountingStore, descriptor, grow
 from pydantic import TypeAdapter
 
 from batchweave import ChecksumMismatch, FormatError, MemoryStore, Mesh, ObjectStore, PutMode
 from batchweave._manifest import (
     Committed,
-    Manifest,
     ManifestLog,
     SegmentRef,
     encode_manifest,
@@ -29,22 +28,12 @@ MESH = Mesh(dp=8, cp=1)
 NS = "runs/seg"
 
 
-def _grow(log: ManifestLog, head: Manifest, count: int, sizes: list[int] | None = None) -> Manifest:
-    for _ in range(count):
-        result = log.commit(head, append=[descriptor("p", head.next_step)])
-        assert isinstance(result, Committed)
-        head = result.manifest
-        if sizes is not None:
-            sizes.append(len(encode_manifest(head)))
-    return head
-
-
 def test_commit_cost_stays_flat_over_5000_commits() -> None:
     store = CountingStore(MemoryStore())
     log = ManifestLog(store, NS)  # default tail_limit=256 and tail_bytes_limit=64 KiB
     head = log.create_or_open(MESH)
     sizes: list[int] = []
-    head = _grow(log, head, 5000, sizes)
+    head = grow(log, head, 5000, sizes)
     assert head.next_step == 5000
     # The tail cycles every 230-odd commits (64 KiB of descriptors), so compare the largest
     # manifest of a window of 500 commits early and late in history. Measured: ~1.01x (only a
@@ -77,7 +66,7 @@ def _segment_keys(store: CountingStore) -> list[str]:
 def test_descriptor_lookup_costs_at_most_one_segment_read(backend: str, tmp_path: Path) -> None:
     inner = MemoryStore() if backend == "memory" else FileStore(tmp_path / "s", fsync=False)
     writer = ManifestLog(inner, NS, tail_limit=16)
-    head = _grow(writer, writer.create_or_open(MESH), 700)
+    head = grow(writer, writer.create_or_open(MESH), 700)
     assert len(head.segments) >= 3
     counting = CountingStore(inner)
     reader = ManifestLog(counting, NS, tail_limit=16, segment_cache=2)
@@ -99,7 +88,7 @@ def test_descriptor_lookup_costs_at_most_one_segment_read(backend: str, tmp_path
 def test_range_iteration_reads_each_segment_once() -> None:
     store = CountingStore(MemoryStore())
     log = ManifestLog(store, NS, tail_limit=8, segment_cache=0)
-    head = _grow(log, log.create_or_open(MESH), 100)
+    head = grow(log, log.create_or_open(MESH), 100)
     store.reset()
     steps = [s for s, d in log.descriptors(head, 3, 97) if d.offset == s]
     assert steps == list(range(3, 97))
@@ -135,10 +124,10 @@ def test_the_tail_rolls_at_its_byte_bound_before_its_count_bound() -> None:
 
 def test_the_count_bound_still_applies_and_the_byte_bound_can_be_off() -> None:
     counted = ManifestLog(MemoryStore(), NS, tail_limit=4, tail_bytes_limit=1 << 30)
-    head = _grow(counted, counted.create_or_open(MESH), 10)
+    head = grow(counted, counted.create_or_open(MESH), 10)
     assert len(head.tail) == 2  # rolled at 4 and 8
     unbounded = ManifestLog(MemoryStore(), NS, tail_limit=10_000, tail_bytes_limit=None)
-    head = _grow(unbounded, unbounded.create_or_open(MESH), 300)
+    head = grow(unbounded, unbounded.create_or_open(MESH), 300)
     assert head.segments == ()
     assert len(head.tail) == 300
     with pytest.raises(ValueError, match="tail_bytes_limit"):
@@ -164,7 +153,7 @@ def test_merge_policy_with_fanout_2_is_a_binary_counter_with_a_cap() -> None:
     log = ManifestLog(MemoryStore(), NS, tail_limit=2, max_segment_tgbs=16, merge_fanout=2)
     head = log.create_or_open(MESH)
     for n in range(1, 101):
-        head = _grow(log, head, 1)
+        head = grow(log, head, 1)
         counts = [r.count for r in head.segments]
         assert sum(counts) + len(head.tail) == n
         levels = [segment_level(c, 2, 2) for c in counts]
@@ -306,7 +295,7 @@ def test_merge_run_length_with_fanout_2_respects_cap_and_levels(
 def test_corrupt_or_replaced_segment_is_detected() -> None:
     store = MemoryStore()
     log = ManifestLog(store, NS, tail_limit=4, merge_fanout=2)  # segments of two sizes
-    head = _grow(log, log.create_or_open(MESH), 12)
+    head = grow(log, log.create_or_open(MESH), 12)
     assert [r.count for r in head.segments] == [8, 4]
     ref = head.segments[0]
     key = log.key(ref.key)
@@ -329,12 +318,12 @@ def test_corrupt_or_replaced_segment_is_detected() -> None:
 
 def test_reclamation_cuts_segment_refs_and_merges_drop_reclaimed_steps() -> None:
     log = ManifestLog(MemoryStore(), NS, tail_limit=4)
-    head = _grow(log, log.create_or_open(MESH), 40)
+    head = grow(log, log.create_or_open(MESH), 40)
     result = log.commit(head, base_step=35)
     assert isinstance(result, Committed)
     cut = result.manifest
     assert cut.segments == tuple(r for r in head.segments if r.end_step > 35)
-    grown = _grow(log, cut, 30)
+    grown = grow(log, cut, 30)
     assert grown.segments[0].first_step >= 32
     assert [d.offset for _, d in log.descriptors(grown, 35, 70)] == list(range(35, 70))
 
@@ -393,7 +382,7 @@ def test_a_prepared_merge_is_not_swapped_in_once_its_segments_changed() -> None:
     deferred = _deferred_log(store, tail_limit=2, fanout=2)
     inline = ManifestLog(store, NS, tail_limit=2, merge_fanout=2)
     head = deferred.create_or_open(MESH)
-    head = _grow(deferred, head, 2)  # one level-0 segment
+    head = grow(deferred, head, 2)  # one level-0 segment
     result = deferred.commit(head, append=[descriptor("p", 2), descriptor("p", 3)])
     assert isinstance(result, Committed)
     head = result.manifest
@@ -414,10 +403,10 @@ def test_a_prepared_merge_is_not_swapped_in_once_its_segments_changed() -> None:
 def test_a_prepared_merge_is_swapped_in_by_the_next_commit() -> None:
     store = MemoryStore()
     log = _deferred_log(store, tail_limit=2, fanout=2)
-    head = _grow(log, log.create_or_open(MESH), 4)
+    head = grow(log, log.create_or_open(MESH), 4)
     assert [r.count for r in head.segments] == [2, 2]
     log.prepare_merge(head)
-    head = _grow(log, head, 1)
+    head = grow(log, head, 1)
     assert [r.count for r in head.segments] == [4]
     assert [d.offset for _, d in log.descriptors(head, 0, 5)] == list(range(5))
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from fake_time import FakeTime
-from manifest_helpers import descriptor
+from manifest_helpers import descriptor, grow
 
 from batchweave import (
     MemoryStore,
@@ -34,7 +34,7 @@ from batchweave import (
     TransientStoreError,
     Watermarks,
 )
-from batchweave._manifest import Committed, Manifest, ManifestLog
+from batchweave._manifest import Committed, ManifestLog
 from batchweave._manifest._log import PREPARED_MERGE_MAX_AGE
 from batchweave._store._base import ObjectMeta
 
@@ -54,14 +54,6 @@ class _Wall:
         return self.now
 
 
-def _grow(log: ManifestLog, head: Manifest, count: int) -> Manifest:
-    for _ in range(count):
-        result = log.commit(head, append=[descriptor("p", head.next_step)])
-        assert isinstance(result, Committed)
-        head = result.manifest
-    return head
-
-
 def test_a_stale_prepared_merge_the_reclaimer_deleted_is_never_swapped_in() -> None:
     # A producer prepares a level merge after a commit, then commits nothing for longer than
     # 2 x grace (a slow source, or append blocked by max_lag while checkpointing stalls). The
@@ -71,7 +63,7 @@ def test_a_stale_prepared_merge_the_reclaimer_deleted_is_never_swapped_in() -> N
     wall = _Wall()
     store = MemoryStore(clock=wall)
     log = ManifestLog(store, NS, clock=wall, tail_limit=2, merge_fanout=2, deferred_merges=True)
-    head = _grow(log, log.create_or_open(MESH), 4)
+    head = grow(log, log.create_or_open(MESH), 4)
     assert [r.count for r in head.segments] == [2, 2]
     assert log.prepare_merge(head) > 0  # the merge of both, waiting for the next commit
 
@@ -90,17 +82,17 @@ def test_a_prepared_merge_is_swapped_in_within_its_age_limit_and_dropped_after()
     wall = _Wall()
     store = MemoryStore(clock=wall)
     log = ManifestLog(store, NS, clock=wall, tail_limit=2, merge_fanout=2, deferred_merges=True)
-    head = _grow(log, log.create_or_open(MESH), 4)
+    head = grow(log, log.create_or_open(MESH), 4)
     log.prepare_merge(head)
     wall.now += PREPARED_MERGE_MAX_AGE / 2
-    head = _grow(log, head, 1)
+    head = grow(log, head, 1)
     assert [r.count for r in head.segments] == [4]  # swapped in
 
-    head = _grow(log, head, 3)  # two more rolls: a merge of all three is due
+    head = grow(log, head, 3)  # two more rolls: a merge of all three is due
     assert [r.count for r in head.segments] == [4, 2, 2]
     assert log.prepare_merge(head) > 0
     wall.now += PREPARED_MERGE_MAX_AGE + 1
-    head = _grow(log, head, 1)
+    head = grow(log, head, 1)
     assert [r.count for r in head.segments] == [4, 2, 2]  # too old: left unreferenced
     assert [d.offset for _, d in log.descriptors(head, 0, head.next_step)] == list(range(9))
 
