@@ -43,12 +43,9 @@ class _Hooked(MemoryStore):
         self.on_data: Callable[[str], None] | None = None
         self.on_list: Callable[[str], None] | None = None
 
-    def get(self, key: str) -> bytes:
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
         if self.on_manifest is not None and "/_manifests/" in key:
             self.on_manifest(key)
-        return super().get(key)
-
-    def get_range(self, key: str, rng: ByteRange) -> bytes:
         if self.on_data is not None and "/data/" in key:
             self.on_data(key)
         return super().get_range(key, rng)
@@ -269,7 +266,7 @@ def test_a_spent_retry_budget_says_what_to_do() -> None:
         store, "run", mesh=MESH, dp_rank=0, prefetch=0, retry_budget=1,
         clock=fake.clock, sleep=fake.sleep,
     )  # fmt: skip
-    store.fail_next("get_range", times=2)
+    store.fail_next("get_range", times=2, key_prefix="run/data/")
     with pytest.raises(ConsumerError, match=r"^step 0 .*budget \(1\) is spent") as info:
         next(c)
     assert "next() retries the step" in str(info.value)

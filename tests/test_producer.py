@@ -530,7 +530,7 @@ def test_transient_errors_reading_the_base_keep_pending(store: MemoryStore) -> N
     fake = FakeTime(1000.0)
     faulty = FaultInjectingStore(store)
     with make(faulty, fake=fake) as p:
-        faulty.fail_next("get", times=2, key_prefix=f"{NS}/_manifests/")
+        faulty.fail_next("get_range", times=2, key_prefix=f"{NS}/_manifests/")
         p.append(payloads(0), offset=0)
         p.flush()
         assert p.stats().transient_errors == 2

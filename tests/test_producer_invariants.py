@@ -276,7 +276,7 @@ class ProducerMachine(RuleBasedStateMachine):
         its own TGBs in the history it rebases onto and not commit them again."""
         if read_back_fails:
             self.store.fail_next("put", AmbiguousWriteError, landed=True, key_prefix=f"{NS}/_man")
-            self.store.fail_next("get", TransientStoreError, key_prefix=f"{NS}/_manifests/")
+            self.store.fail_next("get_range", TransientStoreError, key_prefix=f"{NS}/_manifests/")
         else:
             # A failure reported as transient although the write landed (a mislabelled 5xx).
             self.store.fail_next("put", TransientStoreError, landed=True, key_prefix=f"{NS}/_man")
@@ -285,7 +285,9 @@ class ProducerMachine(RuleBasedStateMachine):
     def transient_failures(self, times: int) -> None:
         """The next data uploads and manifest reads fail transiently."""
         self.store.fail_next("put", TransientStoreError, times=times, key_prefix=f"{NS}/data/")
-        self.store.fail_next("get", TransientStoreError, times=times, key_prefix=f"{NS}/_manif")
+        self.store.fail_next(
+            "get_range", TransientStoreError, times=times, key_prefix=f"{NS}/_manif"
+        )
 
     # -- invariants ------------------------------------------------------------------------
 

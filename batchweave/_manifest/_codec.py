@@ -14,7 +14,10 @@ the body's ``format`` field; the envelope itself is versioned by its magic word.
 Decoding never trusts the bytes: it bounds the size before parsing anything, checks the header,
 the length (truncation), the checksum, then the format version (a newer one is
 :class:`~batchweave.UnsupportedFormatVersion`, "upgrade batchweave") and only then validates the
-schema, translating pydantic errors into :class:`~batchweave.FormatError` naming the key.
+schema, translating pydantic errors into :class:`~batchweave.FormatError` naming the key and the
+fields. Manifests and segments are validated in pydantic's strict mode: nothing is coerced
+(``"3"``, ``3.0`` and ``true`` are no integer), so bytes that another writer produced never
+decode into values nobody committed; what this module encodes always passes.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Sequence
 from typing import Final, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from batchweave._errors import ChecksumMismatch, FormatError, UnsupportedFormatVersion
 from batchweave._format._checksum import checksum
@@ -184,24 +188,36 @@ def _split_envelope(data: bytes, *, key: str, magic: str, limit: int) -> tuple[i
     return stored, body
 
 
-def _validate(body: bytes, model: type[_M], *, key: str, what: str, supported: int) -> _M:
+def _validate(
+    body: bytes, model: type[_M], *, key: str, what: str, supported: int, strict: bool
+) -> _M:
     try:
-        obj = model.model_validate_json(body)
+        obj = model.model_validate_json(body, strict=strict)
     except ValidationError as exc:
         peeked = _peek_format(body)
-        if isinstance(peeked, int) and peeked > supported:
+        if isinstance(peeked, int) and not isinstance(peeked, bool) and peeked > supported:
             raise _unsupported(key, what, peeked, supported) from None
-        summary = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
-            for err in exc.errors()[:5]
-        )
-        raise FormatError(f"{key}: invalid {what}: {summary}") from exc
+        summary = "; ".join(_describe(err) for err in exc.errors()[:5])
+        raise FormatError(
+            f"{key}: invalid {what}: {summary}; the object is corrupt or was not written by "
+            "BatchWeave"
+        ) from exc
     fmt: int = getattr(obj, "format", supported)
     if fmt > supported:
         raise _unsupported(key, what, fmt, supported)
     if fmt < 1:
         raise FormatError(f"{key}: invalid {what} format {fmt}")
     return obj
+
+
+def _describe(err: ErrorDetails) -> str:
+    """``field.path: message (got <value>)`` for one validation error, the value cut short."""
+    where = ".".join(str(p) for p in err["loc"]) or "<root>"
+    got = err.get("input")
+    if isinstance(got, dict | list):  # a whole sub-object: the field path says enough
+        return f"{where}: {err['msg']}"
+    shown = repr(got)
+    return f"{where}: {err['msg']} (got {shown[:40]}{'...' if len(shown) > 40 else ''})"
 
 
 def _peek_format(body: bytes) -> object:
@@ -268,7 +284,9 @@ def decode_manifest(data: bytes, *, key: str) -> Manifest:
     if isinstance(cached, Manifest):
         return cached
     _, body = _split_envelope(data, key=key, magic=_MANIFEST_MAGIC, limit=MAX_MANIFEST_BYTES)
-    manifest = _validate(body, Manifest, key=key, what="manifest", supported=MANIFEST_FORMAT)
+    manifest = _validate(
+        body, Manifest, key=key, what="manifest", supported=MANIFEST_FORMAT, strict=True
+    )
     _DECODED.put(key, data, manifest)
     return manifest
 
@@ -279,7 +297,9 @@ def decode_segment(data: bytes, *, key: str) -> tuple[Segment, int]:
     if isinstance(cached, tuple):
         return cached  # only decode_segment stores tuples
     stored, body = _split_envelope(data, key=key, magic=_SEGMENT_MAGIC, limit=MAX_SEGMENT_BYTES)
-    segment = _validate(body, Segment, key=key, what="segment", supported=SEGMENT_FORMAT)
+    segment = _validate(
+        body, Segment, key=key, what="segment", supported=SEGMENT_FORMAT, strict=True
+    )
     _DECODED.put(key, data, (segment, stored))
     return segment, stored
 
@@ -295,4 +315,4 @@ def decode_object(
     """Parse and verify an object written by :func:`encode_object` with the same ``magic``."""
     _, body = _split_envelope(data, key=key, magic=magic, limit=limit)
     what = magic.removeprefix("batchweave-")
-    return _validate(body, model, key=key, what=what, supported=supported)
+    return _validate(body, model, key=key, what=what, supported=supported, strict=False)

@@ -31,6 +31,7 @@ from batchweave._errors import (
     StepReclaimed,
     TransientStoreError,
 )
+from batchweave._manifest import _codec
 from batchweave._manifest._codec import decode_manifest, descriptors_json_bytes, encode_manifest
 from batchweave._manifest._models import Manifest, ProducerState, SegmentRef, TgbDescriptor
 from batchweave._manifest._segments import (
@@ -42,7 +43,7 @@ from batchweave._manifest._segments import (
     swap_in,
 )
 from batchweave._mesh import Mesh
-from batchweave._store._base import ObjectStore
+from batchweave._store._base import Bounded, ObjectStore
 
 __all__ = [
     "MANIFESTS_DIR",
@@ -197,6 +198,35 @@ def _check_retire(
         )
 
 
+def _went_back(seen: Manifest, new: Manifest) -> str | None:
+    """How ``new`` contradicts ``seen``, the newest version a client saw; ``None`` if it does not.
+
+    Steps are never taken back (``next_step`` only grows), reclaimed steps never return
+    (``base_step`` only grows) and a version is written once.
+    """
+    if new.version == seen.version:
+        if new.commit_id == seen.commit_id:
+            return None
+        return (
+            f"manifest version {new.version} changed: this client saw it as commit "
+            f"{seen.commit_id} (next_step {seen.next_step}), it is now commit {new.commit_id} "
+            f"(next_step {new.next_step}); a version is written once"
+        )
+    if new.version < seen.version:
+        return None
+    for field, why in (
+        ("next_step", "steps are never taken back"),
+        ("base_step", "reclaimed steps never return"),
+    ):
+        before, after = getattr(seen, field), getattr(new, field)
+        if after < before:
+            return (
+                f"manifest version {new.version} has {field} {after}, but version "
+                f"{seen.version}, which this client saw before, has {field} {before}: {why}"
+            )
+    return None
+
+
 class ManifestLog:
     """Manifest versions of one namespace in one store.
 
@@ -260,6 +290,9 @@ class ManifestLog:
         """``clock()`` when the prepared merge began to be written (see PREPARED_MERGE_MAX_AGE)."""
         self._namespace_id: str | None = None
         self._mesh: Mesh | None = None
+        self._newest: Manifest | None = None
+        """The newest version this client read, was given or committed (see ``_observe``)."""
+        self._observe_lock = threading.Lock()
         self._reclaimed_below = 0
         """Versions below this were seen reclaimed: ``latest`` must not trust them as current."""
 
@@ -363,7 +396,7 @@ class ManifestLog:
         if known is not None and known.version < self._reclaimed_below:
             known = None  # its successor may be reclaimed too: a probe would wrongly say "current"
         if known is not None:
-            self._check_identity(known, self.key(manifest_key(known.version)))
+            self._observe(known, self.key(manifest_key(known.version)))
             try:
                 found = self.read(known.version + 1)
             except ObjectNotFound:
@@ -391,22 +424,48 @@ class ManifestLog:
         )
 
     def read(self, version: int) -> Manifest:
-        """Manifest ``version``; :class:`ObjectNotFound` if it does not exist (or was reclaimed)."""
+        """Manifest ``version``; :class:`ObjectNotFound` if it does not exist (or was reclaimed).
+
+        One bounded range read: an object larger than ``MAX_MANIFEST_BYTES`` is a
+        :class:`FormatError` after ``MAX_MANIFEST_BYTES + 1`` bytes, never downloaded whole.
+        The version is then checked against what this client saw before (:meth:`_observe`).
+        """
         key = self.key(manifest_key(version))
+        limit = _codec.MAX_MANIFEST_BYTES  # the codec's own bound, looked up as it does
         try:
-            data = self.store.get(key)
+            # One request either way: a range past the end returns the whole (smaller) object on
+            # every backend, and a bigger one is refused below without downloading it.
+            data = self.store.get_range(key, Bounded(0, limit + 1))
         except ObjectNotFound as exc:
             raise ObjectNotFound(
                 f"manifest version {version} does not exist at {key} (not committed yet, or "
                 "reclaimed)"
             ) from exc
+        if len(data) > limit:
+            raise FormatError(
+                f"{key}: manifest version {version} is larger than {limit} bytes, the most a "
+                "manifest may be (BatchWeave writes kilobytes; only the first "
+                f"{limit + 1} bytes were read): the object was replaced by something other than "
+                f"BatchWeave. Restore it from a backup, and write nothing else under {self._where}"
+            )
         manifest = decode_manifest(data, key=key)
         if manifest.version != version:
             raise FormatError(f"{key}: object says it is version {manifest.version}, not {version}")
-        self._check_identity(manifest, key)
+        self._observe(manifest, key)
         return manifest
 
-    def _check_identity(self, manifest: Manifest, key: str) -> None:
+    def _observe(self, manifest: Manifest, key: str) -> None:
+        """Check ``manifest`` (stored at ``key``) against what this client saw, then note it.
+
+        Every manifest enters a client here: versions it reads, the ``known`` version it asks
+        :meth:`latest` about, the base of a commit and the version a commit wrote. So a producer
+        (rebasing on a winner or on ``latest``), a consumer (refreshing) and tools all refuse a
+        history that changes under them: another namespace id or mesh is
+        :class:`NamespaceMismatch`; a version newer than the newest one seen with fewer steps
+        (``next_step``) or an earlier ``base_step``, or the newest version seen written again
+        with another commit, is :class:`FormatError`. Older versions (a reclaimer bisecting,
+        ``batchweave verify`` walking the history) are checked for identity only.
+        """
         if self._namespace_id is None:
             self._namespace_id, self._mesh = manifest.namespace_id, manifest.mesh
         elif manifest.namespace_id != self._namespace_id:
@@ -421,6 +480,20 @@ class ManifestLog:
                 f"opened it with mesh ({self._mesh}); a namespace's mesh never changes, so the "
                 "object is corrupt or forged"
             )
+        with self._observe_lock:
+            seen = self._newest
+            if seen is not None and seen is not manifest:
+                problem = _went_back(seen, manifest)
+                if problem is not None:
+                    raise FormatError(
+                        f"{key}: {problem}, so the manifest history of {self._where} was "
+                        "rewritten by something other than BatchWeave (an older copy restored "
+                        "over it, an edit, another tool) and its step -> TGB mapping cannot be "
+                        "trusted. Stop writing into this prefix; restore the namespace from a "
+                        "backup, or start a new namespace"
+                    )
+            if seen is None or manifest.version > seen.version:
+                self._newest = manifest
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -494,6 +567,7 @@ class ManifestLog:
         """
         version = base.version + 1
         key = self.key(manifest_key(version))
+        self._observe(base, self.key(manifest_key(base.version)))
         now = self._clock()
         self.last_commit_bytes = 0
         self._check_append(base, append, version)
@@ -709,7 +783,6 @@ class ManifestLog:
         for attempt in range(_AMBIGUOUS_RESENDS + 1):
             try:
                 self.store.put_if_absent(key, data)
-                return Committed(manifest)
             except ObjectExists:
                 result = self._resolve(key, manifest, after="412")
                 if result is None:
@@ -725,6 +798,9 @@ class ManifestLog:
             except TransientStoreError as exc:
                 _log.warning("commit of %s: %s; treating as a conflict", key, exc)
                 return Conflict(None)
+            else:
+                self._observe(manifest, key)
+                return Committed(manifest)
         _log.warning("commit of %s: outcome still unknown after %d sends", key, attempt + 1)
         return Conflict(None)
 

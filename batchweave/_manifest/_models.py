@@ -63,6 +63,8 @@ SEGMENT_FORMAT = 3
 """Segment format this library writes and the newest it reads (descriptors as in the manifest)."""
 
 _STRICT = ConfigDict(frozen=True, extra="forbid")
+"""Config of every persisted model. Persisted JSON is also validated in pydantic's strict mode
+(``decode_manifest``, ``decode_segment``): ``"3"``, ``true`` or ``3.0`` are no integer there."""
 
 _Count = Annotated[int, Field(ge=0)]
 
@@ -107,9 +109,13 @@ class SliceTable(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _expand_compact_columns(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or "count" not in data:
-            return data  # format 2 lists, or a model instance
-        data = dict(data)
+        if not isinstance(data, dict):
+            return data  # a model instance
+        # What this hook returns is validated as Python input, where strict mode (persisted
+        # JSON is decoded strictly) takes no list for a tuple: JSON arrays become tuples here.
+        data = {name: tuple(v) if isinstance(v, list) else v for name, v in data.items()}
+        if "count" not in data:
+            return data  # format 2: one list per column
         count = data.pop("count")
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ValueError(f"count must be a positive integer, got {count!r}")
@@ -333,8 +339,8 @@ class ProducerState(BaseModel):
     """Highest source offset committed by this producer (``None``: nothing yet)."""
     last_version: int = Field(ge=0)
     """Manifest version of this producer's last successful commit."""
-    last_commit_at: float = 0.0
-    """Wall-clock time (seconds since the epoch) of that commit; used to count active producers."""
+    last_commit_at: float = Field(default=0.0, allow_inf_nan=False)
+    """Wall-clock time (seconds since the epoch, finite) of that commit; counts active producers."""
 
 
 class Manifest(BaseModel):
@@ -349,7 +355,9 @@ class Manifest(BaseModel):
     parent: int | None = Field(default=None, ge=0)
     commit_id: str
     """Random id of the attempt that wrote this version; resolves ambiguous writes."""
-    created_at: float = 0.0
+    created_at: float = Field(default=0.0, allow_inf_nan=False)
+    """Writer's wall clock (seconds since the epoch). Finite: pydantic writes inf and NaN as
+    ``null``, which no reader accepts."""
     base_step: int = Field(default=0, ge=0)
     """Steps below this were reclaimed and can no longer be read."""
     segments: tuple[SegmentRef, ...] = ()
