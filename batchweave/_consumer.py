@@ -462,6 +462,11 @@ class Consumer:
         return None if self._manifest is None else self._manifest.namespace_id
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called: this consumer reads nothing more."""
+        return self._closed
+
+    @property
     def manifest_version(self) -> int | None:
         """Version of the newest manifest this consumer has read (``None`` before opening)."""
         return None if self._manifest is None else self._manifest.version

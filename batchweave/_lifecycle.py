@@ -17,7 +17,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from batchweave._checks import check_at_least
@@ -41,11 +41,21 @@ from batchweave._manifest._segments import SEGMENTS_DIR
 from batchweave._store._base import ObjectMeta, ObjectStore
 from batchweave._watermarks import Watermark, Watermarks
 
-__all__ = ["DATA_DIR", "ReclaimReport", "Reclaimer", "Resumable", "checkpoint_hook"]
+__all__ = [
+    "DATA_DIR",
+    "ReclaimProgress",
+    "ReclaimReport",
+    "Reclaimer",
+    "Resumable",
+    "checkpoint_hook",
+]
 
 _log = logging.getLogger("batchweave.lifecycle")
 
 DATA_DIR = "data"
+
+_PROGRESS_EVERY = 1000
+"""Listed keys between two progress reports (one LIST page of S3)."""
 
 _OWN_KEYS = re.compile(
     rf"{DATA_DIR}/[^/]+/\d+/\d{{20}}-[0-9a-f]{{32}}\.tgb|{SEGMENTS_DIR}/\d{{20}}-[0-9a-f]{{32}}\.seg"
@@ -141,6 +151,8 @@ class ReclaimReport:
     commit_conflicts: int = 0
     """Lost races while committing the new ``base_step`` (retried)."""
     seconds: float = 0.0
+    keys_listed: int = 0
+    """Keys the pass listed (manifests, data and segments): most of a large pass's time."""
 
     @property
     def objects_deleted(self) -> int:
@@ -163,14 +175,86 @@ class ReclaimReport:
         )
 
 
-@dataclass
-class _Tally:
-    counts: dict[str, int] = field(default_factory=dict)
+@dataclass(frozen=True)
+class ReclaimProgress:
+    """A snapshot of a running :meth:`Reclaimer.run_once` pass, for progress displays.
 
-    def add(self, kind: str, metas: Iterable[ObjectMeta]) -> None:
-        for meta in metas:
+    A pass on a large namespace is mostly LIST requests and 1,000-key batch deletes and can
+    take minutes; the reclaimer's ``progress`` callback receives one of these when a phase
+    begins, every 1,000 keys listed, after every delete request and when the pass ends.
+    """
+
+    phase: str
+    """What the pass is doing: ``"reading watermarks"``, ``"committing base_step"``,
+    ``"listing _manifests/"``, ``"reading manifests"``, ``"listing data/"``,
+    ``"deleting TGBs"``, ``"deleting orphans"``, ``"listing _segments/"``,
+    ``"deleting segments"``, ``"deleting manifests"``, then ``"done"``."""
+    keys_listed: int
+    """Keys listed so far in this pass (every prefix)."""
+    objects_deleted: int
+    """Objects deleted so far in this pass (every kind)."""
+    bytes_deleted: int
+    """Bytes of the objects deleted so far."""
+    phase_done: int = 0
+    """Objects of a deleting phase handled so far (deleted, or refused by the store)."""
+    phase_total: int | None = None
+    """Objects a deleting phase will handle (``None`` while listing or reading: unknown)."""
+    seconds: float = 0.0
+    """Time since the pass began, by the reclaimer's clock."""
+
+
+class _Pass:
+    """The counts of one pass, and the progress reports made from them."""
+
+    def __init__(
+        self, clock: Callable[[], float], callback: Callable[[ReclaimProgress], None] | None
+    ) -> None:
+        self.counts: dict[str, int] = {}
+        self.listed = 0
+        self.objects = 0
+        self.bytes = 0
+        self.phase = "reading watermarks"
+        self.phase_done = 0
+        self.phase_total: int | None = None
+        self._clock = clock
+        self._callback = callback
+        self.started = clock()
+
+    def seconds(self) -> float:
+        return self._clock() - self.started
+
+    def begin(self, phase: str, total: int | None = None) -> None:
+        self.phase, self.phase_done, self.phase_total = phase, 0, total
+        self.report()
+
+    def listed_one(self) -> None:
+        self.listed += 1
+        if self.listed % _PROGRESS_EVERY == 0:
+            self.report()
+
+    def handled(self, kind: str, deleted: Iterable[ObjectMeta], count: int) -> None:
+        """``count`` objects of the current phase were handled; ``deleted`` of them went."""
+        for meta in deleted:
             self.counts[kind] = self.counts.get(kind, 0) + 1
             self.counts[f"{kind}_bytes"] = self.counts.get(f"{kind}_bytes", 0) + meta.size
+            self.objects += 1
+            self.bytes += meta.size
+        self.phase_done += count
+        self.report()
+
+    def report(self) -> None:
+        if self._callback is not None:
+            self._callback(
+                ReclaimProgress(
+                    phase=self.phase,
+                    keys_listed=self.listed,
+                    objects_deleted=self.objects,
+                    bytes_deleted=self.bytes,
+                    phase_done=self.phase_done,
+                    phase_total=self.phase_total,
+                    seconds=self.seconds(),
+                )
+            )
 
 
 class Reclaimer:
@@ -194,8 +278,11 @@ class Reclaimer:
     ``grace`` must exceed the longest time a producer may take from uploading a TGB (or segment)
     to committing it, and be more than twice the producers' ``refresh_age`` (see
     ``docs/lifecycle.md``). ``clock`` must be comparable with the store's ``last_modified``
-    (wall-clock seconds); ``sleep`` paces commit retries. ``delete_batch`` bounds the keys per
-    delete request (SeaweedFS refuses more than 1,000).
+    (wall-clock seconds); ``sleep`` paces commit retries and watermark listings retaken after
+    a release. ``delete_batch`` bounds the keys per delete request (SeaweedFS refuses more than
+    1,000). ``progress``, if given, receives a :class:`ReclaimProgress` as each pass goes (on
+    the pass's thread; an exception it raises stops the pass, which is safe: a pass may stop
+    anywhere and the next one finishes the job).
     """
 
     def __init__(
@@ -209,6 +296,7 @@ class Reclaimer:
         max_commit_attempts: int = 50,
         delete_batch: int = 1000,
         log: ManifestLog | None = None,
+        progress: Callable[[ReclaimProgress], None] | None = None,
     ) -> None:
         if grace < 0:
             raise ValueError(f"grace must be >= 0 seconds, got {grace}")
@@ -229,7 +317,9 @@ class Reclaimer:
         self._max_commit_attempts = max_commit_attempts
         self._delete_batch = delete_batch
         self._log = log if log is not None else ManifestLog(store, namespace, clock=clock)
-        self._watermarks = Watermarks(store, namespace, clock=clock)
+        self._watermarks = Watermarks(store, namespace, clock=clock, sleep=sleep)
+        self.progress = progress
+        """Called with a :class:`ReclaimProgress` as each pass goes (``None``: not reported)."""
         self._rng = random.Random()
         self._swept_below: int | None = None
         """A base_step whose lower steps this instance already deleted (skip finding them)."""
@@ -299,7 +389,8 @@ class Reclaimer:
 
     def _run_once(self) -> ReclaimReport:
         self._refused = []
-        started = self._clock()
+        tally = _Pass(self._clock, self.progress)
+        tally.report()
         marks = self._watermarks.live()
         boundary = marks[0].step if marks else 0
         try:
@@ -311,15 +402,16 @@ class Reclaimer:
                 base_step_before=0,
                 base_step_after=0,
                 latest_version=-1,
-                seconds=self._clock() - started,
+                seconds=tally.seconds(),
             )
+            tally.begin("done")
             return self.last_report
         before = latest.base_step
+        tally.begin("committing base_step")
         latest, cut_from, conflicts = self._commit_boundary(latest, boundary)
         now = self._clock()
-        versions = self._list(f"{MANIFESTS_DIR}/")
+        versions = self._list(f"{MANIFESTS_DIR}/", tally)
         numbered = sorted((v, meta) for meta in versions if (v := _version_of(meta)) is not None)
-        tally = _Tally()
         self._delete_data(latest, cut_from, numbered, now, tally)
         settled = self._settled_version(numbered, now)
         self._delete_segments(latest, settled, now, tally)
@@ -343,9 +435,11 @@ class Reclaimer:
             manifests_deleted=c.get("manifest", 0),
             manifest_bytes_deleted=c.get("manifest_bytes", 0),
             commit_conflicts=conflicts,
-            seconds=self._clock() - started,
+            seconds=tally.seconds(),
+            keys_listed=tally.listed,
         )
         self.last_report = report
+        tally.begin("done")
         if self._refused:
             first = self._refused[0]
             raise type(first)(
@@ -354,21 +448,27 @@ class Reclaimer:
                 f"({report.objects_deleted} objects deleted, base_step {latest.base_step}). Fix "
                 "the permissions (or object lock) on those keys; the next pass retries them"
             ) from first
-        if report.objects_deleted or before != latest.base_step:
-            _log.info(
-                "%s/%s: base_step %d -> %d (boundary %d); deleted %d TGB objects, %d orphans, "
-                "%d segments, %d manifests (%d bytes)",
-                self.store.url,
-                self.namespace,
-                before,
-                latest.base_step,
-                boundary,
-                report.tgbs_deleted,
-                report.orphans_deleted,
-                report.segments_deleted,
-                report.manifests_deleted,
-                report.bytes_deleted,
-            )
+        # A pass that changed nothing is routine for a background reclaimer: not worth INFO.
+        changed = report.objects_deleted or before != latest.base_step
+        _log.log(
+            logging.INFO if changed else logging.DEBUG,
+            "%s/%s: reclaim pass done in %.1f s: base_step %d -> %d (boundary %d, %d "
+            "watermarks); listed %d keys; deleted %d TGB objects, %d orphans, %d segments, "
+            "%d manifests (%d bytes)",
+            self.store.url,
+            self.namespace,
+            report.seconds,
+            before,
+            latest.base_step,
+            boundary,
+            report.watermarks,
+            report.keys_listed,
+            report.tgbs_deleted,
+            report.orphans_deleted,
+            report.segments_deleted,
+            report.manifests_deleted,
+            report.bytes_deleted,
+        )
         return report
 
     def _commit_boundary(
@@ -411,8 +511,9 @@ class Reclaimer:
         cut_from: Manifest | None,
         numbered: list[tuple[int, ObjectMeta]],
         now: float,
-        tally: _Tally,
+        tally: _Pass,
     ) -> None:
+        tally.begin("reading manifests")
         live = {
             ref.key
             for _, desc in self._log.descriptors(latest, latest.base_step, latest.next_step)
@@ -426,7 +527,7 @@ class Reclaimer:
         reclaimed: list[ObjectMeta] = []
         orphans: list[ObjectMeta] = []
         cutoff = now - self.grace
-        for meta in self._list(f"{DATA_DIR}/"):
+        for meta in self._list(f"{DATA_DIR}/", tally):
             rel = self._relative(meta.key)
             if rel in live:
                 continue
@@ -435,9 +536,10 @@ class Reclaimer:
             elif meta.last_modified <= cutoff and _OWN_KEYS.fullmatch(rel):
                 orphans.append(meta)
         refused = len(self._refused)
-        tally.add("tgb", self._delete(reclaimed))
-        orphans = self._delete(orphans)
-        tally.add("orphan", orphans)
+        tally.begin("deleting TGBs", len(reclaimed))
+        self._delete(reclaimed, "tgb", tally)
+        tally.begin("deleting orphans", len(orphans))
+        orphans = self._delete(orphans, "orphan", tally)
         for meta in orphans:
             _log.info("deleted orphan %r (%d bytes, unreferenced)", meta.key, meta.size)
         if len(self._refused) == refused:
@@ -495,7 +597,7 @@ class Reclaimer:
             return None
 
     def _delete_segments(
-        self, latest: Manifest, settled: Manifest | None, now: float, tally: _Tally
+        self, latest: Manifest, settled: Manifest | None, now: float, tally: _Pass
     ) -> None:
         if settled is None:
             return  # no version is old enough to tell what readers may still hold
@@ -503,35 +605,42 @@ class Reclaimer:
         cutoff = now - 2 * self.grace
         doomed = [
             meta
-            for meta in self._list(f"{SEGMENTS_DIR}/")
+            for meta in self._list(f"{SEGMENTS_DIR}/", tally)
             if self._relative(meta.key) not in keep
             and meta.last_modified <= cutoff
             and _OWN_KEYS.fullmatch(self._relative(meta.key))
         ]
-        tally.add("segment", self._delete(doomed))
+        tally.begin("deleting segments", len(doomed))
+        self._delete(doomed, "segment", tally)
 
     def _delete_manifests(
-        self, numbered: list[tuple[int, ObjectMeta]], below: int, tally: _Tally
+        self, numbered: list[tuple[int, ObjectMeta]], below: int, tally: _Pass
     ) -> None:
         """Delete versions below ``below`` one at a time, oldest first: the survivors always
         form a suffix of history, so a writer whose base survives also finds its successor."""
-        for version, meta in numbered:
-            if version >= below:
-                break
-            if not self._delete([meta]):
+        doomed = [meta for version, meta in numbered if version < below]
+        tally.begin("deleting manifests", len(doomed))
+        for meta in doomed:
+            if not self._delete([meta], "manifest", tally):
                 break  # never delete a newer version while an older one survives
-            tally.add("manifest", [meta])
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _list(self, relative_prefix: str) -> list[ObjectMeta]:
-        return list(self.store.list(f"{self.namespace}/{relative_prefix}"))
+    def _list(self, relative_prefix: str, tally: _Pass) -> list[ObjectMeta]:
+        tally.begin(f"listing {relative_prefix}")
+        metas: list[ObjectMeta] = []
+        for meta in self.store.list(f"{self.namespace}/{relative_prefix}"):
+            metas.append(meta)
+            tally.listed_one()
+        tally.report()
+        return metas
 
     def _relative(self, key: str) -> str:
         return key[len(self.namespace) + 1 :]
 
-    def _delete(self, metas: list[ObjectMeta]) -> list[ObjectMeta]:
-        """Delete ``metas`` in batches and return those deleted.
+    def _delete(self, metas: list[ObjectMeta], kind: str, tally: _Pass) -> list[ObjectMeta]:
+        """Delete ``metas`` in batches, count them in ``tally`` as ``kind`` and return those
+        deleted.
 
         A batch the store refuses (permission denied on some keys, an object lock) is retried
         key by key, and the keys still refused are skipped and recorded, so one undeletable
@@ -555,10 +664,13 @@ class Reclaimer:
                         level = logging.WARNING if not self._refused else logging.DEBUG
                         _log.log(level, "cannot delete %r, skipping it: %s", meta.key, exc)
                         self._refused.append(exc)
+                        tally.handled(kind, (), 1)
                     else:
                         deleted.append(meta)
+                        tally.handled(kind, (meta,), 1)
             else:
                 deleted.extend(chunk)
+                tally.handled(kind, chunk, len(chunk))
         return deleted
 
 

@@ -211,8 +211,7 @@ def _one_per_series(
     """One object per label set: open before closed, then the most recently tracked."""
     best: dict[Hashable, tuple[tuple[bool, int], _Tracked]] = {}
     for obj, order in tracked:
-        # ``_closed`` is set by close() on both classes; a missing one counts as open
-        rank = (not getattr(obj, "_closed", False), order)
+        rank = (not obj.closed, order)
         key = labels(obj)
         if key not in best or rank > best[key][0]:
             best[key] = (rank, obj)

@@ -321,7 +321,7 @@ class Producer:
         self._watermarks: Watermarks | None = None
         """The namespace's watermarks when they give the boundary (named in max_lag logs)."""
         if boundary is None:
-            self._watermarks = Watermarks(store, namespace)
+            self._watermarks = Watermarks(store, namespace, sleep=sleep)
             boundary = self._watermarks.boundary
         self._boundary_fn = boundary
         self._refresh_age = refresh_age
@@ -427,6 +427,11 @@ class Producer:
         here (``source.iter_from(p.resume_offset)``) for exactly-once publication.
         """
         return self._resume_offset
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` or :meth:`abort` stopped this producer: it publishes no more."""
+        return self._closed
 
     @property
     def committed_offset(self) -> int | None:

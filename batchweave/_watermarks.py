@@ -53,6 +53,10 @@ _MAX_BYTES: Final = 64 << 10
 _SUFFIX: Final = ".json"
 _LIST_ATTEMPTS: Final = 10
 """Listings :meth:`Watermarks.live` makes while watermarks vanish under it, before giving up."""
+_LIST_BACKOFF: Final = 0.05
+"""Pause before the first listing retaken; it doubles before each next one..."""
+_LIST_BACKOFF_CAP: Final = 1.0
+"""... up to this many seconds (the whole budget then waits about 5.5 s)."""
 _ID_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,199}")
 
 
@@ -95,6 +99,7 @@ class Watermarks:
     releases only ids inside it, so several readers of one namespace (a training job and an
     evaluation job) never release each other's (``None``: the whole namespace, for a namespace
     with one reader). ``clock`` (wall-clock seconds) is stored in each watermark for operators.
+    ``sleep`` paces the listings :meth:`live` retakes when a watermark vanishes under it.
 
     Safe to use from several processes: every watermark is its own object, written whole.
     """
@@ -107,6 +112,7 @@ class Watermarks:
         keep_last: int | None = None,
         scope: str | None = None,
         clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         check_store(store)
         if namespace.endswith("/"):
@@ -121,6 +127,7 @@ class Watermarks:
         self.keep_last = keep_last
         self.scope = scope
         self._clock = clock
+        self._sleep = sleep
         self._prefix = f"{namespace}/{WATERMARKS_DIR}/"
 
     def __repr__(self) -> str:
@@ -199,25 +206,39 @@ class Watermarks:
         A watermark object that cannot be decoded raises :class:`FormatError` naming its key:
         ignoring it could reclaim data its checkpoint needs. Delete or re-record it to go on.
         A listing in which a watermark is released before it is read is taken again (see
-        :meth:`_list_once`); :class:`TransientStoreError` if that keeps happening.
+        :meth:`_list_once`) after a pause that doubles from 0.05 s up to 1 s, so a store whose
+        LIST lags its DELETEs gets time to catch up; :class:`TransientStoreError` if it still
+        happens after 10 listings (about 5.5 s of pauses).
         """
-        for _ in range(_LIST_ATTEMPTS):
-            marks = self._list_once()
-            if marks is not None:
+        waited = 0.0
+        for attempt in range(_LIST_ATTEMPTS):
+            if attempt:
+                pause = min(_LIST_BACKOFF_CAP, _LIST_BACKOFF * 2.0 ** (attempt - 1))
+                self._sleep(pause)
+                waited += pause
+            marks, vanished = self._list_once()
+            if vanished is None:
                 marks.sort(key=lambda m: (m.step, m.checkpoint_id))
                 return marks
+            _log.debug("watermark %r vanished while listed; listing again", vanished)
         raise TransientStoreError(
-            f"{self.store.url}/{self._prefix}: watermarks kept being released while they were "
-            f"listed ({_LIST_ATTEMPTS} listings); retry"
+            f"{self.store.url}/{self.namespace}: the watermarks could not be listed consistently: "
+            f"{_LIST_ATTEMPTS} listings over {waited:.1f} s each named a watermark that was gone "
+            f"when read (last: {vanished!r}). Either checkpoints are released faster than they "
+            "can be listed, or the store's LIST lags its DELETEs. Nothing was decided on the "
+            "stale view; retry (a reclaimer retries on its next pass), and if it persists "
+            f"check what releases watermarks under {self._prefix!r} and the store's listing "
+            "consistency"
         )
 
-    def _list_once(self) -> list[Watermark] | None:
-        """The watermarks of one LIST, or ``None`` if one was released before it was read.
+    def _list_once(self) -> tuple[list[Watermark], str | None]:
+        """The watermarks of one LIST, and the key of one released before it was read (``None``
+        when none was).
 
-        Such a listing is stale: its checkpoint's successor is recorded before the old one is
-        released (``keep_last`` does so, and so should callers), and may be missing from it.
-        Without the released mark its minimum could skip the successor's lower step (another
-        reader's watermark above it), so the caller lists again.
+        A listing with such a key is stale: its checkpoint's successor is recorded before the
+        old one is released (``keep_last`` does so, and so should callers), and may be missing
+        from it. Without the released mark its minimum could skip the successor's lower step
+        (another reader's watermark above it), so the caller lists again.
         """
         marks: list[Watermark] = []
         for meta in self.store.list(self._prefix):
@@ -227,9 +248,9 @@ class Watermarks:
             try:
                 data = self.store.get(meta.key)
             except ObjectNotFound:
-                return None  # released between LIST and GET
+                return marks, meta.key  # released between LIST and GET
             marks.append(self._decode(data, meta.key))
-        return marks
+        return marks, None
 
     def boundary(self) -> int:
         """The reclamation boundary: the minimum step over live watermarks (0 when none)."""

@@ -224,8 +224,10 @@ class _EveryWatermarkVanishes(StoreWrapper):
 def test_watermarks_that_keep_vanishing_are_a_retryable_error_not_boundary_zero() -> None:
     inner = MemoryStore()
     Watermarks(inner, NS).record("ckpt-1", 7, version=0)
-    with pytest.raises(TransientStoreError, match="released while they were listed"):
-        Watermarks(_EveryWatermarkVanishes(inner), NS).boundary()
+    pauses: list[float] = []
+    with pytest.raises(TransientStoreError, match="could not be listed consistently"):
+        Watermarks(_EveryWatermarkVanishes(inner), NS, sleep=pauses.append).boundary()
+    assert len(pauses) == 9  # between the 10 listings, never a real wait in a test
 
 
 # -- append racing close() ----------------------------------------------------------------------

@@ -43,6 +43,7 @@ from batchweave.cli._inspect import (
     render_inspection,
     step_range,
 )
+from batchweave.cli._reclaim import reclaim_progress
 from batchweave.cli._seal import seal_namespace
 from batchweave.cli._verify import verify_namespace
 
@@ -178,14 +179,29 @@ def verify(
     help="Seconds an unreferenced object or superseded manifest must age before deletion.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option(
+    "--progress",
+    "show_progress",
+    is_flag=True,
+    help="Report keys listed and objects deleted on stderr as the pass goes, also with --json "
+    "and off a terminal (default: a live line on a terminal, without --json).",
+)
 @store_options
-def reclaim(store: str, namespace: str, grace: float, as_json: bool, **options: Any) -> None:
+def reclaim(
+    store: str,
+    namespace: str,
+    grace: float,
+    as_json: bool,
+    show_progress: bool,
+    **options: Any,
+) -> None:
     """Run one reclamation pass: raise base_step to the minimum watermark and delete
     what no live checkpoint can need."""
     namespace = validate_namespace(namespace)
     st = _open(store, options, writes=True)
     ManifestLog(st, namespace).latest()  # a missing namespace is an error, not an empty pass
-    report = Reclaimer(st, namespace, grace=grace).run_once()
+    with reclaim_progress(show_progress, quiet=as_json) as progress:
+        report = Reclaimer(st, namespace, grace=grace, progress=progress).run_once()
     data = {**asdict(report), "objects_deleted": report.objects_deleted}
     data["bytes_deleted"] = report.bytes_deleted
     if as_json:
@@ -209,6 +225,7 @@ def reclaim(store: str, namespace: str, grace: float, as_json: bool, **options: 
     table.add_row(
         "deleted", f"{report.objects_deleted} objects, {human_bytes(report.bytes_deleted)}"
     )
+    table.add_row("took", f"{report.seconds:.1f} s ({report.keys_listed} keys listed)")
     out_console().print(table)
 
 
