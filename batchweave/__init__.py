@@ -47,7 +47,7 @@ from batchweave._format import (
     read_slice,
     slice_range,
 )
-from batchweave._lifecycle import Reclaimer, ReclaimReport, checkpoint_hook
+from batchweave._lifecycle import Reclaimer, ReclaimProgress, ReclaimReport, checkpoint_hook
 from batchweave._mesh import Mesh
 from batchweave._metrics import instrument_policy, start_metrics_server, track_metrics
 from batchweave._policy import (
@@ -69,6 +69,7 @@ from batchweave._store._base import (
     Offset,
     PutMode,
     Suffix,
+    validate_key,
 )
 from batchweave._store._file import FileStore
 from batchweave._store._memory import MemoryStore
@@ -128,6 +129,7 @@ __all__ = [
     "ProducerStats",
     "PutMode",
     "RankCoordinates",
+    "ReclaimProgress",
     "ReclaimReport",
     "Reclaimer",
     "RetireReport",
@@ -163,5 +165,6 @@ __all__ = [
     "slice_range",
     "start_metrics_server",
     "track_metrics",
+    "validate_key",
     "__version__",
 ]

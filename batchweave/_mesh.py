@@ -32,8 +32,14 @@ class Mesh(BaseModel):
         if type(dp_rank) is not int or type(cp_rank) is not int:
             dp_rank, cp_rank = as_int("dp_rank", dp_rank), as_int("cp_rank", cp_rank)
         if not (0 <= dp_rank < self.dp and 0 <= cp_rank < self.cp):
+            name, value, size = (
+                ("dp_rank", dp_rank, self.dp)
+                if not 0 <= dp_rank < self.dp
+                else ("cp_rank", cp_rank, self.cp)
+            )
             raise ValueError(
-                f"slice ({dp_rank}, {cp_rank}) is outside mesh dp={self.dp}, cp={self.cp}"
+                f"slice ({dp_rank}, {cp_rank}) is outside mesh dp={self.dp}, cp={self.cp}: "
+                f"{name} must be in [0, {size}), got {value}"
             )
         return dp_rank * self.cp + cp_rank
 

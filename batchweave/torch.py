@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import multiprocessing
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -23,10 +24,10 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, default_convert, get_worker_info
 
-from batchweave._consumer import Consumer
-from batchweave._errors import NamespaceNotFound
+from batchweave._consumer import Consumer, _resolve_coordinates
+from batchweave._errors import ConsumerTimeout, NamespaceNotFound
 from batchweave._mesh import Mesh
-from batchweave._projection import DEFAULT_RANK_ORDER, coordinates_from_env
+from batchweave._projection import DEFAULT_RANK_ORDER
 from batchweave._store._base import ObjectStore
 from batchweave._store._open import open_store
 
@@ -35,6 +36,8 @@ __all__ = ["WeaveDataset", "WeaveLoader", "to_tensors"]
 _default_convert: Callable[[Any], Any] = default_convert  # untyped in torch
 
 _LOADER_OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
+
+_CONSUMER_PARAMETERS = frozenset(inspect.signature(Consumer).parameters)
 
 
 def to_tensors(item: Any) -> Any:
@@ -71,8 +74,11 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
     ``store`` is an :class:`ObjectStore` or a store URL; with worker processes prefer a URL,
     opened in each worker (read-only: no conditional-write probe) with ``store_options``. The
     rank's coordinates are resolved here, in the main process (explicit, or from
-    ``RANK``/``WORLD_SIZE`` with ``tp``, ``pp`` and ``rank_order``). Other keyword arguments go
-    to every worker's :class:`Consumer` (``prefetch``, ``timeout``, ``split_threshold``, ...).
+    ``RANK``/``WORLD_SIZE`` with ``tp``, ``pp`` and ``rank_order``) and checked against
+    ``mesh`` with the consumer's own checks, so a rank outside the mesh, or a keyword argument
+    :class:`Consumer` does not take, fails here rather than when iteration starts, inside a
+    DataLoader worker. Other keyword arguments go to every worker's :class:`Consumer`
+    (``prefetch``, ``timeout``, ``split_threshold``, ...).
     """
 
     def __init__(
@@ -96,14 +102,23 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
                     f"WeaveDataset sets the consumer's {name!r} itself; resume with "
                     "WeaveLoader.load_state_dict instead"
                 )
-        if dp_rank is None and cp_rank is None:
-            coords = coordinates_from_env(mesh, tp=tp, pp=pp, order=rank_order)
-            dp_rank, cp_rank = coords.dp_rank, coords.cp_rank
+        unknown = sorted(set(consumer_options) - _CONSUMER_PARAMETERS)
+        if unknown:
+            raise TypeError(
+                f"WeaveDataset got unknown consumer option(s) {', '.join(unknown)}; the keyword "
+                "arguments it does not take itself go to batchweave.Consumer"
+            )
+        if not isinstance(mesh, Mesh):
+            raise TypeError(
+                f"mesh must be a batchweave.Mesh, got the {type(mesh).__name__} {mesh!r}; "
+                "e.g. mesh=batchweave.Mesh(dp=8, cp=2)"
+            )
         self.store = store
         self.namespace = namespace
         self.mesh = mesh
-        self.dp_rank = dp_rank
-        self.cp_rank = cp_rank if cp_rank is not None or mesh.cp > 1 else 0
+        self.dp_rank, self.cp_rank = _resolve_coordinates(
+            mesh, dp_rank, cp_rank, tp=tp, pp=pp, order=rank_order, environ=None
+        )
         self.store_options = dict(store_options or {})
         self.consumer_options = consumer_options
         self.resume_state: dict[str, Any] | None = None
@@ -124,13 +139,22 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
         return self.store, False
 
     def consumer(
-        self, store: ObjectStore, *, worker: int = 0, workers: int = 1, stop: Any = None
+        self,
+        store: ObjectStore,
+        *,
+        worker: int = 0,
+        workers: int = 1,
+        stop: Any = None,
+        default_timeout: float | None = None,
     ) -> Consumer:
         """A consumer for DataLoader worker ``worker`` of ``workers``, at :attr:`resume_state`.
 
         With ``stop`` (a multiprocessing ``Event``) set, its next wait closes it instead.
+        ``default_timeout`` is its ``timeout`` unless the dataset's options set one.
         """
         options = dict(self.consumer_options)
+        if options.get("timeout") is None and default_timeout is not None:
+            options["timeout"] = default_timeout
         made: list[Consumer] = []  # the consumer, once made, for the sleep to close
         if stop is not None:
             options["sleep"] = functools.partial(
@@ -247,19 +271,38 @@ class WeaveLoader:
         return context.Event()
 
     def _consumer(self) -> Consumer:
-        """A never-iterated consumer that validates states and fills in the namespace id."""
+        """A never-iterated consumer that validates states and fills in the namespace id.
+
+        Its ``timeout`` is the dataset's, else the DataLoader's ``timeout`` (if positive).
+        """
         if self._shadow is None:
             store, owned = self.dataset.open_store()
             self._shadow_store = store if owned else None
-            self._shadow = self.dataset.consumer(store)
+            timeout = self.dataloader_options.get("timeout") or None
+            self._shadow = self.dataset.consumer(store, default_timeout=timeout)
         return self._shadow
 
     def state_dict(self) -> dict[str, Any]:
-        """The consumer state for the step after the last one this loader yielded."""
+        """The consumer state for the step after the last one this loader yielded.
+
+        The state records the namespace id, so the first call reads the namespace's manifest
+        (once it was read, later calls read nothing). Store errors on that read are handled as a
+        consumer handles them: during an outage it is retried with backoff, and with a
+        ``timeout`` (the dataset's consumer option, else the DataLoader's ``timeout``) it raises
+        :class:`~batchweave.ConsumerTimeout` once that many seconds have passed, so the
+        checkpoint can be retried or skipped. **Without a timeout it waits until the store is
+        reachable again** (logging a warning when the outage starts and every 30 s), blocking
+        the checkpoint meanwhile: nothing is lost, the state is only late.
+        """
         shadow = self._consumer()
         # a namespace that does not exist yet delivered nothing: an empty id is accepted on load
-        with contextlib.suppress(NamespaceNotFound):
-            shadow.open(wait=False)
+        try:
+            with contextlib.suppress(NamespaceNotFound):
+                shadow.open(wait=False)
+        except ConsumerTimeout as exc:
+            raise ConsumerTimeout(
+                f"WeaveLoader.state_dict() could not read the namespace id the state records: {exc}"
+            ) from exc
         state = shadow.state_dict()
         if self._next_step is not None:
             state["step"] = self._next_step
@@ -282,7 +325,10 @@ class WeaveLoader:
         return None
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at ``state["step"]``: checked against the namespace, re-anchored if DP changed."""
+        """Resume at ``state["step"]``: checked against the namespace, re-anchored if DP changed.
+
+        Reads the namespace's manifest like the first :meth:`state_dict`, with the same timeout.
+        """
         shadow = self._consumer()
         shadow.load_state_dict(state)
         self.dataset.resume_state = shadow.state_dict()

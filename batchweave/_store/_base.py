@@ -105,10 +105,20 @@ control characters outright, so such a key would work on one backend and fail on
 def validate_key(key: str) -> str:
     """Return ``key`` if it is a safe relative object key, else raise :class:`InvalidKey`.
 
-    Keys are ``/``-separated relative paths. Empty keys, absolute keys, ``.``/``..`` segments,
-    empty segments, control characters (NUL included), backslashes and characters that are not
-    valid UTF-8 text (lone surrogates) are refused on every backend, so a key that works on one
-    backend works on all and can never escape a ``file://`` root.
+    Keys are ``/``-separated relative paths. Refused: a non-string or empty key, an absolute key
+    (leading ``/``), empty, ``.`` or ``..`` segments (``a//b``, ``a/``, ``../x``), control
+    characters (NUL, tab, newline, DEL, ...), backslashes, lone surrogates (not encodable as
+    UTF-8) and U+FFFE/U+FFFF. Everything else is legal (spaces, unicode, punctuation).
+
+    Why: every backend refuses the same keys, so a key that works on one backend works on all,
+    and no key can escape a ``file://`` root or a store's S3 prefix. S3's XML listings and bulk
+    deletes cannot carry control characters or non-characters, obstore refuses control
+    characters, and ``..`` or a backslash would name a path outside the root on a file system.
+
+    A custom :class:`ObjectStore` should call it on every key it is given, before any request
+    (it returns the key, so ``self.prefix + validate_key(key)`` works): the conformance suite
+    (:class:`batchweave.testing.StoreTests`) checks that every method refuses these keys with
+    :class:`InvalidKey`, a ``ValueError``.
     """
     if not isinstance(key, str) or not key:
         raise InvalidKey(f"object key must be a non-empty string, got {key!r}")
