@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import operator
 import struct
 import threading
 import time
@@ -53,6 +54,7 @@ from batchweave._projection import (
     Projection,
     SliceLocation,
     coordinates_from_env,
+    resume_anchor,
 )
 from batchweave._store._base import Bounded, ObjectStore
 
@@ -70,23 +72,29 @@ _T = TypeVar("_T")
 
 
 class _OpenConsumers:
-    """How many consumers this process has open: they share one budget of reads in flight."""
+    """How many consumers this process has open: they share one budget of reads in flight.
+
+    A set of tokens, not a counter behind a lock: ``closed`` also runs from a signal handler
+    (``close()`` on SIGTERM) or a garbage-collection finalizer, possibly while the same thread
+    is inside ``opened``, where a lock would deadlock. One set operation is atomic there.
+    """
 
     def __init__(self) -> None:
-        self._count = 0
-        self._lock = threading.Lock()
+        self._tokens: set[object] = set()
 
     @property
     def count(self) -> int:
-        return self._count
+        return len(self._tokens)
 
-    def opened(self) -> None:
-        with self._lock:
-            self._count += 1
+    def opened(self) -> object:
+        """Count one more open consumer; pass the token returned to :meth:`closed`."""
+        token = object()
+        self._tokens.add(token)
+        return token
 
-    def closed(self) -> None:
-        with self._lock:
-            self._count -= 1
+    def closed(self, token: object) -> None:
+        """Count one consumer fewer (once per token, however often it is called)."""
+        self._tokens.discard(token)
 
 
 _OPEN: Final = _OpenConsumers()
@@ -437,11 +445,11 @@ class Consumer:
         self._depth = min(1, prefetch)
         self._delivered_since_ramp = 0
         self._delivered_any = False
+        self._warned_partial_step = False
         self._poll_delay = poll_interval
         self._last_refresh = -math.inf
         self._closed = False
-        _OPEN.opened()
-        self._unregister = weakref.finalize(self, _OPEN.closed)  # also when never closed
+        self._unregister = weakref.finalize(self, _OPEN.closed, _OPEN.opened())  # also unclosed
 
     def __repr__(self) -> str:
         return (
@@ -477,7 +485,9 @@ class Consumer:
         ``state`` defaults to the current :meth:`state_dict`; pass the one saved in a checkpoint
         when the loop may have moved on since (asynchronous checkpointing). This is what the
         checkpoint's watermark must keep readable (``batchweave.checkpoint_hook`` records it).
-        Opens the namespace if needed (one manifest read); 0 if it does not exist yet.
+        Opens the namespace if needed (one manifest read); 0 if it does not exist yet. A state of
+        another namespace is :class:`NamespaceMismatch`, as in :meth:`load_state_dict`: its step
+        means nothing here, and a watermark recorded from it would hold the wrong data.
         """
         if self._manifest is None:
             try:
@@ -489,11 +499,13 @@ class Consumer:
             assert self._projection is not None
             return self._projection.first_tgb_step(self._next_step)
         parsed = _parse_state(state)
+        self._check_state_namespace(parsed)
+        anchor_step, anchor_replica = self._resume_anchor(parsed)
         projection = Projection(
             stored=self._manifest.mesh,
-            consumer=Mesh(dp=parsed["dp"], cp=parsed["cp"]),
-            anchor_step=parsed["anchor_step"],
-            anchor_replica=parsed["anchor_replica"],
+            consumer=self.mesh,
+            anchor_step=anchor_step,
+            anchor_replica=anchor_replica,
         )
         return projection.first_tgb_step(parsed["step"])
 
@@ -616,19 +628,9 @@ class Consumer:
         step, old_dp = parsed["step"], parsed["dp"]
         if parsed["namespace_id"]:
             self._ensure_open(wait=False)
-            assert self._manifest is not None
-            if parsed["namespace_id"] != self._manifest.namespace_id:
-                raise NamespaceMismatch(
-                    f"consumer state belongs to namespace {parsed['namespace']!r} (id "
-                    f"{parsed['namespace_id']}), but this consumer reads {self._where} (id "
-                    f"{self._manifest.namespace_id}); load the state into a consumer of the "
-                    "namespace it was taken from"
-                )
-        if old_dp == self.mesh.dp:
-            anchor_step, anchor_replica = parsed["anchor_step"], parsed["anchor_replica"]
-        else:
-            anchor_step = step
-            anchor_replica = parsed["anchor_replica"] + (step - parsed["anchor_step"]) * old_dp
+            self._check_state_namespace(parsed)
+        anchor_step, anchor_replica = self._resume_anchor(parsed)
+        if old_dp != self.mesh.dp:
             _log.info(
                 "%s: state from dp=%d resumed with dp=%d at step %d: re-anchored at replica "
                 "slice %d",
@@ -652,6 +654,27 @@ class Consumer:
         self._depth = min(1, self.prefetch)
         self._delivered_since_ramp = 0
         self._delivered_any = False
+
+    def _check_state_namespace(self, parsed: Mapping[str, Any]) -> None:
+        """Refuse a state (with a namespace id) taken from another namespace than this one's."""
+        assert self._manifest is not None
+        if parsed["namespace_id"] and parsed["namespace_id"] != self._manifest.namespace_id:
+            raise NamespaceMismatch(
+                f"consumer state belongs to namespace {parsed['namespace']!r} (id "
+                f"{parsed['namespace_id']}), but this consumer reads {self._where} (id "
+                f"{self._manifest.namespace_id}); load the state into a consumer of the "
+                "namespace it was taken from"
+            )
+
+    def _resume_anchor(self, parsed: Mapping[str, Any]) -> tuple[int, int]:
+        """The projection anchor with which this consumer's mesh continues a parsed state."""
+        return resume_anchor(
+            parsed["step"],
+            dp=parsed["dp"],
+            anchor_step=parsed["anchor_step"],
+            anchor_replica=parsed["anchor_replica"],
+            new_dp=self.mesh.dp,
+        )
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -782,7 +805,7 @@ class Consumer:
             if step < self._projection.end_step(self._manifest.next_step):
                 return True
             if self._manifest.sealed:
-                _log.info("%s: sealed stream ends before step %d", self._where, step)
+                self._log_sealed_end(step)
                 return False
             now = self._clock()
             since = now - self._last_refresh
@@ -807,6 +830,33 @@ class Consumer:
                 failures = self._manifest_read_failed(
                     failures, exc, f" while waiting for step {step}"
                 )
+
+    def _log_sealed_end(self, step: int) -> None:
+        """Say where the sealed stream ended, warning (once) about a trailing partial step."""
+        assert self._manifest is not None
+        assert self._projection is not None
+        left = self._projection.undelivered(self._manifest.next_step)
+        if not left or self._warned_partial_step:
+            _log.info("%s: sealed stream ends before step %d", self._where, step)
+            return
+        self._warned_partial_step = True
+        dp = self._manifest.mesh.dp
+        _log.warning(
+            "%s: sealed stream ends before step %d: its last %d replica slice(s) (global "
+            "replica slices %d..%d, in TGB steps %d..%d) are fewer than the %d one step needs "
+            "with consumer mesh (%s), so no rank delivers them; a run resumed from this "
+            "state_dict() with a dp that divides %d reads them",
+            self._where,
+            step,
+            len(left),
+            left.start,
+            left.stop - 1,
+            left.start // dp,
+            (left.stop - 1) // dp,
+            self.mesh.dp,
+            self.mesh,
+            len(left),
+        )
 
     def _manifest_read_failed(self, failures: int, exc: Exception, during: str) -> int:
         """Count one more consecutive failure to read the manifest; past the budget, give up."""
@@ -922,12 +972,21 @@ class Consumer:
         assert self._manifest is not None
         assert self._projection is not None
         first = self._projection.first_tgb_step(step)
-        if first < self._manifest.base_step:
+        base = self._manifest.base_step
+        if first < base:
+            readable = self._projection.first_step_from(base)
+            anchored = (self._projection.anchor_step, self._projection.anchor_replica) != (0, 0)
             raise StepReclaimed(
                 f"{self._where}: step {step} needs TGB step {first}, but steps below "
-                f"{self._manifest.base_step} were reclaimed (manifest version "
-                f"{self._manifest.version}); resume from a later checkpoint, or, for a run "
-                "that does not need those steps, start past them with Consumer(start_step=...)"
+                f"{base} were reclaimed (manifest version {self._manifest.version}); the "
+                f"first step consumer mesh ({self.mesh}) can still read is step {readable}: "
+                "resume from a later checkpoint, or, for a run that does not need the "
+                "reclaimed steps, "
+                + (
+                    f"load this consumer's state_dict() with its step set to {readable}"
+                    if anchored
+                    else f"start past them with Consumer(start_step={readable})"
+                )
             )
 
     # -- reading -----------------------------------------------------------------------------
@@ -1279,13 +1338,35 @@ def _resolve_coordinates(
     return dp_rank, cp_rank
 
 
-_STATE_INTS: Final = ("format", "step", "dp", "cp", "dp_rank", "cp_rank", "anchor_step")
+_STATE_INTS: Final = (
+    "format",
+    "step",
+    "dp",
+    "cp",
+    "dp_rank",
+    "cp_rank",
+    "anchor_step",
+    "anchor_replica",
+)
+
+
+def _state_int(name: str, value: Any) -> int:
+    """A state value as an int: ints (NumPy and torch ones too), or a float or string holding
+    one exactly. ``int()`` alone would resume a state whose step is ``2.5`` at step 2."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} is the bool {value!r}, not an integer")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"{name} is {value!r}, not an integer")
+        return int(value)
+    if isinstance(value, str):
+        return int(value)
+    return operator.index(value)
 
 
 def _parse_state(state: Mapping[str, Any]) -> dict[str, Any]:
     try:
-        parsed: dict[str, Any] = {name: int(state[name]) for name in _STATE_INTS}
-        parsed["anchor_replica"] = int(state["anchor_replica"])
+        parsed: dict[str, Any] = {name: _state_int(name, state[name]) for name in _STATE_INTS}
         parsed["namespace"] = str(state.get("namespace", ""))
         parsed["namespace_id"] = str(state["namespace_id"])
     except (KeyError, TypeError, ValueError) as exc:
@@ -1297,8 +1378,20 @@ def _parse_state(state: Mapping[str, Any]) -> dict[str, Any]:
             f"consumer state format {parsed['format']} is not {STATE_FORMAT}; it was written by "
             "another BatchWeave version"
         )
-    if min(parsed["step"], parsed["anchor_step"], parsed["anchor_replica"]) < 0 or (
-        parsed["step"] < parsed["anchor_step"] or min(parsed["dp"], parsed["cp"]) < 1
-    ):
-        raise ConsumerError(f"consumer state is inconsistent: {dict(state)!r}")
+    problems = [
+        f"{name} {parsed[name]} is negative"
+        for name in ("step", "anchor_step", "anchor_replica")
+        if parsed[name] < 0
+    ]
+    if parsed["step"] < parsed["anchor_step"]:
+        problems.append(f"step {parsed['step']} precedes anchor_step {parsed['anchor_step']}")
+    try:
+        Mesh(dp=parsed["dp"], cp=parsed["cp"])
+    except ValueError:
+        problems.append(f"dp={parsed['dp']}, cp={parsed['cp']} is not a mesh")
+    if problems:
+        raise ConsumerError(
+            f"consumer state is inconsistent ({'; '.join(problems)}): {dict(state)!r}; pass "
+            "what Consumer.state_dict() returned, unmodified"
+        )
     return parsed

@@ -450,3 +450,23 @@ def test_close_cancels_the_steps_no_worker_has_started_and_stops_the_workers(
         thread.join(10)
         assert not thread.is_alive()
     assert len(set(store.worker_keys)) == 1  # step 2's object only: 3 and 4 never started
+
+
+def test_closing_a_consumer_in_the_middle_of_opening_another_never_blocks() -> None:
+    # close() may run in a signal handler (SIGTERM) or a finalizer of an unclosed consumer,
+    # between two bytecodes of the same thread's opened(). A lock held by opened() would hang
+    # it there forever; set operations are atomic at that level.
+    counter = _consumer._OpenConsumers()
+    first = counter.opened()
+
+    class InterruptedAdd(set[object]):
+        def add(self, item: object) -> None:
+            counter.closed(first)  # what the handler does, mid-opened()
+            super().add(item)
+
+    counter._tokens = InterruptedAdd(counter._tokens)
+    second = counter.opened()
+    assert counter.count == 1
+    counter.closed(second)
+    counter.closed(second)  # a second close of one consumer releases nothing more
+    assert counter.count == 0
