@@ -82,6 +82,16 @@ def _sample_ids(footer: TgbFooter, key: str) -> list[tuple[str, ...]] | None:
             f"object {key!r}: metadata {SAMPLE_IDS_KEY!r} must list one entry per slice "
             f"({len(footer.slices)})"
         )
+    # A string entry would be split into characters and a number fail with a TypeError: only a
+    # list of ids (strings or numbers, as sample_ids_metadata writes them) is one slice's ids.
+    for j, entry in enumerate(parsed):
+        if not isinstance(entry, list) or not all(
+            isinstance(i, str | int | float) and not isinstance(i, bool) for i in entry
+        ):
+            raise FormatError(
+                f"object {key!r}: metadata {SAMPLE_IDS_KEY!r} entry {j} must be a list of sample "
+                f"ids (strings or numbers), got {entry!r:.100}"
+            )
     return [tuple(str(i) for i in entry) for entry in parsed]
 
 

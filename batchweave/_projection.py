@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from batchweave._checks import as_int
 from batchweave._mesh import Mesh
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "SliceLocation",
     "coordinates_for_rank",
     "coordinates_from_env",
+    "resume_anchor",
 ]
 
 DEFAULT_RANK_ORDER = "tp-cp-dp-pp"
@@ -84,6 +86,10 @@ def coordinates_for_rank(
     ``order`` names the dimensions fastest-varying first (``"tp-cp-dp-pp"``: ranks ``0..tp-1``
     form one tensor-parallel group). ``world_size`` must equal ``tp * cp * dp * pp``.
     """
+    # Plain ints: coordinates end up in state_dict()s, and a float or NumPy rank would make
+    # float or NumPy coordinates.
+    rank, world_size = as_int("rank", rank), as_int("world_size", world_size)
+    tp, pp = as_int("tp", tp), as_int("pp", pp)
     if tp < 1 or pp < 1:
         raise ValueError(f"tp and pp degrees must be >= 1, got tp={tp}, pp={pp}")
     sizes = {"tp": tp, "cp": mesh.cp, "dp": mesh.dp, "pp": pp}
@@ -231,10 +237,32 @@ class Projection:
 
         A logical step is complete when every consumer replica's slice is committed; ranks only
         deliver complete steps, so at a sealed namespace every rank stops at the same step (a
-        trailing partial step, fewer than ``DP'`` replica slices, is never delivered).
+        trailing partial step, fewer than ``DP'`` replica slices, is never delivered: see
+        :meth:`undelivered`).
         """
         available = committed_tgbs * self.stored.dp - self.anchor_replica
         return self.anchor_step + max(0, available // self.consumer.dp)
+
+    def undelivered(self, committed_tgbs: int) -> range:
+        """Global replica slices committed in TGB steps ``[0, committed_tgbs)`` but past
+        :meth:`end_step`: the trailing partial step, too few for the consumer's ``DP'``.
+
+        Empty unless ``DP'`` does not evenly fit what is committed. At a sealed namespace no
+        consumer of this mesh delivers them; one resumed from the final state with a smaller
+        ``DP'`` (re-anchored there) does.
+        """
+        end = self.end_step(committed_tgbs)
+        first = self.anchor_replica + (end - self.anchor_step) * self.consumer.dp
+        return range(first, max(first, committed_tgbs * self.stored.dp))
+
+    def first_step_from(self, tgb_step: int) -> int:
+        """The first logical step (from the anchor on) that reads no TGB step below ``tgb_step``.
+
+        After TGB steps below a manifest's ``base_step`` were reclaimed, this is the first
+        logical step this projection can still deliver.
+        """
+        missing = tgb_step * self.stored.dp - self.anchor_replica
+        return self.anchor_step + max(0, -(-missing // self.consumer.dp))
 
     def rebase(self, step: int, consumer: Mesh) -> Projection:
         """A projection for ``consumer`` continuing exactly where this one is at ``step``.
@@ -244,9 +272,37 @@ class Projection:
         """
         if consumer == self.consumer:
             return self
+        anchor_step, anchor_replica = resume_anchor(
+            step,
+            dp=self.consumer.dp,
+            anchor_step=self.anchor_step,
+            anchor_replica=self.anchor_replica,
+            new_dp=consumer.dp,
+        )
         return Projection(
             stored=self.stored,
             consumer=consumer,
-            anchor_step=step,
-            anchor_replica=self.global_replica(step, 0),
+            anchor_step=anchor_step,
+            anchor_replica=anchor_replica,
         )
+
+
+def resume_anchor(
+    step: int, *, dp: int, anchor_step: int, anchor_replica: int, new_dp: int
+) -> tuple[int, int]:
+    """The anchor ``(S0, G0)`` with which consumers of ``new_dp`` replicas continue at ``step``.
+
+    ``dp``, ``anchor_step`` and ``anchor_replica`` describe the projection that read the steps
+    before ``step`` (a saved consumer state). With the same DP the anchor is kept; with another
+    one the result is anchored at ``step`` itself, on the first replica slice not read yet.
+
+    Every rank of the job must re-anchor at the same ``step``: the logical step the *job* resumes
+    at. A reader that delivers only every ``stride``-th step must not re-anchor at its own first
+    step (``step + worker``), or workers anchor ``worker * (new_dp - dp)`` replica slices apart;
+    re-anchor once at the job's step and shift the re-anchored state instead.
+    """
+    if step < anchor_step:
+        raise ValueError(f"logical step {step} precedes the anchor step {anchor_step}")
+    if new_dp == dp:
+        return anchor_step, anchor_replica
+    return step, anchor_replica + (step - anchor_step) * dp
