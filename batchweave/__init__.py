@@ -47,6 +47,7 @@ from batchweave._format import (
     read_slice,
     slice_range,
 )
+from batchweave._history import SAMPLE_IDS_KEY, sample_ids_metadata
 from batchweave._lifecycle import Reclaimer, ReclaimProgress, ReclaimReport, checkpoint_hook
 from batchweave._mesh import Mesh
 from batchweave._metrics import instrument_policy, start_metrics_server, track_metrics
@@ -74,7 +75,7 @@ from batchweave._store._base import (
 from batchweave._store._file import FileStore
 from batchweave._store._memory import MemoryStore
 from batchweave._store._obstore import ObstoreS3Store
-from batchweave._store._open import open_store
+from batchweave._store._open import ensure_conditional_writes, open_store
 from batchweave._store._s3 import S3Store
 from batchweave._store._wrappers import (
     CountingStore,
@@ -134,6 +135,7 @@ __all__ = [
     "Reclaimer",
     "RetireReport",
     "S3Store",
+    "SAMPLE_IDS_KEY",
     "SliceEntry",
     "StepReclaimed",
     "StoreCounts",
@@ -155,6 +157,7 @@ __all__ = [
     "encode_tgb",
     "instrument_policy",
     "make_policy",
+    "ensure_conditional_writes",
     "open_store",
     "parse_footer",
     "parse_footer_exact",
@@ -162,6 +165,7 @@ __all__ = [
     "read_footer",
     "read_slice",
     "retire_producers",
+    "sample_ids_metadata",
     "slice_range",
     "start_metrics_server",
     "track_metrics",

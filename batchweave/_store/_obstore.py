@@ -86,7 +86,8 @@ class ObstoreS3Store(S3Location):
     Options mirror :class:`~batchweave.S3Store`: ``endpoint_url`` (MinIO, SeaweedFS, RGW, ...),
     ``region``, explicit credentials (else the ``AWS_*`` environment), timeouts in seconds,
     ``max_attempts`` (1 + retries of transient failures inside obstore), ``addressing_style``
-    (``"path"``, the default with an endpoint, or ``"virtual"``).
+    (``"path"`` or ``"virtual"``; ``"auto"`` or ``None``, the default, is path style, as
+    :class:`~batchweave.S3Store` uses with an endpoint, so one option value works for both).
     """
 
     def __init__(
@@ -112,9 +113,10 @@ class ObstoreS3Store(S3Location):
         )
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
-        if addressing_style not in (None, "path", "virtual"):
+        if addressing_style not in (None, "auto", "path", "virtual"):
             raise ValueError(
-                f"addressing_style must be 'path' or 'virtual', got {addressing_style!r}"
+                "addressing_style must be 'path', 'virtual' or 'auto' (the default), got "
+                f"{addressing_style!r}"
             )
         obs = _import_obstore()
         self._obs = obs
