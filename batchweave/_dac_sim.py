@@ -2,15 +2,17 @@
 
 No real time passes: a virtual clock jumps from event to event, so a five-minute run of sixteen
 producers takes a fraction of a second and every figure is reproducible from its seed. It is the
-test bed for commit policies (``tests/test_policy_sim.py``), the "simulated" mode of the producer
-benchmark, and the source of the table in ``docs/dac.md`` (``python -m batchweave._dac_sim``).
+test bed for commit policies (``tests/test_policy_sim.py``) and the source of the tables in
+``docs/dac.md`` (``python -m batchweave._dac_sim``).
 
 The model:
 
 - each producer materializes TGBs as a Poisson process of rate ``tgb_rate``; an arrived TGB is
   *pending* (uploaded, not yet committed);
 - the producer's commit loop asks its :class:`~batchweave._policy.CommitPolicy` whether to
-  attempt, at each new TGB and when the time since its last attempt reaches ``policy.gap``;
+  attempt, at each new TGB and when the time since its last attempt reaches ``policy.gap`` (the
+  random-phase loop: producers have no rank, so DAC's slots are not simulated) and tells it the
+  true producer count as ``active_producers``;
 - an attempt reads the latest manifest version at its start and ends after a fragile window drawn
   uniformly from ``window * (1 +- window_spread)`` (plus ``window_growth`` per committed version,
   to mimic manifests whose commit cost grows); it commits the TGBs pending at its start, and
@@ -184,12 +186,15 @@ def simulate(
         raise ValueError(f"window must be a finite number of seconds > 0, got {window!r}")
     if not 0 <= window_spread < 1:
         raise ValueError(f"window_spread must be in [0, 1), got {window_spread!r}")
-    if window_growth < 0:
-        raise ValueError(f"window_growth must be >= 0, got {window_growth!r}")
-    if not (duration > 0 and warmup >= 0 and tgb_rate > 0):
+    if not (window_growth >= 0 and math.isfinite(window_growth)):
+        raise ValueError(f"window_growth must be a finite number >= 0, got {window_growth!r}")
+    # Finite: an endless run or an infinite TGB rate (arrivals 0 s apart) would never return.
+    if not all(math.isfinite(x) for x in (duration, warmup, tgb_rate)) or not (
+        duration > 0 and warmup >= 0 and tgb_rate > 0
+    ):
         raise ValueError(
-            f"duration and tgb_rate must be > 0 and warmup >= 0, got duration={duration!r}, "
-            f"tgb_rate={tgb_rate!r}, warmup={warmup!r}"
+            f"duration and tgb_rate must be finite numbers > 0 and warmup a finite number >= 0, "
+            f"got duration={duration!r}, tgb_rate={tgb_rate!r}, warmup={warmup!r}"
         )
     factory = policy_factory(policy) if isinstance(policy, str) else policy
     rng = random.Random(seed)

@@ -41,9 +41,21 @@ class LanceSource:
     endless sequence, so every row of the shard appears exactly once per epoch. With ``epochs``
     set, the sequence ends after that many epochs (the last batch may be shorter).
 
+    The permutation is built from primitives whose output NumPy keeps stable across releases
+    (``SeedSequence`` and the raw ``PCG64`` stream, then a stable sort), not from
+    ``Generator.permutation``, whose stream NumPy may change: a producer restarted under another
+    NumPy version still maps every offset to the same rows.
+
     ``dataset`` is a path/URI (opened with ``storage_options``) or an open ``LanceDataset``;
-    ``columns`` limits the columns read. The dataset must not change while a run uses it (pin a
-    version with ``version=``): offsets map to row positions.
+    ``columns`` limits the columns read. Offsets map to row positions of one dataset version,
+    :attr:`version` (the newest when the source is built, unless ``version=`` pins one): a
+    restarted producer must pass that same ``version=``, or its resumed offsets read other rows
+    once the dataset has changed. A read finding the dataset object moved to another version
+    (``insert`` or ``checkout_latest`` on :attr:`dataset`) raises ``RuntimeError``; an open
+    dataset passed in is copied, so the caller's later changes to it do not reach the source.
+
+    Blob columns (Lance's blob encoding) come back as their bytes (``large_binary``, read with
+    ``read_blobs``): ``take`` alone returns only their descriptors.
     """
 
     def __init__(
@@ -66,6 +78,8 @@ class LanceSource:
         shard, num_shards = as_int("shard", shard), as_int("num_shards", num_shards)
         if epochs is not None:
             epochs = as_int("epochs", epochs)
+        if version is not None:
+            version = as_int("version", version)
         if rows_per_batch < 1:
             raise ValueError(f"rows_per_batch must be >= 1, got {rows_per_batch}")
         if seed < 0:
@@ -79,19 +93,10 @@ class LanceSource:
                 f"columns must be a non-empty list of column names (None reads all), got "
                 f"{columns!r}"
             )
-        if isinstance(dataset, lance.LanceDataset):
-            if version is not None and version != dataset.version:
-                # Silently reading another version would map offsets to other rows on resume.
-                raise ValueError(
-                    f"dataset {dataset.uri!r} is open at version {dataset.version}, not the "
-                    f"version={version} asked for; pass its path with version={version}, or "
-                    f"dataset.checkout_version({version})"
-                )
-            self.dataset = dataset
-        else:
-            self.dataset = lance.dataset(
-                str(dataset), version=version, storage_options=storage_options
-            )
+        self.dataset = _open(dataset, version, storage_options)
+        self.version: int = self.dataset.version
+        """The dataset version whose row positions the offsets map to: pass it as ``version=``
+        when the producer restarts."""
         self.rows_per_batch = rows_per_batch
         self.seed = seed
         self.shard = shard
@@ -100,32 +105,42 @@ class LanceSource:
         self.epochs = epochs
         self.columns = None if columns is None else list(columns)
         if self.columns is not None:
-            try:
-                # Lance resolves the names without reading data; an unknown one passed to
-                # take() panics in Rust instead of raising.
-                self.dataset.scanner(columns=self.columns, limit=0).projected_schema  # noqa: B018
-            except (ValueError, OSError) as exc:
-                raise ValueError(
-                    f"columns {self.columns} of dataset {self.dataset.uri!r}: {exc}; the "
-                    f"dataset has columns {self.dataset.schema.names}"
-                ) from None
-        self._rows = np.arange(shard, self.dataset.count_rows(), num_shards, dtype=np.int64)
-        if len(self._rows) == 0:
+            self._check_columns(self.columns)
+        wanted = self.dataset.schema.names if self.columns is None else self.columns
+        self._blob_columns = [name for name in wanted if _is_blob(self.dataset.schema.field(name))]
+        total = self.dataset.count_rows()
+        self._rows_per_epoch = len(range(shard, total, num_shards))
+        if self._rows_per_epoch == 0:
             raise ValueError(
-                f"shard {shard} of {num_shards} of dataset {self.dataset.uri!r} holds no rows"
+                f"shard {shard} of {num_shards} of dataset {self.dataset.uri!r} (version "
+                f"{self.version}, {total} rows) holds no rows; use at most {total} shards"
+                if total
+                else f"dataset {self.dataset.uri!r} (version {self.version}) has no rows"
             )
         self._perm_cache: tuple[int, np.ndarray] | None = None
 
+    def _check_columns(self, columns: list[str]) -> None:
+        try:
+            # Lance resolves the names without reading data; an unknown one passed to
+            # take() panics in Rust instead of raising.
+            self.dataset.scanner(columns=columns, limit=0).projected_schema  # noqa: B018
+        except (ValueError, OSError) as exc:
+            raise ValueError(
+                f"columns {columns} of dataset {self.dataset.uri!r}: {exc}; the dataset has "
+                f"columns {self.dataset.schema.names}"
+            ) from None
+
     def __repr__(self) -> str:
         return (
-            f"LanceSource({self.dataset.uri!r}, rows_per_batch={self.rows_per_batch}, "
-            f"seed={self.seed}, shard={self.shard}/{self.num_shards})"
+            f"LanceSource({self.dataset.uri!r}, version={self.version}, "
+            f"rows_per_batch={self.rows_per_batch}, seed={self.seed}, "
+            f"shard={self.shard}/{self.num_shards})"
         )
 
     @property
     def rows_per_epoch(self) -> int:
         """Rows of this shard (each is read once per epoch)."""
-        return len(self._rows)
+        return self._rows_per_epoch
 
     @property
     def num_batches(self) -> int | None:
@@ -137,11 +152,17 @@ class LanceSource:
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if self._perm_cache is not None and self._perm_cache[0] == epoch:
             return self._perm_cache[1]
+        n = self.rows_per_epoch
         if self.shuffle:
-            rng = np.random.default_rng([self.seed, self.shard, epoch])
-            order = self._rows[rng.permutation(len(self._rows))]
+            # Sorting independent 64-bit keys is a uniform permutation (ties, about n^2 / 2^65,
+            # keep their index order); the keys are the raw PCG64 stream of a SeedSequence,
+            # both of which NumPy keeps stable across releases.
+            entropy = np.random.SeedSequence([self.seed, self.shard, epoch])
+            keys = np.random.PCG64(entropy).random_raw(n)
+            within = np.argsort(keys, kind="stable")
         else:
-            order = self._rows
+            within = np.arange(n, dtype=np.int64)
+        order = self.shard + within.astype(np.int64) * self.num_shards
         self._perm_cache = (epoch, order)
         return order
 
@@ -152,7 +173,10 @@ class LanceSource:
             raise IndexError(f"batch offset must be >= 0, got {offset}")
         total = self.num_batches
         if total is not None and offset >= total:
-            raise IndexError(f"batch offset {offset} is past the last batch ({total - 1})")
+            raise IndexError(
+                f"batch offset {offset} of {self!r} is past the last batch ({total - 1}) of its "
+                f"{self.epochs} epoch(s)"
+            )
         n = self.rows_per_epoch
         first = offset * self.rows_per_batch
         last = first + self.rows_per_batch
@@ -169,18 +193,86 @@ class LanceSource:
 
     def take(self, offset: int) -> pa.Table:
         """Batch ``offset``: one batched random-access read (``take``) of its rows, in order."""
-        return self.dataset.take(self.indices(offset), columns=self.columns)
+        rows = self.indices(offset)
+        if self.dataset.version != self.version:
+            raise RuntimeError(
+                f"dataset {self.dataset.uri!r} moved from version {self.version} to "
+                f"{self.dataset.version} while {self!r} reads it (an insert, delete or checkout "
+                f"on source.dataset): batch {offset} would read other rows than before; build "
+                f"a new source with version={self.version}"
+            )
+        table = self.dataset.take(rows, columns=self.columns)
+        for name in self._blob_columns:
+            # take() returns a blob column's descriptors (position, size), not its bytes.
+            blobs = self.dataset.read_blobs(name, indices=rows, preserve_order=True)
+            data = pa.array([value for _, value in blobs], pa.large_binary())
+            index = table.schema.get_field_index(name)
+            table = table.set_column(index, pa.field(name, pa.large_binary()), data)
+        return table
 
     def iter_from(self, offset: int, stop: int | None = None) -> Iterator[tuple[int, pa.Table]]:
         """``(offset, table)`` for batches ``offset, offset + 1, ...`` up to ``stop`` (exclusive)
-        or the end of the last epoch."""
+        or the end of the last epoch; nothing when ``offset`` is already there (a resumed
+        producer that had finished)."""
+        offset = as_int("offset", offset)
+        if offset < 0:
+            raise IndexError(f"batch offset must be >= 0, got {offset}")
         end = self.num_batches
         if stop is not None:
+            stop = as_int("stop", stop)
             end = stop if end is None else min(stop, end)
+        return self._iterate(offset, end)
+
+    def _iterate(self, offset: int, end: int | None) -> Iterator[tuple[int, pa.Table]]:
         current = offset
         while end is None or current < end:
             yield current, self.take(current)
             current += 1
+
+
+def _is_blob(field: pa.Field) -> bool:
+    """Whether Lance stores the column as blobs (its ``take`` returns descriptors for them)."""
+    if isinstance(field.type, pa.ExtensionType) and field.type.extension_name.startswith(
+        "lance.blob"
+    ):
+        return True
+    return (field.metadata or {}).get(b"lance-encoding:blob") == b"true"
+
+
+def _open(
+    dataset: str | os.PathLike[str] | lance.LanceDataset,
+    version: int | None,
+    storage_options: dict[str, str] | None,
+) -> lance.LanceDataset:
+    """The dataset at ``version`` (the newest if ``None``), as a handle of the source's own."""
+    if isinstance(dataset, lance.LanceDataset):
+        if version is not None and version != dataset.version:
+            # Silently reading another version would map offsets to other rows on resume.
+            raise ValueError(
+                f"dataset {dataset.uri!r} is open at version {dataset.version}, not the "
+                f"version={version} asked for; pass its path with version={version}, or "
+                f"dataset.checkout_version({version})"
+            )
+        # A copy with a handle of its own: the caller's insert/delete/checkout on the object
+        # passed in do not reach it.
+        return dataset.checkout_version(dataset.version)
+    uri = str(dataset)
+    try:
+        return lance.dataset(uri, version=version, storage_options=storage_options)
+    except (ValueError, OSError) as exc:
+        if version is None:
+            raise
+        try:
+            newest = lance.dataset(uri, storage_options=storage_options)
+            if version in {v["version"] for v in newest.versions()}:
+                raise exc from None  # it exists: the failure is something else
+        except (ValueError, OSError):
+            raise exc from None
+        raise ValueError(
+            f"dataset {uri!r} has no version {version} (the newest is {newest.version}; "
+            "cleanup_old_versions removes old ones); resume with the version the run started "
+            f"on, or start a new run: {exc}"
+        ) from exc
 
 
 def export_history(

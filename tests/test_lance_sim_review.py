@@ -1,0 +1,299 @@
+"""Review of ``batchweave.lance.LanceSource`` and ``batchweave._dac_sim``: each test here failed
+before the fix it names (or pins a documented claim that no other test checked)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lance
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from batchweave._dac_sim import SimResult, policy_factory, simulate
+from batchweave._policy import CommitPolicy, DacPolicy
+from batchweave.lance import LanceSource
+
+ROWS = 103
+
+
+def _write(path: Path, start: int, count: int, mode: str = "create") -> lance.LanceDataset:
+    table = pa.table(
+        {
+            "id": pa.array(np.arange(start, start + count, dtype=np.int64)),
+            "text": pa.array([f"row {i}" for i in range(start, start + count)]),
+        }
+    )
+    # Small files, so that takes cross fragments.
+    return lance.write_dataset(table, str(path), mode=mode, max_rows_per_file=17)
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> str:
+    path = tmp_path / "rows.lance"
+    _write(path, 0, ROWS)
+    return str(path)
+
+
+def _ids(table: pa.Table) -> list[int]:
+    return [int(x) for x in table.column("id").to_pylist()]
+
+
+# -- LanceSource: the order --------------------------------------------------------------------
+
+
+def _reference_order(seed: int, shard: int, num_shards: int, epoch: int, n: int) -> list[int]:
+    keys = np.random.PCG64(np.random.SeedSequence([seed, shard, epoch])).random_raw(n)
+    return [shard + int(i) * num_shards for i in np.argsort(keys, kind="stable")]
+
+
+def test_the_order_uses_only_numpy_primitives_that_stay_stable_across_releases(
+    dataset: str,
+) -> None:
+    # Before: Generator.permutation, whose stream NumPy's compatibility policy lets change
+    # between releases: a producer restarted after a NumPy upgrade would map its resumed offsets
+    # to other rows. SeedSequence and the raw PCG64 stream are the stable parts.
+    source = LanceSource(dataset, rows_per_batch=10, seed=7, shard=1, num_shards=2)
+    n = source.rows_per_epoch
+    assert n == 51
+    seen = np.concatenate([source.indices(o) for o in range(11)]).tolist()
+    expected = [_reference_order(7, 1, 2, epoch, n) for epoch in range(3)]
+    assert seen == (expected[0] + expected[1] + expected[2])[:110]
+    # Golden values: these change only if the algorithm (or NumPy's stable streams) change.
+    assert seen[:8] == GOLDEN_SEED7_SHARD1_OF2
+
+
+GOLDEN_SEED7_SHARD1_OF2 = [51, 23, 59, 73, 45, 91, 55, 65]
+
+
+def test_order_is_the_same_in_another_process_with_another_hash_seed(dataset: str) -> None:
+    code = (
+        "import json, sys; from batchweave.lance import LanceSource; "
+        "from batchweave._dac_sim import simulate; "
+        "s = LanceSource(sys.argv[1], rows_per_batch=10, seed=3, epochs=3); "
+        "r = simulate('dac', 4, 0.05, 30.0, seed=9); "
+        "print(json.dumps([[s.indices(o).tolist() for o in range(31)], r.as_dict()]))"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, dataset], env=env, capture_output=True, text=True, check=True
+    )
+    batches, sim = json.loads(out.stdout)
+    source = LanceSource(dataset, rows_per_batch=10, seed=3, epochs=3)
+    assert batches == [source.indices(o).tolist() for o in range(31)]
+    assert sim == simulate("dac", 4, 0.05, 30.0, seed=9).as_dict()
+
+
+# -- LanceSource: versions ---------------------------------------------------------------------
+
+
+def test_version_is_recorded_and_a_pinned_restart_reads_the_same_rows(
+    dataset: str, tmp_path: Path
+) -> None:
+    # Before: no way to learn which version a source read, so a restart after the dataset grew
+    # silently re-permuted every epoch (count_rows changed) and resumed offsets read other rows.
+    first = LanceSource(dataset, rows_per_batch=10, seed=4)
+    before = [_ids(first.take(o)) for o in range(12)]
+    _write(Path(dataset), ROWS, 50, mode="append")
+    assert lance.dataset(dataset).version == first.version + 1
+    unpinned = LanceSource(dataset, rows_per_batch=10, seed=4)
+    assert [_ids(unpinned.take(o)) for o in range(12)] != before  # the hazard the pin avoids
+    resumed = LanceSource(dataset, rows_per_batch=10, seed=4, version=first.version)
+    assert resumed.version == first.version
+    assert [_ids(resumed.take(o)) for o in range(5, 12)] == before[5:]
+    assert f"version={first.version}" in repr(resumed)
+
+
+def test_a_delete_through_the_passed_dataset_object_does_not_reach_the_source(
+    dataset: str,
+) -> None:
+    # Before: LanceSource kept the caller's object, which delete() moves to a new version in
+    # place: positions then named other rows and take() silently returned them.
+    ds = lance.dataset(dataset)
+    source = LanceSource(ds, rows_per_batch=10, seed=2)
+    expected = _ids(source.take(3))
+    ds.delete("id < 40")
+    assert _ids(source.take(3)) == expected
+    assert ds.version == source.version + 1
+    # The source's own handle moved: refused, not read.
+    source.dataset.checkout_latest()
+    with pytest.raises(RuntimeError, match=f"version {source.version} to") as info:
+        source.take(3)
+    assert dataset in str(info.value)
+    assert "batch 3" in str(info.value)
+    assert f"version={source.version}" in str(info.value)
+
+
+def test_an_insert_through_the_passed_dataset_object_does_not_move_the_source(
+    dataset: str,
+) -> None:
+    ds = lance.dataset(dataset)
+    source = LanceSource(ds, rows_per_batch=10, seed=2)
+    expected = [_ids(source.take(o)) for o in range(11)]
+    # Before: the source read the caller's object, now a new version of other rows.
+    ds.insert(pa.table({"id": pa.array(range(1000, 1200), pa.int64())}), mode="overwrite")
+    assert [_ids(source.take(o)) for o in range(11)] == expected
+    assert ds.version == lance.dataset(dataset).version == 2
+    assert source.version == 1
+
+
+def test_a_version_that_does_not_exist_names_the_dataset_and_the_newest(dataset: str) -> None:
+    with pytest.raises(ValueError, match=r"has no version 99 \(the newest is 1") as info:
+        LanceSource(dataset, rows_per_batch=4, version=99)
+    assert dataset in str(info.value)
+
+
+# -- LanceSource: shapes and arguments ----------------------------------------------------------
+
+
+def test_an_empty_dataset_and_too_many_shards_say_what_to_do(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.lance"
+    lance.write_dataset(pa.table({"id": pa.array([], pa.int64())}), str(empty))
+    with pytest.raises(ValueError, match="has no rows"):
+        LanceSource(str(empty), rows_per_batch=4)
+    small = tmp_path / "small.lance"
+    lance.write_dataset(pa.table({"id": pa.array([0, 1, 2], pa.int64())}), str(small))
+    with pytest.raises(ValueError, match="use at most 3 shards"):
+        LanceSource(str(small), rows_per_batch=4, shard=3, num_shards=4)
+
+
+def test_iter_from_checks_its_arguments_when_called_and_yields_plain_ints(dataset: str) -> None:
+    source = LanceSource(dataset, rows_per_batch=10, epochs=1)
+    # Before: a generator, so a bad offset raised only at the first next(), inside the producer
+    # loop, and NumPy offsets came back as NumPy integers.
+    with pytest.raises(IndexError, match="offset must be >= 0"):
+        source.iter_from(-1)
+    with pytest.raises(TypeError, match="stop must be an integer"):
+        source.iter_from(0, stop=2.5)  # type: ignore[arg-type]
+    offsets = [o for o, _ in source.iter_from(np.int64(9))]
+    assert offsets == [9, 10]
+    assert all(type(o) is int for o in offsets)
+    assert list(source.iter_from(11)) == []  # a producer that had finished resumes to nothing
+    assert [o for o, _ in source.iter_from(3, stop=5)] == [3, 4]
+
+
+def test_batches_larger_than_an_epoch_and_the_last_partial_batch(dataset: str) -> None:
+    # A shard of 3 rows read 8 at a time: every batch repeats rows, across three epochs.
+    source = LanceSource(dataset, rows_per_batch=8, seed=1, shard=0, num_shards=40, epochs=5)
+    assert source.rows_per_epoch == 3
+    assert source.num_batches == 2  # ceil(15 / 8)
+    first, last = source.take(0), source.take(1)
+    assert _ids(first) == source.indices(0).tolist()
+    assert len(first) == 8
+    assert len(last) == 7
+    seen = _ids(first) + _ids(last)
+    for epoch in range(5):
+        assert sorted(seen[3 * epoch : 3 * epoch + 3]) == [0, 40, 80]
+
+
+def test_blob_columns_come_back_as_bytes_not_descriptors(tmp_path: Path) -> None:
+    # Before: take() returned Lance's blob descriptors (kind, position, size, ...) in place of
+    # the bytes, and the producer packed those.
+    uri = str(tmp_path / "blobs.lance")
+    payloads = [bytes([i]) * (i + 1) for i in range(12)]
+    field = pa.field("blob", pa.large_binary(), metadata={"lance-encoding:blob": "true"})
+    table = pa.table(
+        {"id": pa.array(range(12), pa.int64()), "blob": pa.array(payloads, pa.large_binary())},
+        schema=pa.schema([pa.field("id", pa.int64()), field]),
+    )
+    lance.write_dataset(table, uri, max_rows_per_file=5)
+    source = LanceSource(uri, rows_per_batch=16, seed=3)  # 16 > 12: repeats rows
+    batch = source.take(0)
+    assert batch.schema.field("blob").type == pa.large_binary()
+    assert batch.column("blob").to_pylist() == [payloads[i] for i in _ids(batch)]
+    only = LanceSource(uri, rows_per_batch=4, columns=["blob"], shuffle=False).take(1)
+    assert only.column_names == ["blob"]
+    assert only.column("blob").to_pylist() == payloads[4:8]
+    assert LanceSource(uri, rows_per_batch=4, columns=["id"]).take(0).column_names == ["id"]
+
+
+def test_huge_offsets_stay_exact(dataset: str) -> None:
+    source = LanceSource(dataset, rows_per_batch=7, seed=5)
+    offset = 10**15 + 3
+    epoch, within = divmod(offset * 7, ROWS)
+    rows = source.indices(offset)
+    assert (
+        rows.tolist()[: min(7, ROWS - within)]
+        == (_reference_order(5, 0, 1, epoch, ROWS)[within : within + 7])
+    )
+    assert _ids(source.take(offset)) == rows.tolist()
+
+
+# -- the simulator ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"duration": math.inf},
+        {"tgb_rate": math.inf},
+        {"warmup": math.inf},
+        {"window_growth": math.nan},
+        {"window_growth": math.inf},
+    ],
+)
+def test_simulate_refuses_values_that_would_never_finish(kwargs: dict[str, float]) -> None:
+    # Before: an infinite duration or TGB rate never returned (arrivals 0 s apart, or no end),
+    # and a NaN growth put NaN times into the event heap.
+    args: dict[str, Any] = {"producers": 2, "window": 1.0, "duration": 10.0, "seed": 0}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        simulate("dac", **args)
+
+
+def _dac(producers: int, eps: float, seed: int) -> SimResult:
+    return simulate(
+        policy_factory("dac", conflict_budget=eps, max_gap=math.inf),
+        producers,
+        1.0,
+        12_000 * (0.1 / eps),
+        seed,
+        tgb_rate=0.1,
+        warmup=200.0,
+    )
+
+
+@pytest.mark.parametrize("eps", [0.05, 0.2])
+def test_docs_claim_the_budget_holds_at_16_producers_for_other_budgets_too(eps: float) -> None:
+    # docs/dac.md says the [0.6 eps, 1.4 eps] band is checked for eps 0.05 and 0.2 at N = 8 and
+    # 16; tests/test_policy_sim.py checked only N = 8 for them.
+    result = _dac(16, eps, seed=11)
+    assert result.attempts >= 1000
+    assert 0.6 * eps <= result.conflict_rate <= 1.4 * eps, result
+
+
+def test_the_budget_band_tells_budgets_apart() -> None:
+    # The contention test is not passing by construction: DAC run with half or twice the budget
+    # lands outside the 0.1 budget's band, so a gap formula off by that much would fail it.
+    low, high = _dac(8, 0.05, seed=1), _dac(8, 0.2, seed=1)
+    assert low.conflict_rate < 0.6 * 0.1, low
+    assert high.conflict_rate > 1.4 * 0.1, high
+
+
+def test_the_growing_window_test_really_grows_the_window_fivefold() -> None:
+    # tests/test_policy_sim.py asserts only "commits > 250" for the run docs/dac.md describes as
+    # "W grows fivefold"; check the policies' own estimates at the end of that run.
+    policies: list[DacPolicy] = []
+    inner = policy_factory("dac", max_gap=math.inf)
+
+    def factory(rng: Any) -> CommitPolicy:
+        policy = inner(rng)
+        assert isinstance(policy, DacPolicy)
+        policies.append(policy)
+        return policy
+
+    options: dict[str, Any] = {"window_growth": 0.005, "tgb_rate": 2.0, "warmup": 200.0}
+    result = simulate(factory, 8, 1.0, 20_000.0, seed=3, **options)
+    assert 0.06 <= result.conflict_rate <= 0.14, result
+    # The mean window ends at 1 + 0.005 W per committed version; each DAC's EMA follows it.
+    assert result.commits >= 700, result
+    windows = [p.window for p in policies if p.window is not None]
+    assert len(windows) == 8
+    assert sum(windows) / 8 >= 4.0, windows
