@@ -69,6 +69,11 @@ def main() -> None:
     parser.add_argument("--namespace", default="runs/producer-worker")
     parser.add_argument("--producer-id", default="prep-0")
     parser.add_argument("--dataset", type=Path, help="Lance dataset (default: synthetic)")
+    parser.add_argument(
+        "--dataset-version",
+        type=int,
+        help="Lance version to read; a restart must pass the version the first run printed",
+    )
     parser.add_argument("--shard", type=int, default=0)
     parser.add_argument("--shards", type=int, default=1)
     parser.add_argument("--batches", type=int, default=100, help="offsets 0 .. batches-1")
@@ -88,7 +93,18 @@ def main() -> None:
         root = Path(args.store) if "://" not in args.store else Path.cwd()
         dataset = synthetic_dataset(root.parent / f"{root.name}-corpus.lance")
     source = LanceSource(
-        dataset, rows_per_batch=args.rows, seed=1, shard=args.shard, num_shards=args.shards
+        dataset,
+        rows_per_batch=args.rows,
+        seed=1,
+        shard=args.shard,
+        num_shards=args.shards,
+        version=args.dataset_version,
+    )
+    # Offsets map to rows of one dataset version: a restart reading a newer one would publish
+    # other rows under the offsets it resumes at.
+    print(
+        f"{args.producer_id}: reading {source.dataset.uri} version {source.version} "
+        f"(restart with --dataset-version {source.version})"
     )
     mesh = bw.Mesh(dp=args.dp, cp=args.cp)
     if args.metrics_port is not None:

@@ -68,8 +68,14 @@ def test_producer_worker_resumes_where_it_stopped(tmp_path: Path) -> None:
     assert "epoch 1, resuming at offset 0 of 3" in first.stdout  # its epoch commit: version 1
     # With port 0 the kernel picks one: the worker says which, or nobody could scrape it.
     assert re.search(r"metrics at http://127\.0\.0\.1:[1-9]\d*/metrics", first.stdout)
+    pinned = re.search(r"version (\d+) \(restart with --dataset-version (\d+)\)", first.stdout)
+    assert pinned is not None, first.stdout
+    assert pinned[1] == pinned[2]
     second = subprocess.run(
-        [*script, "--batches", "5", "--seal", *small], capture_output=True, text=True, timeout=120
+        [*script, "--batches", "5", "--seal", "--dataset-version", pinned[1], *small],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert second.returncode == 0, second.stderr
     assert "epoch 2, resuming at offset 3 of 5" in second.stdout
