@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,12 @@ class DataCountingStore(CountingStore):
 def payload(producer: int, offset: int, d: int, c: int, size: int = 0) -> bytes:
     """A slice that says where it belongs, optionally padded to ``size`` bytes."""
     return f"{producer}:{offset}:{d}:{c};".encode().ljust(size, b".")
+
+
+def take(consumer: Iterable[tuple[int, Any]], n: int | None = None) -> list[tuple[int, Any]]:
+    """Iterate like a training loop and stop after ``n`` steps (all with ``None``); the
+    iterator stays live and is never asked for a step beyond the ``n``-th."""
+    return list(itertools.islice(consumer, n))
 
 
 def parse(data: bytes) -> tuple[int, int, int, int]:

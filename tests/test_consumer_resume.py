@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_consumer import parse, produce
+from test_consumer import parse, produce, take
 
 from batchweave import (
     Consumer,
@@ -33,18 +33,6 @@ def store() -> MemoryStore:
     return s
 
 
-def _take(c: Consumer, n: int) -> list[tuple[int, Any]]:
-    """Iterate like a training loop and break after ``n`` steps (the iterator stays live)."""
-    got: list[tuple[int, Any]] = []
-    if n == 0:
-        return got
-    for item in c:
-        got.append(item)
-        if len(got) == n:
-            break
-    return got
-
-
 @settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -61,7 +49,7 @@ def test_resume_yields_exactly_what_an_uninterrupted_run_yields(
         reference = list(c)
     assert len(reference) == TGBS
     with Consumer(store, "run", prefetch=prefetch, ramp_every=1, **kw) as a:
-        head = _take(a, k)
+        head = take(a, k)
         state = a.state_dict()  # taken while later steps are prefetched and undelivered
     assert head == reference[:k]
     assert state["step"] == k
@@ -73,11 +61,11 @@ def test_resume_yields_exactly_what_an_uninterrupted_run_yields(
 
 def test_load_state_dict_rewinds_a_live_consumer(store: MemoryStore) -> None:
     c = Consumer(store, "run", mesh=STORED, dp_rank=2, cp_rank=1)
-    first = _take(c, 2)
+    first = take(c, 2)
     state = c.state_dict()
-    later = _take(c, 5)
+    later = take(c, 5)
     c.load_state_dict(state)
-    assert _take(c, 5) == later
+    assert take(c, 5) == later
     assert [s for s, _ in first + later] == list(range(7))
     c.close()
 
@@ -90,7 +78,7 @@ def test_resume_with_another_dp_continues_the_data(store: MemoryStore, new_dp: i
     states = []
     for d in range(4):
         with Consumer(store, "run", mesh=Mesh(dp=4, cp=2), dp_rank=d, cp_rank=1) as c:
-            got = _take(c, k)
+            got = take(c, k)
             states.append(c.state_dict())
         seen.update(parse(data) for _, data in got)
     steps: set[tuple[int, ...]] = set()
@@ -121,7 +109,7 @@ def test_resume_with_another_dp_continues_the_data(store: MemoryStore, new_dp: i
 
 def test_resume_with_halved_cp_delivers_chunk_lists(store: MemoryStore) -> None:
     with Consumer(store, "run", mesh=STORED, dp_rank=1, cp_rank=0) as c:
-        _take(c, 4)
+        take(c, 4)
         state = c.state_dict()
     with Consumer(store, "run", mesh=Mesh(dp=4, cp=1), dp_rank=1) as c:
         c.load_state_dict(state)
@@ -165,7 +153,7 @@ def test_resuming_below_the_reclaimed_boundary_is_refused() -> None:
     mesh = Mesh(dp=2)
     produce(store, "run", mesh, tgbs=6)
     c = Consumer(store, "run", mesh=mesh, dp_rank=0)
-    _take(c, 2)
+    take(c, 2)
     state = c.state_dict()
     log = ManifestLog(store, "run")
     assert isinstance(log.commit(log.latest(), base_step=4), Committed)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_consumer import parse, produce
+from test_consumer import parse, produce, take
 
 import batchweave as bw
 from batchweave import Consumer, ConsumerError, MemoryStore, Mesh, NamespaceMismatch
@@ -176,17 +176,6 @@ def streams() -> MemoryStore:
     return store
 
 
-def _take(c: Consumer, n: int | None = None) -> list[tuple[int, Any]]:
-    got: list[tuple[int, Any]] = []
-    if n == 0:
-        return got
-    for item in c:
-        got.append(item)
-        if len(got) == n:
-            break
-    return got
-
-
 def _delivered(got: list[tuple[int, Any]], stored_cp: int, mesh: Mesh, cp_rank: int) -> list[Any]:
     """The ``(offset, d, c)`` slices of ``got``, checking each step holds one replica's chunks
     ``cp_rank * k ..`` in chunk order."""
@@ -219,7 +208,7 @@ def test_read_resharded_resume_resharded_then_collect_the_rest(
     states = []
     for d, c in _ranks(a):
         with Consumer(streams, ns, mesh=a, dp_rank=d, cp_rank=c) as con:
-            got = _take(con, k)
+            got = take(con, k)
             states.append(con.state_dict())
         assert [s for s, _ in got] == list(range(k))
         seen.update(_delivered(got, stored.cp, a, c))
@@ -229,7 +218,7 @@ def test_read_resharded_resume_resharded_then_collect_the_rest(
     for d, c in _ranks(b):
         with Consumer(streams, ns, mesh=b, dp_rank=d, cp_rank=c) as con:
             con.load_state_dict(state)
-            got = _take(con)
+            got = take(con)
             finals.append(con.state_dict())
         steps = [s for s, _ in got]
         end_b = k + len(steps) if end_b is None else end_b
@@ -239,7 +228,7 @@ def test_read_resharded_resume_resharded_then_collect_the_rest(
     rest = Mesh(dp=1, cp=1)
     with Consumer(streams, ns, mesh=rest, dp_rank=0) as con:
         con.load_state_dict(finals[-1])
-        got = _take(con)
+        got = take(con)
     assert len(got) < b.dp  # fewer replicas than one step of B
     seen.update(_delivered(got, stored.cp, rest, 0))
     everything = Counter(
@@ -256,14 +245,14 @@ def test_stride_readers_resuming_with_another_dp_re_anchor_once_then_shift() -> 
     stored = Mesh(dp=2)
     produce(store, "run", stored, tgbs=9)
     with Consumer(store, "run", mesh=stored, dp_rank=0) as first:
-        _take(first, 3)  # replica slices 0..5
+        take(first, 3)  # replica slices 0..5
         job_state = first.state_dict()
     new, workers = Mesh(dp=3), 3
     seen: Counter[tuple[int, int, int]] = Counter()
     for d in range(new.dp):
         with Consumer(store, "run", mesh=new, dp_rank=d) as plain:
             plain.load_state_dict(job_state)
-            expected = _take(plain)
+            expected = take(plain)
             shifted = plain.state_dict()
         shifted = {**shifted, "step": job_state["step"]}
         got: list[tuple[int, Any]] = []
@@ -271,7 +260,7 @@ def test_stride_readers_resuming_with_another_dp_re_anchor_once_then_shift() -> 
             reader = Consumer(store, "run", mesh=new, dp_rank=d, start_step=w, stride=workers)
             with reader:
                 reader.load_state_dict({**shifted, "step": shifted["step"] + w})
-                got += _take(reader)
+                got += take(reader)
         assert sorted(got) == expected
         seen.update(parse(x)[1:] for _, x in got)
     assert seen == Counter((t, d, 0) for t in range(3, 9) for d in range(2))
@@ -306,7 +295,7 @@ def test_garbage_state_values_are_refused_naming_the_problem(
     accepted ``True`` as step 1 and a dp no mesh can have (the consumer then waited for
     replica slices that never come), and "inconsistent" states did not say what was wrong."""
     c = Consumer(run, "run", mesh=Mesh(dp=2), dp_rank=0)
-    _take(c, 1)
+    take(c, 1)
     state = {**c.state_dict(), "step": 3, **change}
     with pytest.raises(ConsumerError, match=problem):
         c.load_state_dict(state)
@@ -330,7 +319,7 @@ def test_resume_tgb_step_refuses_a_state_of_another_namespace(run: MemoryStore) 
     refused the same state."""
     produce(run, "other", Mesh(dp=2), tgbs=2)
     with Consumer(run, "other", mesh=Mesh(dp=2), dp_rank=0) as other:
-        _take(other, 1)
+        take(other, 1)
         foreign = other.state_dict()
     c = Consumer(run, "run", mesh=Mesh(dp=2), dp_rank=0)
     with pytest.raises(NamespaceMismatch, match="belongs to namespace 'other'"):
