@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import time
@@ -34,6 +35,22 @@ def percentile(values: Sequence[float], q: float) -> float:
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, int(q) - 1))]
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by ``None``, tuples as lists.
+
+    A value that could not be measured is NaN in the rows (and ``nan`` in the table), but
+    ``NaN`` and ``Infinity`` are not JSON: strict parsers refuse the whole file. In the JSON
+    it is ``null``.
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 @dataclass
@@ -74,7 +91,7 @@ class Report:
             "rows": self.rows,
             "notes": self.notes,
         }
-        path.write_text(json.dumps(payload, indent=2, default=str))
+        path.write_text(json.dumps(json_safe(payload), indent=2, default=str, allow_nan=False))
         return path
 
     def emit(self, path: Path | None = None) -> None:

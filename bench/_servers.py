@@ -3,15 +3,18 @@
 A :class:`StoreSpec` is a picklable description of how to open a store, so worker processes
 open their own client (one per process, as real producers and ranks do). The SeaweedFS server is
 started by :func:`storages` itself (``batchweave.testing.seaweedfs_server``: ``weed mini`` on
-127.0.0.1 free ports, stopped by its PID) and removed with its data when the run ends.
+127.0.0.1 free ports, stopped by its PID) and removed with its data when the run ends; what a
+killed run left behind is removed by the next one (:func:`remove_stale`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -26,6 +29,10 @@ STORAGES = ("file", "seaweedfs")
 """Where the data lives: a local directory, or SeaweedFS (``weed mini``) over S3."""
 
 BUCKET = "bench"
+PREFIX = "bw-bench-"
+"""The name of every run's directory starts with this."""
+OWNER_FILE = "owner"
+"""In a run's directory: ``<hostname> <pid>`` of the benchmark process that made it."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,37 @@ def add_file_root_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale(parent: Path) -> list[Path]:
+    """Delete the directories under ``parent`` left by benchmark runs of this host that died
+    without cleaning up (SIGKILL, the OOM killer); return them.
+
+    Under ``--file-root /dev/shm`` a leftover is memory taken from every later run. Only
+    directories whose owner file names this host and a process that no longer exists are
+    removed: a directory without one may belong to anything.
+    """
+    removed = []
+    for path in parent.glob(f"{PREFIX}*"):
+        try:
+            host, pid = (path / OWNER_FILE).read_text().split()
+            dead = host == socket.gethostname() and not _alive(int(pid))
+        except (OSError, ValueError):
+            continue
+        if dead:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 @contextlib.contextmanager
 def storages(
     names: Sequence[str], *, clients: Sequence[str] = ("boto3",), file_root: str | None = None
@@ -94,10 +132,11 @@ def storages(
     if threading.current_thread() is threading.main_thread():
         # Make `kill <pid>` unwind the context managers: stop SeaweedFS, delete the data.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    for path in remove_stale(Path(file_root or tempfile.gettempdir())):
+        print(f"removed {path}, left by a benchmark run that was killed")
     with contextlib.ExitStack() as stack:
-        tmp = Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="bw-bench-", dir=file_root))
-        )
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=PREFIX, dir=file_root)))
+        (tmp / OWNER_FILE).write_text(f"{socket.gethostname()} {os.getpid()}")
         out: dict[str, list[StoreSpec]] = {}
         for name in names:
             if name == "file":

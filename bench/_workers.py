@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import multiprocessing as mp
 import os
+import queue
 import signal
 import sys
 import threading
@@ -24,6 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchweave import ByteRange, ObjectStore, PutMode, StoreWrapper
+
+_LIVENESS_CHECK = 2.0
+"""Seconds between checks that the workers a run waits for are still alive."""
 
 Task = Callable[[dict[str, Any], Callable[[], None]], Any]
 """``task(params, ready)``: prepare, call ``ready()`` (blocks until go), measure, return a
@@ -84,10 +88,20 @@ class WorkerPool:
             inbox.put((fn, p))
         n = len(params)
         results: list[Any] = [None] * n
+        finished = [False] * n
         ready = done = 0
         deadline = time.monotonic() + timeout
         while done < n:
-            kind, wid, value = self._outbox.get(timeout=max(1.0, deadline - time.monotonic()))
+            try:
+                kind, wid, value = self._outbox.get(timeout=_LIVENESS_CHECK)
+            except queue.Empty:
+                self._check_alive(finished)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"benchmark run not finished after {timeout:.0f} s ({done} of {n} "
+                        "workers done)"
+                    ) from None
+                continue
             if kind == "error":
                 self._drain(n - done - 1)
                 raise RuntimeError(f"benchmark worker {wid} failed:\n{value}")
@@ -98,8 +112,19 @@ class WorkerPool:
                         inbox.put("go")
             else:
                 results[wid] = value
+                finished[wid] = True
                 done += 1
         return results
+
+    def _check_alive(self, finished: list[bool]) -> None:
+        """Fail the run if a worker that still owes a result has died (the OOM killer, a
+        crash in native code): it will never send one."""
+        for wid, (proc, done) in enumerate(zip(self._procs, finished, strict=False)):
+            if not done and not proc.is_alive():
+                raise RuntimeError(
+                    f"benchmark worker {wid} died (exit code {proc.exitcode}) before finishing "
+                    "its task; out of memory?"
+                )
 
     def _drain(self, others: int) -> None:
         """After a failure, let the other workers finish (release them if they wait for go)."""

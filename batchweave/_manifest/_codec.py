@@ -53,6 +53,7 @@ __all__ = [
     "encode_manifest",
     "encode_object",
     "encode_segment",
+    "forget_decoded",
 ]
 
 MAX_MANIFEST_BYTES: Final = 64 << 20
@@ -261,6 +262,11 @@ class _RecentlyDecoded:
             self._items.move_to_end(key)
             return item[1]
 
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
     def put(self, key: str, data: bytes, decoded: object) -> None:
         if len(data) > self._max_bytes // 4:
             return
@@ -276,6 +282,15 @@ class _RecentlyDecoded:
 
 
 _DECODED: Final = _RecentlyDecoded(entries=64, max_bytes=64 << 20)
+
+
+def forget_decoded() -> None:
+    """Drop every manifest and segment this process decoded, as in a newly started process.
+
+    For measurements (``bench/consumers.py`` reuses worker processes between runs); reads never
+    need it, since an entry is reused only for the very same key and bytes.
+    """
+    _DECODED.clear()
 
 
 def decode_manifest(data: bytes, *, key: str) -> Manifest:
