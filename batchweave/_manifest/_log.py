@@ -466,21 +466,23 @@ class ManifestLog:
         with another commit, is :class:`FormatError`. Older versions (a reclaimer bisecting,
         ``batchweave verify`` walking the history) are checked for identity only.
         """
-        if self._namespace_id is None:
-            self._namespace_id, self._mesh = manifest.namespace_id, manifest.mesh
-        elif manifest.namespace_id != self._namespace_id:
-            raise NamespaceMismatch(
-                f"{key} belongs to namespace id {manifest.namespace_id}, but this client "
-                f"opened namespace id {self._namespace_id} at {self._where}; was the prefix "
-                "deleted and re-created?"
-            )
-        elif manifest.mesh != self._mesh:
-            raise NamespaceMismatch(
-                f"{key} says namespace {self._where} has mesh ({manifest.mesh}), but this client "
-                f"opened it with mesh ({self._mesh}); a namespace's mesh never changes, so the "
-                "object is corrupt or forged"
-            )
+        # One lock for identity and history: a thread whose first read landed between the
+        # two stores of another's would see its namespace id with no mesh yet.
         with self._observe_lock:
+            if self._namespace_id is None:
+                self._namespace_id, self._mesh = manifest.namespace_id, manifest.mesh
+            elif manifest.namespace_id != self._namespace_id:
+                raise NamespaceMismatch(
+                    f"{key} belongs to namespace id {manifest.namespace_id}, but this client "
+                    f"opened namespace id {self._namespace_id} at {self._where}; was the prefix "
+                    "deleted and re-created?"
+                )
+            elif manifest.mesh != self._mesh:
+                raise NamespaceMismatch(
+                    f"{key} says namespace {self._where} has mesh ({manifest.mesh}), but this "
+                    f"client opened it with mesh ({self._mesh}); a namespace's mesh never "
+                    "changes, so the object is corrupt or forged"
+                )
             seen = self._newest
             if seen is not None and seen is not manifest:
                 problem = _went_back(seen, manifest)

@@ -313,7 +313,13 @@ class S3Store(S3Location):
             return b""
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=full, Range=_range_header(rng))
-            body = resp["Body"].read()
+            if "ContentRange" in resp:
+                return resp["Body"].read()
+            # The server ignored the Range header and sends the whole object: read only as far
+            # as a bounded range needs (a caller bounding its read stays bounded), slice here.
+            stream = resp["Body"]
+            body = _read_prefix(stream, rng.end) if isinstance(rng, Bounded) else stream.read()
+            stream.close()
         except bex.ClientError as exc:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if exc.response.get("Error", {}).get("Code") == "InvalidRange" or status == 416:
@@ -321,11 +327,9 @@ class S3Store(S3Location):
             raise self._translate(exc, op="get_range", key=key) from exc
         except Exception as exc:
             raise self._translate(exc, op="get_range", key=key) from exc
-        if "ContentRange" not in resp:
-            # The server ignored the Range header and sent the whole object: slice it here.
-            start, end = resolve_range(rng, len(body))
-            return body[start:end]
-        return body
+        # ``body`` is the object's first bytes (all of it, or up to the bounded range's end).
+        start, end = resolve_range(rng, len(body))
+        return body[start:end]
 
     def head(self, key: str) -> ObjectMeta:
         full = self._key(key)
@@ -385,6 +389,18 @@ class S3Store(S3Location):
                     + (f" (and {len(errors) - 1} more keys failed)" if len(errors) > 1 else "")
                 )
                 raise self._from_code(code, 0, detail, op="delete", key=rel)
+
+
+def _read_prefix(stream: Any, size: int) -> bytes:
+    """The first ``size`` bytes of ``stream`` (fewer at its end); a read may return less."""
+    chunks: list[bytes] = []
+    while size > 0:
+        chunk = stream.read(size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
 
 
 def _range_header(rng: ByteRange) -> str:
