@@ -439,15 +439,20 @@ class Reclaimer:
             keys_listed=tally.listed,
         )
         self.last_report = report
-        tally.begin("done")
-        if self._refused:
-            first = self._refused[0]
-            raise type(first)(
-                f"{self.store.url}/{self.namespace}: the store refused to delete "
-                f"{len(self._refused)} objects (first: {first}); the rest of the pass went on "
-                f"({report.objects_deleted} objects deleted, base_step {latest.base_step}). Fix "
-                "the permissions (or object lock) on those keys; the next pass retries them"
-            ) from first
+        try:
+            tally.begin("done")
+        finally:
+            # Keys the store refused are what the operator must act on: that error wins over
+            # one raised by the progress callback.
+            if self._refused:
+                first = self._refused[0]
+                raise type(first)(
+                    f"{self.store.url}/{self.namespace}: the store refused to delete "
+                    f"{len(self._refused)} objects (first: {first}); the rest of the pass went "
+                    f"on ({report.objects_deleted} objects deleted, base_step "
+                    f"{latest.base_step}). Fix the permissions (or object lock) on those keys; "
+                    "the next pass retries them"
+                ) from first
         # A pass that changed nothing is routine for a background reclaimer: not worth INFO.
         changed = report.objects_deleted or before != latest.base_step
         _log.log(

@@ -156,10 +156,14 @@ class LanceSource:
         if self.shuffle:
             # Sorting independent 64-bit keys is a uniform permutation (ties, about n^2 / 2^65,
             # keep their index order); the keys are the raw PCG64 stream of a SeedSequence,
-            # both of which NumPy keeps stable across releases.
+            # both of which NumPy keeps stable across releases. Distinct keys have one sorted
+            # order, so the faster unstable sort gives it; a stable sort settles any tie.
             entropy = np.random.SeedSequence([self.seed, self.shard, epoch])
             keys = np.random.PCG64(entropy).random_raw(n)
-            within = np.argsort(keys, kind="stable")
+            within = np.argsort(keys)
+            ordered = keys[within]
+            if n > 1 and bool((ordered[1:] == ordered[:-1]).any()):
+                within = np.argsort(keys, kind="stable")
         else:
             within = np.arange(n, dtype=np.int64)
         order = self.shard + within.astype(np.int64) * self.num_shards

@@ -72,6 +72,24 @@ def test_the_order_uses_only_numpy_primitives_that_stay_stable_across_releases(
 GOLDEN_SEED7_SHARD1_OF2 = [51, 23, 59, 73, 45, 91, 55, 65]
 
 
+def test_tied_keys_keep_their_index_order(dataset: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The order sorts with the faster unstable sort, which may put equal keys either way; a tie
+    # (about n^2 / 2^65 likely) must still give the one stable order every release agrees on.
+    source = LanceSource(dataset, rows_per_batch=ROWS, seed=7)
+    n = source.rows_per_epoch
+    keys = np.tile(np.array([5, 3, 5, 3, 1], dtype=np.uint64), -(-n // 5))[:n]
+
+    class TiedKeys:
+        def __init__(self, entropy: object) -> None:
+            pass
+
+        def random_raw(self, size: int) -> np.ndarray:
+            return keys[:size].copy()
+
+    monkeypatch.setattr(np.random, "PCG64", TiedKeys)
+    assert source.indices(0).tolist() == np.argsort(keys, kind="stable").tolist()
+
+
 def test_order_is_the_same_in_another_process_with_another_hash_seed(dataset: str) -> None:
     code = (
         "import json, sys; from batchweave.lance import LanceSource; "

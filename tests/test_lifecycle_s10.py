@@ -188,6 +188,28 @@ def test_a_refused_key_counts_as_handled_but_not_deleted(
     assert seen[-1].objects_deleted == reclaimer.last_report.objects_deleted
 
 
+def test_a_callback_failing_at_the_end_does_not_hide_the_refused_keys(
+    store: bw.MemoryStore, clock: FakeClock
+) -> None:
+    reclaimable(store, clock, steps=5, boundary=5)
+    locked = sorted(m.key for m in store.list(f"{NS}/data/w0/"))[0]
+
+    def display(progress: bw.ReclaimProgress) -> None:
+        if progress.phase == "done":
+            raise RuntimeError("the terminal went away")
+
+    reclaimer = bw.Reclaimer(
+        RefuseOne(store, locked),
+        NS,
+        grace=GRACE,
+        clock=clock,
+        sleep=lambda _: None,
+        progress=display,
+    )
+    with pytest.raises(bw.AccessDenied, match="refused to delete 1 objects"):
+        reclaimer.run_once()
+
+
 def test_a_pass_ends_with_an_info_summary_and_a_no_op_pass_only_at_debug(
     store: bw.MemoryStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:

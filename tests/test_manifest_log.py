@@ -445,6 +445,10 @@ def test_concurrent_producers_lose_nothing_and_duplicate_nothing(store: ObjectSt
         try:
             barrier.wait()
             base = log.latest()
+            # Every producer holds the same base before anyone commits: at least 15 of the 16
+            # first attempts lose, however the threads are scheduled (on a fast store one
+            # thread could otherwise finish before the next one starts, and nothing would race).
+            barrier.wait()
             offsets = list(range(per_producer))
             pending: list[TgbDescriptor] = []
             while offsets or pending:
@@ -472,7 +476,7 @@ def test_concurrent_producers_lose_nothing_and_duplicate_nothing(store: ObjectSt
     for t in threads:
         t.join()
     assert not errors, errors
-    assert conflicts  # the race really happened (typically ~1,000 lost attempts)
+    assert len(conflicts) >= producers - 1  # the race really happened
 
     reader = ManifestLog(store, NS)
     final = reader.latest()
