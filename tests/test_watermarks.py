@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pydantic import BaseModel
 
 import batchweave as bw
+from batchweave import _watermarks
 from batchweave._manifest import ManifestLog
+from batchweave._manifest._codec import encode_object
 
 NS = "runs/wm"
 
@@ -154,3 +157,24 @@ def test_other_files_under_the_prefix_are_ignored(store: bw.MemoryStore) -> None
     marks.record("ckpt-3", 3, version=0)
     store.put(f"{NS}/_watermarks/README.txt", b"operators notes")
     assert marks.boundary() == 3
+
+
+class _LooseWatermark(BaseModel):
+    """A watermark as a hand-written tool might store it: the step as a string."""
+
+    format: int = 1
+    checkpoint_id: str
+    step: str
+    version: int
+    recorded_at: float = 0.0
+
+
+def test_a_watermark_whose_step_is_not_an_integer_is_refused(store: bw.MemoryStore) -> None:
+    # A validly enveloped watermark with "step": "5" was coerced to 5; a value nothing in
+    # BatchWeave writes is refused as manifests are, naming the key and the field.
+    key = f"{NS}/_watermarks/ckpt-5.json"
+    loose = _LooseWatermark(checkpoint_id="ckpt-5", step="5", version=1)
+    store.put(key, encode_object(_watermarks._MAGIC, loose))
+    with pytest.raises(bw.FormatError, match="step") as info:
+        bw.Watermarks(store, NS).boundary()
+    assert key in str(info.value)

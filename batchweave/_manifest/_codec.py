@@ -15,9 +15,9 @@ Decoding never trusts the bytes: it bounds the size before parsing anything, che
 the length (truncation), the checksum, then the format version (a newer one is
 :class:`~batchweave.UnsupportedFormatVersion`, "upgrade batchweave") and only then validates the
 schema, translating pydantic errors into :class:`~batchweave.FormatError` naming the key and the
-fields. Manifests and segments are validated in pydantic's strict mode: nothing is coerced
-(``"3"``, ``3.0`` and ``true`` are no integer), so bytes that another writer produced never
-decode into values nobody committed; what this module encodes always passes.
+fields. Manifests, segments and watermarks are validated in pydantic's strict mode: nothing is
+coerced (``"3"``, ``3.0`` and ``true`` are no integer), so bytes that another writer produced
+never decode into values nobody committed; what this module encodes always passes.
 """
 
 from __future__ import annotations
@@ -189,11 +189,9 @@ def _split_envelope(data: bytes, *, key: str, magic: str, limit: int) -> tuple[i
     return stored, body
 
 
-def _validate(
-    body: bytes, model: type[_M], *, key: str, what: str, supported: int, strict: bool
-) -> _M:
+def _validate(body: bytes, model: type[_M], *, key: str, what: str, supported: int) -> _M:
     try:
-        obj = model.model_validate_json(body, strict=strict)
+        obj = model.model_validate_json(body, strict=True)
     except ValidationError as exc:
         peeked = _peek_format(body)
         if isinstance(peeked, int) and not isinstance(peeked, bool) and peeked > supported:
@@ -299,9 +297,7 @@ def decode_manifest(data: bytes, *, key: str) -> Manifest:
     if isinstance(cached, Manifest):
         return cached
     _, body = _split_envelope(data, key=key, magic=_MANIFEST_MAGIC, limit=MAX_MANIFEST_BYTES)
-    manifest = _validate(
-        body, Manifest, key=key, what="manifest", supported=MANIFEST_FORMAT, strict=True
-    )
+    manifest = _validate(body, Manifest, key=key, what="manifest", supported=MANIFEST_FORMAT)
     _DECODED.put(key, data, manifest)
     return manifest
 
@@ -312,9 +308,7 @@ def decode_segment(data: bytes, *, key: str) -> tuple[Segment, int]:
     if isinstance(cached, tuple):
         return cached  # only decode_segment stores tuples
     stored, body = _split_envelope(data, key=key, magic=_SEGMENT_MAGIC, limit=MAX_SEGMENT_BYTES)
-    segment = _validate(
-        body, Segment, key=key, what="segment", supported=SEGMENT_FORMAT, strict=True
-    )
+    segment = _validate(body, Segment, key=key, what="segment", supported=SEGMENT_FORMAT)
     _DECODED.put(key, data, (segment, stored))
     return segment, stored
 
@@ -330,4 +324,4 @@ def decode_object(
     """Parse and verify an object written by :func:`encode_object` with the same ``magic``."""
     _, body = _split_envelope(data, key=key, magic=magic, limit=limit)
     what = magic.removeprefix("batchweave-")
-    return _validate(body, model, key=key, what=what, supported=supported, strict=False)
+    return _validate(body, model, key=key, what=what, supported=supported)
