@@ -14,7 +14,7 @@ import inspect
 import itertools
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -164,20 +164,27 @@ class RefuseOne(bw.StoreWrapper):
         super().delete_many(names)
 
 
-def test_a_refused_key_counts_as_handled_but_not_deleted(
-    store: bw.MemoryStore, clock: FakeClock
-) -> None:
+def reclaimer_refusing_one_tgb(
+    store: bw.MemoryStore, clock: FakeClock, progress: Callable[[bw.ReclaimProgress], None]
+) -> bw.Reclaimer:
+    """Five reclaimable steps, in a store that refuses to delete the first TGB object."""
     reclaimable(store, clock, steps=5, boundary=5)
     locked = sorted(m.key for m in store.list(f"{NS}/data/w0/"))[0]
-    seen: list[bw.ReclaimProgress] = []
-    reclaimer = bw.Reclaimer(
+    return bw.Reclaimer(
         RefuseOne(store, locked),
         NS,
         grace=GRACE,
         clock=clock,
         sleep=lambda _: None,
-        progress=seen.append,
+        progress=progress,
     )
+
+
+def test_a_refused_key_counts_as_handled_but_not_deleted(
+    store: bw.MemoryStore, clock: FakeClock
+) -> None:
+    seen: list[bw.ReclaimProgress] = []
+    reclaimer = reclaimer_refusing_one_tgb(store, clock, seen.append)
     with pytest.raises(bw.AccessDenied, match="refused to delete 1 objects"):
         reclaimer.run_once()
     tgbs = [p for p in seen if p.phase == "deleting TGBs"]
@@ -191,21 +198,11 @@ def test_a_refused_key_counts_as_handled_but_not_deleted(
 def test_a_callback_failing_at_the_end_does_not_hide_the_refused_keys(
     store: bw.MemoryStore, clock: FakeClock
 ) -> None:
-    reclaimable(store, clock, steps=5, boundary=5)
-    locked = sorted(m.key for m in store.list(f"{NS}/data/w0/"))[0]
-
     def display(progress: bw.ReclaimProgress) -> None:
         if progress.phase == "done":
             raise RuntimeError("the terminal went away")
 
-    reclaimer = bw.Reclaimer(
-        RefuseOne(store, locked),
-        NS,
-        grace=GRACE,
-        clock=clock,
-        sleep=lambda _: None,
-        progress=display,
-    )
+    reclaimer = reclaimer_refusing_one_tgb(store, clock, display)
     with pytest.raises(bw.AccessDenied, match="refused to delete 1 objects"):
         reclaimer.run_once()
 
