@@ -485,20 +485,21 @@ class Consumer:
         ``state`` defaults to the current :meth:`state_dict`; pass the one saved in a checkpoint
         when the loop may have moved on since (asynchronous checkpointing). This is what the
         checkpoint's watermark must keep readable (``batchweave.checkpoint_hook`` records it).
-        Opens the namespace if needed (one manifest read); 0 if it does not exist yet. A state of
-        another namespace is :class:`NamespaceMismatch`, as in :meth:`load_state_dict`: its step
-        means nothing here, and a watermark recorded from it would hold the wrong data.
+        Opens the namespace if needed (one manifest read); 0 if it does not exist yet (a malformed
+        ``state`` is refused all the same). A state of another namespace is
+        :class:`NamespaceMismatch`, as in :meth:`load_state_dict`: its step means nothing here,
+        and a watermark recorded from it would hold the wrong data.
         """
+        parsed = None if state is None else _parse_state(state)  # garbage is refused, always
         if self._manifest is None:
             try:
                 self._ensure_open(wait=False)
             except NamespaceNotFound:
                 return 0
         assert self._manifest is not None
-        if state is None:
+        if parsed is None:
             assert self._projection is not None
             return self._projection.first_tgb_step(self._next_step)
-        parsed = _parse_state(state)
         self._check_state_namespace(parsed)
         anchor_step, anchor_replica = self._resume_anchor(parsed)
         projection = Projection(

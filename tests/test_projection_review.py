@@ -432,3 +432,15 @@ def test_sample_ids_are_exported_per_slice() -> None:
         p.append([b"x", b"y"], offset=0, metadata={SAMPLE_IDS_KEY: '[["a", 1], []]'})
     rows = list(iter_membership(store, "h"))
     assert [(r.dp, r.sample_ids) for r in rows] == [(0, ("a", "1")), (1, ())]
+
+
+def test_resume_tgb_step_refuses_garbage_before_the_namespace_exists() -> None:
+    # Before: with no namespace yet it returned 0 without looking at the state, so a
+    # checkpoint hook recorded a watermark from a state load_state_dict would refuse.
+    empty = MemoryStore("none-yet")
+    c = Consumer(empty, "run", mesh=Mesh(dp=2), dp_rank=0)
+    good = {**c.state_dict(), "step": 3}
+    assert c.resume_tgb_step(good) == 0
+    with pytest.raises(ConsumerError, match="step"):
+        c.resume_tgb_step({**good, "step": 2.5})
+    c.close()
