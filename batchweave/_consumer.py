@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import operator
 import struct
 import threading
 import time
@@ -1352,17 +1351,15 @@ _STATE_INTS: Final = (
 
 
 def _state_int(name: str, value: Any) -> int:
-    """A state value as an int: ints (NumPy and torch ones too), or a float or string holding
-    one exactly. ``int()`` alone would resume a state whose step is ``2.5`` at step 2."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} is the bool {value!r}, not an integer")
+    """A state value as an int: what :func:`as_int` takes, or a float or string holding one
+    exactly. ``int()`` alone would resume a state whose step is ``2.5`` at step 2."""
     if isinstance(value, float):
         if not value.is_integer():
             raise ValueError(f"{name} is {value!r}, not an integer")
         return int(value)
     if isinstance(value, str):
         return int(value)
-    return operator.index(value)
+    return as_int(name, value)
 
 
 def _parse_state(state: Mapping[str, Any]) -> dict[str, Any]:
