@@ -172,9 +172,7 @@ class LanceSource:
 
     def indices(self, offset: int) -> np.ndarray:
         """Row positions of batch ``offset`` (``IndexError`` past the last batch)."""
-        offset = as_int("offset", offset)
-        if offset < 0:
-            raise IndexError(f"batch offset must be >= 0, got {offset}")
+        offset = _batch_offset(offset)
         total = self.num_batches
         if total is not None and offset >= total:
             raise IndexError(
@@ -218,9 +216,7 @@ class LanceSource:
         """``(offset, table)`` for batches ``offset, offset + 1, ...`` up to ``stop`` (exclusive)
         or the end of the last epoch; nothing when ``offset`` is already there (a resumed
         producer that had finished)."""
-        offset = as_int("offset", offset)
-        if offset < 0:
-            raise IndexError(f"batch offset must be >= 0, got {offset}")
+        offset = _batch_offset(offset)
         end = self.num_batches
         if stop is not None:
             stop = as_int("stop", stop)
@@ -232,6 +228,14 @@ class LanceSource:
         while end is None or current < end:
             yield current, self.take(current)
             current += 1
+
+
+def _batch_offset(offset: object) -> int:
+    """``offset`` as a plain int, ``IndexError`` if it is negative."""
+    offset = as_int("offset", offset)
+    if offset < 0:
+        raise IndexError(f"batch offset must be >= 0, got {offset}")
+    return offset
 
 
 def _is_blob(field: pa.Field) -> bool:
