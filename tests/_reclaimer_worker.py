@@ -1,7 +1,9 @@
 """Lifecycle test helpers, and a reclaimer process that can SIGKILL itself mid-run.
 
 As a module: :class:`FakeClock`, :class:`Writer` (a deterministic, single-threaded producer that
-uploads real TGB objects and commits them through the manifest log) and :func:`expected_slice`.
+uploads real TGB objects and commits them through the manifest log), :func:`expected_slice`,
+:func:`publish_one_slice` (the same through a real ``Producer``, mesh dp=1) and
+:class:`RefuseOne` (a store that refuses to delete one key).
 
 As a script (``python tests/_reclaimer_worker.py ROOT NAMESPACE NOW GRACE [KILL_AFTER]``): runs
 one reclaimer pass on the file store at ROOT with the clock frozen at NOW; with KILL_AFTER, the
@@ -17,11 +19,29 @@ import sys
 import uuid
 from collections.abc import Iterable
 
-from batchweave import FileStore, Mesh, ObjectStore, Reclaimer, StoreWrapper, encode_tgb
+from batchweave import (
+    AccessDenied,
+    FileStore,
+    Mesh,
+    ObjectStore,
+    Producer,
+    Reclaimer,
+    StoreWrapper,
+    encode_tgb,
+)
 from batchweave._format._checksum import checksum
 from batchweave._manifest import Committed, Manifest, ManifestLog, TgbDescriptor, TgbObjectRef
 
-__all__ = ["FakeClock", "KillingStore", "Writer", "expected_slice", "main"]
+__all__ = [
+    "ONE_SLICE",
+    "FakeClock",
+    "KillingStore",
+    "RefuseOne",
+    "Writer",
+    "expected_slice",
+    "main",
+    "publish_one_slice",
+]
 
 
 class FakeClock:
@@ -97,6 +117,32 @@ class Writer:
         self.orphans += 1
         desc = self.upload(10**9 + self.orphans)
         return self.log.key(desc.objects[0].key)
+
+
+ONE_SLICE = Mesh(dp=1, cp=1)
+"""The mesh of :func:`publish_one_slice`: one slice per TGB."""
+
+
+def publish_one_slice(store: ObjectStore, count: int, namespace: str = "ns") -> None:
+    """Publish offsets up to ``count`` of producer ``p0`` (one 10-byte slice each) through a
+    real ``Producer``, resuming after what is already committed."""
+    with Producer(store, namespace, producer_id="p0", mesh=ONE_SLICE) as producer:
+        for offset in range(producer.resume_offset, count):
+            producer.append([b"x" * 10], offset=offset)
+
+
+class RefuseOne(StoreWrapper):
+    """Refuses to delete one key (an object lock), like a store with a partial permission."""
+
+    def __init__(self, inner: ObjectStore, refused: str) -> None:
+        super().__init__(inner)
+        self.refused = refused
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        names = list(keys)
+        if self.refused in names:
+            raise AccessDenied(f"{self.refused}: access denied")
+        super().delete_many(names)
 
 
 class KillingStore(StoreWrapper):

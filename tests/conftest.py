@@ -11,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from batchweave import FileStore, MemoryStore, ObjectStore
 from batchweave.testing import S3Endpoint, moto_server, seaweedfs_server
@@ -85,3 +86,21 @@ def load_bench(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], ModuleType]:
         return module
 
     return load
+
+
+@pytest.fixture
+def producers(load_bench: Callable[[str], ModuleType]) -> ModuleType:
+    """``bench/producers.py`` as a module."""
+    return load_bench("producers")
+
+
+@pytest.fixture
+def consumers(load_bench: Callable[[str], ModuleType]) -> ModuleType:
+    """``bench/consumers.py`` as a module."""
+    return load_bench("consumers")
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    """A Prometheus registry of the test's own, so tracked objects of other tests never show."""
+    return CollectorRegistry()

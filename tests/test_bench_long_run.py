@@ -7,7 +7,6 @@ benchmark cannot silently turn a slow-down into a pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -15,11 +14,6 @@ import pytest
 
 PAYLOAD = 1_000
 INFLIGHT = 3_000  # three appends of each producer return at once, before its queue is full
-
-
-@pytest.fixture
-def producers(load_bench: Callable[[str], ModuleType]) -> ModuleType:
-    return load_bench("producers")
 
 
 def _producer(start: float, gaps: list[float]) -> dict[str, Any]:

@@ -1,18 +1,23 @@
-"""``batchweave demo`` at a small scale, and its delivery checks on tampered logs."""
+"""``batchweave demo`` at a small scale, and its delivery checks on tampered logs.
+
+Arguments that cannot work are refused before the demo starts, naming the option.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from batchweave import Consumer, Mesh, Watermarks, open_store
 from batchweave.cli._common import CliFailure
-from batchweave.cli._demo import DemoConfig, _RankLog, _verify_deliveries, run_demo
+from batchweave.cli._demo import DemoConfig, _check, _RankLog, _verify_deliveries, run_demo
 from batchweave.cli._demo_work import (
     WorkerConfig,
     demo_source,
@@ -270,3 +275,31 @@ def test_a_demo_that_fails_leaves_no_work_directory(
     with pytest.raises(CliFailure, match="is not empty"):
         run_demo(config)
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+# -- arguments checked before the demo starts --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        # Before: each started the whole demo. --seq-len 0 crashed every producer with
+        # "range() arg 3 must not be zero" (FAIL, exit 1); a memory:// store (one per process)
+        # hung until the 60 s no-progress watchdog.
+        ({"seq_len": 0}, "--seq-len"),
+        ({"store": "memory://demo"}, "memory://"),
+        ({"step_time": -1.0}, "--step-time"),
+        # Before: one message for three options, naming none of them as the wrong one.
+        ({"micro_batch": 0}, "--micro-batch must be >= 1, got 0"),
+        ({"documents": 50}, "--documents must be >= 100, got 50"),
+    ],
+)
+def test_demo_refuses_arguments_that_cannot_work_before_starting(
+    options: dict[str, Any], needle: str
+) -> None:
+    with pytest.raises(CliFailure, match=re.escape(needle)):
+        _check(DemoConfig(**options))
+
+
+def test_demo_defaults_pass_the_argument_check() -> None:
+    _check(DemoConfig())

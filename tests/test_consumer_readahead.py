@@ -3,6 +3,9 @@
 Reads here move a fake wall clock and a fake CPU clock forward by set amounts, so a "2 ms read
 with 1.8 ms of CPU" (a page-cache copy on a busy machine) and a "2 ms read with 0.1 ms of CPU"
 (a network read) cost no real time and no real CPU.
+
+Steps whose slices lie in several objects are read on pool threads, so their CPU share is not
+measured: such streams follow the latency rule alone, and slow reads are still read ahead.
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ from batchweave import (
     StoreWrapper,
     track_metrics,
 )
+from batchweave._format._checksum import checksum
+from batchweave._format._tgb import encode_tgb
+from batchweave._manifest import Committed, ManifestLog, TgbDescriptor, TgbObjectRef
 
 STEPS = 40
+MULTI_OBJECT_STEPS = 20
 ANY = 1 << 30
 """A read budget no number of consumers left open by other tests of this process can exhaust."""
 
@@ -206,3 +213,89 @@ def test_the_cpu_share_is_exported_as_a_metric(steps: MemoryStore) -> None:
     assert exported == c.stats.read_cpu_share
     assert exported == pytest.approx(0.9)
     c.close()
+
+
+# -- steps whose slices lie in several objects -------------------------------------------------
+
+
+class _SlowNetworkReads(StoreWrapper):
+    """Every range read takes 2 ms of (fake) wall time and 0.1 ms of (fake) CPU: a network read."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.time = FakeTime()
+        self.cpu_now = 0.0
+        self._lock = threading.Lock()
+
+    def cpu_clock(self) -> float:
+        with self._lock:
+            return self.cpu_now
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        with self._lock:
+            self.cpu_now += 0.0001
+        self.time.advance(0.002)
+        return self.inner.get_range(key, rng)
+
+
+def _two_objects_per_tgb(store: ObjectStore, namespace: str) -> None:
+    """A sealed namespace (mesh dp=1, cp=2) whose TGBs each hold CP chunk ``c`` in object ``c``.
+
+    The format allows a TGB to be several objects (``TgbObjectRef.first_slice``); a consumer
+    with ``cp=1`` then reads both chunks of a step from two objects, on pool threads.
+    """
+    log = ManifestLog(store, namespace)
+    base = log.create_or_open(Mesh(dp=1, cp=2))
+    for step in range(MULTI_OBJECT_STEPS):
+        refs = []
+        for chunk in range(2):
+            encoded = encode_tgb([f"{step}:{chunk}".encode()], Mesh(dp=1))
+            key = f"data/ext/0/{step:020d}-{chunk:032x}.tgb"
+            store.put_parts(log.key(key), encoded.parts)
+            refs.append(
+                TgbObjectRef(
+                    key=key,
+                    size=encoded.size,
+                    first_slice=chunk,
+                    slice_count=1,
+                    footer_offset=encoded.footer_offset,
+                    footer_length=encoded.footer_length,
+                    footer_checksum=checksum(encoded.footer_bytes, encoded.footer.checksum_algo),
+                )
+            )
+        desc = TgbDescriptor(
+            producer_id="ext", epoch=0, offset=step, objects=tuple(refs), bytes=0, samples=2
+        )
+        result = log.commit(base, append=[desc], seal=step == MULTI_OBJECT_STEPS - 1)
+        assert isinstance(result, Committed)
+        base = result.manifest
+
+
+def test_steps_in_several_objects_are_read_ahead_when_reads_wait() -> None:
+    # docs/consumer.md: steps whose slices lie in several objects are read on pool threads, so
+    # their CPU share is not measured, "and such streams follow the latency rule alone". Slow
+    # reads (2 ms, above prefetch_min_latency) are then read ahead; no read-ahead at all
+    # would leave every step's latency on the training loop.
+    inner = MemoryStore()
+    _two_objects_per_tgb(inner, "multi")
+    store = _SlowNetworkReads(inner)
+    c = Consumer(
+        store,
+        "multi",
+        mesh=Mesh(dp=1, cp=1),
+        dp_rank=0,
+        prefetch=4,
+        ramp_every=1,
+        max_process_reads=1 << 30,
+        clock=store.time.clock,
+        sleep=store.time.sleep,
+        cpu_clock=store.cpu_clock,
+    )
+    in_flight = []
+    for step, data in c:
+        assert data == [f"{step}:0".encode(), f"{step}:1".encode()]
+        in_flight.append(c.stats.in_flight)
+    c.close()
+    assert len(in_flight) == MULTI_OBJECT_STEPS
+    assert c.stats.read_cpu_share is None  # never measured: the latency rule alone decides
+    assert max(in_flight) >= 2

@@ -1,18 +1,34 @@
-"""batchweave.torch: the same sequence with and without DataLoader workers, and resume."""
+"""batchweave.torch: the same sequence with and without DataLoader workers, and resume.
+
+``WeaveDataset(...)`` checks its arguments when it is made, with the consumer's own checks (a
+rank outside the mesh, half the coordinates, a mesh that is not a ``Mesh``, unknown options),
+not later inside a DataLoader worker. The first ``WeaveLoader.state_dict()`` reads the manifest
+for the namespace id: during a store outage it waits like a consumer, bounded by the dataset's
+``timeout`` or else the DataLoader's. Outages are played by ``OutageStore`` (every request
+raises ``StoreUnavailable``) on a fake clock whose sleeps move time: nothing really waits, and a
+wait that would never end fails the test instead of hanging it.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from fake_time import FakeTime
 from test_consumer import parse, produce
+from test_outage import OutageStore
 
-from batchweave import Consumer, FileStore, Mesh
+from batchweave import Consumer, ConsumerTimeout, FileStore, MemoryStore, Mesh
+from batchweave._manifest._log import ManifestLog
 from batchweave.torch import WeaveDataset, WeaveLoader
 
 MESH = Mesh(dp=2, cp=2)
 STEPS = 9
+NS = "runs/torch"
+MAX_SLEEPS = 1_000
+"""More sleeps than any bounded wait here takes: a wait without end fails the test instead."""
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +108,160 @@ def test_loader_refuses_options_that_break_step_order(
         WeaveLoader(dataset, num_workers=2, persistent_workers=True)
     with pytest.raises(TypeError, match="stride"):
         WeaveDataset(namespace[0], "run", mesh=MESH, dp_rank=0, cp_rank=0, stride=2)
+
+
+# -- arguments are checked when the dataset is made --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dp_rank", "cp_rank", "message"),
+    [
+        (2, 0, r"outside mesh dp=2, cp=2: dp_rank must be in \[0, 2\), got 2"),
+        (-1, 1, r"outside mesh dp=2, cp=2: dp_rank must be in \[0, 2\), got -1"),
+        (1, 2, r"outside mesh dp=2, cp=2: cp_rank must be in \[0, 2\), got 2"),
+        (np.int64(0), -3, r"cp_rank must be in \[0, 2\), got -3"),
+    ],
+)
+def test_a_rank_outside_the_mesh_is_refused_by_the_dataset(
+    dp_rank: Any, cp_rank: Any, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        WeaveDataset("memory://torch", NS, mesh=MESH, dp_rank=dp_rank, cp_rank=cp_rank)
+
+
+def test_half_the_coordinates_and_non_integers_are_refused_by_the_dataset() -> None:
+    with pytest.raises(ValueError, match=r"give both dp_rank and cp_rank for mesh \(dp=2, cp=2\)"):
+        WeaveDataset("memory://torch", NS, mesh=MESH, cp_rank=1)
+    with pytest.raises(TypeError, match=r"dp_rank must be an integer, got the str '1'"):
+        WeaveDataset("memory://torch", NS, mesh=MESH, dp_rank="1", cp_rank=0)  # type: ignore[arg-type]
+
+
+def test_a_mesh_that_is_not_a_mesh_and_unknown_options_are_refused_by_the_dataset() -> None:
+    with pytest.raises(TypeError, match=r"mesh must be a batchweave\.Mesh, got the dict"):
+        WeaveDataset("memory://torch", NS, mesh={"dp": 2}, dp_rank=0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"unknown consumer option\(s\) prefech, timout"):
+        WeaveDataset("memory://torch", NS, mesh=MESH, dp_rank=0, cp_rank=0, prefech=2, timout=1)
+
+
+def test_valid_coordinates_are_stored_as_plain_ints() -> None:
+    dataset = WeaveDataset(
+        "memory://torch", NS, mesh=Mesh(dp=4), dp_rank=np.int32(3), prefetch=2, timeout=1.0
+    )
+    assert (dataset.dp_rank, dataset.cp_rank) == (3, 0)
+    assert type(dataset.dp_rank) is int
+    assert dataset.consumer_options == {"prefetch": 2, "timeout": 1.0}
+
+
+def test_coordinates_from_the_environment_are_checked_against_the_mesh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "7")
+    dataset = WeaveDataset("memory://torch", NS, mesh=MESH, tp=2)
+    assert (dataset.dp_rank, dataset.cp_rank) == (1, 1)
+    with pytest.raises(ValueError, match=r"WORLD_SIZE"):
+        WeaveDataset("memory://torch", NS, mesh=MESH, tp=3)
+
+
+# -- a checkpoint during a store outage --------------------------------------------------------
+
+
+@pytest.fixture
+def store() -> OutageStore:
+    inner = MemoryStore()
+    produce(inner, NS, MESH, tgbs=2)
+    return OutageStore(inner)
+
+
+@pytest.fixture
+def fake() -> FakeTime:
+    fake = FakeTime()
+
+    def guard() -> None:
+        if len(fake.sleeps) > MAX_SLEEPS:
+            raise AssertionError(f"still waiting after {fake.now:.0f} fake seconds")
+
+    fake.on_sleep = guard
+    return fake
+
+
+def _outage_loader(
+    store: OutageStore, fake: FakeTime, *, consumer_timeout: float | None = None, **options: Any
+) -> WeaveLoader:
+    """A loader on ``store`` with the fake clock; ``options`` go to the DataLoader."""
+    dataset = WeaveDataset(
+        store,
+        NS,
+        mesh=MESH,
+        dp_rank=1,
+        cp_rank=0,
+        clock=fake.clock,
+        sleep=fake.sleep,
+        timeout=consumer_timeout,
+    )
+    return WeaveLoader(dataset, **options)
+
+
+def test_state_dict_in_an_outage_gives_up_after_the_dataloader_timeout(
+    store: OutageStore, fake: FakeTime
+) -> None:
+    loader = _outage_loader(store, fake, timeout=5.0)
+    store.down()
+    with pytest.raises(ConsumerTimeout, match=r"WeaveLoader\.state_dict\(\).*unreachable") as info:
+        loader.state_dict()
+    assert isinstance(info.value.__cause__, ConsumerTimeout)
+    assert fake.now == pytest.approx(5.0)
+    assert store.failures > 1  # retried, not refused at the first failure
+    store.up()  # the checkpoint can be taken again once the store is back
+    state = loader.state_dict()
+    assert state["namespace_id"] == ManifestLog(store, NS).latest().namespace_id
+    assert state["step"] == 0
+    loader.close()
+
+
+def test_the_dataset_timeout_wins_over_the_dataloader_timeout(
+    store: OutageStore, fake: FakeTime
+) -> None:
+    loader = _outage_loader(store, fake, consumer_timeout=1.5, timeout=2.0)
+    store.down()
+    with pytest.raises(ConsumerTimeout, match=r"WeaveLoader\.state_dict\(\)"):
+        loader.state_dict()
+    assert fake.now == pytest.approx(1.5)
+    loader.close()
+
+
+def test_load_state_dict_in_an_outage_gives_up_after_the_timeout(
+    store: OutageStore, fake: FakeTime
+) -> None:
+    saved = _outage_loader(store, fake).state_dict()
+    loader = _outage_loader(store, fake, timeout=3.0)
+    store.down()
+    started = fake.now
+    with pytest.raises(ConsumerTimeout, match="unreachable"):
+        loader.load_state_dict(saved)
+    assert fake.now - started == pytest.approx(3.0)
+    store.up()
+    loader.load_state_dict(saved)
+    assert loader.state_dict() == saved
+    loader.close()
+
+
+def test_without_a_timeout_state_dict_waits_for_the_store_to_come_back(
+    store: OutageStore, fake: FakeTime
+) -> None:
+    loader = _outage_loader(store, fake)
+    store.down()
+    guard = fake.on_sleep
+
+    def come_back_after_a_while() -> None:
+        assert guard is not None
+        guard()
+        if store.failures >= 20:
+            store.up()
+
+    fake.on_sleep = come_back_after_a_while
+    state = loader.state_dict()
+    assert store.failures == 20
+    assert fake.now > 5.0  # it waited (backing off) rather than giving up
+    assert state["namespace_id"] == ManifestLog(store, NS).latest().namespace_id
+    loader.close()

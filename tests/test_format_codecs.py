@@ -1,8 +1,13 @@
-"""Slice codecs on their own: round trips, zero-copy decoding, and distrust of lying input."""
+"""Slice codecs on their own: round trips, zero-copy decoding, and distrust of lying input.
+
+Lying input includes an Arrow slice whose offsets are not monotonic: its checksum was computed
+by the (buggy or hostile) writer, so only full validation catches it.
+"""
 
 from __future__ import annotations
 
 import json
+import struct
 from typing import Any
 
 import numpy as np
@@ -13,9 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import batchweave as bw
 from batchweave import FormatError
 from batchweave._format import get_codec
-from batchweave._format._codecs import TENSOR_ALIGNMENT, TENSOR_DTYPES, compress, decompress
+from batchweave._format._codecs import CODECS, TENSOR_ALIGNMENT, TENSOR_DTYPES, compress, decompress
 
 TENSORS = get_codec("tensors")
 ARROW = get_codec("arrow")
@@ -270,3 +276,19 @@ def test_zstd_output_is_capped_by_the_recorded_length() -> None:
         decompress(unframed, "zstd", len(data) + 5)
     with pytest.raises(FormatError, match="corrupt zstd data"):
         decompress(b"not zstd at all", "zstd", 10)
+
+
+# -- hostile Arrow slices ----------------------------------------------------------------------
+
+
+def test_an_arrow_slice_with_non_monotonic_offsets_is_a_format_error() -> None:
+    # Before: decoded "successfully" (only shallow validation), giving a zero-copy table whose
+    # string offsets point before its buffer: reading it raised SystemError or read out of
+    # bounds. The checksum cannot help: it was computed by the (buggy or hostile) writer.
+    table = pa.table({"s": pa.array(["ab", "cd", "ef"])})
+    raw = bytearray(bytes(CODECS["arrow"].encode(table)))
+    offsets = raw.find(struct.pack("<4i", 0, 2, 4, 6))
+    assert offsets > 0
+    raw[offsets : offsets + 16] = struct.pack("<4i", 0, 2, -100, 6)
+    with pytest.raises(bw.FormatError, match="non-monotonic offset"):
+        CODECS["arrow"].decode(bytes(raw))

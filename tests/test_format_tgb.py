@@ -1,9 +1,16 @@
-"""The TGB container: round trips, request counts, footer validation and corruption safety."""
+"""The TGB container: round trips, request counts, footer validation and corruption safety.
+
+A checksum mismatch in a slice or the footer gives advice a reader can follow (a committed TGB is
+immutable: do not rewrite it, restore a backup or start past it, run ``batchweave verify``), and
+tensor shapes numpy cannot hold are ``FormatError``s naming the slice.
+"""
 
 from __future__ import annotations
 
 import io
 import json
+import re
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -45,7 +52,7 @@ from batchweave._format import (
     _tgb,
     checksum,
 )
-from batchweave._format._tgb import _pack_trailer
+from batchweave._format._tgb import _pack_trailer, decode_entry
 from batchweave._store._base import ByteRange
 
 KEY = "data/p0/1/7-abc.tgb"
@@ -805,3 +812,65 @@ def test_sample_counts_that_are_not_plain_ints_are_still_validated(
 def test_a_fractional_sample_count_is_refused_by_validation() -> None:
     with pytest.raises(ValidationError, match="sample_count"):
         encode_tgb([b"a", b"b"], Mesh(dp=2), sample_counts=[2.5, 1])  # type: ignore[list-item]
+
+
+# -- a damaged TGB: advice a reader can follow; hostile tensor headers -------------------------
+
+
+def _damaged(store: bw.ObjectStore, flip: int) -> None:
+    tgb = bw.encode_tgb([b"hello", b"world!"], bw.Mesh(dp=2, cp=1))
+    data = bytearray(tgb.data)
+    data[flip] ^= 0x01
+    store.put(KEY, bytes(data))
+
+
+def test_slice_checksum_mismatch_gives_advice_a_reader_can_follow() -> None:
+    # Before: "... the object was damaged in storage or transit, rewrite it": a committed TGB is
+    # immutable, and a reader cannot rewrite it (the manifest records its checksums).
+    store = bw.MemoryStore()
+    _damaged(store, flip=6)  # inside slice (1, 0)
+    footer = bw.read_footer(store, KEY)
+    with pytest.raises(bw.ChecksumMismatch) as info:
+        bw.read_slice(store, KEY, footer, (1, 0))
+    text = str(info.value)
+    assert f"slice (1, 0) of object {KEY!r} is corrupt" in text
+    assert "transit, rewrite it" not in text
+    for advice in ("do not rewrite", "backup", "start_step", "batchweave verify"):
+        assert advice in text, advice
+
+
+def test_footer_checksum_mismatch_gives_the_same_advice() -> None:
+    store = bw.MemoryStore()
+    _damaged(store, flip=15)  # inside the footer JSON
+    with pytest.raises(bw.ChecksumMismatch, match=rf"footer of object {KEY!r} is corrupt") as info:
+        bw.read_footer(store, KEY)
+    assert "transit, rewrite it" not in str(info.value)
+    assert "backup" in str(info.value)
+
+
+def _tensor_slice(shape: list[int]) -> bytes:
+    header = json.dumps(
+        {"tensors": [{"name": "a", "dtype": "int8", "shape": shape, "offset": 1024}]}
+    ).encode()
+    prefix = len(header).to_bytes(8, "little") + header
+    return prefix + bytes(2048 - len(prefix))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [[1] * 65, [0] * 100, [2**70, 0], [2**63, 0]],
+    ids=["65-axes", "100-empty-axes", "2^70", "2^63"],
+)
+def test_tensor_shapes_numpy_cannot_hold_are_format_errors_naming_the_slice(
+    shape: list[int],
+) -> None:
+    # Before: a plain ValueError from numpy ("maximum supported dimension for an ndarray is
+    # currently 64", "Maximum allowed dimension exceeded") without the object or slice: every
+    # other damaged tensor header is a FormatError naming both.
+    raw = _tensor_slice(shape)
+    footer = bw.encode_tgb([raw], bw.Mesh(dp=1, cp=1)).footer
+    layout = SimpleNamespace(codec="tensors", compression=None, checksum_algo="crc32c")
+    where = f"slice (0, 0) of object {KEY!r}"
+    with pytest.raises(bw.FormatError, match=re.escape(where)) as info:
+        decode_entry(raw, footer.slices[0], layout, where=where)
+    assert "numpy cannot hold" in str(info.value)

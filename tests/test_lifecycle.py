@@ -1,7 +1,22 @@
-"""The checkpoint hook and the reclaimer: what is deleted, when, and what never is."""
+"""The checkpoint hook and the reclaimer: what is deleted, when, and what never is.
+
+A watermark released while the reclaimer lists the watermarks never lets the boundary jump
+over the checkpoint recorded just before that release. The background thread refuses intervals
+it cannot wait, survives failing passes, and a restart after a timed-out ``stop()`` runs one
+loop; the hook refuses watermarks of another namespace.
+
+Also how a pass reports itself: a pass is mostly LISTs and 1,000-key batch deletes and can run
+for minutes, so ``Reclaimer(progress=...)`` gets a :class:`batchweave.ReclaimProgress` at each
+phase and after every delete batch, a pass ends with one summary log line (INFO, or DEBUG when
+it had nothing to do), and ``batchweave reclaim`` prints progress lines when asked or a live line
+on a terminal, keeping ``--json`` output clean.
+"""
 
 from __future__ import annotations
 
+import itertools
+import json
+import logging
 import os
 import signal
 import subprocess
@@ -9,14 +24,37 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from _reclaimer_worker import FakeClock, Writer, expected_slice
+from _reclaimer_worker import (
+    ONE_SLICE,
+    FakeClock,
+    RefuseOne,
+    Writer,
+    expected_slice,
+    publish_one_slice,
+)
+from cli_helpers import run_on_terminal
+from click.testing import CliRunner
+from fake_time import FakeTime
+from manifest_helpers import descriptor
+from prometheus_client import CollectorRegistry
 
 import batchweave as bw
+from batchweave import (
+    MemoryStore,
+    Mesh,
+    ObjectStore,
+    Reclaimer,
+    StoreWrapper,
+    Watermarks,
+)
 from batchweave._manifest import Committed, Conflict, ManifestLog, manifest_key
-from batchweave._store._base import PutMode
+from batchweave._store._base import ObjectMeta, PutMode
+from batchweave.cli._app import cli
+from batchweave.cli._reclaim import ProgressLines, describe_progress
 
 NS = "runs/life"
 GRACE = 100.0
@@ -411,3 +449,434 @@ def test_manifest_key_layout_matches_the_reclaimer() -> None:
     # The reclaimer parses version numbers from keys; keep it in step with the log's layout.
     assert manifest_key(42) == "_manifests/00000000000000000042.manifest"
     assert os.path.basename(manifest_key(7)).startswith("0" * 19 + "7")
+
+
+# -- reclaim progress and the pass summary -----------------------------------------------------
+
+
+def reclaimable(store: bw.ObjectStore, clock: FakeClock, steps: int, boundary: int) -> Writer:
+    """``steps`` committed TGBs, a watermark at ``boundary``, two orphans past the grace."""
+    writer = Writer(store, NS, MESH)
+    writer.publish(steps)
+    writer.orphan()
+    writer.orphan()
+    bw.Watermarks(store, NS).record("ckpt", step=boundary)
+    clock.advance(2 * GRACE + 1)
+    return writer
+
+
+def test_a_pass_reports_each_phase_and_every_delete_batch(
+    store: bw.MemoryStore, clock: FakeClock
+) -> None:
+    reclaimable(store, clock, steps=10, boundary=9)
+    seen: list[bw.ReclaimProgress] = []
+    reclaimer = bw.Reclaimer(
+        store,
+        NS,
+        grace=GRACE,
+        clock=clock,
+        sleep=lambda _: None,
+        delete_batch=4,
+        progress=seen.append,
+    )
+    report = reclaimer.run_once()
+    assert report.tgbs_deleted == 9
+    assert report.orphans_deleted == 2
+
+    phases = list(dict.fromkeys(p.phase for p in seen))
+    for earlier, later in [
+        ("reading watermarks", "committing base_step"),
+        ("committing base_step", "listing _manifests/"),
+        ("listing _manifests/", "listing data/"),
+        ("listing data/", "deleting TGBs"),
+        ("deleting TGBs", "deleting orphans"),
+        ("deleting orphans", "listing _segments/"),
+    ]:
+        assert phases.index(earlier) < phases.index(later), phases
+    assert phases[-1] == "done"
+    # one report as the phase begins, then one per delete request of at most 4 keys
+    tgbs = [(p.phase_done, p.phase_total) for p in seen if p.phase == "deleting TGBs"]
+    assert tgbs == [(0, 9), (4, 9), (8, 9), (9, 9)]
+    assert all(p.phase_total is None for p in seen if p.phase.startswith("listing"))
+    # running totals only grow, and the last report is the report's totals
+    for before, after in itertools.pairwise(seen):
+        assert after.keys_listed >= before.keys_listed
+        assert after.objects_deleted >= before.objects_deleted
+        assert after.bytes_deleted >= before.bytes_deleted
+    last = seen[-1]
+    assert last.objects_deleted == report.objects_deleted
+    assert last.bytes_deleted == report.bytes_deleted > 0
+    assert last.keys_listed == report.keys_listed
+    # data/ held 10 TGBs and 2 orphans; _manifests/ at least the versions written
+    assert report.keys_listed >= 12 + report.latest_version + 1
+
+
+def test_a_long_listing_reports_every_thousand_keys(
+    store: bw.MemoryStore, clock: FakeClock
+) -> None:
+    Writer(store, NS, MESH).publish(1)
+    for i in range(2500):  # not BatchWeave's names: listed, never deleted
+        store.put(f"{NS}/data/other-tool/{i:05d}.bin", b"x")
+    listed: list[int] = []
+
+    def progress(p: bw.ReclaimProgress) -> None:
+        if p.phase == "listing data/":
+            listed.append(p.keys_listed)
+
+    bw.Reclaimer(
+        store, NS, grace=GRACE, clock=clock, sleep=lambda _: None, progress=progress
+    ).run_once()
+    before = listed[0]  # keys of _manifests/ listed earlier in the pass
+    assert [n for n in listed[1:] if n % 1000 == 0] == [
+        n for n in range(1000, before + 2501, 1000) if n > before
+    ]
+    assert listed[-1] == before + 2501
+    assert len(list(store.list(f"{NS}/data/other-tool/"))) == 2500
+
+
+def test_a_progress_callback_that_raises_stops_the_pass_and_the_next_finishes(
+    store: bw.MemoryStore, clock: FakeClock
+) -> None:
+    reclaimable(store, clock, steps=6, boundary=6)
+
+    def interrupt(p: bw.ReclaimProgress) -> None:
+        if p.phase == "deleting TGBs" and p.phase_done >= 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        bw.Reclaimer(
+            store,
+            NS,
+            grace=GRACE,
+            clock=clock,
+            sleep=lambda _: None,
+            delete_batch=2,
+            progress=interrupt,
+        ).run_once()
+    assert len(list(store.list(f"{NS}/data/"))) == 6 + 2 - 2
+    report = bw.Reclaimer(store, NS, grace=GRACE, clock=clock, sleep=lambda _: None).run_once()
+    assert list(store.list(f"{NS}/data/")) == []
+    assert report.base_step_after == 6
+
+
+def reclaimer_refusing_one_tgb(
+    store: bw.MemoryStore, clock: FakeClock, progress: Callable[[bw.ReclaimProgress], None]
+) -> bw.Reclaimer:
+    """Five reclaimable steps, in a store that refuses to delete the first TGB object."""
+    reclaimable(store, clock, steps=5, boundary=5)
+    locked = sorted(m.key for m in store.list(f"{NS}/data/w0/"))[0]
+    return bw.Reclaimer(
+        RefuseOne(store, locked),
+        NS,
+        grace=GRACE,
+        clock=clock,
+        sleep=lambda _: None,
+        progress=progress,
+    )
+
+
+def test_a_refused_key_counts_as_handled_but_not_deleted(
+    store: bw.MemoryStore, clock: FakeClock
+) -> None:
+    seen: list[bw.ReclaimProgress] = []
+    reclaimer = reclaimer_refusing_one_tgb(store, clock, seen.append)
+    with pytest.raises(bw.AccessDenied, match="refused to delete 1 objects"):
+        reclaimer.run_once()
+    tgbs = [p for p in seen if p.phase == "deleting TGBs"]
+    assert (tgbs[-1].phase_done, tgbs[-1].phase_total) == (5, 5)
+    assert seen[-1].phase == "done"  # reported before the pass raises
+    assert reclaimer.last_report is not None
+    assert reclaimer.last_report.tgbs_deleted == 4
+    assert seen[-1].objects_deleted == reclaimer.last_report.objects_deleted
+
+
+def test_a_callback_failing_at_the_end_does_not_hide_the_refused_keys(
+    store: bw.MemoryStore, clock: FakeClock
+) -> None:
+    def display(progress: bw.ReclaimProgress) -> None:
+        if progress.phase == "done":
+            raise RuntimeError("the terminal went away")
+
+    reclaimer = reclaimer_refusing_one_tgb(store, clock, display)
+    with pytest.raises(bw.AccessDenied, match="refused to delete 1 objects"):
+        reclaimer.run_once()
+
+
+def test_a_pass_ends_with_an_info_summary_and_a_no_op_pass_only_at_debug(
+    store: bw.MemoryStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    reclaimable(store, clock, steps=4, boundary=3)
+    caplog.set_level(logging.DEBUG, logger="batchweave.lifecycle")
+    reclaimer = bw.Reclaimer(store, NS, grace=GRACE, clock=clock, sleep=lambda _: None)
+    report = reclaimer.run_once()
+    done = [r for r in caplog.records if "reclaim pass done" in r.getMessage()]
+    assert [r.levelno for r in done] == [logging.INFO]
+    message = done[0].getMessage()
+    assert f"{store.url}/{NS}" in message
+    assert "base_step 0 -> 3" in message
+    assert f"listed {report.keys_listed} keys" in message
+    assert f"{report.bytes_deleted} bytes" in message
+
+    caplog.clear()
+    reclaimer.run_once()  # nothing left to do: routine for a background thread
+    done = [r for r in caplog.records if "reclaim pass done" in r.getMessage()]
+    assert [r.levelno for r in done] == [logging.DEBUG]
+
+
+# -- the reclaim command's progress ------------------------------------------------------------
+
+
+def file_store(tmp_path: Path) -> Path:
+    root = tmp_path / "store"
+    root.mkdir()
+    store = bw.open_store(root.as_uri())
+    writer = Writer(store, NS, MESH)
+    writer.publish(6)
+    bw.Watermarks(store, NS).record("ckpt", step=4)
+    return root
+
+
+def test_the_command_prints_progress_lines_when_asked_and_keeps_json_clean(
+    tmp_path: Path,
+) -> None:
+    root = file_store(tmp_path)
+    result = CliRunner().invoke(
+        cli, ["reclaim", str(root), NS, "--grace", "0", "--json", "--progress"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["tgbs_deleted"] == 4
+    lines = result.stderr.splitlines()
+    assert any(line.startswith("reclaiming: listing data/:") for line in lines), lines
+    assert any(line.startswith("reclaiming: deleting TGBs:") for line in lines), lines
+    assert lines[-1].startswith("reclaiming: done: ")
+    assert f"{report['objects_deleted']} objects deleted" in lines[-1]
+    assert f"{report['keys_listed']} keys listed" in lines[-1]
+
+
+def test_the_command_is_silent_off_a_terminal_by_default_and_says_how_long_it_took(
+    tmp_path: Path,
+) -> None:
+    root = file_store(tmp_path)
+    quiet = CliRunner().invoke(cli, ["reclaim", str(root), NS, "--grace", "0"])
+    assert quiet.exit_code == 0, quiet.output
+    assert quiet.stderr == ""
+    assert "took" in quiet.stdout
+
+
+def test_the_command_shows_a_live_line_on_a_terminal(tmp_path: Path) -> None:
+    root = file_store(tmp_path)
+    status, stdout, terminal = run_on_terminal("reclaim", str(root), NS, "--grace", "0")
+    assert status == 0, (stdout, terminal)
+    assert "reclaiming" in terminal
+    assert "reclaiming" not in stdout
+    assert "TGB objects" in stdout
+
+
+def test_progress_lines_come_at_each_phase_and_at_most_every_interval() -> None:
+    fake = FakeTime()
+    printed: list[str] = []
+    lines = ProgressLines(printed.append, clock=fake.clock, interval=10.0)
+
+    def at(phase: str, deleted: int) -> None:
+        lines(bw.ReclaimProgress(phase, keys_listed=5, objects_deleted=deleted, bytes_deleted=0))
+
+    at("listing data/", 0)
+    fake.advance(3)
+    at("listing data/", 0)  # same phase, 3 s later: dropped
+    at("deleting TGBs", 0)  # a new phase: printed
+    fake.advance(9.9)
+    at("deleting TGBs", 1000)
+    fake.advance(0.1)
+    at("deleting TGBs", 2000)  # 10 s since the last line
+    at("done", 2000)
+    assert [line.split(":")[1].strip() for line in printed] == [
+        "listing data/",
+        "deleting TGBs",
+        "deleting TGBs",
+        "done",
+    ]
+    assert "2,000 objects deleted" in printed[2]
+
+
+def test_describe_progress_names_the_share_of_a_deleting_phase() -> None:
+    text = describe_progress(
+        bw.ReclaimProgress(
+            "deleting TGBs",
+            keys_listed=12_345,
+            objects_deleted=3000,
+            bytes_deleted=3 << 30,
+            phase_done=2000,
+            phase_total=9000,
+        )
+    )
+    assert text == (
+        "deleting TGBs: 12,345 keys listed, 3,000 objects deleted (3.0 GiB), "
+        "2,000 of 9,000 in this phase"
+    )
+
+
+# -- watermarks released while the reclaimer lists them ----------------------------------------
+
+
+class _CheckpointDuringList(StoreWrapper):
+    """Runs ``between`` once, right before the first GET of ``key`` (after the LIST saw it)."""
+
+    def __init__(self, inner: ObjectStore, key: str, between: Callable[[], None]) -> None:
+        super().__init__(inner)
+        self._key = key
+        self._between: Callable[[], None] | None = between
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        # One page, fetched whole, as S3 answers a LIST (the memory store's is a live view).
+        return iter(list(super().list(prefix, start_after=start_after)))
+
+    def get(self, key: str) -> bytes:
+        if key == self._key and self._between is not None:
+            between, self._between = self._between, None
+            between()
+        return super().get(key)
+
+
+def test_a_watermark_released_during_the_listing_never_lets_the_boundary_jump() -> None:
+    # Two readers share a namespace (training scope "train-", evaluation scope "eval-"). The
+    # reclaimer LISTs the watermarks; before it GETs train-100, training records train-200
+    # (keep_last=1 releases train-100 right after). Skipping the vanished train-100 made the
+    # boundary eval-500's step: the reclaimer then cut steps 200..499, which train-200 needs.
+    wall = FakeClock(1.7e9)
+    inner = MemoryStore(clock=wall)
+    log = ManifestLog(inner, NS, clock=wall)
+    head = log.create_or_open(Mesh(dp=8, cp=1))
+    result = log.commit(head, append=[descriptor("p", i) for i in range(600)])
+    assert isinstance(result, Committed)
+    train = Watermarks(inner, NS, keep_last=1, scope="train-", clock=wall)
+    train.record("train-100", 100)
+    Watermarks(inner, NS, scope="eval-", clock=wall).record("eval-500", 500)
+
+    store = _CheckpointDuringList(
+        inner, train.key("train-100"), lambda: train.record("train-200", 200)
+    )
+    report = Reclaimer(store, NS, grace=600.0, clock=wall).run_once()
+    assert report.boundary == 200
+    assert report.base_step_after == 200
+    assert [m.checkpoint_id for m in Watermarks(inner, NS).live()] == ["train-200", "eval-500"]
+
+
+# -- the background thread; the hook's namespace -----------------------------------------------
+
+
+def test_restart_after_a_timed_out_stop_runs_one_loop() -> None:
+    store = bw.MemoryStore()
+    publish_one_slice(store, 2)
+    reclaimer = bw.Reclaimer(store, "ns", grace=3600)
+    entered = threading.Event()
+    release = threading.Event()
+    passes: list[str] = []
+    original = reclaimer.run_once
+
+    def slow_pass() -> bw.ReclaimReport:
+        passes.append(threading.current_thread().name)
+        entered.set()
+        release.wait(10)
+        return original()
+
+    reclaimer.run_once = slow_pass  # type: ignore[method-assign]
+    reclaimer.start(interval=0.01)
+    assert entered.wait(10)
+    reclaimer.stop(timeout=0.01)  # the pass is still running: stop() gives up waiting
+    first = [t for t in threading.enumerate() if t.name == "batchweave-reclaimer"]
+    assert len(first) == 1
+    reclaimer.start(interval=3600)  # one pass now, the next in an hour
+    release.set()
+    first[0].join(10)
+    try:
+        # the stopped loop must end after its pass instead of running on beside the new one
+        assert not first[0].is_alive()
+    finally:
+        reclaimer.stop(timeout=10)
+        first[0].join(10)
+    assert not any(t.name == "batchweave-reclaimer" for t in threading.enumerate())
+
+
+def test_checkpoint_hook_refuses_watermarks_of_another_namespace() -> None:
+    store = bw.MemoryStore()
+    publish_one_slice(store, 2, namespace="a")
+    consumer = bw.Consumer(store, "a", mesh=ONE_SLICE, dp_rank=0, timeout=1)
+    with consumer:
+        next(consumer)
+        with pytest.raises(ValueError, match=r"'a'.*'b'"):
+            bw.checkpoint_hook(consumer, bw.Watermarks(store, "b"), "ck", rank=0)
+    assert bw.Watermarks(store, "b").live() == []
+    # a closed consumer still has the state of its checkpoint: the hook works
+    mark = bw.checkpoint_hook(consumer, bw.Watermarks(store, "a"), "ck", rank=0)
+    assert mark is not None
+    assert mark.step == 1
+
+
+@pytest.mark.parametrize("interval", [0.0, -1.0, float("nan"), float("inf")])
+def test_start_refuses_intervals_the_loop_cannot_wait(interval: float) -> None:
+    # NaN made every wait return at once (passes back to back, hammering the store); inf made
+    # the first wait raise OverflowError and kill the thread after one pass
+    reclaimer = bw.Reclaimer(bw.MemoryStore(), "ns", grace=3600)
+    with pytest.raises(ValueError, match="interval"):
+        reclaimer.start(interval)
+    assert not any(t.name == "batchweave-reclaimer" for t in threading.enumerate())
+
+
+def test_the_thread_survives_failing_passes_and_counts_them(
+    registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    failures = threading.Semaphore(0)
+    healthy = threading.Event()
+
+    class Flaky(bw.StoreWrapper):
+        def list(self, prefix: str = "", *, start_after: str | None = None):  # type: ignore[no-untyped-def]
+            if not healthy.is_set():
+                failures.release()
+                raise bw.StoreUnavailable("store down (test)")
+            return super().list(prefix, start_after=start_after)
+
+    inner = bw.MemoryStore()
+    publish_one_slice(inner, 3)
+    bw.Watermarks(inner, "ns").record("c", step=2)
+    reclaimer = bw.track_metrics(bw.Reclaimer(Flaky(inner), "ns", grace=3600), registry=registry)
+    done = threading.Event()
+    tracked = reclaimer.run_once
+
+    def run_once() -> bw.ReclaimReport:
+        report = tracked()
+        done.set()
+        return report
+
+    reclaimer.run_once = run_once  # type: ignore[method-assign]
+    reclaimer.start(interval=0.001)
+    try:
+        assert failures.acquire(timeout=10)
+        assert failures.acquire(timeout=10)  # a second pass: the thread outlived the first
+        assert isinstance(reclaimer.last_error, bw.StoreUnavailable)
+        healthy.set()
+        assert done.wait(10)
+    finally:
+        reclaimer.stop(timeout=10)
+    report = reclaimer.last_report
+    assert report is not None
+    assert report.base_step_after == 2
+    assert report.tgbs_deleted == 2
+    assert reclaimer.last_error is None
+    errors = registry.get_sample_value("batchweave_reclaim_errors_total", {"namespace": "ns"})
+    assert errors is not None
+    assert errors >= 2
+    assert registry.get_sample_value("batchweave_reclaim_passes_total", {"namespace": "ns"}) >= 1
+    assert any("pass failed" in r.getMessage() for r in caplog.records)
+
+
+# -- a pass on a missing namespace -------------------------------------------------------------
+
+
+def test_a_pass_on_a_missing_namespace_still_sets_last_report() -> None:
+    clock = FakeClock()
+    store = bw.MemoryStore("empty", clock=clock)
+    reclaimer = bw.Reclaimer(store, NS, grace=600.0, clock=clock)
+    report = reclaimer.run_once()
+    assert report.latest_version == -1
+    assert reclaimer.last_report is report

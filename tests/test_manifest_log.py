@@ -525,3 +525,39 @@ def test_failed_segment_write_is_an_unknown_conflict(store: ObjectStore) -> None
     m1 = _commit(log, log.create_or_open(MESH), descriptor("a", 0))
     assert log.commit(m1, append=[descriptor("a", 1)]) == Conflict(None)
     assert list(log.versions()) == [0, 1]
+
+
+# -- a fresh log notes its identity atomically -------------------------------------------------
+# A client notes the first namespace id and mesh it reads under one lock: a thread whose first
+# read landed between two separate stores saw the id but a mesh of ``None`` and refused a
+# healthy namespace as ``NamespaceMismatch`` ("mesh (None)").
+
+
+def test_a_first_read_racing_another_threads_first_read_is_not_a_mesh_mismatch() -> None:
+    store = MemoryStore()
+    m0 = ManifestLog(store, NS).create_or_open(MESH)
+    outcome: list[BaseException | None] = []
+    threads: list[threading.Thread] = []
+
+    def other_first_read(log: ManifestLog) -> None:
+        try:
+            log.latest()
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    class Paused(ManifestLog):
+        """Lets another thread's first read run right after the namespace id is noted."""
+
+        def __setattr__(self, name: str, value: object) -> None:
+            super().__setattr__(name, value)
+            if name == "_namespace_id" and value is not None and not threads:
+                threads.append(threading.Thread(target=other_first_read, args=(self,)))
+                threads[0].start()
+                threads[0].join(0.2)  # with the identity noted under a lock it waits for us
+
+    log = Paused(store, NS)
+    assert log.latest() == m0
+    threads[0].join(5)
+    assert outcome == [None], outcome

@@ -1,17 +1,36 @@
-"""Segments: flat commit cost, bounded reference count, one-read lookups, integrity."""
+"""Segments: flat commit cost, bounded reference count, one-read lookups, integrity.
+
+Also deferred (prepared) merges against the reclaimer: a merge prepared after the commit that
+rolled is swapped in by a later commit only within ``PREPARED_MERGE_MAX_AGE`` (an older one may
+already be deleted as an orphan); a producer committing less often than that still merges, by
+refreshing its prepared merge, and a refreshed copy survives the reclaimer deleting the first.
+"""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
+from fake_time import FakeTime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from manifest_helpers import CountingStore, descriptor, grow
 from pydantic import TypeAdapter
 
-from batchweave import ChecksumMismatch, FormatError, MemoryStore, Mesh, ObjectStore, PutMode
+from batchweave import (
+    AttemptOutcome,
+    ChecksumMismatch,
+    CommitPolicy,
+    FormatError,
+    MemoryStore,
+    Mesh,
+    ObjectStore,
+    Producer,
+    PutMode,
+    Reclaimer,
+)
 from batchweave._manifest import (
     Committed,
     ManifestLog,
@@ -20,12 +39,14 @@ from batchweave._manifest import (
     encode_segment,
     manifest_key,
 )
+from batchweave._manifest._log import PREPARED_MERGE_MAX_AGE
 from batchweave._manifest._models import TgbDescriptor
-from batchweave._manifest._segments import merge_run_length, segment_level
+from batchweave._manifest._segments import DEFAULT_MERGE_FANOUT, merge_run_length, segment_level
 from batchweave._store._file import FileStore
 
 MESH = Mesh(dp=8, cp=1)
 NS = "runs/seg"
+GRACE = 600.0
 
 
 def test_commit_cost_stays_flat_over_5000_commits() -> None:
@@ -443,3 +464,127 @@ def test_interleaved_deferred_merges_are_not_duplicated() -> None:
     # All but the last pending ones were swapped in: no merge was written twice.
     assert len(prepared - listed) <= 2
     assert [d.offset for _, d in logs[0].descriptors(head, 0, head.next_step)] == list(range(step))
+
+
+# -- prepared merges and the reclaimer ---------------------------------------------------------
+
+
+class _Wall:
+    """One wall clock for the store's ``last_modified``, the log and the reclaimer."""
+
+    def __init__(self) -> None:
+        self.now = 1.7e9
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_stale_prepared_merge_the_reclaimer_deleted_is_never_swapped_in() -> None:
+    # A producer prepares a level merge after a commit, then commits nothing for longer than
+    # 2 x grace (a slow source, or append blocked by max_lag while checkpointing stalls). The
+    # reclaimer deletes the merged segment as an unreferenced orphan. The producer's next commit
+    # must not swap that deleted segment in for the live ones: the new version would list steps
+    # whose descriptors no longer exist anywhere.
+    wall = _Wall()
+    store = MemoryStore(clock=wall)
+    log = ManifestLog(store, NS, clock=wall, tail_limit=2, merge_fanout=2, deferred_merges=True)
+    head = grow(log, log.create_or_open(MESH), 4)
+    assert [r.count for r in head.segments] == [2, 2]
+    assert log.prepare_merge(head) > 0  # the merge of both, waiting for the next commit
+
+    wall.now += 3 * GRACE
+    report = Reclaimer(store, NS, grace=GRACE, clock=wall).run_once()
+    assert report.segments_deleted == 1  # the prepared merge: referenced by no version
+
+    result = log.commit(head, append=[descriptor("p", 4)])
+    assert isinstance(result, Committed)
+    fresh = ManifestLog(store, NS)
+    latest = fresh.latest()
+    assert [d.offset for _, d in fresh.descriptors(latest, 0, latest.next_step)] == list(range(5))
+
+
+def test_a_prepared_merge_is_swapped_in_within_its_age_limit_and_dropped_after() -> None:
+    wall = _Wall()
+    store = MemoryStore(clock=wall)
+    log = ManifestLog(store, NS, clock=wall, tail_limit=2, merge_fanout=2, deferred_merges=True)
+    head = grow(log, log.create_or_open(MESH), 4)
+    log.prepare_merge(head)
+    wall.now += PREPARED_MERGE_MAX_AGE / 2
+    head = grow(log, head, 1)
+    assert [r.count for r in head.segments] == [4]  # swapped in
+
+    head = grow(log, head, 3)  # two more rolls: a merge of all three is due
+    assert [r.count for r in head.segments] == [4, 2, 2]
+    assert log.prepare_merge(head) > 0
+    wall.now += PREPARED_MERGE_MAX_AGE + 1
+    head = grow(log, head, 1)
+    assert [r.count for r in head.segments] == [4, 2, 2]  # too old: left unreferenced
+    assert [d.offset for _, d in log.descriptors(head, 0, head.next_step)] == list(range(9))
+
+
+class _EveryMinuteAndABit(CommitPolicy):
+    """Commits at most every 61 s: a producer whose source is slower than one TGB a minute."""
+
+    name: ClassVar[str] = "every-61s"
+
+    def ready(self, pending: int, since_last_attempt: float) -> bool:
+        return since_last_attempt >= self.gap
+
+    def record(self, outcome: AttemptOutcome) -> None:
+        pass
+
+    @property
+    def gap(self) -> float:
+        return PREPARED_MERGE_MAX_AGE + 1
+
+
+def test_segments_still_merge_when_a_producer_commits_less_than_once_a_minute() -> None:
+    # A merge is prepared after the commit that rolled, and swapped in by this producer's
+    # next commit; one prepared more than PREPARED_MERGE_MAX_AGE ago is dropped (the reclaimer
+    # may delete it). A producer that commits less often than that dropped every merge: its
+    # segments never merged, and every manifest version listed one reference per rolled tail
+    # (commit cost growing with history). 64 rolls must merge into a few tiered segments.
+    time = FakeTime()
+    store = MemoryStore(clock=time.wall)
+    with Producer(
+        store,
+        "slow",
+        producer_id="p",
+        mesh=Mesh(dp=1),
+        policy=_EveryMinuteAndABit(),
+        tail_limit=2,
+        clock=time.clock,
+        wall_clock=time.wall,
+        sleep=time.sleep,
+    ) as p:
+        for offset in range(128):
+            p.append([b"x"], offset=offset)
+            p.flush()
+    latest = ManifestLog(store, "slow").latest()
+    assert latest.next_step == 128
+    # Three levels (2, 16 and 128 TGBs) of at most F - 1 segments each; unmerged: 64.
+    assert len(latest.segments) <= 3 * (DEFAULT_MERGE_FANOUT - 1), [
+        s.count for s in latest.segments
+    ]
+
+
+def test_a_refreshed_merge_survives_the_reclaimer_deleting_the_first_copy() -> None:
+    wall = _Wall()
+    store = MemoryStore(clock=wall)
+    log = ManifestLog(store, "ns", clock=wall, tail_limit=2, merge_fanout=2, deferred_merges=True)
+    head = log.create_or_open(Mesh(dp=8))
+    for offset in range(4):
+        result = log.commit(head, append=[descriptor("p", offset)])
+        assert isinstance(result, Committed)
+        head = result.manifest
+    assert log.prepare_merge(head) > 0
+    assert log.refresh_prepared_merge() == 0  # fresh: nothing to do
+    wall.now += 3 * 600.0  # long idle: the first copy is an orphan older than 2 x grace
+    assert log.refresh_prepared_merge() > 0
+    assert Reclaimer(store, "ns", grace=600.0, clock=wall).run_once().segments_deleted == 1
+    result = log.commit(head, append=[descriptor("p", 4)])
+    assert isinstance(result, Committed)
+    assert [r.count for r in result.manifest.segments] == [4]  # the fresh copy was swapped in
+    fresh = ManifestLog(store, "ns")
+    latest = fresh.latest()
+    assert [d.offset for _, d in fresh.descriptors(latest, 0, latest.next_step)] == list(range(5))

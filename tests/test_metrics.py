@@ -1,22 +1,28 @@
-"""Prometheus metrics: tracked producers, consumers and reclaimers, and the HTTP endpoint."""
+"""Prometheus metrics: tracked producers, consumers and reclaimers, and the HTTP endpoint.
+
+The collector uses public state only: producers and consumers say whether they are ``closed``,
+and of two tracked producers with one id the open one is exported. A producer restarted or a
+consumer replaced in the same process is exported once (a duplicate series breaks scrapes); a
+reclaim pass that fails still counts what it deleted, one that fails before starting counts
+nothing; a metrics port in use is an error naming the address.
+"""
 
 from __future__ import annotations
 
+import errno
+import inspect
 import urllib.request
 
 import pytest
-from prometheus_client import CollectorRegistry
+from _reclaimer_worker import ONE_SLICE, RefuseOne, publish_one_slice
+from prometheus_client import CollectorRegistry, generate_latest
 
 import batchweave as bw
+import batchweave._metrics
 from batchweave._metrics import InstrumentedPolicy, metrics
 from batchweave._policy import AttemptOutcome, CommitPolicy, DacPolicy
 
 MESH = bw.Mesh(dp=2, cp=1)
-
-
-@pytest.fixture
-def registry() -> CollectorRegistry:
-    return CollectorRegistry()
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -143,3 +149,142 @@ def test_an_instrumented_policy_paces_exactly_like_the_policy_it_wraps(
 
     assert answers(wrapped) == answers(plain)
     assert answers(plain)[3] > 0  # a lost close slot: the wait is real, not a default 0
+
+
+# -- open and closed clients -------------------------------------------------------------------
+
+
+def test_producers_and_consumers_say_whether_they_are_closed() -> None:
+    store = bw.MemoryStore()
+    producer = bw.Producer(store, "ns", producer_id="p0", mesh=bw.Mesh(dp=1))
+    assert producer.closed is False
+    producer.append([b"x"], offset=0)
+    producer.close()
+    assert producer.closed is True
+    consumer = bw.Consumer(store, "ns", mesh=bw.Mesh(dp=1), dp_rank=0, timeout=0)
+    assert consumer.closed is False
+    consumer.close()
+    assert consumer.closed is True
+
+
+def test_the_collector_prefers_the_open_producer_without_private_attributes() -> None:
+    assert "_closed" not in inspect.getsource(batchweave._metrics)
+    registry = CollectorRegistry()
+    store = bw.MemoryStore()
+    closed = bw.Producer(store, "ns", producer_id="p0", mesh=bw.Mesh(dp=1))
+    closed.close()
+    live = bw.Producer(store, "ns", producer_id="p0", mesh=bw.Mesh(dp=1))
+    try:
+        bw.track_metrics(live, registry=registry)
+        bw.track_metrics(closed, registry=registry)  # tracked last, but closed: not exported
+        live.append([b"x"], offset=0)
+        live.flush()
+        labels = {"namespace": "ns", "producer_id": "p0"}
+        assert registry.get_sample_value("batchweave_tgbs_published_total", labels) == 1.0
+    finally:
+        live.close()
+
+
+# -- objects replaced in process, failed passes, the server's port -----------------------------
+
+
+def samples(registry: CollectorRegistry, name: str) -> list[str]:
+    text = generate_latest(registry).decode()
+    return [line for line in text.splitlines() if line.startswith(name + "{")]
+
+
+def test_a_producer_restarted_in_process_is_exported_once(registry: CollectorRegistry) -> None:
+    store = bw.MemoryStore()
+    old = bw.track_metrics(
+        bw.Producer(store, "ns", producer_id="p0", mesh=ONE_SLICE), registry=registry
+    )
+    old.append([b"x"], offset=0)
+    old.close()  # still referenced (a traceback, a list of workers): not garbage-collected yet
+    new = bw.track_metrics(
+        bw.Producer(store, "ns", producer_id="p0", mesh=ONE_SLICE), registry=registry
+    )
+    try:
+        new.append([b"x"], offset=1)
+        new.append([b"x"], offset=2)
+        new.flush()
+        lines = samples(registry, "batchweave_tgbs_published_total")
+        # one series per label set: the live producer's (a duplicate series breaks scrapes)
+        assert lines == ['batchweave_tgbs_published_total{namespace="ns",producer_id="p0"} 2.0']
+    finally:
+        new.close()
+    assert old.stats().tgbs_published == 1
+
+
+def test_a_consumer_replaced_in_process_is_exported_once(registry: CollectorRegistry) -> None:
+    store = bw.MemoryStore()
+    publish_one_slice(store, 3)
+    old = bw.Consumer(store, "ns", mesh=ONE_SLICE, dp_rank=0, timeout=1)
+    bw.track_metrics(old, registry=registry)
+    next(old)
+    next(old)
+    state = old.state_dict()
+    old.close()
+    new = bw.track_metrics(
+        bw.Consumer(store, "ns", mesh=ONE_SLICE, dp_rank=0, timeout=1), registry=registry
+    )
+    with new:
+        new.load_state_dict(state)
+        next(new)
+        lines = samples(registry, "batchweave_consumer_steps_total")
+        assert lines == [
+            'batchweave_consumer_steps_total{cp_rank="0",dp_rank="0",namespace="ns"} 1.0'
+        ]
+    assert old.stats.steps == 2
+
+
+def test_a_failed_pass_still_counts_what_it_deleted(registry: CollectorRegistry) -> None:
+    inner = bw.MemoryStore()
+    publish_one_slice(inner, 4)
+    locked = next(m.key for m in inner.list("ns/data/"))
+    bw.Watermarks(inner, "ns").record("c", step=4)
+    reclaimer = bw.Reclaimer(RefuseOne(inner, locked), "ns", grace=0)
+    bw.track_metrics(reclaimer, registry=registry)
+    with pytest.raises(bw.AccessDenied, match="refused to delete 1 objects"):
+        reclaimer.run_once()
+    report = reclaimer.last_report
+    assert report is not None
+    assert report.tgbs_deleted == 3
+    labels = {"namespace": "ns", "kind": "tgb"}
+    get = registry.get_sample_value
+    assert get("batchweave_reclaim_errors_total", {"namespace": "ns"}) == 1
+    # the deletions happened: the counters and gauges must say so
+    assert get("batchweave_reclaimed_objects_total", labels) == 3
+    assert get("batchweave_reclaimed_bytes_total", labels) == report.tgb_bytes_deleted
+    assert get("batchweave_reclaim_base_step", {"namespace": "ns"}) == 4
+    assert get("batchweave_reclaim_boundary", {"namespace": "ns"}) == 4
+    # a failed pass is no success
+    assert get("batchweave_reclaim_last_success_timestamp_seconds", {"namespace": "ns"}) in (
+        None,
+        0,
+    )
+
+
+def test_a_namespace_that_does_not_exist_fails_before_counting(
+    registry: CollectorRegistry,
+) -> None:
+    class Down(bw.StoreWrapper):
+        def list(self, prefix: str = "", start_after: str | None = None):  # type: ignore[no-untyped-def]
+            raise bw.StoreUnavailable("down")
+
+    reclaimer = bw.track_metrics(bw.Reclaimer(Down(bw.MemoryStore()), "ns"), registry=registry)
+    reclaimer.last_report = None
+    with pytest.raises(bw.StoreUnavailable):
+        reclaimer.run_once()
+    get = registry.get_sample_value
+    assert get("batchweave_reclaim_errors_total", {"namespace": "ns"}) == 1
+    assert get("batchweave_reclaimed_objects_total", {"namespace": "ns", "kind": "tgb"}) is None
+
+
+def test_metrics_port_in_use_names_the_address(registry: CollectorRegistry) -> None:
+    with bw.start_metrics_server(0, registry=registry) as first:
+        with pytest.raises(OSError, match=f"127.0.0.1:{first.port}") as info:
+            bw.start_metrics_server(first.port, registry=registry)
+        assert info.value.errno == errno.EADDRINUSE
+    first.close()  # closing twice is harmless, and the port is free again
+    with bw.start_metrics_server(first.port, registry=registry) as again:
+        assert again.port == first.port

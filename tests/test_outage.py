@@ -4,6 +4,8 @@
 ``TransientStoreError``) and coming back. Tests flip it back up only after the client was seen
 retrying a number of times (an event, not a sleep), then check the data arrived exactly once.
 The SeaweedFS restart in ``tests/test_soak.py`` covers the same behaviour on a real server.
+What clients log during an outage is rate-limited: a first warning, reminders every 30 s, and
+one line when the store is reachable again.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 
+import batchweave as bw
 from batchweave import (
     ByteRange,
     Consumer,
@@ -31,6 +34,7 @@ from batchweave import (
 )
 from batchweave._format._tgb import encode_tgb
 from batchweave._manifest._log import ManifestLog
+from batchweave._outage import OutageLog
 
 MESH = Mesh(dp=2, cp=1)
 NS = "runs/outage"
@@ -314,3 +318,32 @@ def test_a_consumer_outage_longer_than_a_thousand_retries_is_still_waited_out() 
     assert not reader.errors, reader.errors
     assert [s for s, _ in [first, *reader.results]] == [0, 1]
     assert max(sleeps.delays) <= c.max_retry_backoff
+
+
+# -- rate-limited outage logging ---------------------------------------------------------------
+
+
+def test_outage_log_rate_limits_reminders_and_reports_recovery_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [100.0]
+    log = OutageLog(logging.getLogger("batchweave.test"), "producer 'p0'", clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="batchweave.test")
+    for _ in range(20):  # 100 s of failures, one every 5 s
+        log.failed("committing", bw.StoreUnavailable("down"))
+        now[0] += 5.0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 4  # at 0, 30, 60 and 90 s
+    assert "unreachable while committing" in warnings[0]
+    assert "still unreachable after 30 s (7 failed requests)" in warnings[1]
+    assert log.down
+    log.recovered()
+    log.recovered()
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert infos == [
+        "producer 'p0': the object store is reachable again after 100.0 s (20 failed requests); "
+        "resuming"
+    ]
+    assert not log.down
+    log.failed("uploading", bw.StoreUnavailable("down again"))  # a new outage: a new first line
+    assert "unreachable while uploading" in caplog.records[-1].getMessage()

@@ -1,4 +1,9 @@
-"""Unit tests of the Producer client on in-memory stores, with injected clocks and sleeps."""
+"""Unit tests of the Producer client on in-memory stores, with injected clocks and sleeps.
+
+Among them two liveness rules: ``max_lag`` with a count-paced policy commits the TGBs it is
+blocked on (else no consumer could read them and no checkpoint move the boundary), and an
+``append`` racing ``close()`` is committed or refused, never returned from and then dropped.
+"""
 
 from __future__ import annotations
 
@@ -966,3 +971,118 @@ def test_a_tgb_built_by_the_caller_is_still_validated_before_commit() -> None:
     p.abort()
     assert committed_offsets(store, "p0") == []
     assert not [m for m in store.list("") if "/data/" in m.key]
+
+
+# -- max_lag with a count-paced policy; append racing close() ----------------------------------
+
+
+class _ManifestPuts(StoreWrapper):
+    """Sets ``landed`` whenever a manifest version is created."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.landed = threading.Event()
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        super().put(key, data, mode=mode)
+        if "/_manifests/" in key:
+            self.landed.set()
+
+
+def _payloads(offset: int) -> list[bytes]:
+    return [f"{offset}/{i}".encode() for i in range(Mesh(dp=2, cp=1).slices)]
+
+
+def test_max_lag_commits_what_it_counts_when_a_count_policy_holds_it_back() -> None:
+    # max_lag counts this producer's uncommitted TGBs as visible. With a count-paced policy
+    # (fixed10) and max_lag below its count, the TGBs that block append were never committed:
+    # no consumer could read them, so no checkpoint could move the boundary: a deadlock.
+    store = _ManifestPuts(MemoryStore())
+    fake = FakeTime(1000.0)
+    tick = threading.Event()
+    boundary = {"step": 0}
+
+    def sleep(seconds: float) -> None:
+        fake.sleep(seconds)
+        tick.wait(0.005)  # the blocked append re-checks with backoff; keep it from spinning
+
+    p = Producer(
+        store,
+        NS,
+        producer_id="p0",
+        mesh=Mesh(dp=2, cp=1),
+        policy="fixed10",
+        max_lag=3,
+        boundary=lambda: boundary["step"],
+        clock=fake.clock,
+        wall_clock=fake.wall,
+        sleep=sleep,
+    )
+    try:
+        for off in range(4):  # 0 + 3 pending <= max_lag when offset 3 is appended
+            p.append(_payloads(off), offset=off)
+        blocked = threading.Thread(target=p.append, args=(_payloads(4),), kwargs={"offset": 4})
+        blocked.start()
+        # Blocked by its own pending TGBs, the producer must publish them so consumers can
+        # reach a checkpoint: a manifest with the four steps appears.
+        log = ManifestLog(store, NS)
+        while True:
+            store.landed.clear()
+            if log.latest().next_step == 4:
+                break
+            assert store.landed.wait(10), "pending TGBs never committed while append was blocked"
+        assert blocked.is_alive()
+        boundary["step"] = 4  # the consumers checkpointed past them
+        blocked.join(10)
+        assert not blocked.is_alive()
+    finally:
+        p.close()
+    log = ManifestLog(store, NS)
+    m = log.latest()
+    assert [d.offset for _, d in log.descriptors(m, 0, m.next_step)] == [0, 1, 2, 3, 4]
+
+
+def test_an_append_racing_close_is_committed_or_refused_never_silently_dropped() -> None:
+    # close() drains what was appended when it began, then the commit thread ends (nothing left
+    # to commit and closing). An append from another thread that lands after that drain, before
+    # close() marks the producer closed, used to return normally, although no thread would ever
+    # commit it: close() then returned without error and the TGB was lost.
+    store = MemoryStore()
+    fake = FakeTime(1000.0)
+    p = Producer(
+        store,
+        NS,
+        producer_id="p0",
+        mesh=Mesh(dp=2, cp=1),
+        policy="naive",
+        clock=fake.clock,
+        wall_clock=fake.wall,
+        sleep=fake.sleep,
+    )
+    p.append(_payloads(0), offset=0)
+    outcome: list[BaseException | None] = []
+    shutdown = p._shutdown
+
+    def late_append_then_shutdown(*, abort: bool) -> None:
+        # What another thread's append() sees right after close()'s drain: the commit thread has
+        # finished (nothing left to commit), the producer is not yet marked closed.
+        p._committer.join(10)
+        assert not p._committer.is_alive()
+        try:
+            p.append(_payloads(1), offset=1)
+            outcome.append(None)
+        except ProducerError as exc:
+            outcome.append(exc)
+        shutdown(abort=abort)
+
+    p._shutdown = late_append_then_shutdown  # type: ignore[method-assign]
+    p.close()
+    log = ManifestLog(store, NS)
+    m = log.latest()
+    committed = [d.offset for _, d in log.descriptors(m, 0, m.next_step)]
+    assert len(outcome) == 1
+    refused = isinstance(outcome[0], ProducerError)
+    assert refused or committed == [0, 1], (
+        f"append returned normally during close() but committed offsets are {committed}"
+    )
+    assert committed[0] == 0

@@ -1,5 +1,10 @@
 """Every backend passes the shipped conformance suite: memory, file, moto (in-process and over
-HTTP) and SeaweedFS."""
+HTTP) and SeaweedFS.
+
+The helpers a custom store builds on are public and agree with the suite: ``validate_key``
+refuses exactly the keys the suite expects every store to refuse (and returns legal ones
+unchanged), and ``ensure_conditional_writes`` runs on any ``ObjectStore``.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,11 @@ import boto3
 import pytest
 from moto import mock_aws
 
+import batchweave as bw
 from batchweave import FileStore, MemoryStore, ObjectStore, ObstoreS3Store, S3Store
+from batchweave._store._base import validate_key
 from batchweave.testing import S3Endpoint, StoreTests, serialize_moto_puts
+from batchweave.testing._store_tests import INVALID_KEYS, ODD_KEYS
 
 
 class TestMemoryStore(StoreTests):
@@ -84,3 +92,36 @@ class TestMotoServerStore(MotoServerSuite):
 @pytest.mark.seaweedfs
 class TestSeaweedFSStore(SeaweedFSSuite):
     pass
+
+
+# -- helpers for custom stores -----------------------------------------------------------------
+
+
+def test_validate_key_is_exported() -> None:
+    assert "validate_key" in bw.__all__
+    assert bw.validate_key is validate_key
+
+
+@pytest.mark.parametrize("key", ODD_KEYS, ids=repr)
+def test_legal_keys_are_returned_unchanged(key: str) -> None:
+    assert bw.validate_key(key) is key
+
+
+@pytest.mark.parametrize("key", INVALID_KEYS, ids=repr)
+def test_the_keys_the_conformance_suite_refuses_are_refused(key: str) -> None:
+    with pytest.raises(bw.InvalidKey, match=r"object key") as info:
+        bw.validate_key(key)
+    assert isinstance(info.value, ValueError)
+
+
+class _IgnoresIfNoneMatch(bw.MemoryStore):
+    """A store that accepts every create-if-absent, as some S3-compatible servers do."""
+
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        self.put(key, data)
+
+
+def test_custom_stores_can_run_the_conditional_write_probe() -> None:
+    bw.ensure_conditional_writes(bw.MemoryStore("enforces"))  # passes, and leaves nothing
+    with pytest.raises(bw.ConditionalWritesUnsupported, match="ignores conditional writes"):
+        bw.ensure_conditional_writes(_IgnoresIfNoneMatch("ignores"))

@@ -1,16 +1,23 @@
-"""FileStore specifics: root confinement, temp files, directory pruning, path conflicts."""
+"""FileStore specifics: root confinement, temp files, directory pruning, path conflicts.
+
+Also housekeeping against operators and races: writes survive removal of the temp directory,
+and a directory swapped for a symlink after the delete check cannot redirect the unlink.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import batchweave as bw
 from batchweave import (
     Bounded,
     FileStore,
@@ -425,3 +432,62 @@ def test_a_put_removes_its_temp_file_and_unlinks_only_what_is_left(
     assert list(temp_dir.iterdir()) == []
     monkeypatch.undo()
     assert (store.get("ns/a"), store.get("ns/d/b")) == (b"1", b"23")
+
+
+# -- housekeeping against operators and races --------------------------------------------------
+
+
+def test_file_store_writes_survive_removal_of_its_temp_directory(tmp_path: Path) -> None:
+    # Before: after an operator removed `.bw-tmp` (where stray temp files of crashed writers
+    # collect), every put raised ObjectNotFound "no object 'b'" until the process restarted.
+    store = bw.FileStore(tmp_path / "root", fsync=False)
+    store.put("a", b"1")
+    shutil.rmtree(tmp_path / "root" / ".bw-tmp")
+    store.put("b", b"2")
+    store.put_if_absent("c", b"3")
+    assert [m.key for m in store.list()] == ["a", "b", "c"]
+    assert store.get("b") == b"2"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_a_directory_swapped_after_the_delete_check_cannot_redirect_the_unlink(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: delete_many checked the path with realpath and then unlinked it by path, so a
+    # directory swapped for a symlink in between made it delete a file outside the root.
+    store = bw.FileStore(tmp_path / "root", fsync=False)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_bytes(b"keep me")
+    store.put("ns/d/victim", b"object")
+    directory = os.path.join(store.root, "ns", "d")
+    swapped = False
+
+    def swap() -> None:
+        nonlocal swapped
+        if not swapped:
+            swapped = True
+            os.rename(directory, os.path.join(store.root, "ns", "moved"))
+            os.symlink(outside, directory)
+
+    real_readlink, real_realpath = os.readlink, os.path.realpath
+
+    def readlink_then_swap(path: Any, *args: Any, **kwargs: Any) -> Any:
+        target = real_readlink(path, *args, **kwargs)
+        if target == directory:
+            swap()
+        return target
+
+    def realpath_then_swap(path: Any, *args: Any, **kwargs: Any) -> Any:
+        resolved = real_realpath(path, *args, **kwargs)
+        if resolved == os.path.join(directory, "victim"):
+            swap()
+        return resolved
+
+    monkeypatch.setattr(os, "readlink", readlink_then_swap)
+    monkeypatch.setattr(os.path, "realpath", realpath_then_swap)
+    store.delete_many(["ns/d/victim"])
+    monkeypatch.undo()
+    assert swapped
+    assert (outside / "victim").read_bytes() == b"keep me"
+    assert not os.path.exists(os.path.join(store.root, "ns", "moved", "victim"))

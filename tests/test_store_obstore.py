@@ -1,10 +1,14 @@
-"""The optional obstore S3 backend passes the shipped conformance suite on moto and SeaweedFS."""
+"""The optional obstore S3 backend passes the shipped conformance suite on moto and SeaweedFS.
+
+It also takes what ``S3Store`` takes (addressing styles) and is selected by ``open_store``.
+"""
 
 from __future__ import annotations
 
 import pytest
 from test_store_conformance import MotoServerSuite, SeaweedFSSuite
 
+import batchweave as bw
 from batchweave import (
     AmbiguousWriteError,
     Consumer,
@@ -76,3 +80,10 @@ def test_open_store_selects_obstore_by_name(
         open_store(url, s3_client="obstore", max_pool_connections=4)  # a boto3-only option
     with pytest.raises(ValueError, match="s3_client 'aiobotocore'"):
         open_store(url, s3_client="aiobotocore")
+
+
+def test_obstore_takes_the_addressing_styles_s3store_takes() -> None:
+    for style in (None, "auto", "path", "virtual"):
+        bw.ObstoreS3Store("bucket", endpoint_url="http://127.0.0.1:9", addressing_style=style)
+    with pytest.raises(ValueError, match="'path', 'virtual' or 'auto'"):
+        bw.ObstoreS3Store("bucket", endpoint_url="http://127.0.0.1:9", addressing_style="dns")

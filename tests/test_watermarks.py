@@ -1,15 +1,34 @@
-"""Watermarks: record, release, keep-last-K, the boundary, and refusing corrupt objects."""
+"""Watermarks: record, release, keep-last-K, the boundary, and refusing corrupt objects.
+
+Also a LIST that lags a DELETE (an eventually consistent listing naming a released watermark):
+``Watermarks.live()`` retakes it after growing, capped pauses (its injectable ``sleep``, or the
+reclaimer's) and, when it gives up, names the namespace and what to do. Watermarks that keep
+vanishing between LIST and GET are a retryable error, never a boundary of zero. Readers sharing
+a namespace use scopes: one reader's ``keep_last`` never releases another's watermarks.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
+from fake_time import FakeTime
 from pydantic import BaseModel
 
 import batchweave as bw
-from batchweave import _watermarks
+import batchweave._metrics
+from batchweave import (
+    MemoryStore,
+    ObjectNotFound,
+    StoreWrapper,
+    TransientStoreError,
+    Watermarks,
+    _watermarks,
+)
 from batchweave._manifest import ManifestLog
 from batchweave._manifest._codec import encode_object
+from batchweave._store._base import ObjectMeta
 
 NS = "runs/wm"
 
@@ -178,3 +197,112 @@ def test_a_watermark_whose_step_is_not_an_integer_is_refused(store: bw.MemorySto
     with pytest.raises(bw.FormatError, match="step") as info:
         bw.Watermarks(store, NS).boundary()
     assert key in str(info.value)
+
+
+# -- listings that lag a delete ----------------------------------------------------------------
+
+
+class LaggingList(bw.StoreWrapper):
+    """A store whose LIST still names ``stale`` (already deleted) for its next ``lags`` calls,
+    like an eventually consistent listing that lags a DELETE."""
+
+    def __init__(self, inner: bw.ObjectStore, stale: str, lags: int) -> None:
+        super().__init__(inner)
+        self.stale = stale
+        self.lags = lags
+        self.lists = 0
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        self.lists += 1
+        metas = list(self.inner.list(prefix, start_after=start_after))
+        if self.lags > 0 and self.stale.startswith(prefix):
+            self.lags -= 1
+            metas.append(ObjectMeta(key=self.stale, size=10, last_modified=0.0))
+            metas.sort(key=lambda m: m.key)
+        return iter(metas)
+
+
+def lagging(lags: int) -> tuple[LaggingList, bw.Watermarks, FakeTime]:
+    inner = bw.MemoryStore()
+    bw.Watermarks(inner, NS).record("ckpt-2", step=2, version=0)
+    bw.Watermarks(inner, NS).record("ckpt-1", step=1, version=0)
+    bw.Watermarks(inner, NS).release("ckpt-1")
+    store = LaggingList(inner, f"{NS}/_watermarks/ckpt-1.json", lags)
+    fake = FakeTime()
+    return store, bw.Watermarks(store, NS, sleep=fake.sleep), fake
+
+
+def test_a_lagging_listing_is_retaken_after_growing_pauses() -> None:
+    store, marks, fake = lagging(3)
+    assert [m.checkpoint_id for m in marks.live()] == ["ckpt-2"]
+    assert store.lists == 4
+    assert fake.sleeps == [0.05, 0.1, 0.2]
+
+
+def test_a_listing_that_keeps_lagging_fails_naming_the_namespace_and_what_to_do() -> None:
+    store, marks, fake = lagging(100)
+    with pytest.raises(bw.TransientStoreError) as info:
+        marks.live()
+    assert store.lists == 10
+    # capped exponential: about 5.5 s in all, never a busy loop
+    assert fake.sleeps == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0, 1.0]
+    message = str(info.value)
+    assert f"{store.url}/{NS}" in message
+    assert "ckpt-1.json" in message
+    assert "10 listings over 5.5 s" in message
+    assert "LIST lags its DELETEs" in message
+    assert "retry" in message
+
+
+def test_the_reclaimer_paces_watermark_listings_with_its_own_sleep() -> None:
+    store, _, _ = lagging(2)
+    fake = FakeTime()
+    report = bw.Reclaimer(store, NS, grace=100.0, sleep=fake.sleep).run_once()
+    assert report.watermarks == 1
+    assert fake.sleeps == [0.05, 0.1]
+
+
+class _EveryWatermarkVanishes(StoreWrapper):
+    """Lists watermarks that are always gone by the time they are read."""
+
+    def get(self, key: str) -> bytes:
+        if "/_watermarks/" in key:
+            raise ObjectNotFound(f"no object {key!r}")
+        return super().get(key)
+
+
+def test_watermarks_that_keep_vanishing_are_a_retryable_error_not_boundary_zero() -> None:
+    inner = MemoryStore()
+    Watermarks(inner, NS).record("ckpt-1", 7, version=0)
+    pauses: list[float] = []
+    with pytest.raises(TransientStoreError, match="could not be listed consistently"):
+        Watermarks(_EveryWatermarkVanishes(inner), NS, sleep=pauses.append).boundary()
+    assert len(pauses) == 9  # between the 10 listings, never a real wait in a test
+
+
+# -- several readers sharing a namespace -------------------------------------------------------
+
+
+def test_keep_last_of_one_reader_never_releases_another_readers_watermarks() -> None:
+    store = bw.MemoryStore("readers")
+    train = bw.Watermarks(store, NS, keep_last=2, scope="train-")
+    evaluation = bw.Watermarks(store, NS, scope="eval-")
+    evaluation.record("eval-start", 0, version=0)
+    evaluation.record("eval-50", 50, version=3)
+    for step in (100, 110, 120, 130):
+        train.record(f"train-{step}", step, version=5)
+    live = [(m.checkpoint_id, m.step) for m in bw.Watermarks(store, NS).live()]
+    # The training job's keep_last kept its own two newest and never touched the evaluator's.
+    assert live == [("eval-start", 0), ("eval-50", 50), ("train-120", 120), ("train-130", 130)]
+    assert train.boundary() == 0
+
+
+def test_a_scoped_reader_refuses_checkpoint_ids_outside_its_scope() -> None:
+    store = bw.MemoryStore("scope")
+    train = bw.Watermarks(store, NS, keep_last=1, scope="train-")
+    with pytest.raises(ValueError, match="outside this reader's scope 'train-'"):
+        train.record("eval-10", 10, version=0)
+    assert list(store.list(f"{NS}/")) == []
+    with pytest.raises(ValueError, match="safe key segment"):
+        bw.Watermarks(store, NS, scope="a/b")
+    assert "scope='train-'" in repr(train)

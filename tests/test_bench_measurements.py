@@ -1,8 +1,10 @@
-"""Review of the benchmarks' measurement code: columns and target lines on made-up data.
+"""The benchmarks' measurement code: what columns count and when a target line says MET.
 
 The open issues' targets are judged by ``bench/producers.py`` and ``bench/consumers.py``; these
-tests pin that a column counts what ``docs/benchmarks.md`` says it counts, that a target line
-cannot say MET on a missing or unmeasurable value, and that the JSON written is valid JSON.
+tests pin, on made-up data, that a column counts what ``docs/benchmarks.md`` says it counts
+(manifest bytes, a rank's time, read amplification, when uploads ended, medians of rounds),
+that a target line cannot say MET on a missing or unmeasurable value, that a dead worker or a
+killed run's leftovers fail or are cleaned up, and that the JSON written is valid JSON.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import subprocess
 import sys
 import time
 import types
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
@@ -26,18 +27,7 @@ import pytest
 
 from batchweave import Bounded, MemoryStore, PutMode, StoreWrapper, open_store
 
-
-@pytest.fixture
-def producers(load_bench: Callable[[str], ModuleType]) -> ModuleType:
-    return load_bench("producers")
-
-
-@pytest.fixture
-def consumers(load_bench: Callable[[str], ModuleType]) -> ModuleType:
-    return load_bench("consumers")
-
-
-# -- producers: what the manifest-bytes columns count --------------------------------------------
+# -- producers: what the manifest-bytes columns count ------------------------------------------
 
 
 def test_manifest_bytes_count_writes_not_segment_reads(producers: ModuleType) -> None:
@@ -102,7 +92,7 @@ def test_manifest_bytes_first_and_last_tenth_of_many_commits(producers: ModuleTy
     assert row["mf KB/commit last"] == pytest.approx((3 + 3 + 2) / 2)
 
 
-# -- producers: target lines ----------------------------------------------------------------------
+# -- producers: target lines -------------------------------------------------------------------
 
 
 def _row(**over: Any) -> dict[str, Any]:
@@ -176,7 +166,7 @@ def test_an_unmeasurable_long_run_ratio_is_not_measured(producers: ModuleType) -
     assert ": MET" in _line(notes, "TGBs), visible:")
 
 
-# -- consumers: target lines ----------------------------------------------------------------------
+# -- consumers: target lines -------------------------------------------------------------------
 
 
 def _crow(mode: str, slice_: str, vs_dense: float, world: int = 32) -> dict[str, Any]:
@@ -203,7 +193,7 @@ def test_dense_target_with_no_dense_at_all_is_not_measured(consumers: ModuleType
     assert line.endswith(": not measured (1MB: no dense-read row)")
 
 
-# -- JSON -----------------------------------------------------------------------------------------
+# -- JSON --------------------------------------------------------------------------------------
 
 
 def test_json_has_no_nan_or_infinity_tokens(producers: ModuleType, tmp_path: Path) -> None:
@@ -221,7 +211,7 @@ def test_json_has_no_nan_or_infinity_tokens(producers: ModuleType, tmp_path: Pat
     assert "| nan |" in report.markdown()
 
 
-# -- consumers: what a rank's time and read amplification count -----------------------------------
+# -- consumers: what a rank's time and read amplification count --------------------------------
 
 WORLD, SIZE, STEPS = 2, 1_000, 3
 
@@ -309,7 +299,7 @@ def test_every_round_decodes_the_manifest_afresh(
     assert any("/_manifests/" in key for key in decoded)
 
 
-# -- servers: no leftovers of a killed run -------------------------------------------------------
+# -- servers: no leftovers of a killed run -----------------------------------------------------
 
 
 def test_a_killed_runs_directory_is_removed_by_the_next_run(
@@ -343,7 +333,7 @@ def test_a_killed_runs_directory_is_removed_by_the_next_run(
     assert not root.parent.exists()
 
 
-# -- producers: when the uploads ended -------------------------------------------------------------
+# -- producers: when the uploads ended ---------------------------------------------------------
 
 
 def test_uploads_end_when_the_last_data_put_returns(
@@ -384,7 +374,7 @@ def test_uploads_end_when_the_last_data_put_returns(
     assert sum(n for _, n in result["writes"]) < 30 * 4_000
 
 
-# -- worker pool ----------------------------------------------------------------------------------
+# -- worker pool -------------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)
@@ -402,7 +392,7 @@ def test_a_dead_worker_fails_the_run_at_once(producers: ModuleType) -> None:
         assert time.monotonic() - started < 15
 
 
-# -- consumers: rounds, medians, ratios -----------------------------------------------------------
+# -- consumers: rounds, medians, ratios --------------------------------------------------------
 
 
 def test_three_rounds_put_every_mode_in_a_different_place(consumers: ModuleType) -> None:

@@ -1,4 +1,10 @@
-"""batchweave.torch as a demanding PyTorch user drives it: start methods, DCP, errors, shutdown."""
+"""batchweave.torch with DataLoader workers, as a demanding PyTorch user drives it.
+
+Spawn-started workers resume in a loader without workers and a finished loader stays finished;
+DCP save and load resume with another mesh and worker count; a store error in a worker surfaces
+with its type and the step is retried; credentials stay out of reprs and worker errors; and
+leaving the loop while workers wait for producers is prompt.
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
-"""Mistakes a new user makes, and the clear errors they must get (found by a user audit).
+"""Mistakes a new user makes, and the clear errors they must get.
 
-Each test pins one problem that was real: a raw ``AttributeError`` or botocore ``ValueError``
-instead of a BatchWeave error, a misleading message, or a CLI command that created a directory
-from a mistyped path.
+Payloads of the wrong type, store URLs and endpoints missing a part, a URL string where a
+store is expected, bad namespace or producer ids, CLI commands given a mistyped path (they must
+not create a directory from it), the conditional-write probe after an ambiguous create, and an
+example worker stopped while blocked. Each gets a BatchWeave error that says what was meant,
+not a raw ``AttributeError`` or botocore ``ValueError`` or a misleading message.
 """
 
 from __future__ import annotations

@@ -1,7 +1,15 @@
-"""Adversarial review of the consumer side: waiting at the head, close() racing next(), ...
+"""The consumer at its edges: waiting at the head, close() racing next(), states, advice.
 
-Each test reproduces a bug found in review (named in its docstring); "another thread" is
-simulated deterministically by doing what that thread would do from inside a store call.
+- A ``timeout`` holds however long each poll takes, and a timeout during a store outage blames
+  the store, not the producers.
+- ``close()`` from another thread (or a signal handler on the reading thread) while ``next()``
+  reads inline, polls or starts read threads ends ``next()`` with ``ConsumerError``, starts no
+  read thread afterwards and never deadlocks.
+- A state refused by ``load_state_dict`` (negative anchor, reclaimed step) leaves the consumer
+  where it was; a truncated object and a spent retry budget say what to do.
+
+"Another thread" is simulated deterministically by doing what that thread would do from inside
+a store call.
 """
 
 from __future__ import annotations
@@ -272,3 +280,52 @@ def test_a_spent_retry_budget_says_what_to_do() -> None:
     assert "next() retries the step" in str(info.value)
     assert next(c)[0] == 0  # as the message says
     c.close()
+
+
+# -- close() from a signal handler -------------------------------------------------------------
+
+
+def test_close_from_a_signal_handler_while_next_starts_a_read_thread_does_not_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # docs/consumer.md: close() may come from "a shutdown handler". A SIGTERM handler runs on
+    # the main thread between bytecodes, also while that thread waits in Thread.start() for a
+    # new read thread, inside Workers._spawn, which holds the workers' spawn lock: close() then
+    # waited for that same lock (Workers.close) forever. Simulated deterministically: the
+    # handler's close() runs on the reading thread from inside Thread.start().
+    store = MemoryStore()
+    produce(store, "run", Mesh(dp=2), tgbs=8)
+    c = Consumer(
+        store,
+        "run",
+        mesh=Mesh(dp=2),
+        dp_rank=0,
+        prefetch_min_latency=0,
+        ramp_every=1,
+        max_process_reads=1 << 20,
+    )
+    real_start = threading.Thread.start
+    handled = threading.Event()
+
+    def start_with_signal(thread: threading.Thread) -> None:
+        if thread.name.startswith("batchweave-consumer") and not handled.is_set():
+            handled.set()
+            c.close()  # the shutdown handler
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_with_signal)
+    outcome: list[object] = []
+
+    def loop() -> None:
+        try:
+            outcome.extend(step for step, _ in c)
+        except ConsumerError as exc:
+            outcome.append(exc)
+
+    reader = threading.Thread(target=loop, daemon=True)
+    real_start(reader)
+    reader.join(10)
+    assert handled.is_set()
+    assert not reader.is_alive(), "close() from the signal handler deadlocked next()"
+    assert isinstance(outcome[-1], ConsumerError)
+    assert c.state_dict()["step"] == len(outcome) - 1  # every step counted was delivered

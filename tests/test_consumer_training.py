@@ -78,7 +78,7 @@ def _reading_ahead(store: bw.ObjectStore) -> Consumer:
     )
 
 
-# -- states and rank arguments ----------------------------------------------------------------
+# -- states and rank arguments -----------------------------------------------------------------
 
 
 def test_numpy_rank_coordinates_give_a_plain_int_state() -> None:
@@ -132,7 +132,7 @@ def test_a_closed_consumer_says_how_to_continue() -> None:
     assert [s for s, _ in resumed] == [1, 2]
 
 
-# -- interrupted and failing read-ahead -------------------------------------------------------
+# -- interrupted and failing read-ahead --------------------------------------------------------
 
 
 def test_ctrl_c_while_reading_ahead_neither_skips_nor_repeats_a_step() -> None:
@@ -217,7 +217,7 @@ def test_close_from_another_thread_stops_a_waiting_next(waiting_for: str) -> Non
     assert "was closed while" in str(errors[0])
 
 
-# -- PyTorch ----------------------------------------------------------------------------------
+# -- PyTorch -----------------------------------------------------------------------------------
 
 _INPLACE = textwrap.dedent(
     """

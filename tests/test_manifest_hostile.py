@@ -1,6 +1,11 @@
 """Hostile, damaged or foreign manifest content: refused with a named error, never mis-mapped.
 
-Regressions from an adversarial review of how manifests, segments and slice tables are read.
+How manifests, segments and slice tables are read when their content is hostile: a huge slice
+count is refused without allocating it, any JSON in a slice table field is accepted or a
+validation error, a hostile slice table is a ``FormatError`` naming the object, a segment
+reused under another reference is not served from the cache, a segment object replaced by a
+huge one is refused without downloading it, and a later version with another mesh is a
+``NamespaceMismatch``.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from batchweave._manifest._codec import body_checksum, decode_manifest
 from batchweave._manifest._models import SliceTable
 
 MESH = Mesh(dp=2, cp=1)
-NS = "runs/hostile-review"
+NS = "runs/hostile"
 
 
 def _table(**overrides: Any) -> dict[str, Any]:

@@ -1,5 +1,9 @@
 """The producer-side public API as a preprocessing worker uses it: every valid input round-trips
 exactly through a Consumer, and every mistake is refused, clearly, before anything is written.
+
+Covers ``TgbBuilder`` (a buffer reused between ``set_slice()`` and ``build()``), slices from
+memoryviews, generators and masked arrays, ``EncodedTgb`` built in worker processes, producer
+arguments and custom commit policies, codec round trips, and ``LanceSource`` feeding a producer.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from batchweave import (
 from batchweave.lance import LanceSource
 
 MESH = Mesh(dp=2, cp=2)
-NS = "review"
+NS = "api"
 
 
 def make(store: bw.ObjectStore, **kw: Any) -> Producer:

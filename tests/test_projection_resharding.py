@@ -1,10 +1,12 @@
-"""Review of the topology projection: resharding and resuming neither skip nor repeat a slice.
+"""Resharding and resuming through the topology projection neither skip nor repeat a slice.
 
 Pure properties of :class:`~batchweave._projection.Projection` over random meshes, anchors and
 heads of the stream, then the same promises end to end through :class:`~batchweave.Consumer`
 (a namespace read by one mesh, resumed by another at any step, and the trailing partial step
-picked up by a third), and regressions for what the review found: each test named
-``..._before_...`` in its docstring failed before its fix.
+picked up by a third). Then what a consumer is handed: garbage resume states are refused naming
+the problem (integral floats, numpy and string ints still load), a state of another namespace or
+a foreign ``cp`` is handled, a sealed stream ending mid-step warns once naming what is left, and
+a reclaimed step names the first readable logical step.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from test_consumer import parse, produce, take
 
 import batchweave as bw
 from batchweave import Consumer, ConsumerError, MemoryStore, Mesh, NamespaceMismatch
-from batchweave._history import SAMPLE_IDS_KEY, iter_membership
 from batchweave._manifest._log import Committed, ManifestLog
 from batchweave._projection import Projection, resume_anchor
 
@@ -161,7 +162,7 @@ def test_coordinates_are_plain_ints_and_a_fractional_rank_is_refused() -> None:
         bw.coordinates_for_rank(0, 4, mesh=Mesh(dp=2), tp=2.0)  # type: ignore[arg-type]
 
 
-# -- end to end through consumers ----------------------------------------------------------------
+# -- end to end through consumers --------------------------------------------------------------
 
 STORED = (Mesh(dp=4, cp=2), Mesh(dp=3, cp=1), Mesh(dp=2, cp=4), Mesh(dp=1, cp=2))
 TGBS = 5  # odd: a doubled DP leaves a partial step at the end
@@ -266,7 +267,7 @@ def test_stride_readers_resuming_with_another_dp_re_anchor_once_then_shift() -> 
     assert seen == Counter((t, d, 0) for t in range(3, 9) for d in range(2))
 
 
-# -- regressions ---------------------------------------------------------------------------------
+# -- resume states, sealed ends and reclaimed steps --------------------------------------------
 
 
 @pytest.fixture
@@ -410,28 +411,6 @@ def test_a_reclaimed_step_names_the_first_readable_logical_step(
         fresh = Consumer(store, "run", mesh=Mesh(dp=dp), dp_rank=0, start_step=readable)
         assert next(fresh)[0] == readable
         fresh.close()
-
-
-# -- history ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("ids", ['["ab", "cd"]', "[1, 2]", '[["a"], null]', '[["a"], [{}]]'])
-def test_sample_ids_that_are_not_lists_of_ids_are_a_format_error(ids: str) -> None:
-    """Before: a string entry was split into characters (``"ab"`` exported as ids ``a``,
-    ``b``) and a number or null entry raised a bare ``TypeError``."""
-    store = MemoryStore()
-    with bw.Producer(store, "h", producer_id="p", mesh=Mesh(dp=2)) as p:
-        p.append([b"x", b"y"], offset=0, metadata={SAMPLE_IDS_KEY: ids})
-    with pytest.raises(bw.FormatError, match=r"entry \d must be a list of sample ids"):
-        list(iter_membership(store, "h"))
-
-
-def test_sample_ids_are_exported_per_slice() -> None:
-    store = MemoryStore()
-    with bw.Producer(store, "h", producer_id="p", mesh=Mesh(dp=2)) as p:
-        p.append([b"x", b"y"], offset=0, metadata={SAMPLE_IDS_KEY: '[["a", 1], []]'})
-    rows = list(iter_membership(store, "h"))
-    assert [(r.dp, r.sample_ids) for r in rows] == [(0, ("a", "1")), (1, ())]
 
 
 def test_resume_tgb_step_refuses_garbage_before_the_namespace_exists() -> None:

@@ -1,0 +1,46 @@
+"""The membership history (``batchweave._history``): per-slice sample ids, read back strictly.
+
+Producers record sample ids in a TGB's metadata under ``SAMPLE_IDS_KEY`` (``sample_ids_metadata``
+builds the value); ``iter_membership`` exports them as one row per slice, and refuses entries that
+are not lists of ids instead of guessing (a string split into characters, a bare ``TypeError``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import batchweave as bw
+from batchweave import MemoryStore, Mesh
+from batchweave._history import SAMPLE_IDS_KEY, iter_membership
+
+
+def test_sample_ids_recorded_with_the_public_helpers_are_exported() -> None:
+    store = bw.MemoryStore("ids")
+    mesh = bw.Mesh(dp=2)
+    with bw.Producer(store, "run", producer_id="p", mesh=mesh) as producer:
+        producer.append(
+            [b"a", b"b"],
+            offset=0,
+            metadata={bw.SAMPLE_IDS_KEY: bw.sample_ids_metadata([[1, 2], ["x"]])},
+        )
+    rows = list(iter_membership(store, "run"))
+    assert [row.sample_ids for row in rows] == [("1", "2"), ("x",)]
+
+
+@pytest.mark.parametrize("ids", ['["ab", "cd"]', "[1, 2]", '[["a"], null]', '[["a"], [{}]]'])
+def test_sample_ids_that_are_not_lists_of_ids_are_a_format_error(ids: str) -> None:
+    """Before: a string entry was split into characters (``"ab"`` exported as ids ``a``,
+    ``b``) and a number or null entry raised a bare ``TypeError``."""
+    store = MemoryStore()
+    with bw.Producer(store, "h", producer_id="p", mesh=Mesh(dp=2)) as p:
+        p.append([b"x", b"y"], offset=0, metadata={SAMPLE_IDS_KEY: ids})
+    with pytest.raises(bw.FormatError, match=r"entry \d must be a list of sample ids"):
+        list(iter_membership(store, "h"))
+
+
+def test_sample_ids_are_exported_per_slice() -> None:
+    store = MemoryStore()
+    with bw.Producer(store, "h", producer_id="p", mesh=Mesh(dp=2)) as p:
+        p.append([b"x", b"y"], offset=0, metadata={SAMPLE_IDS_KEY: '[["a", 1], []]'})
+    rows = list(iter_membership(store, "h"))
+    assert [(r.dp, r.sample_ids) for r in rows] == [(0, ("a", "1")), (1, ())]
