@@ -12,6 +12,7 @@ exactly the :class:`ObjectStore` contract (checked by the shipped conformance su
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
@@ -37,7 +38,7 @@ from batchweave._store._base import (
     PutMode,
     resolve_range,
 )
-from batchweave._store._s3_location import S3Location
+from batchweave._store._s3_location import S3Location, check_client_options, check_endpoint
 
 __all__ = ["ObstoreS3Store"]
 
@@ -63,8 +64,49 @@ _PAST_THE_END = re.compile(
 )
 """A range starting at or past the object's end. Matched exactly: a bare "416" also occurs in
 request ids and timings ("in 1.416ms") of unrelated errors, which must not read as b""."""
-_UNREACHABLE = re.compile(r"connection refused|error sending request|dns|tcp connect", re.I)
-_INSTANCE_METADATA = "169.254.169.254"
+_UNREACHABLE = re.compile(
+    r"connection refused|dns error|tcp connect|kind: Connect\b|error sending request$", re.I
+)
+"""Nothing was reached: refused, unresolvable, or a connect that timed out. reqwest's bare
+"error sending request" is only the first line: the debug dump after it names the kind, and a
+request that did connect (then timed out or got garbage) is not an outage of the endpoint."""
+_TIMED_OUT = re.compile(r"kind: Timeout\b|TimedOut|timed out", re.I)
+_NOT_S3 = re.compile(
+    r"Unable to extract metadata from headers|Got invalid \w+ response|non-2xx status code: 404\b"
+)
+"""The endpoint answered, but not as S3 does (a web page without ETag, a 404 page, a listing
+that is not XML)."""
+_INSTANCE_METADATA = re.compile(r"169\.254\.169\.254|/latest/api/token|/latest/meta-data/")
+"""A request to the EC2 instance metadata service (at its default or a configured address)."""
+_NOT_S3_ON_404 = frozenset({"put", "put_if_absent", "list", "delete"})
+"""Requests whose only S3 404 is ``NoSuchBucket``: a bare 404 means the endpoint is not S3."""
+_CREDENTIAL_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_SKIP_SIGNATURE",
+)
+"""Environment variables from which object_store finds credentials (or is told to need none)
+before it falls back to the EC2 instance metadata service."""
+_ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+"""Environment variables object_store takes the S3 endpoint from when none is given."""
+
+
+class _NoCredentials(Exception):
+    """Raised by the credential provider installed when no credentials can be found."""
+
+
+def _metadata_disabled() -> bool:
+    """``AWS_EC2_METADATA_DISABLED=true``, as boto3 reads it (object_store ignores it)."""
+    return os.environ.get("AWS_EC2_METADATA_DISABLED", "").strip().lower() == "true"
+
+
+def _refuse_credentials() -> Any:
+    raise _NoCredentials(
+        "no credentials configured and AWS_EC2_METADATA_DISABLED=true forbids asking the EC2 "
+        "instance metadata service"
+    )
 
 
 def _import_obstore() -> Any:
@@ -111,13 +153,25 @@ class ObstoreS3Store(S3Location):
             endpoint_url=endpoint_url,
             secrets=(access_key_id, secret_access_key, session_token),
         )
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
-        if addressing_style not in (None, "auto", "path", "virtual"):
-            raise ValueError(
-                "addressing_style must be 'path', 'virtual' or 'auto' (the default), got "
-                f"{addressing_style!r}"
-            )
+        check_client_options(
+            self.url,
+            access_key_id=access_key_id,
+            secret_access_key=secret_access_key,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            max_attempts=max_attempts,
+            addressing_style=addressing_style,
+        )
+        endpoints = [endpoint_url] if endpoint_url is not None else []
+        if endpoint_url is None:
+            for name in _ENDPOINT_ENV:
+                if os.environ.get(name):
+                    # object_store takes the endpoint from there: refuse what an explicit
+                    # endpoint_url would be refused for (boto3 does so for its variables).
+                    check_endpoint(os.environ[name], f"{name} (used as the endpoint of {self.url})")
+                    if not endpoints:  # the first one set is named in messages
+                        self._endpoint_shown = f"{os.environ[name]} (from {name})"
+                    endpoints.append(os.environ[name])
         obs = _import_obstore()
         self._obs = obs
         self._errors = obs.exceptions
@@ -134,7 +188,8 @@ class ObstoreS3Store(S3Location):
         client: dict[str, Any] = {
             "connect_timeout": timedelta(seconds=connect_timeout),
             "timeout": timedelta(seconds=read_timeout),
-            "allow_http": bool(endpoint_url and endpoint_url.startswith("http://")),
+            # An http:// endpoint from the environment too (else: "builder error" on each request)
+            "allow_http": any(e.startswith("http://") for e in endpoints),
         }
         retry: dict[str, Any] = {
             "max_retries": max_attempts - 1,
@@ -145,9 +200,16 @@ class ObstoreS3Store(S3Location):
                 "base": 2,
             },
         }
+        extra: dict[str, Any] = {}
+        no_credentials = access_key_id is None and not any(map(os.environ.get, _CREDENTIAL_ENV))
+        if no_credentials and _metadata_disabled():
+            # object_store would ask the instance metadata service anyway (a request leaving
+            # the machine, and a long wait off EC2); refuse as boto3 does.
+            extra["credential_provider"] = _refuse_credentials
+        self._read_timeout = read_timeout
         try:
             self._store = obs.store.S3Store(
-                bucket, config=config, client_options=client, retry_config=retry
+                bucket, config=config, client_options=client, retry_config=retry, **extra
             )
         except Exception as exc:
             raise InvalidStoreURL(
@@ -167,13 +229,19 @@ class ObstoreS3Store(S3Location):
         write = op in ("put", "put_if_absent")
         if "NoSuchBucket" in message:
             return self._missing_bucket(detail)
-        if _INSTANCE_METADATA in message:
-            # No credentials were configured, so obstore asked EC2 instance metadata, and failed.
+        if _INSTANCE_METADATA.search(message) or _NoCredentials.__name__ in message:
+            # No credentials were configured: obstore asked EC2 instance metadata and failed,
+            # or was not allowed to ask it.
             return AccessDenied(
-                f"cannot {what}: no usable AWS credentials (obstore fell back to the EC2 "
-                "instance metadata endpoint, which failed); pass access_key_id and "
+                f"cannot {what}: no usable AWS credentials (none were given, and the EC2 "
+                "instance metadata service failed or is disabled); pass access_key_id and "
                 "secret_access_key or set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
             )
+        not_s3 = _NOT_S3.search(message)
+        if not_s3 is not None and (op in _NOT_S3_ON_404 or "404" not in not_s3.group()):
+            # (NoSuchBucket was matched above.) Checked before a failed write is called
+            # ambiguous: a reply that is not S3's is no reason to read the object back.
+            return self._not_s3(op, key, message.splitlines()[0])
         if op == "put_if_absent" and _CONFLICT.search(message):
             # Before the "exists" check: object_store reports a 409 as AlreadyExistsError, but
             # it means another conditional write is in flight (boto3: the same leaf).
@@ -202,7 +270,17 @@ class ObstoreS3Store(S3Location):
                 return TransientStoreError(detail)
             return StoreError(detail)
         if _UNREACHABLE.search(message):
-            return StoreUnavailable(f"cannot {what}: {self.endpoint_url or 'S3'} is unreachable")
+            return StoreUnavailable(
+                f"cannot {what}: {self._endpoint_shown} is unreachable (refused, DNS, TLS "
+                "or proxy failure: check the endpoint's scheme, host and port, and HTTPS_PROXY)"
+            )
+        if _TIMED_OUT.search(message):
+            # Connected, then no answer: boto3 reports a read timeout as transient too.
+            return TransientStoreError(
+                f"{what}: {self._endpoint_shown} accepted the connection but did not "
+                f"answer within read_timeout={self._read_timeout:g} s (an overloaded or hung "
+                "server, or not an S3 server on that port)"
+            )
         if _TRANSIENT.search(message):
             return TransientStoreError(detail)
         return StoreError(detail)
@@ -227,9 +305,23 @@ class ObstoreS3Store(S3Location):
     def get(self, key: str) -> bytes:
         full = self._key(key)
         try:
-            return bytes(self._obs.get(self._store, full).bytes())
+            result = self._obs.get(self._store, full)
         except Exception as exc:
             raise self._translate(exc, op="get", key=key) from exc
+        self._check_meta(result.meta, op="get", key=key)
+        try:
+            return bytes(result.bytes())
+        except Exception as exc:
+            raise self._translate(exc, op="get", key=key) from exc
+
+    def _check_meta(self, meta: Any, *, op: str, key: str) -> None:
+        """``StoreError`` if an object's metadata lacks the ETag every S3 server sends.
+
+        A web server on the endpoint's port answers 200 with a page: without this check its
+        HTML would be returned as the object's bytes.
+        """
+        if meta.get("e_tag") is None:
+            raise self._not_s3(op, key, "no ETag in a 200 response")
 
     def get_range(self, key: str, rng: ByteRange) -> bytes:
         full = self._key(key)
@@ -244,7 +336,10 @@ class ObstoreS3Store(S3Location):
             option = {"suffix": rng.length}
         try:
             result = self._obs.get(self._store, full, options={"range": option})
+            self._check_meta(result.meta, op="get_range", key=key)
             return bytes(result.bytes())
+        except StoreError:
+            raise
         except Exception as exc:
             if "non-partial response" in str(exc):
                 # The server ignored the Range header (S3 does so for empty objects): slice here.
@@ -267,6 +362,7 @@ class ObstoreS3Store(S3Location):
             meta = self._obs.head(self._store, full)
         except Exception as exc:
             raise self._translate(exc, op="head", key=key) from exc
+        self._check_meta(meta, op="head", key=key)
         return self._meta(meta)
 
     def _meta(self, meta: Any) -> ObjectMeta:

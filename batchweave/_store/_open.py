@@ -89,8 +89,14 @@ def _construct(url: str, options: dict[str, Any], s3_client: str) -> ObjectStore
         raise ValueError(f"unknown s3_client {s3_client!r}; expected one of {S3_CLIENTS}")
     if not isinstance(url, str) or "://" not in url:
         raise InvalidStoreURL(_missing_slashes(url))
-    parts = urlsplit(url)
     shown = redact_url(url)  # messages never echo credentials or a query
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # e.g. an unclosed IPv6 bracket: s3://[::1/prefix
+        raise InvalidStoreURL(
+            f"store URL {shown!r} is malformed ({exc}); use file:///absolute/path, "
+            "s3://bucket/prefix or memory://name"
+        ) from None
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
         raise InvalidStoreURL(
@@ -164,6 +170,28 @@ def _read_back_probe(store: ObjectStore, key: str, ambiguous: AmbiguousWriteErro
         raise exc from ambiguous
 
 
+def _refuse_a_non_store(store: ObjectStore, key: str) -> None:
+    """``StoreError`` if ``store`` does not give back what the probe wrote to ``key``.
+
+    Called when a second create-if-absent succeeded. An endpoint that is no object store at
+    all (a web server or dashboard on that port answering 200 to everything) also "accepts" it;
+    telling its owner to upgrade the store would send them the wrong way.
+    """
+    try:
+        data = store.get(key)
+    except StoreError as exc:
+        detail = f"reading it back failed: {exc}"
+    else:
+        if data == b"probe-2":
+            return
+        detail = f"reading it back gave {len(data)} other bytes ({bytes(data[:40])!r})"
+    raise StoreError(
+        f"{store!r} does not behave like an object store: it accepted two creates of the "
+        f"probe object {key!r}, and {detail}. Check that the endpoint is the object store's "
+        "API address (scheme, host and port), not a web page or proxy in front of it"
+    )
+
+
 _verified: weakref.WeakSet[ObjectStore] = weakref.WeakSet()
 _verified_lock = threading.Lock()
 
@@ -190,6 +218,7 @@ def ensure_conditional_writes(store: ObjectStore) -> None:
     except ObjectExists:
         pass
     else:
+        _refuse_a_non_store(store, key)
         raise ConditionalWritesUnsupported(
             f"{store.url} accepted a second create-if-absent of {key!r}: it ignores "
             "conditional writes (If-None-Match: *), so concurrent commits would overwrite "

@@ -13,7 +13,10 @@ not prove that somebody else won; callers that care read the object back.
 from __future__ import annotations
 
 import itertools
+import logging
+import re
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
@@ -42,7 +45,11 @@ from batchweave._store._base import (
     Suffix,
     resolve_range,
 )
-from batchweave._store._s3_location import S3Location, refuse_url_credentials
+from batchweave._store._s3_location import (
+    S3Location,
+    check_client_options,
+    check_endpoint,
+)
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -77,6 +84,10 @@ _THROTTLED = frozenset(
     }
 )
 _WRITE_OPS = frozenset({"put", "put_if_absent"})
+_BUCKET_OPS = _WRITE_OPS | {"list", "delete"}
+"""Requests whose only S3 404 is ``NoSuchBucket``: a bare 404 means the endpoint is not S3."""
+_RECURSION = "maximum recursion depth exceeded"
+"""How botocore's ``HTTPClientError`` quotes a ``RecursionError`` (see ``_translate``)."""
 _CREDENTIAL_ERRORS = (
     bex.NoCredentialsError,
     bex.PartialCredentialsError,
@@ -88,6 +99,43 @@ _CREDENTIAL_ERRORS = (
     bex.UnknownCredentialError,
 )
 """botocore's "could not get credentials" errors, raised before any request is sent."""
+
+
+_TOKEN_HEADER = re.compile(r"(x-amz-security-token['\"]?\s*[:=]\s*b?['\"]?)[^'\"\s,}]+", re.I)
+"""A session token in a header dump: botocore's canonical request and request repr."""
+_HEADER_LOGGERS = ("botocore.auth", "botocore.endpoint", "botocore.awsrequest", "botocore.parsers")
+"""botocore loggers whose DEBUG records print request headers or bodies."""
+_live_stores: weakref.WeakSet[S3Store] = weakref.WeakSet()
+"""Stores with explicit credentials, whose secrets the filter masks; guarded by the lock."""
+_live_lock = threading.Lock()
+
+
+class _RedactCredentials(logging.Filter):
+    """Masks session tokens and explicitly passed secrets in botocore's DEBUG records.
+
+    botocore logs every request's headers (``X-Amz-Security-Token`` included) at DEBUG; an
+    application that sets its root logger to DEBUG would write the token to its logs. A filter
+    runs only for records that pass the logger's level, so this costs nothing otherwise.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: let logging report it as it does
+            return True
+        scrubbed = _TOKEN_HEADER.sub(r"\1***", message)
+        with _live_lock:
+            stores = list(_live_stores)
+        for store in stores:
+            scrubbed = store._scrub(scrubbed)
+        if scrubbed != message:
+            record.msg, record.args = scrubbed, None
+        return True
+
+
+_REDACT = _RedactCredentials()
+for _name in _HEADER_LOGGERS:
+    logging.getLogger(_name).addFilter(_REDACT)
 
 
 class S3Store(S3Location):
@@ -130,6 +178,24 @@ class S3Store(S3Location):
         )
         self._local = threading.local()
         if client is None:
+            check_client_options(
+                self.url,
+                access_key_id=access_key_id,
+                secret_access_key=secret_access_key,
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                max_attempts=max_attempts,
+                addressing_style=addressing_style,
+            )
+            if (
+                isinstance(max_pool_connections, bool)
+                or not isinstance(max_pool_connections, int)
+                or max_pool_connections < 1
+            ):
+                raise InvalidStoreURL(
+                    f"{self.url}: max_pool_connections must be an integer >= 1, "
+                    f"got {max_pool_connections!r}"
+                )
             client = self._make_client(
                 endpoint_url=endpoint_url,
                 region=region,
@@ -143,11 +209,18 @@ class S3Store(S3Location):
                 max_attempts=max_attempts,
                 addressing_style=addressing_style,
             )
-            # botocore may take the endpoint from AWS_ENDPOINT_URL(_S3) or the AWS config file.
-            refuse_url_credentials(
-                client.meta.endpoint_url, f"the endpoint botocore found for {self.url}"
-            )
+            if endpoint_url is None:
+                # botocore may take it from AWS_ENDPOINT_URL(_S3) or the AWS config file.
+                self._endpoint_shown = client.meta.endpoint_url
+                check_endpoint(
+                    client.meta.endpoint_url,
+                    f"the endpoint botocore found for {self.url} (AWS_ENDPOINT_URL, "
+                    "AWS_ENDPOINT_URL_S3 or the AWS config file)",
+                )
         self._client = client
+        if self._secrets:
+            with _live_lock:
+                _live_stores.add(self)
         # Note PutObject attempts that may have reached the server, so a final connect error
         # after an earlier timed-out attempt is reported as ambiguous, not as "never sent".
         client.meta.events.register("needs-retry.s3.PutObject", self._on_put_attempt)
@@ -167,11 +240,6 @@ class S3Store(S3Location):
         max_attempts: int,
         addressing_style: str | None,
     ) -> S3Client:
-        if (access_key_id is None) != (secret_access_key is None):
-            raise InvalidStoreURL(
-                f"{self.url}: give both access_key_id and secret_access_key, or neither "
-                "(to use boto3's credential chain)"
-            )
         try:
             session = boto3.session.Session(
                 aws_access_key_id=access_key_id,
@@ -230,10 +298,19 @@ class S3Store(S3Location):
             return self._from_code(code, status, detail, op=op, key=key)
         if isinstance(exc, _CREDENTIAL_ERRORS):
             return self._no_credentials(what, exc)
+        if isinstance(exc, RecursionError) or _RECURSION in str(exc):
+            # botocore answers a bare 301 by asking the bucket's region with another request,
+            # which is redirected too, until the stack overflows. Nothing was stored.
+            return self._not_s3(
+                op,
+                key,
+                "it answered with redirects (an http-to-https redirect, a load balancer or web "
+                "server on that port, or a bucket in another region: set region)",
+            )
         if isinstance(exc, bex.ParamValidationError):
             # Refused by botocore before anything was sent: neither ambiguous nor transient.
             return StoreError(f"cannot {what}: boto3 refused the request: {self._scrub(str(exc))}")
-        endpoint = self.endpoint_url or "the AWS S3 endpoint"
+        endpoint = self._endpoint_shown
         if isinstance(exc, bex.ConnectionError):
             if write and getattr(self._local, "put_maybe_sent", False):
                 return AmbiguousWriteError(
@@ -269,6 +346,10 @@ class S3Store(S3Location):
             return ConcurrentWriteConflict(detail)
         if code == "NoSuchBucket":
             return self._missing_bucket(detail)
+        if status == 404 and op in _BUCKET_OPS and code != "NoSuchKey":
+            return self._not_s3(
+                op, key, f"{code or status} to a {op}, which S3 only answers with NoSuchBucket"
+            )
         if code in _NOT_FOUND or status == 404:
             return ObjectNotFound(detail)
         if code in _DENIED or status == 403:
@@ -337,6 +418,9 @@ class S3Store(S3Location):
             resp = self._client.head_object(Bucket=self.bucket, Key=full)
         except Exception as exc:
             raise self._translate(exc, op="head", key=key) from exc
+        if "ContentLength" not in resp or "LastModified" not in resp:
+            # A web page on the endpoint's port (every S3 HEAD has both).
+            raise self._not_s3("head", key, "no Content-Length or Last-Modified in a 200 reply")
         return ObjectMeta(
             key=key,
             size=int(resp["ContentLength"]),
@@ -356,6 +440,9 @@ class S3Store(S3Location):
                 )
             except Exception as exc:
                 raise self._translate(exc, op="list", key=prefix or None) from exc
+            if "IsTruncated" not in resp:
+                # An empty listing, as botocore parses a web page, would read as "nothing here".
+                raise self._not_s3("list", prefix or None, "not a ListObjectsV2 result")
             for obj in resp.get("Contents", []):
                 yield ObjectMeta(
                     key=obj["Key"][strip:],

@@ -7,14 +7,21 @@ error wording live here once, so the two cannot drift apart.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
-from batchweave._errors import InvalidStoreURL
+from batchweave._errors import InvalidStoreURL, StoreError
 from batchweave._store._base import ObjectStore, validate_key
 
-__all__ = ["S3Location", "redact_url", "refuse_url_credentials"]
+__all__ = [
+    "S3Location",
+    "check_client_options",
+    "check_endpoint",
+    "redact_url",
+    "refuse_url_credentials",
+]
 
 _USERINFO = re.compile(r"(?<=://)[^/?#\s\"']*@")
 """The ``user:password@`` of any URL in a text (botocore and obstore quote request URLs), up to
@@ -34,6 +41,16 @@ _ACCESS_POINT_ARN = re.compile(
 """An S3 access point ARN, which boto3 accepts in place of a bucket name (botocore's rule)."""
 
 
+_ADDRESSING_STYLES = ("auto", "path", "virtual")
+"""Values of the ``addressing_style`` option both S3 backends accept (``None`` = the default)."""
+
+_MIN_SECRET = 4
+"""Credentials shorter than this are not masked in messages (see ``S3Location``)."""
+
+_UNPRINTABLE = re.compile(r"[\x00-\x20\x7f]")
+"""Spaces and control characters: never part of a URL; a pasted one would corrupt every request."""
+
+
 def _redact_userinfo(text: str) -> str:
     return _USERINFO.sub("***@", text)
 
@@ -51,11 +68,100 @@ def refuse_url_credentials(endpoint_url: str, what: str) -> None:
     They would be echoed in every error, repr and botocore log line; S3 signs requests with
     access keys and never uses URL credentials.
     """
-    if "@" in urlsplit(endpoint_url).netloc:
+    try:
+        netloc = urlsplit(endpoint_url).netloc
+    except ValueError:  # malformed (a bad IPv6 literal): look at the authority by hand
+        netloc = endpoint_url.partition("://")[2].partition("/")[0]
+    if "@" in netloc:
         raise InvalidStoreURL(
             f"{what} {_redact_userinfo(endpoint_url)!r} carries credentials (user:password@); "
             "S3 does not use them: remove them from the URL and pass access_key_id/"
             "secret_access_key (or set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) instead"
+        )
+
+
+def check_endpoint(endpoint_url: object, what: str) -> None:
+    """``InvalidStoreURL`` saying what is wrong with ``endpoint_url`` and what to write instead.
+
+    ``what`` names where the endpoint came from (``"endpoint_url for s3://bucket"``, an
+    environment variable). An endpoint is ``scheme://host[:port]``: botocore and obstore put the
+    bucket and key after any path in it, so ``http://host:9000/bucket`` would silently store
+    every object under another key than the store URL says (``bucket/bucket/prefix/...``).
+    Both clients accept every form refused here and fail later, if at all: with a misleading
+    "ambiguous write", or (obstore, for a bad port) a Rust panic.
+    """
+    example = "give scheme, host and port, e.g. http://127.0.0.1:9000"
+    if not isinstance(endpoint_url, str):
+        raise InvalidStoreURL(f"{what} must be a str, got {type(endpoint_url).__name__}; {example}")
+    where = f"{what} {_redact_userinfo(endpoint_url)!r}"
+    if _UNPRINTABLE.search(endpoint_url):
+        raise InvalidStoreURL(f"{where} contains spaces or control characters; {example}")
+    refuse_url_credentials(endpoint_url, what)
+    try:
+        parts = urlsplit(endpoint_url)
+        port = parts.port  # raises for a port that is not a number in 0..65535
+    except ValueError as exc:
+        raise InvalidStoreURL(f"{where} is malformed ({exc}); {example}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidStoreURL(f"{where} is not an http(s) URL; {example}")
+    if port == 0:
+        raise InvalidStoreURL(f"{where} has port 0; {example}")
+    if parts.query or parts.fragment or endpoint_url.endswith(("?", "#")):
+        raise InvalidStoreURL(f"{where} has a query or fragment; {example}")
+    if parts.path not in ("", "/"):
+        raise InvalidStoreURL(
+            f"{where} has a path ({parts.path!r}); an S3 endpoint is scheme://host:port only: "
+            "put the bucket and prefix in the store URL (s3://bucket/prefix), or the objects "
+            "would be stored under other keys than it names"
+        )
+
+
+def _positive_number(url: str, name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (value > 0 and math.isfinite(value))
+    ):
+        raise InvalidStoreURL(f"{url}: {name} must be a positive number of seconds, got {value!r}")
+
+
+def check_client_options(
+    url: str,
+    *,
+    access_key_id: str | None,
+    secret_access_key: str | None,
+    connect_timeout: object,
+    read_timeout: object,
+    max_attempts: object,
+    addressing_style: object,
+) -> None:
+    """``InvalidStoreURL`` naming the option for a value neither S3 client can use.
+
+    Checked here, before a client is built, so both backends refuse the same values with the
+    same words (the clients' own errors are not ``BatchWeaveError`` and name no option).
+    Credentials are never echoed: only which one is missing.
+    """
+    if (access_key_id is None) != (secret_access_key is None):
+        given, missing = (
+            ("access_key_id", "secret_access_key")
+            if secret_access_key is None
+            else ("secret_access_key", "access_key_id")
+        )
+        raise InvalidStoreURL(
+            f"{url}: {given} was given without {missing}: give both, or neither (to use the AWS "
+            "credential chain: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, ...)"
+        )
+    _positive_number(url, "connect_timeout", connect_timeout)
+    _positive_number(url, "read_timeout", read_timeout)
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise InvalidStoreURL(
+            f"{url}: max_attempts must be an integer >= 1 (1 disables retries), "
+            f"got {max_attempts!r}"
+        )
+    if addressing_style is not None and addressing_style not in _ADDRESSING_STYLES:
+        raise InvalidStoreURL(
+            f"{url}: addressing_style must be 'path', 'virtual' or 'auto' (the default), "
+            f"got {addressing_style!r}"
         )
 
 
@@ -91,21 +197,16 @@ class S3Location(ObjectStore):
         if prefix:
             validate_key(prefix)
         if endpoint_url is not None:
-            parts = urlsplit(endpoint_url) if isinstance(endpoint_url, str) else None
-            shown = (
-                _redact_userinfo(endpoint_url) if isinstance(endpoint_url, str) else endpoint_url
-            )
-            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-                raise InvalidStoreURL(
-                    f"endpoint_url {shown!r} for s3://{bucket} is not an http(s) URL; "
-                    "give scheme, host and port, e.g. http://127.0.0.1:9000"
-                )
-            refuse_url_credentials(endpoint_url, f"endpoint_url for s3://{bucket}")
+            check_endpoint(endpoint_url, f"endpoint_url for s3://{bucket}")
         self.bucket = bucket
         self.prefix = f"{prefix}/" if prefix else ""
         self.endpoint_url = endpoint_url
+        self._endpoint_shown = endpoint_url or "AWS S3"
+        """The endpoint as messages name it; a backend sets the one its client really uses."""
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
-        self._secrets = tuple(s for s in secrets if s)
+        # A secret of a few characters (test setups: "a", "b") would mask every such letter
+        # of every message; it protects nothing anyway.
+        self._secrets = tuple(s for s in secrets if s and len(s) >= _MIN_SECRET)
 
     def __repr__(self) -> str:
         endpoint = f", endpoint_url={self.endpoint_url!r}" if self.endpoint_url else ""
@@ -124,8 +225,16 @@ class S3Location(ObjectStore):
         """``op`` on ``key`` (or on the store) in words, for error messages."""
         return f"{op} {key!r} in {self.url}" if key is not None else f"{op} in {self.url}"
 
+    def _not_s3(self, op: str, key: str | None, detail: str) -> StoreError:
+        """The endpoint answered, but not as S3 does (a web page, a dashboard, a proxy)."""
+        return StoreError(
+            f"cannot {self._describe(op, key)}: {self._endpoint_shown} did not "
+            f"answer like an S3 server ({detail}); check that endpoint_url is the address of "
+            "the S3 API (scheme, host and port), not of a web page or console"
+        )
+
     def _missing_bucket(self, detail: str) -> InvalidStoreURL:
         return InvalidStoreURL(
             f"{detail}: bucket {self.bucket!r} does not exist at "
-            f"{self.endpoint_url or 'AWS S3'}; create it or fix the store URL"
+            f"{self._endpoint_shown}; create it or fix the store URL"
         )

@@ -17,8 +17,9 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from batchweave._checks import check_key_name
 from batchweave._errors import BatchWeaveError, InvalidStoreURL
-from batchweave._store._base import ObjectStore, validate_key
+from batchweave._store._base import ObjectStore
 from batchweave._store._open import SCHEMES, open_store
 
 __all__ = [
@@ -154,7 +155,7 @@ def validate_namespace(namespace: str) -> str:
     cleaned = namespace.strip("/")
     if not cleaned:
         raise CliFailure(f"namespace {namespace!r} is empty; name one, e.g. runs/job-42")
-    validate_key(cleaned)
+    check_key_name("namespace", cleaned)  # names the namespace, as the library's clients do
     return cleaned
 
 
@@ -197,7 +198,10 @@ def open_cli_store(
     }
     if s3 and not url.lower().startswith("s3://"):
         raise CliFailure(f"{', '.join('--' + k.replace('_', '-') for k in s3)} apply to s3:// only")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # malformed (s3://[::1/x): open_store says what is wrong with it
+        return open_store(url, verify_conditional_writes=writes, **s3)
     # A malformed file URL (no '//', or naming a host) is left to open_store, which explains it.
     well_formed = "://" in url and parts.netloc in ("", "localhost")
     if parts.scheme.lower() == "file" and well_formed and not create:

@@ -1,0 +1,611 @@
+"""A hostile environment met through the public API and the CLI: malformed endpoints and options,
+endpoints that are not S3 servers (a web page, a 404 page, a port that accepts and never answers),
+missing and wrong credentials, and credentials in botocore's own DEBUG logs.
+
+Every case asserts the error class, that the message names what was wrong, and that no secret
+appears in any message, repr, log record or CLI output. The misbehaving endpoints are tiny socket
+servers on 127.0.0.1 run by a fixture (threads, closed at teardown); real S3 servers are the
+session's moto and SeaweedFS fixtures from ``conftest.py``. Complements
+``test_security_audit.py`` (URL credentials, ``file://`` confinement) and ``test_hostile.py``
+(hostile stored bytes, wrong secret through the clients).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import http.server
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from click.testing import CliRunner
+
+import batchweave as bw
+from batchweave.cli import cli
+from batchweave.testing import S3Endpoint, free_port
+
+SECRET = "SECRETzzz123-env-audit"
+TOKEN = "TOKENzzz456-env-audit"
+CLIENTS = ("boto3", "obstore")
+FAST: dict[str, Any] = {"connect_timeout": 1.0, "read_timeout": 0.5, "max_attempts": 1}
+"""Client options that keep a silent endpoint's wait short (one attempt, half a second)."""
+BOUND = 10.0
+"""Seconds any failing call below may take; each configures at most a few 0.5-1 s timeouts."""
+
+
+def _credentials() -> dict[str, Any]:
+    return {"access_key_id": "AKIDENVAUDIT", "secret_access_key": SECRET, "region": "us-east-1"}
+
+
+def _everything_said(exc: BaseException) -> str:
+    """The error as a user can see it: message, repr and the whole chained traceback."""
+    return f"{exc} {exc!r} " + "".join(traceback.format_exception(exc))
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No AWS_* variables and no AWS config files: only what the test sets."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    # Should a client ask the EC2 metadata service anyway, it asks a closed port on loopback.
+    closed = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", closed)  # object_store (obstore)
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", closed)  # botocore
+    return monkeypatch
+
+
+# -- endpoints that are not S3 servers ---------------------------------------------------------
+
+_PAGE = b"<html><body>Welcome to nginx!</body></html>"
+
+
+def _reply(status: str, body: bytes) -> bytes:
+    head = f"HTTP/1.1 {status}\r\nContent-Type: text/html\r\nContent-Length: {len(body)}\r\n"
+    return head.encode() + b"Connection: close\r\n\r\n" + body
+
+
+REPLIES = {
+    "web-page": _reply("200 OK", _PAGE),
+    "not-found-page": _reply("404 Not Found", b"<html><body>404 Not Found</body></html>"),
+    "silent": None,  # accepts the connection, reads the request, never answers
+    # Location: a closed port on loopback (obstore follows redirects; botocore does not).
+    "redirect": b"HTTP/1.1 301 Moved Permanently\r\nLocation: http://127.0.0.1:9/\r\n"
+    b"Content-Length: 0\r\nConnection: close\r\n\r\n",
+}
+
+
+class FakeEndpoint:
+    """A socket server on 127.0.0.1 that answers every request with one canned reply."""
+
+    def __init__(self, reply: bytes | None) -> None:
+        self._reply = reply
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.connections = 0
+        self._open: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed by stop()
+            with self._lock:
+                self.connections += 1
+                self._open.append(conn)
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        try:
+            conn.recv(65536)
+            if self._reply is not None:
+                conn.sendall(self._reply)
+                conn.close()
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        # shutdown() wakes the accept() blocked in _serve (close() alone does not, on Linux).
+        self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self._thread.join(5)
+        assert not self._thread.is_alive()
+        with self._lock:
+            for conn in self._open:
+                conn.close()
+
+
+@contextlib.contextmanager
+def fake_endpoint(kind: str) -> Iterator[FakeEndpoint]:
+    server = FakeEndpoint(REPLIES[kind])
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_web_page_on_the_endpoint_is_called_so_not_an_unsafe_store(
+    aws_env: pytest.MonkeyPatch, client: str
+) -> None:
+    # Before: boto3 said ConditionalWritesUnsupported ("upgrade this store") for a web server
+    # answering 200 to everything, obstore an AmbiguousWriteError ("read it back").
+    with fake_endpoint("web-page") as page:
+        with pytest.raises(bw.StoreError) as info:
+            bw.open_store(
+                "s3://bucket/p", s3_client=client, endpoint_url=page.url, **_credentials()
+            )
+        assert not isinstance(info.value, bw.ConditionalWritesUnsupported | bw.AmbiguousWriteError)
+        said = str(info.value)
+        assert "like an S3 server" in said or "does not behave like an object store" in said
+        assert page.url in said
+        assert SECRET not in _everything_said(info.value)
+
+
+@pytest.mark.parametrize(
+    ("client", "op"),
+    # Not here: boto3's get (stubbed test clients answer without ETag too, so it is not
+    # checked; open_store's probe reads back what it wrote) and obstore's list (object_store
+    # parses the page as an empty listing and says nothing).
+    [("boto3", "head"), ("boto3", "list"), ("obstore", "head"), ("obstore", "get")],
+)
+def test_reads_from_a_web_page_are_refused_not_taken_as_objects(
+    aws_env: pytest.MonkeyPatch, client: str, op: str
+) -> None:
+    # Before: boto3's head raised a bare KeyError('LastModified'), and list returned nothing, so
+    # `batchweave inspect` reported "no namespace"; obstore returned the page as the object.
+    with fake_endpoint("web-page") as page:
+        store = bw.open_store(
+            "s3://bucket/p",
+            s3_client=client,
+            verify_conditional_writes=False,
+            endpoint_url=page.url,
+            **_credentials(),
+        )
+        calls: dict[str, Callable[[], object]] = {
+            "head": lambda: store.head("k"),
+            "get": lambda: store.get("k"),
+            "list": lambda: list(store.list()),
+        }
+        with pytest.raises(bw.StoreError, match="did not answer like an S3 server"):
+            calls[op]()
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_404_page_is_a_wrong_endpoint_not_a_missing_object(
+    aws_env: pytest.MonkeyPatch, client: str
+) -> None:
+    # Before: ObjectNotFound from open_store ("put_if_absent ...: 404"): S3 answers a PUT with
+    # 404 only for a missing bucket, which it names (NoSuchBucket).
+    with fake_endpoint("not-found-page") as page:
+        with pytest.raises(bw.StoreError) as info:
+            bw.open_store(
+                "s3://bucket/p", s3_client=client, endpoint_url=page.url, **_credentials()
+            )
+        assert not isinstance(info.value, bw.ObjectNotFound)
+        assert "did not answer like an S3 server" in str(info.value)
+
+
+def test_a_redirecting_endpoint_is_named_not_a_recursion_error(
+    aws_env: pytest.MonkeyPatch,
+) -> None:
+    # Before: botocore chased a bare 301 with region look-ups until the stack overflowed;
+    # open_store said "failed: RecursionError", reads were "transient" (spent retry budgets).
+    with fake_endpoint("redirect") as redirect:
+        with pytest.raises(bw.StoreError) as info:
+            bw.open_store("s3://bucket/p", endpoint_url=redirect.url, **_credentials(), **FAST)
+        store = bw.open_store(
+            "s3://bucket/p", verify_conditional_writes=False, endpoint_url=redirect.url,
+            **_credentials(), **FAST,
+        )  # fmt: skip
+        for call in (lambda: store.get("k"), lambda: list(store.list())):
+            with pytest.raises(bw.StoreError) as read:
+                call()
+            assert not isinstance(read.value, bw.TransientStoreError)
+            assert "answered with redirects" in str(read.value)
+    assert "answered with redirects" in str(info.value)
+    assert "RecursionError" not in str(info.value)
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_silent_endpoint_fails_in_bounded_time_as_a_timeout_on_both_clients(
+    aws_env: pytest.MonkeyPatch, client: str
+) -> None:
+    # Before: obstore called a connected-but-silent endpoint "unreachable" (StoreUnavailable,
+    # which consumers wait out forever), boto3 a transient read timeout.
+    with fake_endpoint("silent") as silent:
+        store = bw.open_store(
+            "s3://bucket/p",
+            s3_client=client,
+            verify_conditional_writes=False,
+            endpoint_url=silent.url,
+            **_credentials(),
+            **FAST,
+        )
+        for call in (lambda: store.get("k"), lambda: store.head("k"), lambda: list(store.list())):
+            started = time.monotonic()
+            with pytest.raises(bw.TransientStoreError) as info:
+                call()
+            assert time.monotonic() - started < BOUND
+            assert not isinstance(info.value, bw.StoreUnavailable)
+            assert silent.url in str(info.value) or "timeout" in str(info.value).lower()
+        started = time.monotonic()
+        with pytest.raises(bw.AmbiguousWriteError):
+            store.put("k", b"v")  # the request was sent: it may have landed
+        assert time.monotonic() - started < BOUND
+        started = time.monotonic()
+        with pytest.raises(bw.StoreError) as opening:
+            bw.open_store(
+                "s3://bucket/p", s3_client=client, endpoint_url=silent.url, **_credentials(), **FAST
+            )
+        assert time.monotonic() - started < BOUND
+        assert SECRET not in _everything_said(opening.value)
+
+
+class _StripIfNoneMatch(http.server.BaseHTTPRequestHandler):
+    """Forwards every request to ``upstream`` without its If-None-Match header: an S3 server
+    that silently ignores conditional writes, as some S3-compatible stores do."""
+
+    protocol_version = "HTTP/1.1"
+    upstream: tuple[str, int]
+
+    def _forward(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        dropped = ("if-none-match", "expect", "host", "connection")
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
+        upstream = http.client.HTTPConnection(*self.upstream, timeout=10)
+        try:
+            upstream.request(self.command, self.path, body=body, headers=headers)
+            reply = upstream.getresponse()
+            data = reply.read()
+        finally:
+            upstream.close()
+        self.send_response(reply.status, reply.reason)
+        for name, value in reply.getheaders():
+            if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward  # noqa: N815 (http.server names)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.moto_server
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_real_s3_server_ignoring_if_none_match_is_refused_as_such(
+    moto_endpoint: S3Endpoint, s3_bucket: str, s3_prefix: str, client: str
+) -> None:
+    # The probe's read-back (added for web pages) must still call a genuine S3 server that
+    # ignores If-None-Match what it is: ConditionalWritesUnsupported, probe object deleted.
+    parts = urlsplit(moto_endpoint.endpoint_url)
+    handler = type("Handler", (_StripIfNoneMatch,), {"upstream": (parts.hostname, parts.port)})
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    try:
+        options = moto_endpoint.store_options()
+        options["endpoint_url"] = f"http://127.0.0.1:{proxy.server_address[1]}"
+        with pytest.raises(bw.ConditionalWritesUnsupported, match="verify_conditional_writes"):
+            bw.open_store(f"s3://{s3_bucket}/{s3_prefix}", s3_client=client, **options)
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+        thread.join(5)
+    direct = bw.S3Store(s3_bucket, s3_prefix, **moto_endpoint.store_options())
+    assert list(direct.list()) == []  # the probe cleaned up after itself
+
+
+# -- malformed endpoints and options -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize(
+    ("endpoint", "says"),
+    [
+        ("http://127.0.0.1:99999", "Port out of range"),
+        ("http://127.0.0.1:-1", "malformed"),
+        ("http://127.0.0.1:abc", "malformed"),
+        ("http://127.0.0.1:0", "port 0"),
+        ("http://[::1:9000", "Invalid IPv6 URL"),
+        ("http://127.0.0.1:9000?region=x", "query or fragment"),
+        ("http://127.0.0.1:9000#x", "query or fragment"),
+        (" http://127.0.0.1:9000", "spaces or control characters"),
+        ("http://127.0.0.1:9000\n", "spaces or control characters"),
+        ("http://127.0.0.1:9000/bucket", "has a path ('/bucket')"),
+    ],
+)
+def test_malformed_endpoints_are_refused_naming_the_problem(
+    client: str, endpoint: str, says: str
+) -> None:
+    # Before: all accepted; the path silently stored objects under bucket/bucket/prefix/...,
+    # a bad IPv6 literal raised a bare ValueError("Invalid IPv6 URL").
+    with pytest.raises(bw.InvalidStoreURL) as info:
+        bw.open_store("s3://bucket/p", s3_client=client, endpoint_url=endpoint, **_credentials())
+    assert says in str(info.value)
+    assert "s3://bucket" in str(info.value)
+
+
+def test_well_formed_endpoints_are_accepted() -> None:
+    for endpoint in ("http://127.0.0.1:9000", "http://127.0.0.1:9000/", "https://[::1]:443"):
+        for client in CLIENTS:
+            store = bw.open_store(
+                "s3://bucket/p", s3_client=client, verify_conditional_writes=False,
+                endpoint_url=endpoint,
+            )  # fmt: skip
+            assert store.endpoint_url == endpoint  # type: ignore[attr-defined]
+            store.close()
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("max_attempts", 0, "max_attempts must be an integer >= 1"),
+        ("max_attempts", 2.5, "max_attempts must be an integer >= 1"),
+        ("connect_timeout", -1, "connect_timeout must be a positive number"),
+        ("read_timeout", "5", "read_timeout must be a positive number"),
+        ("read_timeout", float("nan"), "read_timeout must be a positive number"),
+        ("addressing_style", "dns", "addressing_style must be"),
+        ("access_key_id", "AKID", "access_key_id was given without secret_access_key"),
+        ("secret_access_key", SECRET, "secret_access_key was given without access_key_id"),
+    ],
+)
+def test_bad_client_options_are_refused_naming_the_option(
+    client: str, option: str, value: object, says: str
+) -> None:
+    # Before: botocore's own exceptions (not BatchWeaveErrors), an obstore TypeError or a
+    # multi-line "Debug source" dump ("Missing SecretAccessKey").
+    with pytest.raises(bw.InvalidStoreURL) as info:
+        bw.open_store("s3://bucket/p", s3_client=client, **{option: value})  # type: ignore[arg-type]
+    assert says in str(info.value)
+    assert "s3://bucket/p" in str(info.value)
+    assert SECRET not in _everything_said(info.value)
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"])
+@pytest.mark.parametrize(
+    ("endpoint", "says"),
+    [
+        (f"http://127.0.0.1:{free_port()}/bucket", "has a path ('/bucket')"),
+        ("http://127.0.0.1:99999", "Port out of range"),
+        ("http://user:PASSzzz@127.0.0.1:9000", "carries credentials"),
+    ],
+)
+def test_an_endpoint_from_the_environment_is_checked_like_an_explicit_one(
+    aws_env: pytest.MonkeyPatch, client: str, variable: str, endpoint: str, says: str
+) -> None:
+    # Before: boto3 only refused credentials in it; obstore took anything (a bad port made
+    # object_store panic, a path misplaced every object, a password went into every request).
+    aws_env.setenv(variable, endpoint)
+    with pytest.raises(bw.InvalidStoreURL) as info:
+        bw.open_store("s3://bucket/p", s3_client=client, **_credentials())
+    assert says in str(info.value)
+    assert variable in str(info.value)
+    assert "PASSzzz" not in _everything_said(info.value)
+
+
+@pytest.mark.moto_server
+@pytest.mark.parametrize("client", CLIENTS)
+def test_an_http_endpoint_from_the_environment_works_on_both_clients(
+    aws_env: pytest.MonkeyPatch, moto_endpoint: S3Endpoint, s3_bucket: str, s3_prefix: str,
+    client: str,
+) -> None:  # fmt: skip
+    # Before: obstore refused every request to it with TransientStoreError "builder error"
+    # (plain http was allowed only for an explicit endpoint_url).
+    aws_env.setenv("AWS_ENDPOINT_URL", moto_endpoint.endpoint_url)
+    with bw.open_store(f"s3://{s3_bucket}/{s3_prefix}", s3_client=client, **_credentials()) as st:
+        st.put("k", b"v")
+        assert st.get("k") == b"v"
+    with fake_endpoint("silent") as silent:
+        aws_env.setenv("AWS_ENDPOINT_URL", silent.url)
+        with pytest.raises(bw.TransientStoreError) as info:
+            bw.open_store(
+                "s3://bucket/p", s3_client=client, verify_conditional_writes=False,
+                **_credentials(), **FAST,
+            ).get("k")  # fmt: skip
+        assert silent.url in str(info.value)  # the endpoint in use, not "AWS S3"
+
+
+@pytest.mark.parametrize(("client", "kind"), [("boto3", None), ("obstore", "not-found-page")])
+def test_one_letter_credentials_do_not_mask_every_such_letter_of_a_message(
+    aws_env: pytest.MonkeyPatch, client: str, kind: str | None
+) -> None:
+    # Before: access key "a" and secret "b" (a test setup) turned the request URL in messages
+    # into "/***ucket/p/..." and "_***tchwe***ve".
+    credentials = {"access_key_id": "a", "secret_access_key": "b", "region": "us-east-1"}
+    with contextlib.ExitStack() as stack:
+        url = f"http://127.0.0.1:{free_port()}"  # nothing listening (boto3 quotes the URL)
+        if kind is not None:
+            url = stack.enter_context(fake_endpoint(kind)).url  # obstore quotes it on a 404
+        store = bw.open_store(
+            "s3://bucket/p", s3_client=client, verify_conditional_writes=False,
+            endpoint_url=url, **credentials, **FAST,
+        )  # fmt: skip
+        with pytest.raises(bw.StoreError) as info:
+            store.get("batchweave-key")
+    assert f"{url}/bucket/p/batchweave-key" in str(info.value)
+
+
+def test_a_pool_of_no_connections_is_refused() -> None:
+    with pytest.raises(bw.InvalidStoreURL, match="max_pool_connections must be an integer >= 1"):
+        bw.open_store("s3://bucket/p", max_pool_connections=0)
+
+
+def test_a_malformed_store_url_is_an_invalid_store_url() -> None:
+    # Before: a bare ValueError("Invalid IPv6 URL") naming nothing.
+    with pytest.raises(bw.InvalidStoreURL, match=r"'s3://\[::1/p' is malformed"):
+        bw.open_store("s3://[::1/p")
+
+
+# -- credentials -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _metadata_service(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeEndpoint]:
+    """A stand-in for the EC2 instance metadata service on 127.0.0.1 (it answers 404)."""
+    with fake_endpoint("not-found-page") as imds:
+        monkeypatch.setenv("AWS_METADATA_ENDPOINT", imds.url)  # where object_store asks
+        yield imds
+
+
+def test_obstore_without_credentials_never_asks_a_disabled_metadata_service(
+    aws_env: pytest.MonkeyPatch,
+) -> None:
+    # Before: obstore ignored AWS_EC2_METADATA_DISABLED=true (boto3 honours it), asked the
+    # metadata service anyway, and the error called the S3 endpoint unreachable.
+    with _metadata_service(aws_env) as imds, fake_endpoint("silent") as s3:
+        with pytest.raises(bw.AccessDenied, match="no usable AWS credentials") as info:
+            bw.open_store("s3://bucket/p", s3_client="obstore", endpoint_url=s3.url, **FAST)
+        assert imds.connections == 0
+        assert s3.connections == 0
+        assert "AWS_ACCESS_KEY_ID" in str(info.value)
+
+
+def test_obstore_whose_metadata_service_fails_says_credentials_are_missing(
+    aws_env: pytest.MonkeyPatch,
+) -> None:
+    # Before: only the default metadata address was recognised; a configured one (or a proxy's)
+    # read as "the S3 endpoint is unreachable".
+    aws_env.delenv("AWS_EC2_METADATA_DISABLED")
+    with _metadata_service(aws_env) as imds, fake_endpoint("silent") as s3:
+        with pytest.raises(bw.AccessDenied, match="no usable AWS credentials"):
+            bw.open_store("s3://bucket/p", s3_client="obstore", endpoint_url=s3.url, **FAST)
+        assert imds.connections > 0
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_no_credentials_at_all_are_access_denied_on_both_clients(
+    aws_env: pytest.MonkeyPatch, moto_endpoint: S3Endpoint, client: str
+) -> None:
+    with _metadata_service(aws_env) as imds:  # so that even a regression stays on loopback
+        with pytest.raises(bw.AccessDenied, match="no usable AWS credentials"):
+            bw.open_store("s3://b/p", s3_client=client, endpoint_url=moto_endpoint.endpoint_url)
+        assert imds.connections == 0  # AWS_EC2_METADATA_DISABLED=true is honoured
+
+
+@pytest.mark.seaweedfs
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_wrong_secret_is_access_denied_on_both_clients_without_echoing_it(
+    aws_env: pytest.MonkeyPatch,
+    seaweedfs_endpoint: S3Endpoint,
+    s3_bucket: str,
+    s3_prefix: str,
+    client: str,
+) -> None:
+    options = seaweedfs_endpoint.store_options() | {"secret_access_key": SECRET, **FAST}
+    started = time.monotonic()
+    with pytest.raises(bw.AccessDenied) as info:
+        bw.open_store(f"s3://{s3_bucket}/{s3_prefix}", s3_client=client, **options)
+    assert time.monotonic() - started < BOUND
+    assert "check the credentials" in str(info.value)
+    assert SECRET not in _everything_said(info.value)
+
+
+@pytest.mark.moto_server
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "environment"])
+def test_botocore_debug_logs_never_show_the_session_token_or_the_secret(
+    aws_env: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    moto_endpoint: S3Endpoint,
+    s3_bucket: str,
+    s3_prefix: str,
+    explicit: bool,
+) -> None:
+    # Before: an application logging at DEBUG (logging.basicConfig(level=DEBUG)) wrote every
+    # request's X-Amz-Security-Token to its logs through botocore.endpoint and botocore.auth.
+    credentials: dict[str, Any] = {"access_key_id": "AKIDENVAUDIT", "secret_access_key": SECRET}
+    if explicit:
+        credentials["session_token"] = TOKEN
+    else:
+        aws_env.setenv("AWS_ACCESS_KEY_ID", "AKIDENVAUDIT")
+        aws_env.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+        aws_env.setenv("AWS_SESSION_TOKEN", TOKEN)
+        credentials = {}
+    caplog.set_level(logging.DEBUG)  # the root logger: botocore's loggers included
+    store = bw.open_store(
+        f"s3://{s3_bucket}/{s3_prefix}",
+        endpoint_url=moto_endpoint.endpoint_url,
+        region="us-east-1",
+        **credentials,
+    )
+    store.put("k", b"v")
+    assert store.get("k") == b"v"
+    with pytest.raises(bw.ObjectNotFound) as info:
+        store.get("missing")
+    store.close()
+    logged = caplog.text + "".join(str(r.msg) for r in caplog.records)
+    assert "X-Amz-Security-Token" in logged  # the header is logged, its value is not
+    for secret in (SECRET, TOKEN):
+        assert secret not in logged
+        assert secret not in _everything_said(info.value)
+        assert secret not in repr(store)
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+
+
+def _run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
+    return result.exit_code, result.output + (result.stderr if result.stderr_bytes else "")
+
+
+def test_cli_refuses_a_malformed_url_in_one_named_line() -> None:
+    # Before: "batchweave: error: Invalid IPv6 URL" (a bare ValueError, no class, no URL).
+    code, out = _run_cli("inspect", "s3://[::1/p", "runs/a")
+    assert code == 2
+    assert "InvalidStoreURL: store URL 's3://[::1/p' is malformed" in out
+
+
+def test_cli_names_a_bad_namespace_as_the_namespace(tmp_path: Any) -> None:
+    # Before: "object key '../x' has ..." for a namespace argument the user typed.
+    code, out = _run_cli("inspect", str(tmp_path), "../x")
+    assert code == 2
+    assert "namespace '../x' cannot be used in object keys" in out
+
+
+def test_cli_against_a_web_page_says_so_and_shows_no_secret(aws_env: pytest.MonkeyPatch) -> None:
+    # Before: `inspect` (read-only, no probe) read the page as an empty listing and reported
+    # "NamespaceNotFound", sending the operator to check the namespace name.
+    env = {"AWS_ACCESS_KEY_ID": "AKIDENVAUDIT", "AWS_SECRET_ACCESS_KEY": SECRET}
+    env |= {"AWS_SESSION_TOKEN": TOKEN, "BATCHWEAVE_REGION": "us-east-1"}
+    with fake_endpoint("web-page") as page:
+        for command in ("inspect", "verify", "reclaim"):
+            code, out = _run_cli(
+                command, "s3://bucket/p", "runs/a", "--endpoint-url", page.url, env=env
+            )
+            assert code == 2, out
+            assert "did not answer like an S3 server" in out or "object store" in out, out
+            assert SECRET not in out
+            assert TOKEN not in out
+
+
+def test_cli_refuses_an_endpoint_with_a_path_before_touching_the_store() -> None:
+    port = free_port()
+    code, out = _run_cli(
+        "seal", "s3://bucket/p", "runs/a", "--endpoint-url", f"http://127.0.0.1:{port}/bucket"
+    )
+    assert code == 2
+    assert "has a path ('/bucket')" in out
