@@ -6,7 +6,7 @@ Every case asserts the error class, that the message names what was wrong, and t
 appears in any message, repr, log record or CLI output. The misbehaving endpoints are tiny socket
 servers on 127.0.0.1 run by a fixture (threads, closed at teardown); real S3 servers are the
 session's moto and SeaweedFS fixtures from ``conftest.py``. Complements
-``test_security_audit.py`` (URL credentials, ``file://`` confinement) and ``test_hostile.py``
+``test_security.py`` (URL credentials, ``file://`` confinement) and ``test_hostile.py``
 (hostile stored bytes, wrong secret through the clients).
 """
 

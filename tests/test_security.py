@@ -1,8 +1,8 @@
-"""Security audit: hostile files under a ``file://`` root, credentials in store and endpoint URLs,
+"""Security: hostile files under a ``file://`` root, credentials in store and endpoint URLs,
 hostile JSON nesting, and where the metrics endpoint listens.
 
-Complements ``test_hostile.py``, ``test_fuzz.py`` and ``test_store_file.py``; each test here
-pins a problem the audit found (or a guarantee it checked that nothing else pins).
+Complements ``test_hostile.py``, ``test_fuzz.py``, ``test_store_file.py`` and
+``test_environment_errors.py``.
 """
 
 from __future__ import annotations
