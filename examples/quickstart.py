@@ -1,8 +1,10 @@
 """End-to-end on the embedded ``file://`` store: two producers publish, every rank reads its slice.
 
 Run: ``python examples/quickstart.py [--root DIR] [--steps N]``. It writes a fresh namespace,
-publishes ``--steps`` TGBs from two producer threads, reads them back with one consumer per rank
-of a dp=2, cp=2 mesh, and checks that every rank got exactly its slice of every step.
+publishes ``--steps`` TGBs from two producer threads, seals the namespace, reads it back with one
+consumer per rank of a dp=2, cp=2 mesh, and checks that every rank got exactly its slice of every
+step. Without ``--root`` the store is a temporary directory, deleted at the end; with it the
+namespace stays, and the script prints the ``batchweave inspect`` command to look at it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def main() -> None:
     parser.add_argument("--root", type=Path, help="store directory (default: a temp dir)")
     parser.add_argument("--steps", type=int, default=200, help="TGBs to publish (default 200)")
     args = parser.parse_args()
+    if args.steps < 2 or args.steps % 2:
+        parser.error("--steps must be a positive even number (two producers publish half each)")
 
     with tempfile.TemporaryDirectory() as tmp:
         root = (args.root or Path(tmp)).resolve()
@@ -81,10 +85,13 @@ def main() -> None:
         assert all(seq == sequences[0] for seq in sequences), "ranks disagree on step order"
         expected = {(p, o) for p in range(2) for o in range(per_producer)}
         assert sorted(sequences[0]) == sorted(expected), "a TGB was lost or duplicated"
-        print(f"store      {store.url}  namespace {namespace}")
+        kept = "" if args.root else " (a temporary directory, deleted now: keep it with --root)"
+        print(f"store      {store.url}  namespace {namespace}{kept}")
         print(f"published  {len(expected)} TGBs from 2 producers in {written:.2f}s")
         print(f"read back  {len(sequences[0])} steps x {MESH.slices} ranks in {read:.2f}s")
         print("verified   every rank got exactly its slice of every step, in one agreed order")
+        if args.root:
+            print(f"inspect it: batchweave inspect {root} {namespace}")
 
 
 if __name__ == "__main__":

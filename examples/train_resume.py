@@ -285,8 +285,9 @@ def drive_in(work: Path, args: argparse.Namespace) -> int:
         return 1
     print(
         f"OK: main resumed at step {resume_step} and saw exactly the reference's batches; "
-        f"peak TGB storage {peak_data / 1024:.0f} KiB (bound {bound / 1024:.0f} KiB) for "
-        f"{produced / 1024:.0f} KiB of TGBs produced"
+        f"peak TGB storage {peak_data / 1024:.0f} KiB for {produced / 1024:.0f} KiB of TGBs "
+        f"produced (estimate {bound / 1024:.0f} KiB: --every + --max-lag + prefetch TGBs, "
+        "plus what one commit interval of each producer overshoots; checked against 2x)"
     )
     return 0
 

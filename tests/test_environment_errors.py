@@ -29,6 +29,7 @@ import pytest
 from click.testing import CliRunner
 
 import batchweave as bw
+from batchweave._store import _open as store_open
 from batchweave.cli import cli
 from batchweave.testing import S3Endpoint, free_port
 
@@ -256,6 +257,43 @@ def test_a_silent_endpoint_fails_in_bounded_time_as_a_timeout_on_both_clients(
             )
         assert time.monotonic() - started < BOUND
         assert SECRET not in _everything_said(opening.value)
+
+
+def test_open_store_says_it_is_waiting_for_a_silent_endpoint(
+    aws_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # With default timeouts a silent endpoint fails the probe only after minutes; before, the
+    # user saw nothing at all until then.
+    aws_env.setattr(store_open, "SLOW_PROBE_NOTICE", 0.05)
+    with (
+        fake_endpoint("silent") as silent,
+        caplog.at_level(logging.WARNING, "batchweave.store"),
+        pytest.raises(bw.StoreError),
+    ):
+        bw.open_store("s3://bucket/p", endpoint_url=silent.url, **_credentials(), **FAST)
+    notices = [r.getMessage() for r in caplog.records if "probe" in r.getMessage()]
+    assert len(notices) == 1, notices
+    assert "s3://bucket/p" in notices[0]
+    assert "still waiting" in notices[0]
+    assert SECRET not in notices[0]
+
+
+def test_a_prompt_probe_logs_no_waiting_notice(
+    moto_endpoint: S3Endpoint,
+    s3_bucket: str,
+    s3_prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    timers_before = {t for t in threading.enumerate() if isinstance(t, threading.Timer)}
+    with caplog.at_level(logging.WARNING, "batchweave.store"):
+        store = bw.open_store(f"s3://{s3_bucket}/{s3_prefix}", **moto_endpoint.store_options())
+        # The probe returned: its notice timer must be cancelled, not merely not due yet. A
+        # timer left running would fire (and log) within this join.
+        for timer in set(threading.enumerate()) - timers_before:
+            if isinstance(timer, threading.Timer):
+                timer.join(store_open.SLOW_PROBE_NOTICE + 5)
+    store.close()
+    assert not [r for r in caplog.records if "still waiting" in r.getMessage()]
 
 
 class _StripIfNoneMatch(http.server.BaseHTTPRequestHandler):

@@ -80,3 +80,81 @@ def test_producer_worker_resumes_where_it_stopped(tmp_path: Path) -> None:
     assert second.returncode == 0, second.stderr
     assert "epoch 2, resuming at offset 3 of 5" in second.stdout
     assert "committed offset 4" in second.stdout
+
+
+@pytest.mark.slow
+def test_consumer_training_loop_runs_as_two_torchrun_ranks(tmp_path: Path) -> None:
+    """The torchrun command the example's docstring and the quickstart show: each rank derives
+    its own coordinates, resumes at its checkpoint, and rank 0's hook records the watermarks."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(EXAMPLES / "consumer_training_loop.py"),
+            "--root",
+            str(tmp_path / "ctl"),
+            "--steps",
+            "20",
+            "--every",
+            "5",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    out = proc.stdout
+    assert "rank 0 of 2: dp_rank=0, cp_rank=0" in out
+    assert "rank 1 of 2: dp_rank=1, cp_rank=0" in out
+    for rank in (0, 1):
+        assert f"rank {rank}: resumed at step 10 (crash after 13): no step lost or repeated" in out
+    assert "rank 0: watermark 'step-20' keeps step 20" in out
+    assert "rank 1: watermark" not in out  # only rank 0 writes watermarks
+    assert "live watermarks (keep_last=2): [('step-15', 15), ('step-20', 20)]" in out
+
+
+def test_quickstart_root_keeps_a_namespace_the_cli_can_inspect(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "quickstart.py"), "--steps", "6", "--root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    shown = re.search(r"^inspect it: batchweave inspect (\S+) (\S+)$", proc.stdout, re.M)
+    assert shown is not None, proc.stdout
+    inspect = subprocess.run(
+        [sys.executable, "-m", "batchweave.cli", "inspect", shown[1], shown[2], "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert inspect.returncode == 0, inspect.stderr
+    assert '"sealed": true' in inspect.stdout
+
+
+def test_producer_workers_started_together_share_one_synthetic_dataset(tmp_path: Path) -> None:
+    """The docstring's two-worker command: both start at once, both write the synthetic corpus,
+    and both publish their shard (a plain check-then-write made one fail reading a half-written
+    dataset)."""
+    script = [sys.executable, str(EXAMPLES / "producer_worker.py"), "--store", str(tmp_path / "s")]
+    small = ["--batches", "4", "--seq-len", "32", "--rows", "4", "--shards", "2"]
+    workers = [
+        subprocess.Popen(
+            [*script, "--producer-id", f"prep-{i}", "--shard", str(i), *small],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for i, worker in enumerate(workers):
+        out, err = worker.communicate(timeout=120)
+        assert worker.returncode == 0, err[-3000:]
+        assert f"prep-{i}: committed offset 3" in out
+    assert not list(tmp_path.glob("*.tmp"))

@@ -8,7 +8,7 @@ import logging
 import threading
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -195,6 +195,37 @@ def _refuse_a_non_store(store: ObjectStore, key: str) -> None:
 _verified: weakref.WeakSet[ObjectStore] = weakref.WeakSet()
 _verified_lock = threading.Lock()
 
+SLOW_PROBE_NOTICE = 10.0
+"""Seconds without an answer to the probe after which ``ensure_conditional_writes`` says so.
+
+A hung endpoint (a wrong port that accepts connections, an overloaded server) fails only after
+the client's timeouts and retries, minutes with the defaults; the warning tells the user that
+``open_store`` is waiting and for what, instead of leaving them at a silent prompt.
+"""
+
+
+@contextlib.contextmanager
+def _notice_if_slow(store: ObjectStore, key: str) -> Iterator[None]:
+    """Log one warning if the block is still running after :data:`SLOW_PROBE_NOTICE` seconds."""
+    timer = threading.Timer(
+        SLOW_PROBE_NOTICE,
+        _log.warning,
+        args=(
+            "%s has not answered the conditional-write probe (%r) for %g s; still waiting. A "
+            "wrong or hung endpoint fails only after the client's timeouts and retries "
+            "(connect_timeout, read_timeout, max_attempts): check the store URL and endpoint",
+            store.url,
+            key,
+            SLOW_PROBE_NOTICE,
+        ),
+    )
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
 
 def ensure_conditional_writes(store: ObjectStore) -> None:
     """Check once per store instance that create-if-absent is really enforced.
@@ -207,6 +238,14 @@ def ensure_conditional_writes(store: ObjectStore) -> None:
         if store in _verified:
             return
     key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    with _notice_if_slow(store, key):
+        _probe(store, key)
+    with _verified_lock:
+        _verified.add(store)
+
+
+def _probe(store: ObjectStore, key: str) -> None:
+    """Create ``key`` twice; refuse ``store`` if the second create succeeds. Deletes ``key``."""
     # ObjectExists here means our own retried first attempt landed: all the probe needs.
     with contextlib.suppress(ObjectExists):
         try:
@@ -231,5 +270,3 @@ def ensure_conditional_writes(store: ObjectStore) -> None:
             store.delete_many([key])
         except StoreError as exc:
             _log.warning("could not delete the probe object %r in %s: %s", key, store.url, exc)
-    with _verified_lock:
-        _verified.add(store)
