@@ -468,23 +468,36 @@ def test_an_http_endpoint_from_the_environment_works_on_both_clients(
 
 
 @pytest.mark.parametrize(("client", "kind"), [("boto3", None), ("obstore", "not-found-page")])
-def test_one_letter_credentials_do_not_mask_every_such_letter_of_a_message(
-    aws_env: pytest.MonkeyPatch, client: str, kind: str | None
+@pytest.mark.parametrize(
+    ("key_id", "secret"), [("a", "b"), ("test", "test"), ("testing", "testing")]
+)
+def test_toy_credentials_do_not_mask_words_of_a_message(
+    aws_env: pytest.MonkeyPatch, client: str, kind: str | None, key_id: str, secret: str
 ) -> None:
     # Before: access key "a" and secret "b" (a test setup) turned the request URL in messages
-    # into "/***ucket/p/..." and "_***tchwe***ve".
-    credentials = {"access_key_id": "a", "secret_access_key": "b", "region": "us-east-1"}
+    # into "/***ucket/p/..." and "_***tchwe***ve"; moto's usual "test"/"testing" masked every
+    # "tests/" prefix. Real secrets are 40 characters (AWS) or at least 8 (MinIO).
+    credentials = {"access_key_id": key_id, "secret_access_key": secret, "region": "us-east-1"}
     with contextlib.ExitStack() as stack:
         url = f"http://127.0.0.1:{free_port()}"  # nothing listening (boto3 quotes the URL)
         if kind is not None:
             url = stack.enter_context(fake_endpoint(kind)).url  # obstore quotes it on a 404
         store = bw.open_store(
-            "s3://bucket/p", s3_client=client, verify_conditional_writes=False,
+            "s3://bucket/tests-p", s3_client=client, verify_conditional_writes=False,
             endpoint_url=url, **credentials, **FAST,
         )  # fmt: skip
         with pytest.raises(bw.StoreError) as info:
-            store.get("batchweave-key")
-    assert f"{url}/bucket/p/batchweave-key" in str(info.value)
+            store.get("batchweave-testing-key")
+    assert f"{url}/bucket/tests-p/batchweave-testing-key" in str(info.value)
+
+
+def test_a_secret_of_eight_characters_is_masked(aws_env: pytest.MonkeyPatch) -> None:
+    secret = "s3cr3t-8"
+    store = bw.open_store(
+        "s3://bucket/p", verify_conditional_writes=False, access_key_id="AKIDTOY",
+        secret_access_key=secret, region="us-east-1",
+    )  # fmt: skip
+    assert store._scrub(f"x {secret} y") == "x *** y"  # type: ignore[attr-defined]
 
 
 def test_a_pool_of_no_connections_is_refused() -> None:

@@ -44,8 +44,10 @@ _ACCESS_POINT_ARN = re.compile(
 _ADDRESSING_STYLES = ("auto", "path", "virtual")
 """Values of the ``addressing_style`` option both S3 backends accept (``None`` = the default)."""
 
-_MIN_SECRET = 4
-"""Credentials shorter than this are not masked in messages (see ``S3Location``)."""
+_MIN_SECRET = 8
+"""Credentials shorter than this are not masked in messages (see ``S3Location``): AWS secrets
+have 40 characters and MinIO refuses fewer than 8, while test setups use "a", "test" or
+"testing", which masking would cut out of every bucket, prefix and key that contains them."""
 
 _UNPRINTABLE = re.compile(r"[\x00-\x20\x7f]")
 """Spaces and control characters: never part of a URL; a pasted one would corrupt every request."""
@@ -204,8 +206,8 @@ class S3Location(ObjectStore):
         self._endpoint_shown = endpoint_url or "AWS S3"
         """The endpoint as messages name it; a backend sets the one its client really uses."""
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
-        # A secret of a few characters (test setups: "a", "b") would mask every such letter
-        # of every message; it protects nothing anyway.
+        # A secret of a few characters (test setups: "a", "test") would mask those letters in
+        # every message; it protects nothing anyway.
         self._secrets = tuple(s for s in secrets if s and len(s) >= _MIN_SECRET)
 
     def __repr__(self) -> str:
