@@ -83,6 +83,9 @@ from batchweave._watermarks import Watermarks
 __all__ = ["Producer", "ProducerStats"]
 
 _LOG = logging.getLogger("batchweave.producer")
+LAG_WARN_AFTER = 60.0
+"""Seconds an ``append`` blocked by ``max_lag`` with no watermark recorded waits before the
+producer says so once at WARNING (its periodic lines are INFO)."""
 
 _RETRYABLE = (TransientStoreError, AmbiguousWriteError, StoreUnavailable)
 """Store failures after which retrying later may succeed; nothing pending is dropped."""
@@ -1217,21 +1220,28 @@ class Producer:
     # ------------------------------------------------------------------------------------------
     # max_lag
 
-    def _boundary_holder(self) -> str:
-        """Who holds the reclamation boundary back, for the max_lag log line (one LIST)."""
+    def _boundary_holder(self) -> tuple[str, bool]:
+        """Who holds the reclamation boundary back, for the max_lag log line (one LIST).
+
+        Also whether no watermark is recorded at all: the wait that ends only once a trainer
+        calls ``checkpoint_hook``, which a misconfigured job never does.
+        """
         if self._watermarks is None:
-            return "the boundary comes from the boundary= callable"
+            return "the boundary comes from the boundary= callable", False
         try:
             marks = self._watermarks.live()
         except (*_RETRYABLE, FormatError) as exc:
-            return f"the watermarks cannot be read ({exc})"
+            return f"the watermarks cannot be read ({exc})", False
         if not marks:
-            return "no watermark is recorded yet (checkpoint_hook records them)"
+            return (
+                "no watermark is recorded yet: the boundary stays 0 until rank 0 of the "
+                "trainer calls checkpoint_hook after a checkpoint"
+            ), True
         oldest = marks[0]
         return (
             f"the oldest is {oldest.checkpoint_id!r} at step {oldest.step}, recorded "
             f"{self._wall_clock() - oldest.recorded_at:.0f} s ago"
-        )
+        ), False
 
     def _wait_for_lag(self) -> None:
         if self._max_lag is None:
@@ -1240,6 +1250,7 @@ class Producer:
         refreshed = False
         blocked_since: float | None = None
         last_log = -math.inf
+        warned = False
         attempt = 0
         try:
             while True:
@@ -1259,7 +1270,14 @@ class Producer:
                             self._cond.notify_all()  # the commit loop publishes what blocks us
                     if now - last_log >= self._lag_log_interval:
                         last_log = now
-                        _LOG.info(
+                        holder, unmarked = self._boundary_holder()
+                        # Blocking is normal back-pressure (INFO); still blocked long after
+                        # start with no watermark at all looks like a job that never
+                        # checkpoints, so say it once where default logging shows it.
+                        loud = unmarked and not warned and now - blocked_since >= LAG_WARN_AFTER
+                        warned = warned or loud
+                        _LOG.log(
+                            logging.WARNING if loud else logging.INFO,
                             "producer %r blocked by max_lag: %d visible steps, reclamation "
                             "boundary %d, max_lag %d (waiting %.0f s so far; checkpoints must "
                             "advance the watermarks: %s)",
@@ -1268,7 +1286,7 @@ class Producer:
                             self._boundary_value,
                             max_lag,
                             now - blocked_since,
-                            self._boundary_holder(),
+                            holder,
                         )
                     attempt += 1
                     self._sleep(min(self._backoff(attempt), 1.0))

@@ -35,7 +35,7 @@ from batchweave._format import CHECKSUM_ALGOS, ChecksumAlgo
 from batchweave._format._tgb import EncodedTgb, TgbBuilder, encode_tgb, read_footer, read_slice
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, TgbDescriptor
-from batchweave._producer import _Entry
+from batchweave._producer import LAG_WARN_AFTER, _Entry
 from batchweave._store._memory import MemoryStore
 from batchweave._store._wrappers import FaultInjectingStore
 from batchweave._watermarks import Watermarks
@@ -846,6 +846,49 @@ def test_default_boundary_comes_from_the_namespace_watermarks(
         blocked.join(10)
         assert not blocked.is_alive()
     assert committed_offsets(store, "p0") == [0, 1, 2, 3, 4]
+
+
+def test_a_long_max_lag_wait_with_no_watermark_warns_once(store: MemoryStore) -> None:
+    # Blocking is normal back-pressure and logs at INFO, which default logging hides: a job whose
+    # trainer never calls checkpoint_hook looked like a producer that hangs in append.
+    lines: list[logging.LogRecord] = []
+    info_after_warning = threading.Event()
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "blocked by max_lag" in record.getMessage():
+                lines.append(record)
+                warned = any(r.levelno == logging.WARNING for r in lines)
+                if warned and record.levelno == logging.INFO:
+                    info_after_warning.set()
+
+    handler = Lines(logging.INFO)
+    logger = logging.getLogger("batchweave.producer")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    fake = FakeTime(1000.0)
+    try:
+        with make(store, fake=fake, max_lag=2, lag_log_interval=5.0) as p:
+            for off in range(3):
+                p.append(payloads(off), offset=off)
+            p.flush()
+            blocked = threading.Thread(target=p.append, args=(payloads(3),), kwargs={"offset": 3})
+            blocked.start()
+            assert info_after_warning.wait(30)
+            Watermarks(store, NS, clock=fake.wall).record("ckpt-1", step=2)
+            blocked.join(10)
+            assert not blocked.is_alive()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    warnings = [r for r in lines if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "no watermark is recorded yet" in warnings[0].getMessage()
+    assert "checkpoint_hook" in warnings[0].getMessage()
+    assert lines[0].levelno == logging.INFO  # the first minute is ordinary back-pressure
+    waited = float(warnings[0].getMessage().split("waiting ")[1].split(" s")[0])
+    assert waited >= LAG_WARN_AFTER
 
 
 # ---------------------------------------------------------------------------------------------
