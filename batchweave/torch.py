@@ -29,7 +29,7 @@ from batchweave._errors import ConsumerTimeout, NamespaceNotFound
 from batchweave._mesh import Mesh
 from batchweave._projection import DEFAULT_RANK_ORDER
 from batchweave._store._base import ObjectStore
-from batchweave._store._open import open_store
+from batchweave._store._open import check_store_url, open_store
 
 __all__ = ["WeaveDataset", "WeaveLoader", "to_tensors"]
 
@@ -77,8 +77,10 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
     ``RANK``/``WORLD_SIZE`` with ``tp``, ``pp`` and ``rank_order``) and checked against
     ``mesh`` with the consumer's own checks, so a rank outside the mesh, or a keyword argument
     :class:`Consumer` does not take, fails here rather than when iteration starts, inside a
-    DataLoader worker. Other keyword arguments go to every worker's :class:`Consumer`
-    (``prefetch``, ``timeout``, ``split_threshold``, ...).
+    DataLoader worker. So does a store URL or ``store_options`` entry ``open_store`` would refuse
+    (``InvalidStoreURL``), checked without opening the store: no request, no credentials. Other
+    keyword arguments go to every worker's :class:`Consumer` (``prefetch``, ``timeout``,
+    ``split_threshold``, ...).
     """
 
     def __init__(
@@ -120,6 +122,9 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
             mesh, dp_rank, cp_rank, tp=tp, pp=pp, order=rank_order, environ=None
         )
         self.store_options = dict(store_options or {})
+        if isinstance(store, str):
+            # What open_store would refuse in each worker, refused here; nothing is opened.
+            check_store_url(store, **self.store_options)
         self.consumer_options = consumer_options
         self.resume_state: dict[str, Any] | None = None
         """Consumer state the next iteration starts from (set by :class:`WeaveLoader`)."""

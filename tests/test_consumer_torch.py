@@ -11,17 +11,30 @@ wait that would never end fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import pickle
+import socket
 from pathlib import Path
 from typing import Any
 
+import boto3
 import numpy as np
 import pytest
 from fake_time import FakeTime
 from test_consumer import parse, produce
 from test_outage import OutageStore
 
-from batchweave import Consumer, ConsumerTimeout, FileStore, MemoryStore, Mesh
+from batchweave import (
+    Consumer,
+    ConsumerTimeout,
+    FileStore,
+    InvalidStoreURL,
+    MemoryStore,
+    Mesh,
+    ObjectStore,
+    open_store,
+)
 from batchweave._manifest._log import ManifestLog
+from batchweave._store import _obstore
 from batchweave.torch import WeaveDataset, WeaveLoader
 
 MESH = Mesh(dp=2, cp=2)
@@ -141,6 +154,82 @@ def test_a_mesh_that_is_not_a_mesh_and_unknown_options_are_refused_by_the_datase
         WeaveDataset("memory://torch", NS, mesh={"dp": 2}, dp_rank=0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"unknown consumer option\(s\) prefech, timout"):
         WeaveDataset("memory://torch", NS, mesh=MESH, dp_rank=0, cp_rank=0, prefech=2, timout=1)
+
+
+BAD_STORES = [
+    ("s3://bucket/runs", {"endpoint_urll": "http://127.0.0.1:9000"}, r"unknown option.*urll"),
+    ("gs://bucket/runs", {}, r"unsupported scheme 'gs'"),
+    ("file://relative/dir", {}, r"names host 'relative'"),
+    ("file:///data", {"fsync": False, "region": "x"}, r"unknown option.*region.*file://"),
+    ("s3://bucket", {"s3_client": "obstore", "max_pool_connections": 8}, r"on obstore"),
+    ("s3://no spaces", {}, r"not a valid S3 bucket name"),
+    ("s3://bucket", {"endpoint_url": "http://127.0.0.1:9000/bucket"}, r"has a path"),
+    ("s3://bucket", {"max_attempts": 0}, r"max_attempts must be an integer >= 1"),
+    ("s3://bucket", {"max_pool_connections": 0}, r"max_pool_connections must be"),
+    ("s3://bucket", {"s3_client": "obstore", "read_timeout": -1}, r"read_timeout must be"),
+    ("s3://bucket", {"access_key_id": "AKIAEXAMPLEKEY"}, r"access_key_id was given without"),
+]
+
+
+@pytest.mark.parametrize(("url", "options", "message"), BAD_STORES)
+def test_a_store_open_store_refuses_is_refused_by_the_dataset_before_any_worker(
+    monkeypatch: pytest.MonkeyPatch, url: str, options: dict[str, Any], message: str
+) -> None:
+    # Before: checked only when a DataLoader worker opened the store ("Caught InvalidStoreURL
+    # in DataLoader worker process 0").
+    _refuse_network_and_credentials(monkeypatch)
+    with pytest.raises(InvalidStoreURL, match=message) as refused:
+        WeaveDataset(url, NS, mesh=MESH, dp_rank=0, cp_rank=0, store_options=options)
+    # the same refusal, word for word, as the worker's open_store gives
+    with pytest.raises(InvalidStoreURL) as opened:
+        open_store(url, verify_conditional_writes=False, **options)
+    assert str(refused.value) == str(opened.value)
+
+
+def test_store_options_cannot_turn_the_probe_on() -> None:
+    # Workers open the store with verify_conditional_writes=False; before, this option was a
+    # TypeError ("multiple values") in each worker.
+    with pytest.raises(InvalidStoreURL, match=r"unknown option.*verify_conditional_writes"):
+        WeaveDataset(
+            "memory://torch",
+            NS,
+            mesh=MESH,
+            dp_rank=0,
+            cp_rank=0,
+            store_options={"verify_conditional_writes": True},
+        )
+
+
+@pytest.mark.parametrize(
+    ("url", "options"),
+    [
+        ("s3://bucket/runs", {"endpoint_url": "http://127.0.0.1:9", "max_attempts": 1}),
+        ("s3://bucket/runs", {"s3_client": "obstore", "region": "eu-west-1"}),
+        ("file:///nonexistent/weave", {"fsync": False}),
+        ("memory://torch", {}),
+    ],
+)
+def test_a_valid_store_url_is_checked_without_opening_anything(
+    monkeypatch: pytest.MonkeyPatch, url: str, options: dict[str, Any]
+) -> None:
+    _refuse_network_and_credentials(monkeypatch)
+    dataset = WeaveDataset(url, NS, mesh=MESH, dp_rank=0, cp_rank=0, store_options=options)
+    assert not Path("/nonexistent/weave").exists()  # the file root is created by the worker
+    copy = pickle.loads(pickle.dumps(dataset))  # goes to spawn/forkserver workers as it is
+    assert (copy.store, copy.store_options) == (url, options)
+    assert not any(isinstance(v, ObjectStore) for v in vars(dataset).values())
+
+
+def _refuse_network_and_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test on any connection, boto3 session (credential lookup) or obstore client."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("checking a store URL must not open a store")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(boto3.session, "Session", refuse)
+    monkeypatch.setattr(_obstore, "_import_obstore", refuse)
+    monkeypatch.setattr(FileStore, "__init__", refuse)
 
 
 def test_valid_coordinates_are_stored_as_plain_ints() -> None:

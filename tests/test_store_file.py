@@ -1,14 +1,21 @@
 """FileStore specifics: root confinement, temp files, directory pruning, path conflicts.
 
 Also housekeeping against operators and races: writes survive removal of the temp directory,
-and a directory swapped for a symlink after the delete check cannot redirect the unlink.
+and a directory swapped for a symlink after the delete check cannot redirect the unlink. And
+roots that cannot be written (read in a subprocess without CAP_DAC_OVERRIDE when run as root)
+or cannot be a directory at all fail with errors naming the root and the fix.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import stat
+import subprocess
+import sys
 import tempfile
+import textwrap
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,19 +23,23 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_consumer import produce
 
 import batchweave as bw
 from batchweave import (
+    AccessDenied,
     Bounded,
     FileStore,
     InvalidKey,
     InvalidStoreURL,
+    Mesh,
     ObjectExists,
     ObjectNotFound,
     PutMode,
     Suffix,
 )
 from batchweave._store._file import TEMP_DIR_NAME
+from batchweave._store._open import open_store
 
 
 @pytest.fixture
@@ -252,7 +263,9 @@ def test_dotdot_keys_never_touch_the_parent(tmp_path: Path, store: FileStore) ->
 def test_temp_directory_is_reserved_and_hidden(store: FileStore, root: Path) -> None:
     with pytest.raises(InvalidKey, match="reserved"):
         store.put(f"{TEMP_DIR_NAME}/x", b"x")
+    assert not (root / TEMP_DIR_NAME).exists()  # made by the first write, not by opening
     # A writer that crashed mid-write leaves only a temp file: never visible as an object.
+    (root / TEMP_DIR_NAME).mkdir()
     (root / TEMP_DIR_NAME / "crashed.tmp").write_bytes(b"partial")
     assert list(store.list()) == []
 
@@ -491,3 +504,198 @@ def test_a_directory_swapped_after_the_delete_check_cannot_redirect_the_unlink(
     assert swapped
     assert (outside / "victim").read_bytes() == b"keep me"
     assert not os.path.exists(os.path.join(store.root, "ns", "moved", "victim"))
+
+
+# -- roots that cannot be written, or cannot be a root at all ----------------------------------
+
+_READ_ONLY_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    from click.testing import CliRunner
+    import batchweave as bw
+    from batchweave.cli._app import cli
+
+    out = {}
+    for root in sys.argv[1:]:
+        try:  # the setup must really deny writes, else the test would prove nothing
+            open(os.path.join(root, "canary"), "xb")
+        except PermissionError:
+            pass
+        else:
+            sys.exit(f"{root} is writable for this process: permissions were not dropped")
+        url = "file://" + root
+        store = bw.FileStore(root)
+        seen = {
+            "get": store.get("k").decode(),
+            "range": store.get_range("k", bw.Bounded(1, 3)).decode(),
+            "head": store.head("k").size,
+            "list": [m.key for m in store.list() if not m.key.startswith("run/")],
+            "open_store": bw.open_store(url, verify_conditional_writes=False).get("k").decode(),
+        }
+        with bw.Consumer(store, "run", mesh=bw.Mesh(dp=1, cp=1), dp_rank=0, cp_rank=0) as c:
+            seen["steps"] = [step for step, _ in c]
+        for command in ("inspect", "verify"):
+            result = CliRunner().invoke(cli, [command, root, "run"])
+            seen[command] = [result.exit_code, result.output[-300:]]
+        for name, write in (
+            ("put", lambda: store.put("new", b"x")),
+            ("put_if_absent", lambda: store.put_if_absent("new", b"x")),
+            ("delete", lambda: store.delete_many(["k"])),
+            ("probe", lambda: bw.open_store(url)),
+        ):
+            try:
+                write()
+            except bw.AccessDenied as exc:
+                seen[name] = str(exc)
+            except Exception as exc:
+                seen[name] = f"wrong error {type(exc).__name__}: {exc}"
+            else:
+                seen[name] = "no error"
+        out[root] = seen
+    print(json.dumps(out))
+    """
+)
+
+
+def _run_without_write_permission(*args: str) -> Any:
+    """Run ``_READ_ONLY_SCRIPT`` with ``args`` where file permission bits apply, and parse it.
+
+    Root ignores permission bits (CAP_DAC_OVERRIDE), so as root the script runs under
+    ``setpriv`` with that capability and CAP_DAC_READ_SEARCH dropped; as any other user, plainly.
+    Never skipped: without ``setpriv`` (or the privilege to drop capabilities) as root the test
+    fails, and the script itself first checks that a write into each root is really refused.
+    """
+    command = [sys.executable, "-c", _READ_ONLY_SCRIPT, *args]
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.fail("running as root needs setpriv (util-linux) to drop CAP_DAC_OVERRIDE")
+        command = [
+            setpriv,
+            "--inh-caps=-all",
+            "--bounding-set=-dac_override,-dac_read_search",
+            *command,
+        ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def _make_read_only(root: Path) -> None:
+    for path in [root, *root.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod(stat.S_IMODE(path.stat().st_mode) & ~0o222)
+
+
+def test_a_read_only_root_can_be_read_and_writes_say_why_they_fail(tmp_path: Path) -> None:
+    # Before: FileStore() created `.bw-tmp` when opened, so a read-only root could not even be
+    # read ("[Errno 13] Permission denied: '<root>/.bw-tmp'", a raw PermissionError), from the
+    # API, consumers, `batchweave inspect` and `verify` alike.
+    roots = [tmp_path / "no-temp-dir", tmp_path / "with-temp-dir"]
+    for root in roots:
+        store = FileStore(root, fsync=False)
+        store.put("k", b"value")
+        produce(store, "run", Mesh(dp=1, cp=1), tgbs=2)
+    shutil.rmtree(roots[0] / TEMP_DIR_NAME)  # the reported case: nothing made it yet
+    assert (roots[1] / TEMP_DIR_NAME).is_dir()  # there, but read-only like everything else
+    for root in roots:
+        _make_read_only(root)
+    try:
+        results = _run_without_write_permission(*map(str, roots))
+    finally:
+        for root in roots:
+            for path in [root, *root.rglob("*")]:
+                path.chmod(stat.S_IMODE(path.stat().st_mode) | 0o200)
+    for root in roots:
+        seen = results[str(root)]
+        assert (seen["get"], seen["range"], seen["head"]) == ("value", "al", 5)
+        assert seen["list"] == ["k"]
+        assert seen["open_store"] == "value"
+        assert seen["steps"] == [0, 1]
+        assert seen["inspect"][0] == 0, seen["inspect"]
+        assert seen["verify"][0] == 0, seen["verify"]
+        for write in ("put", "put_if_absent", "delete", "probe"):
+            message = seen[write]
+            assert message.startswith(("cannot write", "permission denied")), (write, message)
+            assert str(root) in message, message
+            assert "read-only for this user; reads work, writes need write permission" in message
+        assert not (root / "new").exists()
+    assert not (roots[0] / TEMP_DIR_NAME).exists()  # reading created nothing
+
+
+def test_the_temp_directory_is_made_once_by_concurrent_first_writes(root: Path) -> None:
+    store = FileStore(root, fsync=False)
+    assert not (root / TEMP_DIR_NAME).exists()
+    start = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def write(i: int) -> None:
+        start.wait()
+        try:
+            store.put(f"k{i}", b"x")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [m.key for m in store.list()] == [f"k{i}" for i in range(8)]
+    assert list((root / TEMP_DIR_NAME).iterdir()) == []
+
+
+def test_a_temp_directory_that_cannot_be_made_names_what_is_in_the_way(root: Path) -> None:
+    store = FileStore(root, fsync=False)
+    (root / TEMP_DIR_NAME).write_bytes(b"someone's file")
+    with pytest.raises(InvalidStoreURL, match=rf"{TEMP_DIR_NAME}.* is not a directory.*move it"):
+        store.put("k", b"x")
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        ("file", InvalidStoreURL, r"root '{path}' is a file, not a directory.*move the file"),
+        ("under-file", InvalidStoreURL, r"its ancestor '{blocker}' is not a directory"),
+        ("dangling-symlink", InvalidStoreURL, r"root '{path}' cannot be used: it is not a dir"),
+        ("proc", InvalidStoreURL, r"temp directory .* failed .*not .* /proc"),
+    ],
+)
+def test_a_root_that_cannot_be_a_directory_is_refused_with_the_fix(
+    tmp_path: Path, make: str, error: type[Exception], message: str
+) -> None:
+    # Before: "cannot create file store root ...: [Errno 17] File exists" for a file, and a raw
+    # FileNotFoundError from open_store("file:///proc/self").
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"not a directory")
+    path = {
+        "file": blocker,
+        "under-file": blocker / "root",
+        "dangling-symlink": tmp_path / "link",
+        "proc": Path("/proc/self"),
+    }[make]
+    if make == "dangling-symlink":
+        path.symlink_to(tmp_path / "missing" / "target")
+    pattern = message.format(path=path, blocker=blocker)
+    with pytest.raises(error, match=pattern):
+        open_store(path.as_uri())
+    assert blocker.read_bytes() == b"not a directory"
+
+
+def test_a_root_that_cannot_be_created_is_access_denied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parent = tmp_path / "locked"
+    parent.mkdir()
+    # Permission bits do not stop root, so the refusal is played by the file system call.
+    real_mkdir = os.mkdir
+
+    def refuse(path: Any, *args: Any, **kwargs: Any) -> None:
+        if os.fspath(path).startswith(os.fspath(parent)):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", refuse)
+    with pytest.raises(AccessDenied, match=r"cannot create file store root '.*locked/r'.*choose"):
+        FileStore(parent / "r")

@@ -34,13 +34,19 @@ from batchweave._store._base import (
     validate_key,
 )
 
-__all__ = ["FileStore"]
+__all__ = ["FileStore", "check_root"]
 
 TEMP_DIR_NAME = ".bw-tmp"
 """Reserved top-level directory for in-flight writes; never listed, never a valid key prefix."""
 
 _MISSING_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENXIO)
 """Errors meaning "no object here" (``ENXIO``: a socket where the object's file would be)."""
+_WRITE_ACTIONS = frozenset({"write", "delete"})
+"""Actions whose ``PermissionError`` means the root is read-only for this user."""
+_NOT_A_ROOT_FIX = (
+    "the root must be a directory (or a path that can be created) on a writable local file "
+    "system, not a file, a special file system such as /proc, or a path under a file"
+)
 _PUBLISH_RETRIES = 100
 _IOV_MAX = 1024
 """Buffers per ``writev`` call (Linux's ``IOV_MAX``; a call may also write fewer bytes)."""
@@ -67,6 +73,9 @@ class FileStore(ObjectStore):
     Guarantees: atomic whole-object visibility, atomic create-if-absent, keys confined to the root
     (``..`` is refused by :func:`validate_key`, and a key whose resolved path leaves the root
     through a symlink is refused with ``InvalidKey``). The root directory is created if missing.
+    Opening and reading need no write permission (the temp directory is made by the first
+    write), so a read-only root can be read; a write to it raises ``AccessDenied``. A root that
+    cannot be a directory (a file, a path under a file) raises ``InvalidStoreURL``.
 
     Limitation: a directory tree cannot hold both ``a`` and ``a/b`` as objects (S3 can). Such a
     write raises ``InvalidKey`` naming the conflicting object.
@@ -76,21 +85,12 @@ class FileStore(ObjectStore):
     """
 
     def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
-        root_path = Path(root)
-        if not root_path.is_absolute():
-            raise InvalidStoreURL(f"file store root {str(root)!r} must be an absolute path")
-        if "\x00" in str(root_path):
-            raise InvalidStoreURL(f"file store root {str(root)!r} contains a NUL byte")
-        try:
-            root_path.mkdir(parents=True, exist_ok=True)
-        except PermissionError as exc:
-            raise AccessDenied(f"cannot create file store root {str(root)!r}: {exc}") from exc
-        except OSError as exc:
-            raise StoreError(f"cannot create file store root {str(root)!r}: {exc}") from exc
+        root_path = check_root(root)
+        _use_root(root_path)
         self._root = os.path.realpath(root_path)
         self._prefix = os.path.join(self._root, "")  # the root and one separator
+        # Created by the first write, not here: a read-only root can still be read.
         self._tmp = os.path.join(self._root, TEMP_DIR_NAME)
-        os.makedirs(self._tmp, exist_ok=True)
         self._fsync = fsync
         self._proc_fd = os.path.isdir(_PROC_FD)
         self.url = root_path.as_uri()
@@ -174,21 +174,34 @@ class FileStore(ObjectStore):
         """The store error ``exc`` (raised while doing ``action`` on ``key``) translates to."""
         if exc.errno in _MISSING_ERRNOS:
             return ObjectNotFound(f"no object {key!r} in {self.url}")
-        if isinstance(exc, PermissionError):
-            return AccessDenied(f"permission denied to {action} {key!r} in {self.url}")
+        if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+            hint = f": {self._read_only(exc)}" if action in _WRITE_ACTIONS else ""
+            return AccessDenied(f"permission denied to {action} {key!r} in {self.url}{hint}")
         return StoreError(f"cannot {action} {key!r} in {self.url}: {exc}")
+
+    def _read_only(self, exc: OSError) -> str:
+        """Why a write was refused (``EACCES``/``EPERM``/``EROFS``), and what to do about it."""
+        if exc.errno == errno.EROFS:
+            return (
+                f"the directory {self._root} is on a read-only file system; reads work, writes "
+                "need a writable mount"
+            )
+        return (
+            f"the directory {self._root} is read-only for this user; reads work, writes need "
+            "write permission on it and its subdirectories"
+        )
 
     # -- writes ------------------------------------------------------------------------------
 
-    def _write_temp(self, parts: Sequence[bytes | memoryview]) -> str:
+    def _write_temp(self, key: str, parts: Sequence[bytes | memoryview]) -> str:
         tmp = os.path.join(self._tmp, f"{secrets.token_hex(16)}.tmp")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
             fd = os.open(tmp, flags, 0o644)
-        except FileNotFoundError:
-            # An operator removed the temp directory (cleaning up stray temp files): recreate
-            # it rather than failing every later write with "no object".
-            os.makedirs(self._tmp, exist_ok=True)
+        except (FileNotFoundError, NotADirectoryError):
+            # The first write, or an operator removed the temp directory (cleaning up stray
+            # temp files): create it rather than failing every write with "no object".
+            self._make_temp_dir(key)
             fd = os.open(tmp, flags, 0o644)
         try:
             _write_all(fd, parts)
@@ -200,6 +213,32 @@ class FileStore(ObjectStore):
             raise
         os.close(fd)
         return tmp
+
+    def _make_temp_dir(self, key: str) -> None:
+        """Create the temp directory (and the root, if it was removed) for writing ``key``.
+
+        Safe to race: ``makedirs(exist_ok=True)`` tolerates another thread or process creating
+        it first. A root that cannot hold it raises a store error naming the root and the fix.
+        """
+        try:
+            os.makedirs(self._tmp, exist_ok=True)
+        except OSError as exc:
+            what = f"cannot write {key!r} to {self.url}"
+            if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+                raise AccessDenied(f"{what}: {self._read_only(exc)}") from exc
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+                raise StoreError(f"{what}: creating {self._tmp} failed: {exc.strerror}") from exc
+            blocker = _non_directory(self._tmp)
+            if blocker is not None:
+                raise InvalidStoreURL(
+                    f"{what}: {blocker} is not a directory, so the temp directory {self._tmp} "
+                    f"cannot be created; move it away (the name {TEMP_DIR_NAME!r} is reserved "
+                    "for in-flight writes)"
+                ) from exc
+            raise InvalidStoreURL(
+                f"{what}: creating its temp directory {self._tmp} failed ({exc.strerror}); "
+                f"{_NOT_A_ROOT_FIX}"
+            ) from exc
 
     def _fsync_dir(self, path: str) -> None:
         if not self._fsync or not hasattr(os, "O_DIRECTORY"):
@@ -274,7 +313,7 @@ class FileStore(ObjectStore):
         path = self._lexical_path(key) if at_fd else self._path(key)
         publish = self._publish_at if at_fd else self._publish_by_path
         with self._errors(key, "write"):
-            tmp = self._write_temp(parts)
+            tmp = self._write_temp(key, parts)
             new_directory: bool | None = None
             try:
                 # A concurrent delete_many may prune the (empty) parent between makedirs and
@@ -565,6 +604,81 @@ class FileStore(ObjectStore):
             directory = os.path.dirname(directory)
 
 
+def check_root(root: str | os.PathLike[str]) -> Path:
+    """``root`` as a ``Path`` if it can name a file store root, else ``InvalidStoreURL``.
+
+    Only the path itself is checked (absolute, no NUL byte): no file system access, so a process
+    that only passes the root on (to DataLoader workers) can refuse a bad one up front.
+    """
+    root_path = Path(root)
+    if not root_path.is_absolute():
+        raise InvalidStoreURL(f"file store root {str(root)!r} must be an absolute path")
+    if "\x00" in str(root_path):
+        raise InvalidStoreURL(f"file store root {str(root)!r} contains a NUL byte")
+    return root_path
+
+
+def _use_root(path: Path) -> None:
+    """Create the root ``path`` if missing; a store error naming it and the fix if it is unusable.
+
+    An existing directory is used as it is (no write needed: a read-only root can be read).
+    """
+    shown = repr(str(path))
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        pass  # missing (or a dangling symlink): created below
+    except PermissionError as exc:
+        raise AccessDenied(
+            f"cannot reach file store root {shown}: {exc.strerror}; this user needs search (x) "
+            "permission on every directory above it"
+        ) from exc
+    except OSError as exc:
+        raise _unusable_root(path, exc) from exc
+    else:
+        if stat.S_ISDIR(st.st_mode):
+            return
+        raise InvalidStoreURL(
+            f"file store root {shown} is {_file_kind(st.st_mode)}, not a directory; give the "
+            "path of a directory (a missing one is created), or move the file away"
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+            raise AccessDenied(
+                f"cannot create file store root {shown}: {exc.strerror}; create it with write "
+                "permission for this user, or choose a path this user can create"
+            ) from exc
+        raise _unusable_root(path, exc) from exc
+
+
+def _unusable_root(path: Path, exc: OSError) -> InvalidStoreURL:
+    """Why the root ``path`` cannot be used (``exc``: the error stat or mkdir raised)."""
+    blocker = _non_directory(str(path))
+    if blocker is not None:
+        where = "it" if blocker == str(path) else f"its ancestor {blocker!r}"
+        return InvalidStoreURL(
+            f"file store root {str(path)!r} cannot be used: {where} is not a directory "
+            "(a file, or a symlink to nothing); give the path of a directory, or move the "
+            "file away"
+        )
+    return InvalidStoreURL(
+        f"file store root {str(path)!r} cannot be used ({exc.strerror}); {_NOT_A_ROOT_FIX}"
+    )
+
+
+def _non_directory(path: str) -> str | None:
+    """The nearest of ``path`` and its ancestors that exists but is not a directory, if any."""
+    while True:
+        if os.path.lexists(path) and not os.path.isdir(path):
+            return path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+
+
 def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
     """Write every byte of ``parts`` in order, in as few ``writev`` calls as the kernel allows."""
     views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
@@ -584,8 +698,9 @@ def _unlink_quietly(path: str) -> None:
 
 
 def _file_kind(mode: int) -> str:
-    """What a non-regular ``st_mode`` is, for error messages."""
+    """What kind of file ``st_mode`` describes, for error messages."""
     for test, name in (
+        (stat.S_ISREG, "a file"),
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISSOCK, "a socket"),

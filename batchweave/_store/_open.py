@@ -9,6 +9,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -21,13 +22,24 @@ from batchweave._errors import (
     StoreError,
 )
 from batchweave._store._base import ObjectStore
-from batchweave._store._file import FileStore
+from batchweave._store._file import FileStore, check_root
 from batchweave._store._memory import MemoryStore
 from batchweave._store._obstore import ObstoreS3Store
-from batchweave._store._s3 import S3Store
-from batchweave._store._s3_location import redact_url
+from batchweave._store._s3 import S3Store, check_pool_size
+from batchweave._store._s3_location import (
+    check_client_options,
+    check_location,
+    location_url,
+    redact_url,
+)
 
-__all__ = ["PROBE_PREFIX", "SCHEMES", "ensure_conditional_writes", "open_store"]
+__all__ = [
+    "PROBE_PREFIX",
+    "SCHEMES",
+    "check_store_url",
+    "ensure_conditional_writes",
+    "open_store",
+]
 
 _log = logging.getLogger("batchweave.store")
 
@@ -84,7 +96,20 @@ def open_store(
     return store
 
 
-def _construct(url: str, options: dict[str, Any], s3_client: str) -> ObjectStore:
+@dataclass(frozen=True)
+class _Target:
+    """Where a checked store URL points: the backend ``kind`` and its location."""
+
+    kind: str
+    """A key of ``_OPTIONS``: ``file``, ``s3``, ``s3+obstore`` or ``memory``."""
+    location: str
+    """The file root, the memory store's name, or the bucket."""
+    prefix: str = ""
+    """The S3 prefix (still quoted as in the URL: unquoted where used)."""
+
+
+def _parse(url: str, options: dict[str, Any], s3_client: str) -> _Target:
+    """Check ``url`` and the option names (no I/O) and say which backend serves it where."""
     if s3_client not in S3_CLIENTS:
         raise ValueError(f"unknown s3_client {s3_client!r}; expected one of {S3_CLIENTS}")
     if not isinstance(url, str) or "://" not in url:
@@ -116,7 +141,7 @@ def _construct(url: str, options: dict[str, Any], s3_client: str) -> ObjectStore
             f"{' on obstore' if kind == 's3+obstore' else ''}; accepted: {accepted}"
         )
     if scheme == "memory":
-        return MemoryStore.named(parts.netloc + parts.path)
+        return _Target(kind, parts.netloc + parts.path)
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
             raise InvalidStoreURL(
@@ -128,12 +153,53 @@ def _construct(url: str, options: dict[str, Any], s3_client: str) -> ObjectStore
         path = unquote(parts.path, errors="surrogateescape")
         if not path.startswith("/"):
             raise InvalidStoreURL(f"file URL {shown!r} needs an absolute path: file:///abs/path")
-        return FileStore(path, **options)
+        return _Target(kind, path)
     if not parts.netloc:
         raise InvalidStoreURL(f"S3 URL {shown!r} has no bucket; use s3://bucket/prefix")
-    if kind == "s3+obstore":
-        return ObstoreS3Store(parts.netloc, unquote(parts.path), **options)
-    return S3Store(parts.netloc, unquote(parts.path), **options)
+    return _Target(kind, parts.netloc, parts.path)
+
+
+def _construct(url: str, options: dict[str, Any], s3_client: str) -> ObjectStore:
+    target = _parse(url, options, s3_client)
+    if target.kind == "memory":
+        return MemoryStore.named(target.location)
+    if target.kind == "file":
+        return FileStore(target.location, **options)
+    if target.kind == "s3+obstore":
+        return ObstoreS3Store(target.location, unquote(target.prefix), **options)
+    return S3Store(target.location, unquote(target.prefix), **options)
+
+
+def check_store_url(url: str, *, s3_client: str = "boto3", **options: Any) -> None:
+    """Raise what ``open_store(url, s3_client=..., **options)`` would for the URL or an option.
+
+    Nothing is opened: no file is touched, no request is sent, no credentials are resolved.
+    For code that passes a URL on to where the store is opened (``WeaveDataset`` to its
+    DataLoader workers), so a bad scheme, an unknown option or an invalid option value
+    (``InvalidStoreURL``) fails where the URL was given. What only the store can tell (a missing
+    bucket, wrong credentials, an unusable root directory) still surfaces when it is opened.
+    """
+    target = _parse(url, options, s3_client)
+    if target.kind == "file":
+        check_root(target.location)
+    elif target.kind != "memory":
+        factory = S3Store if target.kind == "s3" else ObstoreS3Store
+        given = inspect.signature(factory).bind(target.location, **options)
+        given.apply_defaults()
+        value = given.arguments
+        prefix = check_location(target.location, unquote(target.prefix), value["endpoint_url"])
+        checked_url = location_url(target.location, prefix)
+        check_client_options(
+            checked_url,
+            access_key_id=value["access_key_id"],
+            secret_access_key=value["secret_access_key"],
+            connect_timeout=value["connect_timeout"],
+            read_timeout=value["read_timeout"],
+            max_attempts=value["max_attempts"],
+            addressing_style=value["addressing_style"],
+        )
+        if "max_pool_connections" in value:
+            check_pool_size(checked_url, value["max_pool_connections"])
 
 
 def _missing_slashes(url: object) -> str:

@@ -54,7 +54,7 @@ from batchweave._store._s3_location import (
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
-__all__ = ["S3Store"]
+__all__ = ["S3Store", "check_pool_size"]
 
 DELETE_BATCH = 1000
 """S3's limit on keys per ``DeleteObjects`` request (SeaweedFS enforces it too)."""
@@ -138,6 +138,18 @@ for _name in _HEADER_LOGGERS:
     logging.getLogger(_name).addFilter(_REDACT)
 
 
+def check_pool_size(url: str, max_pool_connections: object) -> None:
+    """``InvalidStoreURL`` unless ``max_pool_connections`` (for ``url``) is an integer >= 1."""
+    if (
+        isinstance(max_pool_connections, bool)
+        or not isinstance(max_pool_connections, int)
+        or max_pool_connections < 1
+    ):
+        raise InvalidStoreURL(
+            f"{url}: max_pool_connections must be an integer >= 1, got {max_pool_connections!r}"
+        )
+
+
 class S3Store(S3Location):
     """Objects under ``s3://bucket/prefix`` on AWS S3 or an S3-compatible server.
 
@@ -187,15 +199,7 @@ class S3Store(S3Location):
                 max_attempts=max_attempts,
                 addressing_style=addressing_style,
             )
-            if (
-                isinstance(max_pool_connections, bool)
-                or not isinstance(max_pool_connections, int)
-                or max_pool_connections < 1
-            ):
-                raise InvalidStoreURL(
-                    f"{self.url}: max_pool_connections must be an integer >= 1, "
-                    f"got {max_pool_connections!r}"
-                )
+            check_pool_size(self.url, max_pool_connections)
             client = self._make_client(
                 endpoint_url=endpoint_url,
                 region=region,

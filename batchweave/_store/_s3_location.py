@@ -19,6 +19,8 @@ __all__ = [
     "S3Location",
     "check_client_options",
     "check_endpoint",
+    "check_location",
+    "location_url",
     "redact_url",
     "refuse_url_credentials",
 ]
@@ -167,6 +169,38 @@ def check_client_options(
         )
 
 
+def check_location(bucket: str, prefix: str, endpoint_url: str | None) -> str:
+    """``prefix`` without its slashes if ``bucket``, ``prefix`` and ``endpoint_url`` are usable.
+
+    Else ``InvalidStoreURL`` (``InvalidKey`` for the prefix). Pure: no request, no credentials,
+    so :func:`~batchweave._store._open.check_store_url` can run it where no store is opened.
+    """
+    if not bucket:
+        raise InvalidStoreURL("an S3 store needs a bucket: use s3://bucket/prefix")
+    if isinstance(bucket, str):
+        # ``s3://key:secret@bucket`` parses with the credentials in the bucket name, which
+        # would then be in ``url``, meant to be safe to log.
+        refuse_url_credentials(f"s3://{bucket}", "S3 store URL")
+        if not (_BUCKET.fullmatch(bucket) or _ACCESS_POINT_ARN.fullmatch(bucket)):
+            shown = repr(bucket) if "@" not in bucket else "the bucket"
+            raise InvalidStoreURL(
+                f"{shown} is not a valid S3 bucket name: use letters, digits, '.', '-' "
+                "and '_' (at most 255 characters; AWS S3 itself requires 3-63 lower-case "
+                "characters), e.g. s3://my-bucket/prefix"
+            )
+    prefix = prefix.strip("/")
+    if prefix:
+        validate_key(prefix)
+    if endpoint_url is not None:
+        check_endpoint(endpoint_url, f"endpoint_url for s3://{bucket}")
+    return prefix
+
+
+def location_url(bucket: str, prefix: str) -> str:
+    """The store URL of ``bucket`` and a prefix :func:`check_location` returned (no credentials)."""
+    return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+
+
 class S3Location(ObjectStore):
     """An object store whose objects live under ``s3://bucket/prefix``.
 
@@ -182,30 +216,13 @@ class S3Location(ObjectStore):
         endpoint_url: str | None,
         secrets: Iterable[str | None],
     ) -> None:
-        if not bucket:
-            raise InvalidStoreURL("an S3 store needs a bucket: use s3://bucket/prefix")
-        if isinstance(bucket, str):
-            # ``s3://key:secret@bucket`` parses with the credentials in the bucket name, which
-            # would then be in ``url``, meant to be safe to log.
-            refuse_url_credentials(f"s3://{bucket}", "S3 store URL")
-            if not (_BUCKET.fullmatch(bucket) or _ACCESS_POINT_ARN.fullmatch(bucket)):
-                shown = repr(bucket) if "@" not in bucket else "the bucket"
-                raise InvalidStoreURL(
-                    f"{shown} is not a valid S3 bucket name: use letters, digits, '.', '-' "
-                    "and '_' (at most 255 characters; AWS S3 itself requires 3-63 lower-case "
-                    "characters), e.g. s3://my-bucket/prefix"
-                )
-        prefix = prefix.strip("/")
-        if prefix:
-            validate_key(prefix)
-        if endpoint_url is not None:
-            check_endpoint(endpoint_url, f"endpoint_url for s3://{bucket}")
+        prefix = check_location(bucket, prefix, endpoint_url)
         self.bucket = bucket
         self.prefix = f"{prefix}/" if prefix else ""
         self.endpoint_url = endpoint_url
         self._endpoint_shown = endpoint_url or "AWS S3"
         """The endpoint as messages name it; a backend sets the one its client really uses."""
-        self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+        self.url = location_url(bucket, prefix)
         # A secret of a few characters (test setups: "a", "test") would mask those letters in
         # every message; it protects nothing anyway.
         self._secrets = tuple(s for s in secrets if s and len(s) >= _MIN_SECRET)
