@@ -11,9 +11,11 @@ import lance
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
 
 import batchweave as bw
 from batchweave._history import SAMPLE_IDS_KEY, sample_ids_metadata
+from batchweave.cli._app import cli
 
 MESH = bw.Mesh(dp=2, cp=2)
 NAMESPACE = "runs/cli"
@@ -224,3 +226,89 @@ def test_verify_reports_a_slice_table_that_disagrees_with_the_footer(root: Path)
     assert len(report.problems) == 1
     assert "step 3" in report.problems[0]
     assert "slice table" in report.problems[0]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["inspect"], ["verify"], ["reclaim"], ["seal"], ["retire"], ["export", "{dest}"]],
+    ids=lambda c: c[0],
+)
+def test_memory_store_urls_are_refused_as_one_process_only(
+    command: list[str], tmp_path: Path
+) -> None:
+    # Before: "NamespaceNotFound: no BatchWeave namespace at memory://x/ns ...; create it by
+    # opening a Producer", which no Producer in another process can ever make true.
+    args = [command[0], "memory://x", "ns", *(a.format(dest=tmp_path / "h") for a in command[1:])]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "exist only inside the one process that opened them" in text
+    assert "use a file:// directory or s3://" in text
+    assert "NamespaceNotFound" not in text
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        # Before: verify ran --workers 0 or -3 as 1, silently.
+        (["verify", "{root}", "ns", "--workers", "0"], "--workers"),
+        (["verify", "{root}", "ns", "--workers", "-3"], "--workers"),
+        # Before: reclaim took --grace nan and deleted nothing, ever (every age compares false).
+        (["reclaim", "{root}", "ns", "--grace", "nan"], "--grace"),
+        (["reclaim", "{root}", "ns", "--grace", "-5"], "--grace"),
+        (["retire", "{root}", "ns", "--idle-for", "inf"], "--idle-for"),
+        (["export", "{root}", "ns", "{root}/h.parquet", "--start", "-1"], "--start"),
+        (["export", "{root}", "ns", "{root}/h.parquet", "--stop", "0"], "--stop"),
+        # Before: each started the demo: every producer then failed on max_lag -1, every
+        # consumer on sleeping inf seconds, and port 0 put the workers' metrics on ports 1..N.
+        (["demo", "--max-lag", "-1"], "--max-lag"),
+        (["demo", "--metrics-port", "0"], "--metrics-port"),
+        (["demo", "--step-time", "inf"], "--step-time"),
+    ],
+)
+def test_numeric_options_outside_their_range_are_refused_by_name(
+    args: list[str], option: str, tmp_path: Path
+) -> None:
+    result = CliRunner().invoke(cli, [a.format(root=tmp_path) for a in args])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output
+
+
+# -- batchweave.testing without the test extras --------------------------------------------------
+
+IMPORT_WITHOUT_TEST_EXTRAS = """
+import sys
+sys.modules["pytest"] = None  # as if not installed
+sys.modules["hypothesis"] = None
+from batchweave.testing import S3Endpoint, free_port, moto_server, seaweedfs_server
+try:
+    from batchweave.testing import StoreTests
+except ImportError as exc:
+    print(exc)
+else:
+    print("StoreTests imported")
+"""
+
+
+def test_the_test_servers_import_without_pytest_and_hypothesis() -> None:
+    # Before: ModuleNotFoundError for pytest, then hypothesis, which only StoreTests uses; a
+    # script that wanted moto_server() for a local S3 endpoint had to install both.
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORT_WITHOUT_TEST_EXTRAS],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "StoreTests" in proc.stdout
+    assert "pip install 'batchweave[test]'" in proc.stdout
+
+
+def test_the_conformance_suite_still_loads_with_pytest_assertion_rewriting() -> None:
+    import batchweave.testing
+
+    store_tests = batchweave.testing.StoreTests  # loads the suite on first use
+    suite = sys.modules["batchweave.testing._store_tests"]
+    assert store_tests is suite.StoreTests
+    assert batchweave.testing.expected_range is suite.expected_range
+    assert "@pytest_ar" in vars(suite)  # plain asserts in the suite report their values

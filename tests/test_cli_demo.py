@@ -5,17 +5,22 @@ Arguments that cannot work are refused before the demo starts, naming the option
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from batchweave import Consumer, Mesh, Watermarks, open_store
+from batchweave.cli._app import EXIT_TERMINATED
 from batchweave.cli._common import CliFailure
 from batchweave.cli._demo import DemoConfig, _check, _RankLog, _verify_deliveries, run_demo
 from batchweave.cli._demo_work import (
@@ -303,3 +308,102 @@ def test_demo_refuses_arguments_that_cannot_work_before_starting(
 
 def test_demo_defaults_pass_the_argument_check() -> None:
     _check(DemoConfig())
+
+
+# -- stopped from outside: SIGTERM, SIGKILL -------------------------------------------------------
+
+WORKERS = 2 + 2 * 2  # SMALL's producers plus dp * cp consumer ranks
+
+
+def _identity(pid: int) -> str | None:
+    """``pid``'s start time (which tells it from a later process given the same PID), or None
+    once it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every live process below ``pid``, with its identity."""
+    found: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                for child in map(int, children.read_text().split()):
+                    identity = _identity(child)
+                    if identity is not None and child not in found:
+                        found[child] = identity
+                        todo.append(child)
+    return found
+
+
+def _alive(processes: dict[int, str]) -> list[int]:
+    return [pid for pid, identity in processes.items() if _identity(pid) == identity]
+
+
+@contextlib.contextmanager
+def _demo_with_workers(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], dict[int, str]]]:
+    """A demo whose every worker process is running (slow steps keep them busy); whatever
+    survives the test is SIGKILLed by PID afterwards."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "batchweave.cli", "demo", *SMALL, "--step-time", "1"),
+            *("--no-kill", "--store", str(tmp_path / "store"), "--namespace", "stopped"),
+        ],
+        env={**os.environ, "TMPDIR": str(temp)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    workers: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 90
+        while len(workers) < WORKERS and proc.poll() is None and time.monotonic() < deadline:
+            workers = _descendants(proc.pid)
+            time.sleep(0.05)
+        assert len(workers) >= WORKERS, (proc.poll(), workers)
+        yield proc, workers
+    finally:
+        for pid in _alive(workers):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_worker_and_removes_the_work_directory(tmp_path: Path) -> None:
+    # Before: SIGTERM (kill PID, timeout, a cancelled CI job) ended the driver at once, without
+    # its cleanup: 7-11 worker processes kept running and the work directory stayed behind.
+    with _demo_with_workers(tmp_path) as (proc, workers):
+        assert [p.name for p in (tmp_path / "tmp").iterdir()], "no work directory to remove"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == EXIT_TERMINATED == 143, stderr
+        assert stderr.splitlines()[-1] == (
+            "batchweave: terminated (SIGTERM); the command is safe to run again"
+        )
+        assert "Traceback" not in stderr
+        assert _alive(workers) == []  # the driver waited for each one it stopped
+        assert list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_workers_do_not_outlive_a_sigkilled_driver(tmp_path: Path) -> None:
+    # Before: nothing told the workers, which went on polling and publishing as orphans.
+    with _demo_with_workers(tmp_path) as (proc, workers):
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        deadline = time.monotonic() + 30
+        while _alive(workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _alive(workers) == []

@@ -27,7 +27,7 @@ import batchweave.lance as bw_lance
 from batchweave._history import membership_batches
 from batchweave._manifest import ManifestLog, encode_manifest, manifest_key
 from batchweave.cli import _app
-from batchweave.cli._app import EXIT_INTERRUPTED, cli
+from batchweave.cli._app import EXIT_INTERRUPTED, EXIT_TERMINATED, cli
 from batchweave.cli._verify import verify_namespace
 
 NS = "runs/ops"
@@ -164,14 +164,14 @@ def test_an_interrupted_lance_export_leaves_nothing_that_blocks_a_rerun(
     assert f"exported {STEPS * MESH.slices} rows (lance)" in rerun.output
 
 
-SIGINT_AT_READ = """
+SIGNAL_AT_READ = """
 import functools, os, signal, sys, time
 import batchweave as bw
 import batchweave.lance as bw_lance
 from batchweave._history import membership_batches
 from batchweave._manifest import ManifestLog
 from batchweave.cli import _app
-url, namespace, dest, at = sys.argv[1:]
+url, namespace, dest, at, signame = sys.argv[1:]
 bw_lance.membership_batches = functools.partial(membership_batches, batch_rows=16)
 store = bw.open_store(url)
 original, reads = store.get_range, 0
@@ -179,7 +179,7 @@ def get_range(key, rng):
     global reads
     reads += 1
     if reads == int(at):
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), getattr(signal, signame))
     if reads >= int(at):
         time.sleep(0.01)  # an S3 read, not a page-cache hit: the export is still running
     return original(key, rng)
@@ -197,7 +197,7 @@ def test_a_real_ctrl_c_during_a_lance_export_exits_cleanly(root: Path, tmp_path:
     dest = tmp_path / "history.lance"
     for _ in range(3):
         proc = subprocess.run(
-            [sys.executable, "-c", SIGINT_AT_READ, root.as_uri(), NS, str(dest), "60"],
+            [sys.executable, "-c", SIGNAL_AT_READ, root.as_uri(), NS, str(dest), "60", "SIGINT"],
             capture_output=True,
             text=True,
             timeout=120,
@@ -205,6 +205,21 @@ def test_a_real_ctrl_c_during_a_lance_export_exits_cleanly(root: Path, tmp_path:
         assert proc.returncode == EXIT_INTERRUPTED, proc.stderr
         assert proc.stderr == "batchweave: interrupted; the command is safe to run again\n"
         assert not dest.exists()
+
+
+def test_sigterm_during_a_lance_export_cleans_up_as_ctrl_c_does(root: Path, tmp_path: Path) -> None:
+    """SIGTERM (``kill PID``, ``timeout``, a cancelled CI job) ended the process at once: no
+    cleanup ran, so the half-written dataset directory stayed and blocked the rerun."""
+    dest = tmp_path / "history.lance"
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGNAL_AT_READ, root.as_uri(), NS, str(dest), "60", "SIGTERM"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == EXIT_TERMINATED == 143, proc.stderr
+    assert proc.stderr == "batchweave: terminated (SIGTERM); the command is safe to run again\n"
+    assert not dest.exists()
 
 
 def test_a_failed_lance_export_leaves_no_dataset_directory(

@@ -2,7 +2,8 @@
 
 Exit status: 0 success; 1 a check failed (``verify``, ``demo``); 2 the command could not run
 (bad URL or option, missing namespace, store unreachable, ...), reported as one line on stderr;
-130 interrupted (Ctrl-C). ``BATCHWEAVE_DEBUG=1`` shows tracebacks instead.
+130 interrupted (Ctrl-C); 143 terminated (SIGTERM), after the same cleanup as Ctrl-C.
+``BATCHWEAVE_DEBUG=1`` shows tracebacks instead.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from batchweave._retire import retire_producers
 from batchweave._store._base import ObjectStore
 from batchweave.cli._common import (
     CliFailure,
+    FiniteFloat,
+    Terminated,
     debug_enabled,
     deferred_interrupt,
     echo_json,
@@ -32,6 +35,7 @@ from batchweave.cli._common import (
     out_console,
     parse_duration,
     progress_bar,
+    sigterm_as_interrupt,
     store_options,
     validate_namespace,
 )
@@ -53,18 +57,27 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 """Ctrl-C: 128 + SIGINT, as shells report it; never 1, which means a check failed."""
+EXIT_TERMINATED = 143
+"""SIGTERM (``kill``, ``timeout``, a cancelled CI job): 128 + SIGTERM, as shells report it."""
 
 
 class _Group(click.Group):
-    """Turns expected errors into one line on stderr and exit status 2, Ctrl-C into 130."""
+    """Turns expected errors into one line on stderr and exit status 2, Ctrl-C into 130 and
+    SIGTERM into 143 (both after the cleanup an interrupted command does)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
-        except KeyboardInterrupt:
+            with sigterm_as_interrupt():
+                return super().invoke(ctx)
+        except KeyboardInterrupt as exc:
             if debug_enabled():
                 raise
             # Every command is safe to repeat: commits are atomic, exports appear only whole.
+            if isinstance(exc, Terminated):
+                click.echo(
+                    "batchweave: terminated (SIGTERM); the command is safe to run again", err=True
+                )
+                ctx.exit(EXIT_TERMINATED)
             click.echo("batchweave: interrupted; the command is safe to run again", err=True)
             ctx.exit(EXIT_INTERRUPTED)
         except (BatchWeaveError, CliFailure, OSError, ValueError) as exc:
@@ -118,7 +131,13 @@ def inspect(store: str, namespace: str, as_json: bool, **options: Any) -> None:
 @click.argument("store")
 @click.argument("namespace")
 @click.option("--footers-only", is_flag=True, help="Check footers but do not read slices.")
-@click.option("--workers", default=8, show_default=True, help="Parallel object reads.")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Parallel object reads.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @store_options
 def verify(
@@ -174,6 +193,7 @@ def verify(
 @click.argument("namespace")
 @click.option(
     "--grace",
+    type=FiniteFloat(min=0),
     default=600.0,
     show_default=True,
     help="Seconds an unreferenced object or superseded manifest must age before deletion.",
@@ -318,8 +338,10 @@ def retire(
     show_default=True,
     help="auto: parquet for a .parquet destination, else a Lance dataset.",
 )
-@click.option("--start", type=int, help="First step (default: base_step).")
-@click.option("--stop", type=int, help="One past the last step (default: next_step).")
+@click.option("--start", type=click.IntRange(min=0), help="First step (default: base_step).")
+@click.option(
+    "--stop", type=click.IntRange(min=1), help="One past the last step (default: next_step)."
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing destination.")
 @store_options
 def export(
@@ -386,6 +408,8 @@ def export(
 
 # -- demo ---------------------------------------------------------------------------------------
 
+_AT_LEAST_1 = click.IntRange(min=1)
+
 
 @cli.command()
 @click.option(
@@ -395,25 +419,64 @@ def export(
     help="Store URL or directory (default: ./weave-data/store if writable, else a temp dir).",
 )
 @click.option("--namespace", default=None, help="Namespace (default: demo-<random>).")
-@click.option("--producers", default=3, show_default=True, help="Producer processes.")
-@click.option("--dp", default=2, show_default=True, help="Data-parallel degree.")
-@click.option("--cp", default=2, show_default=True, help="Context-parallel degree.")
-@click.option("--steps", default=360, show_default=True, help="TGBs in total (steps).")
-@click.option("--seq-len", default=1024, show_default=True, help="Tokens per packed sequence.")
-@click.option("--micro-batch", default=4, show_default=True, help="Sequences per DP replica.")
+@click.option(
+    "--producers", type=_AT_LEAST_1, default=3, show_default=True, help="Producer processes."
+)
+@click.option("--dp", type=_AT_LEAST_1, default=2, show_default=True, help="Data-parallel degree.")
+@click.option(
+    "--cp", type=_AT_LEAST_1, default=2, show_default=True, help="Context-parallel degree."
+)
+@click.option(
+    "--steps", type=_AT_LEAST_1, default=360, show_default=True, help="TGBs in total (steps)."
+)
+@click.option(
+    "--seq-len",
+    type=_AT_LEAST_1,
+    default=1024,
+    show_default=True,
+    help="Tokens per packed sequence.",
+)
+@click.option(
+    "--micro-batch",
+    type=_AT_LEAST_1,
+    default=4,
+    show_default=True,
+    help="Sequences per DP replica.",
+)
 @click.option("--documents", default=20000, show_default=True, help="Documents in the corpus.")
 @click.option(
-    "--step-time", default=0.1, show_default=True, help="Simulated training seconds per step."
+    "--step-time",
+    type=FiniteFloat(min=0),
+    default=0.1,
+    show_default=True,
+    help="Simulated training seconds per step.",
 )
-@click.option("--max-lag", default=60, show_default=True, help="Producer max_lag in steps.")
-@click.option("--checkpoint-every", default=10, show_default=True, help="Steps per checkpoint.")
+@click.option(
+    "--max-lag",
+    type=click.IntRange(min=0),
+    default=60,
+    show_default=True,
+    help="Producer max_lag in steps.",
+)
+@click.option(
+    "--checkpoint-every",
+    type=_AT_LEAST_1,
+    default=10,
+    show_default=True,
+    help="Steps per checkpoint.",
+)
 @click.option("--no-kill", is_flag=True, help="Do not SIGKILL a producer and a consumer halfway.")
 @click.option(
     "--keep",
     is_flag=True,
     help="Keep the work directory (corpus, logs, checkpoints); the namespace always stays.",
 )
-@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics here.")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Serve Prometheus metrics here (workers on the ports after it).",
+)
 @store_options
 def demo(**kwargs: Any) -> None:
     """Run producers, consumers and the reclaimer end to end, kill and restart one of each,

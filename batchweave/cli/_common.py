@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -24,7 +25,10 @@ from batchweave._store._open import SCHEMES, open_store
 
 __all__ = [
     "DEBUG_ENV",
+    "MEMORY_STORE_REFUSAL",
     "CliFailure",
+    "FiniteFloat",
+    "Terminated",
     "debug_enabled",
     "deferred_interrupt",
     "echo_json",
@@ -34,6 +38,7 @@ __all__ = [
     "out_console",
     "parse_duration",
     "progress_bar",
+    "sigterm_as_interrupt",
     "store_options",
     "store_url",
     "validate_namespace",
@@ -49,6 +54,31 @@ class CliFailure(Exception):
     """A problem the user must fix (bad argument, missing dependency): exit status 2."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill PID``, ``timeout``, a cancelled CI job), raised where Ctrl-C would be.
+
+    A ``KeyboardInterrupt`` so that every cleanup Ctrl-C runs (child processes stopped,
+    partial outputs and work directories removed) runs for SIGTERM too.
+    """
+
+
+MEMORY_STORE_REFUSAL = (
+    "memory:// stores exist only inside the one process that opened them, so a separate "
+    "batchweave process can never see one; use a file:// directory or s3://"
+)
+"""Why the CLI refuses ``memory://`` URLs (each command is a process of its own)."""
+
+
+class FiniteFloat(click.FloatRange):
+    """``click.FloatRange`` that also refuses ``nan`` and ``inf`` (which pass its bounds)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
@@ -62,8 +92,8 @@ def parse_duration(ctx: click.Context, param: click.Parameter, value: str) -> fl
         raise click.BadParameter(
             f"{value!r} is not a duration; write e.g. 90s, 30m, 12h or 7d", ctx, param
         ) from None
-    if not seconds > 0:
-        raise click.BadParameter(f"{value!r} is not a positive duration", ctx, param)
+    if not 0 < seconds < math.inf:
+        raise click.BadParameter(f"{value!r} is not a positive, finite duration", ctx, param)
     return seconds
 
 
@@ -98,35 +128,63 @@ def progress_bar(label: str, *, quiet: bool = False) -> Iterator[Callable[[int, 
         yield lambda done, total: progress.update(task, completed=done, total=total)
 
 
+def _interruption(signum: int) -> KeyboardInterrupt:
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While the block runs in the main thread, SIGTERM raises :class:`Terminated`.
+
+    Python's default for SIGTERM ends the process at once: no ``finally`` runs, so ``demo``
+    left its worker processes running and its work directory behind. Elsewhere than the main
+    thread (signals are delivered there only) this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextmanager
 def deferred_interrupt() -> Iterator[Callable[[], None]]:
-    """Turn Ctrl-C into a flag that the yielded ``check()`` raises as ``KeyboardInterrupt``.
+    """Turn Ctrl-C and SIGTERM into a flag that the yielded ``check()`` raises.
 
     For work that runs on a thread the interpreter cannot interrupt: Lance pulls the exported
     rows from a thread of its own, and a ``KeyboardInterrupt`` raised in the main thread leaves
     that thread running into interpreter shutdown, which aborts the process ("Fatal Python
-    error"). Calling ``check()`` from the row generator stops the write from inside instead.
-    A second Ctrl-C interrupts at once. Outside the main thread ``check()`` does nothing.
+    error"). Calling ``check()`` from the row generator stops the write from inside instead,
+    raising ``KeyboardInterrupt`` (:class:`Terminated` for SIGTERM). A second signal interrupts
+    at once. Outside the main thread ``check()`` does nothing.
     """
-    pressed = threading.Event()
+    received: list[int] = []
 
     def check() -> None:
-        if pressed.is_set():
-            raise KeyboardInterrupt
+        if received:
+            raise _interruption(received[0])
 
-    def on_sigint(signum: int, frame: object) -> None:
-        if pressed.is_set():
-            raise KeyboardInterrupt
-        pressed.set()
+    def on_signal(signum: int, frame: object) -> None:
+        if received:
+            raise _interruption(signum)
+        received.append(signum)
 
     if threading.current_thread() is not threading.main_thread():
         yield check
         return
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield check
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def one_line(exc: BaseException) -> str:
@@ -191,6 +249,8 @@ def open_cli_store(
     makes new stores): a mistyped path is reported, not created.
     """
     url = store_url(location)
+    if url.lower().startswith("memory:"):
+        raise CliFailure(f"cannot use {url}: {MEMORY_STORE_REFUSAL}")
     s3 = {
         name: options[name]
         for name in ("endpoint_url", "region", "profile", "addressing_style")

@@ -48,7 +48,14 @@ from batchweave._manifest._log import ManifestLog
 from batchweave._metrics import start_metrics_server, track_metrics
 from batchweave._store._base import ObjectStore
 from batchweave._watermarks import Watermarks
-from batchweave.cli._common import CliFailure, err_console, open_cli_store, out_console, store_url
+from batchweave.cli._common import (
+    MEMORY_STORE_REFUSAL,
+    CliFailure,
+    err_console,
+    open_cli_store,
+    out_console,
+    store_url,
+)
 from batchweave.cli._demo_work import WorkerConfig, demo_source, expected_digests, make_corpus
 from batchweave.cli._inspect import human_bytes
 from batchweave.cli._seal import seal_namespace
@@ -118,10 +125,7 @@ def _check(config: DemoConfig) -> None:
         if value < least:
             problems.append(f"{option} must be >= {least}, got {value}")
     if config.store is not None and store_url(config.store).lower().startswith("memory:"):
-        problems.append(
-            "--store memory:// lives in one process, and the demo's producers and consumers are "
-            "processes: use a file:// directory or s3://"
-        )
+        problems.append(f"--store {config.store}: {MEMORY_STORE_REFUSAL}")
     if problems:
         raise CliFailure("; ".join(problems))
     if importlib.util.find_spec("lance") is None:
@@ -141,6 +145,8 @@ class _Procs:
         self.finished: list[tuple[str, int, int]] = []
 
     def start(self, role: str, index: int) -> None:
+        """Start worker ``role`` ``index``. Call from the main thread only: a worker's
+        ``PR_SET_PDEATHSIG`` fires when the *thread* that started it ends, not the process."""
         err = open(self.log_dir / f"{role}-{index}.stderr", "ab")  # noqa: SIM115
         with err:
             self.running[(role, index)] = subprocess.Popen(
@@ -151,6 +157,7 @@ class _Procs:
                     role,
                     str(self.config_path),
                     str(index),
+                    str(os.getpid()),  # the worker ends with this driver, even on SIGKILL
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=err,

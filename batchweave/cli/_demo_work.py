@@ -1,8 +1,8 @@
 """The demo's real work: a generated corpus, token packing, and the worker processes.
 
 Run by ``batchweave demo`` as ``python -m batchweave.cli._demo_work {producer|consumer} CONFIG
-INDEX``. Everything a worker does is a function of the config and its index, so the driver can
-recompute any slice to check what the consumers received.
+INDEX DRIVER_PID``. Everything a worker does is a function of the config and its index, so the
+driver can recompute any slice to check what the consumers received.
 
 - Corpus: a Lance dataset of documents with variable lengths (``doc_id``, ``tokens``).
 - Producer ``i``: :class:`~batchweave.lance.LanceSource` over shard ``i`` of the corpus (one
@@ -16,8 +16,11 @@ recompute any slice to check what the consumers received.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "WorkerConfig",
     "demo_source",
+    "die_with_parent",
     "expected_digests",
     "make_corpus",
     "pack_tgb",
@@ -43,6 +47,7 @@ __all__ = [
 
 PAD = 0
 MEAN_DOC_TOKENS = 300
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -343,8 +348,27 @@ def _consumer_stats(consumer: Any) -> dict[str, Any]:
     }
 
 
+def die_with_parent(parent: int) -> None:
+    """End this worker when the demo driver dies, even by SIGKILL (Linux only).
+
+    The driver stops its workers on every exit it sees (a failure, Ctrl-C, SIGTERM); only a
+    SIGKILL gives it no chance, and orphaned workers would go on publishing and polling.
+    ``PR_SET_PDEATHSIG`` has the kernel SIGKILL this process when the driver goes; a driver
+    that died before the call shows as a changed parent PID.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def main(argv: list[str]) -> int:
-    """``{producer|consumer} CONFIG INDEX``."""
+    """``{producer|consumer} CONFIG INDEX [DRIVER_PID]``: with the driver's PID, the worker
+    ends when the driver does."""
+    if len(argv) > 3:
+        die_with_parent(int(argv[3]))
     role, config_path, index = argv[0], Path(argv[1]), int(argv[2])
     config = WorkerConfig.load(config_path)
     if role == "producer":

