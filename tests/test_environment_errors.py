@@ -188,6 +188,57 @@ def test_reads_from_a_web_page_are_refused_not_taken_as_objects(
             calls[op]()
 
 
+_LISTING_WITHOUT_IS_TRUNCATED = (
+    b"<?xml version='1.0' encoding='UTF-8'?><ListBucketResult>"
+    b"<Name>bucket</Name><Prefix>p/</Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys>"
+    b"<Contents><Key>p/k</Key><Size>1</Size><LastModified>2024-01-01T00:00:00.000Z</LastModified>"
+    b'<ETag>"e"</ETag></Contents></ListBucketResult>'
+)
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_listing_without_is_truncated_is_still_a_listing(
+    aws_env: pytest.MonkeyPatch, client: str
+) -> None:
+    # Some S3-compatible servers omit IsTruncated when it is false (gofakes3 did; ambry spells
+    # it isTruncated). The web-page check must not refuse their listings: obstore accepts them.
+    server = FakeEndpoint(_reply("200 OK", _LISTING_WITHOUT_IS_TRUNCATED))
+    try:
+        store = bw.open_store(
+            "s3://bucket/p", s3_client=client, verify_conditional_writes=False,
+            endpoint_url=server.url, **_credentials(), **FAST,
+        )  # fmt: skip
+        assert [meta.key for meta in store.list()] == ["k"]
+    finally:
+        server.stop()
+
+
+_OBJECT_WITHOUT_ETAG = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: 5\r\n"
+    b"Last-Modified: Mon, 01 Jan 2024 00:00:00 GMT\r\nConnection: close\r\n\r\nhello"
+)
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_an_object_served_without_an_etag_is_still_an_object(
+    aws_env: pytest.MonkeyPatch, client: str
+) -> None:
+    # Some S3-compatible servers send no ETag on GET/HEAD (CubeFS for files written through its
+    # file system, s3s-fs); object_store deliberately does not require one for S3, and boto3's
+    # checks do not either. Only a reply with neither ETag nor Last-Modified is a web page.
+    server = FakeEndpoint(_OBJECT_WITHOUT_ETAG)
+    try:
+        store = bw.open_store(
+            "s3://bucket/p", s3_client=client, verify_conditional_writes=False,
+            endpoint_url=server.url, **_credentials(), **FAST,
+        )  # fmt: skip
+        assert store.get("k") == b"hello"
+        meta = store.head("k")
+        assert (meta.size, meta.last_modified) == (5, 1704067200.0)
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("client", CLIENTS)
 def test_a_404_page_is_a_wrong_endpoint_not_a_missing_object(
     aws_env: pytest.MonkeyPatch, client: str
@@ -222,6 +273,142 @@ def test_a_redirecting_endpoint_is_named_not_a_recursion_error(
             assert "answered with redirects" in str(read.value)
     assert "answered with redirects" in str(info.value)
     assert "RecursionError" not in str(info.value)
+
+
+class _BucketInAnotherRegion(http.server.BaseHTTPRequestHandler):
+    """A bucket in eu-west-1, as AWS S3 serves it: a request signed for any other region gets
+    ``301 PermanentRedirect`` with ``x-amz-bucket-region`` and no Location; the rest is a tiny
+    in-memory bucket (PUT with If-None-Match, GET, HEAD, ListObjectsV2, DeleteObjects)."""
+
+    protocol_version = "HTTP/1.1"
+    objects: dict[str, bytes]
+    serves = "eu-west-1"
+    """The signing region answered; any other is redirected (to eu-west-1, which it is not
+    when ``serves`` names no region: a redirect no client can follow)."""
+
+    def _send(self, status: int, body: bytes = b"", **headers: str) -> None:
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name.replace("_", "-"), value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _serve(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if f"/{self.serves}/s3/" not in self.headers.get("Authorization", ""):
+            error = b"<Error><Code>PermanentRedirect</Code><Message>use eu-west-1</Message></Error>"
+            self._send(301, error, x_amz_bucket_region="eu-west-1")
+            return
+        path, _, query = self.path.partition("?")
+        key = path.partition("/bucket/")[2]
+        modified = "Mon, 01 Jan 2024 00:00:00 GMT"
+        if self.command == "PUT":
+            if self.headers.get("If-None-Match") == "*" and key in self.objects:
+                self._send(412, b"<Error><Code>PreconditionFailed</Code></Error>")
+            else:
+                self.objects[key] = body
+                self._send(200, ETag='"e"')
+        elif self.command == "POST":  # DeleteObjects
+            for name in list(self.objects):
+                if f"<Key>{name}</Key>".encode() in body:
+                    del self.objects[name]
+            self._send(200, b"<DeleteResult></DeleteResult>")
+        elif "list-type=2" in query:
+            contents = "".join(
+                f'<Contents><Key>{name}</Key><Size>{len(data)}</Size><ETag>"e"</ETag>'
+                "<LastModified>2024-01-01T00:00:00.000Z</LastModified></Contents>"
+                for name, data in sorted(self.objects.items())
+            )
+            listing = (
+                f"<ListBucketResult><Name>bucket</Name><IsTruncated>false</IsTruncated>{contents}"
+            )
+            self._send(200, (listing + "</ListBucketResult>").encode())
+        elif key in self.objects:
+            self._send(200, self.objects[key], ETag='"e"', Last_Modified=modified)
+        else:
+            self._send(404, b"<Error><Code>NoSuchKey</Code></Error>")
+
+    do_GET = do_PUT = do_POST = do_HEAD = _serve  # noqa: N815 (http.server names)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _bucket_in_another_region(serves: str = "eu-west-1") -> Iterator[str]:
+    handler = type("Handler", (_BucketInAnotherRegion,), {"objects": {}, "serves": serves})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_boto3_still_follows_a_region_redirect(aws_env: pytest.MonkeyPatch) -> None:
+    # The redirect and 404 checks must leave botocore's own region redirect alone: a bucket in
+    # another region than `region` keeps working (AWS answers 301 with x-amz-bucket-region).
+    with _bucket_in_another_region() as endpoint:
+        store = bw.open_store("s3://bucket/p", endpoint_url=endpoint, **_credentials(), **FAST)
+        store.put("k", b"v")
+        assert store.get("k") == b"v"
+        assert store.head("k").size == 1
+        assert [meta.key for meta in store.list()] == ["k"]
+        store.delete_many(["k"])
+        assert list(store.list()) == []
+
+
+def test_boto3_names_the_region_of_a_redirect_it_cannot_follow(
+    aws_env: pytest.MonkeyPatch,
+) -> None:
+    # botocore follows one region redirect; when that does not help (an endpoint_url of another
+    # region's AWS endpoint), AWS's own words ("must be addressed using the specified
+    # endpoint") said neither which region nor what to change.
+    with (
+        _bucket_in_another_region(serves="no-region") as endpoint,
+        pytest.raises(bw.StoreError) as info,
+    ):
+        bw.open_store("s3://bucket/p", endpoint_url=endpoint, **_credentials(), **FAST)
+    assert not isinstance(info.value, bw.TransientStoreError | bw.AmbiguousWriteError)
+    assert "region 'eu-west-1'" in str(info.value)
+    assert "set region" in str(info.value)
+
+
+def test_obstore_names_a_bucket_in_another_region_not_a_transient_failure(
+    aws_env: pytest.MonkeyPatch,
+) -> None:
+    # object_store does not follow S3's region redirect ("Received redirect without
+    # LOCATION"). Before: TransientStoreError (its debug dump's "retry_timeout" matched the
+    # transient pattern), so producers and consumers retried a wrong region for ever, and
+    # writes were "ambiguous" although a 301 stores nothing.
+    with _bucket_in_another_region() as endpoint:
+        with pytest.raises(bw.StoreError) as opening:
+            bw.open_store(
+                "s3://bucket/p", s3_client="obstore", endpoint_url=endpoint, **_credentials()
+            )
+        store = bw.open_store(
+            "s3://bucket/p", s3_client="obstore", verify_conditional_writes=False,
+            endpoint_url=endpoint, **_credentials(),
+        )  # fmt: skip
+        calls: list[Callable[[], object]] = [
+            lambda: store.put("k", b"v"),
+            lambda: store.get("k"),
+            lambda: list(store.list()),
+        ]
+        for call in [lambda: opening.value, *calls]:
+            try:
+                error = call()
+            except bw.StoreError as exc:
+                error = exc
+            assert isinstance(error, bw.StoreError)
+            assert not isinstance(error, bw.TransientStoreError | bw.AmbiguousWriteError)
+            assert "region" in str(error)
+            assert "us-east-1" in str(error)
 
 
 @pytest.mark.parametrize("client", CLIENTS)

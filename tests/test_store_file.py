@@ -462,6 +462,32 @@ def test_file_store_writes_survive_removal_of_its_temp_directory(tmp_path: Path)
     assert store.get("b") == b"2"
 
 
+@pytest.mark.parametrize("mode", [bw.PutMode.OVERWRITE, bw.PutMode.CREATE])
+def test_a_temp_directory_removed_during_a_write_is_a_transient_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: bw.PutMode
+) -> None:
+    # Before: the publish found its temp file gone, took that for a pruned parent directory,
+    # retried 100 times and raised a plain StoreError "its directory kept disappearing under
+    # concurrent deletes": fatal to a producer, and wrong. Nothing was written; a retry works.
+    store = bw.FileStore(tmp_path / "root", fsync=False)
+    write_temp = store._write_temp
+
+    def write_then_clean(key: str, parts: Any) -> str:
+        tmp = write_temp(key, parts)
+        shutil.rmtree(tmp_path / "root" / TEMP_DIR_NAME)  # an operator cleaning stray temps
+        return tmp
+
+    monkeypatch.setattr(store, "_write_temp", write_then_clean)
+    with pytest.raises(bw.TransientStoreError, match="temp file") as info:
+        store.put("ns/k", b"v", mode=mode)
+    assert "'ns/k'" in str(info.value)
+    with pytest.raises(bw.ObjectNotFound):
+        store.get("ns/k")
+    monkeypatch.undo()
+    store.put("ns/k", b"v", mode=mode)
+    assert store.get("ns/k") == b"v"
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
 def test_a_directory_swapped_after_the_delete_check_cannot_redirect_the_unlink(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -24,6 +24,7 @@ from batchweave._errors import (
     ObjectExists,
     ObjectNotFound,
     StoreError,
+    TransientStoreError,
 )
 from batchweave._store._base import (
     ByteRange,
@@ -322,6 +323,12 @@ class FileStore(ObjectStore):
                     new_directory = publish(key, path, tmp, mode)
                     if new_directory is not None:
                         break
+                    if not os.path.lexists(tmp):
+                        raise TransientStoreError(
+                            f"cannot write {key!r} in {self.url}: its temp file {tmp} was "
+                            f"removed before it was published ({TEMP_DIR_NAME} cleaned during "
+                            "a write?); nothing was written, retry the write"
+                        )
                 else:
                     raise StoreError(
                         f"cannot write {key!r} in {self.url}: its directory kept disappearing "

@@ -78,6 +78,9 @@ _NOT_S3 = re.compile(
 that is not XML)."""
 _INSTANCE_METADATA = re.compile(r"169\.254\.169\.254|/latest/api/token|/latest/meta-data/")
 """A request to the EC2 instance metadata service (at its default or a configured address)."""
+_BARE_REDIRECT = "Received redirect without LOCATION"
+"""object_store's words for a 3xx without ``Location``: AWS S3's answer to a request signed for
+another region than the bucket's (object_store does not follow S3's region redirects)."""
 _NOT_S3_ON_404 = frozenset({"put", "put_if_absent", "list", "delete"})
 """Requests whose only S3 404 is ``NoSuchBucket``: a bare 404 means the endpoint is not S3."""
 _CREDENTIAL_ENV = (
@@ -175,7 +178,8 @@ class ObstoreS3Store(S3Location):
         obs = _import_obstore()
         self._obs = obs
         self._errors = obs.exceptions
-        config: dict[str, Any] = {"region": region or "us-east-1", "conditional_put": "etag"}
+        self._region = region or "us-east-1"
+        config: dict[str, Any] = {"region": self._region, "conditional_put": "etag"}
         if endpoint_url is not None:
             config["endpoint"] = endpoint_url
         if access_key_id is not None:
@@ -236,6 +240,13 @@ class ObstoreS3Store(S3Location):
                 f"cannot {what}: no usable AWS credentials (none were given, and the EC2 "
                 "instance metadata service failed or is disabled); pass access_key_id and "
                 "secret_access_key or set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+            )
+        if _BARE_REDIRECT in message:
+            # A refusal, so nothing was stored; and retrying with the same region cannot help.
+            return StoreError(
+                f"cannot {what}: {self._endpoint_shown} answered with a redirect: on AWS S3 the "
+                f"bucket is in another region than region={self._region!r}; set region to the "
+                "bucket's region (elsewhere: endpoint_url is not the S3 API's address)"
             )
         not_s3 = _NOT_S3.search(message)
         if not_s3 is not None and (op in _NOT_S3_ON_404 or "404" not in not_s3.group()):
@@ -315,13 +326,15 @@ class ObstoreS3Store(S3Location):
             raise self._translate(exc, op="get", key=key) from exc
 
     def _check_meta(self, meta: Any, *, op: str, key: str) -> None:
-        """``StoreError`` if an object's metadata lacks the ETag every S3 server sends.
+        """``StoreError`` if an object's metadata has neither ETag nor Last-Modified.
 
         A web server on the endpoint's port answers 200 with a page: without this check its
-        HTML would be returned as the object's bytes.
+        HTML would be returned as the object's bytes. Either header alone is S3's: some
+        compatible servers send no ETag on GET/HEAD (object_store does not require one), and
+        object_store reports a missing Last-Modified as the epoch.
         """
-        if meta.get("e_tag") is None:
-            raise self._not_s3(op, key, "no ETag in a 200 response")
+        if meta.get("e_tag") is None and meta["last_modified"].timestamp() == 0:
+            raise self._not_s3(op, key, "no ETag and no Last-Modified in a 200 response")
 
     def get_range(self, key: str, rng: ByteRange) -> bytes:
         full = self._key(key)

@@ -86,6 +86,9 @@ _THROTTLED = frozenset(
 _WRITE_OPS = frozenset({"put", "put_if_absent"})
 _BUCKET_OPS = _WRITE_OPS | {"list", "delete"}
 """Requests whose only S3 404 is ``NoSuchBucket``: a bare 404 means the endpoint is not S3."""
+_LISTING_FIELDS = frozenset({"IsTruncated", "Contents", "Name", "Prefix", "KeyCount", "MaxKeys"})
+"""Elements of a ListObjectsV2 result. S3 sends all of them (``Contents`` when not empty), some
+compatible servers omit ``IsTruncated`` when false; a web page botocore parses has none."""
 _RECURSION = "maximum recursion depth exceeded"
 """How botocore's ``HTTPClientError`` quotes a ``RecursionError`` (see ``_translate``)."""
 _CREDENTIAL_ERRORS = (
@@ -299,6 +302,15 @@ class S3Store(S3Location):
             message = self._scrub(str(error.get("Message", "")))
             status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
             detail = f"{what}: {code or status} {message}".rstrip()
+            headers = exc.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+            region = headers.get("x-amz-bucket-region") or error.get("Region")
+            if code == "PermanentRedirect" or (status == 301 and region):
+                # Left after botocore's own region redirect (an endpoint_url of another region).
+                where = f"in region {region!r}" if region else "in another region"
+                return StoreError(
+                    f"{detail}: the bucket is {where}; set region to it and, for AWS S3, leave "
+                    "endpoint_url unset (or use that region's endpoint)"
+                )
             return self._from_code(code, status, detail, op=op, key=key)
         if isinstance(exc, _CREDENTIAL_ERRORS):
             return self._no_credentials(what, exc)
@@ -444,7 +456,7 @@ class S3Store(S3Location):
                 )
             except Exception as exc:
                 raise self._translate(exc, op="list", key=prefix or None) from exc
-            if "IsTruncated" not in resp:
+            if not _LISTING_FIELDS & resp.keys():
                 # An empty listing, as botocore parses a web page, would read as "nothing here".
                 raise self._not_s3("list", prefix or None, "not a ListObjectsV2 result")
             for obj in resp.get("Contents", []):
