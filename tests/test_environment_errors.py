@@ -96,6 +96,7 @@ class FakeEndpoint:
         self.port = int(self._listener.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
         self.connections = 0
+        self.request_lines: list[str] = []
         self._open: list[socket.socket] = []
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -114,7 +115,9 @@ class FakeEndpoint:
 
     def _answer(self, conn: socket.socket) -> None:
         try:
-            conn.recv(65536)
+            request = conn.recv(65536)
+            with self._lock:
+                self.request_lines.append(request.split(b"\r\n", 1)[0].decode("latin-1"))
             if self._reply is not None:
                 conn.sendall(self._reply)
                 conn.close()
@@ -581,6 +584,24 @@ def test_well_formed_endpoints_are_accepted() -> None:
             )  # fmt: skip
             assert store.endpoint_url == endpoint  # type: ignore[attr-defined]
             store.close()
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_gateway_path_in_the_endpoint_is_kept_before_the_bucket(
+    aws_env: pytest.MonkeyPatch, client: str
+) -> None:
+    # Some gateways serve their S3 API under a path (Supabase: /storage/v1/s3); only a path
+    # that names the bucket again is the mistake refused above.
+    with fake_endpoint("not-found-page") as gateway:
+        store = bw.open_store(
+            "s3://bucket/p", s3_client=client, verify_conditional_writes=False,
+            endpoint_url=f"{gateway.url}/storage/v1/s3", **_credentials(), **FAST,
+        )  # fmt: skip
+        with pytest.raises(bw.StoreError):
+            store.get("k")
+        store.close()
+    assert gateway.request_lines
+    assert all(" /storage/v1/s3/bucket/p/k " in line for line in gateway.request_lines)
 
 
 @pytest.mark.parametrize("client", CLIENTS)

@@ -171,7 +171,11 @@ class ObstoreS3Store(S3Location):
                 if os.environ.get(name):
                     # object_store takes the endpoint from there: refuse what an explicit
                     # endpoint_url would be refused for (boto3 does so for its variables).
-                    check_endpoint(os.environ[name], f"{name} (used as the endpoint of {self.url})")
+                    check_endpoint(
+                        os.environ[name],
+                        f"{name} (used as the endpoint of {self.url})",
+                        bucket=self.bucket,
+                    )
                     if not endpoints:  # the first one set is named in messages
                         self._endpoint_shown = f"{os.environ[name]} (from {name})"
                     endpoints.append(os.environ[name])

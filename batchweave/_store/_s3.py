@@ -223,6 +223,7 @@ class S3Store(S3Location):
                     client.meta.endpoint_url,
                     f"the endpoint botocore found for {self.url} (AWS_ENDPOINT_URL, "
                     "AWS_ENDPOINT_URL_S3 or the AWS config file)",
+                    bucket=self.bucket,
                 )
         self._client = client
         if self._secrets:

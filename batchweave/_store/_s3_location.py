@@ -84,15 +84,17 @@ def refuse_url_credentials(endpoint_url: str, what: str) -> None:
         )
 
 
-def check_endpoint(endpoint_url: object, what: str) -> None:
+def check_endpoint(endpoint_url: object, what: str, *, bucket: str) -> None:
     """``InvalidStoreURL`` saying what is wrong with ``endpoint_url`` and what to write instead.
 
     ``what`` names where the endpoint came from (``"endpoint_url for s3://bucket"``, an
-    environment variable). An endpoint is ``scheme://host[:port]``: botocore and obstore put the
-    bucket and key after any path in it, so ``http://host:9000/bucket`` would silently store
-    every object under another key than the store URL says (``bucket/bucket/prefix/...``).
-    Both clients accept every form refused here and fail later, if at all: with a misleading
-    "ambiguous write", or (obstore, for a bad port) a Rust panic.
+    environment variable). An endpoint is ``scheme://host[:port]``, or with a path where a
+    gateway serves its S3 API under one (``https://host/storage/v1/s3``): botocore and obstore
+    put the bucket and key after that path. A path that starts with ``bucket`` is the common
+    mistake of naming the bucket twice (``http://host:9000/bucket``), which would silently
+    store every object under ``bucket/bucket/prefix/...``: refused. Both clients accept every
+    form refused here and fail later, if at all: with a misleading "ambiguous write", or
+    (obstore, for a bad port) a Rust panic.
     """
     example = "give scheme, host and port, e.g. http://127.0.0.1:9000"
     if not isinstance(endpoint_url, str):
@@ -112,11 +114,12 @@ def check_endpoint(endpoint_url: object, what: str) -> None:
         raise InvalidStoreURL(f"{where} has port 0; {example}")
     if parts.query or parts.fragment or endpoint_url.endswith(("?", "#")):
         raise InvalidStoreURL(f"{where} has a query or fragment; {example}")
-    if parts.path not in ("", "/"):
+    if parts.path.strip("/").split("/")[0] == bucket:
         raise InvalidStoreURL(
-            f"{where} has a path ({parts.path!r}); an S3 endpoint is scheme://host:port only: "
-            "put the bucket and prefix in the store URL (s3://bucket/prefix), or the objects "
-            "would be stored under other keys than it names"
+            f"{where} has a path ({parts.path!r}) that names the bucket {bucket!r} again: an S3 "
+            "endpoint is scheme://host:port (plus the path of a gateway's S3 API, if it has "
+            "one); the bucket and prefix belong in the store URL (s3://bucket/prefix), or every "
+            f"object would be stored under {bucket}/{bucket}/..."
         )
 
 
@@ -192,7 +195,7 @@ def check_location(bucket: str, prefix: str, endpoint_url: str | None) -> str:
     if prefix:
         validate_key(prefix)
     if endpoint_url is not None:
-        check_endpoint(endpoint_url, f"endpoint_url for s3://{bucket}")
+        check_endpoint(endpoint_url, f"endpoint_url for s3://{bucket}", bucket=bucket)
     return prefix
 
 
