@@ -22,7 +22,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 import pytest
@@ -584,6 +584,79 @@ def test_well_formed_endpoints_are_accepted() -> None:
             )  # fmt: skip
             assert store.endpoint_url == endpoint  # type: ignore[attr-defined]
             store.close()
+
+
+class _IgnoresRange(http.server.BaseHTTPRequestHandler):
+    """Answers every GET with 200 and the whole 64 MiB object, whatever Range asked for."""
+
+    protocol_version = "HTTP/1.1"
+    size = 64 << 20
+    block = bytes(range(256)) * 256  # 64 KiB; byte i of the object is i % 256
+    started = 0
+    sent: ClassVar[list[int]] = []
+    """Bytes sent per GET that has ended (the client read them, or closed the connection)."""
+    changed = threading.Condition()
+
+    def _head(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(self.size))
+        self.send_header("ETag", '"whole"')
+        self.send_header("Last-Modified", "Wed, 25 Nov 2026 10:00:00 GMT")
+        self.end_headers()
+
+    def do_HEAD(self) -> None:
+        self._head()
+
+    def do_GET(self) -> None:
+        with self.changed:
+            type(self).started += 1
+        self._head()
+        sent = 0
+        try:
+            while sent < self.size:
+                self.wfile.write(self.block)
+                sent += len(self.block)
+        except OSError:
+            pass  # the client stopped reading and closed the connection
+        with self.changed:
+            self.sent.append(sent)
+            self.changed.notify_all()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_bounded_read_stays_bounded_on_a_server_that_ignores_range(
+    aws_env: pytest.MonkeyPatch, client: str
+) -> None:
+    # Before: obstore read the whole body of a server that ignored Range before slicing it, so
+    # a manifest read (bounded to 64 MiB + 1) could download any amount (boto3: fixed earlier).
+    _IgnoresRange.started = 0
+    _IgnoresRange.sent.clear()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _IgnoresRange)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        store = bw.open_store(
+            "s3://bucket/p", s3_client=client, verify_conditional_writes=False,
+            endpoint_url=f"http://127.0.0.1:{server.server_address[1]}", **_credentials(),
+        )  # fmt: skip
+        assert store.get_range("k", bw.Bounded(1000, 1100)) == bytes(
+            i % 256 for i in range(1000, 1100)
+        )
+        store.close()
+        with _IgnoresRange.changed:  # every GET made has ended: none is still streaming
+            ended = _IgnoresRange.changed.wait_for(
+                lambda: len(_IgnoresRange.sent) == _IgnoresRange.started, BOUND
+            )
+        assert ended
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(BOUND)
+    assert _IgnoresRange.sent
+    assert max(_IgnoresRange.sent) < _IgnoresRange.size // 4  # socket buffers, not the object
 
 
 @pytest.mark.parametrize("client", CLIENTS)

@@ -43,6 +43,8 @@ from batchweave._store._s3_location import S3Location, check_client_options, che
 __all__ = ["ObstoreS3Store"]
 
 _LIST_CHUNK = 1000
+_STREAM_CHUNK = 1 << 20
+"""Bytes per chunk when a body is streamed (a range read on a server that ignores Range)."""
 _TRANSIENT = re.compile(
     r"\b(5\d\d|429)\b|SlowDown|ServiceUnavailable|InternalError|RequestTimeout|timed out|"
     r"timeout|connection|reset|broken pipe|error sending request|dns",
@@ -359,14 +361,34 @@ class ObstoreS3Store(S3Location):
             raise
         except Exception as exc:
             if "non-partial response" in str(exc):
-                # The server ignored the Range header (S3 does so for empty objects): slice here.
-                data = self.get(key)
-                start, end = resolve_range(rng, len(data))
-                return data[start:end]
+                return self._range_of_whole_object(key, full, rng)
             if self._past_the_end(exc):
                 self.head(key)  # out of range, or missing? only the latter is an error
                 return b""
             raise self._translate(exc, op="get_range", key=key) from exc
+
+    def _range_of_whole_object(self, key: str, full: str, rng: ByteRange) -> bytes:
+        """``rng`` of ``key`` from a plain GET, read only as far as the range reaches.
+
+        For a server that ignored the Range header (S3 does so for empty objects, some servers
+        always): a bounded read (a manifest's 64 MiB + 1) must stay bounded there too, so the
+        body is streamed and dropped once ``rng``'s end has arrived.
+        """
+        try:
+            result = self._obs.get(self._store, full)
+            self._check_meta(result.meta, op="get_range", key=key)
+            start, end = resolve_range(rng, int(result.meta["size"]))
+            data = bytearray()
+            if end > start:
+                for chunk in result.stream(min_chunk_size=_STREAM_CHUNK):
+                    data += chunk
+                    if len(data) >= end:
+                        break
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise self._translate(exc, op="get_range", key=key) from exc
+        return bytes(data[start:end])
 
     def _past_the_end(self, exc: Exception) -> bool:
         if isinstance(exc, (self._errors.NotFoundError, FileNotFoundError)):
