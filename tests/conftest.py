@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from batchweave import FileStore, MemoryStore, ObjectStore
-from batchweave.testing import S3Endpoint, moto_server, seaweedfs_server
+from batchweave.testing import S3Endpoint, free_port, moto_server, seaweedfs_server
 
 # Never let boto3 look for credentials on the network (EC2 instance metadata) during tests.
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
@@ -104,3 +104,19 @@ def consumers(load_bench: Callable[[str], ModuleType]) -> ModuleType:
 def registry() -> CollectorRegistry:
     """A Prometheus registry of the test's own, so tracked objects of other tests never show."""
     return CollectorRegistry()
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No AWS_* variables and no AWS config files: only what the test sets."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    # Should a client ask the EC2 metadata service anyway, it asks a closed port on loopback.
+    closed = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", closed)  # object_store (obstore)
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", closed)  # botocore
+    return monkeypatch

@@ -16,7 +16,6 @@ import contextlib
 import http.client
 import http.server
 import logging
-import os
 import socket
 import threading
 import time
@@ -49,22 +48,6 @@ def _credentials() -> dict[str, Any]:
 def _everything_said(exc: BaseException) -> str:
     """The error as a user can see it: message, repr and the whole chained traceback."""
     return f"{exc} {exc!r} " + "".join(traceback.format_exception(exc))
-
-
-@pytest.fixture
-def aws_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """No AWS_* variables and no AWS config files: only what the test sets."""
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    # Should a client ask the EC2 metadata service anyway, it asks a closed port on loopback.
-    closed = f"http://127.0.0.1:{free_port()}"
-    monkeypatch.setenv("AWS_METADATA_ENDPOINT", closed)  # object_store (obstore)
-    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", closed)  # botocore
-    return monkeypatch
 
 
 # -- endpoints that are not S3 servers ---------------------------------------------------------

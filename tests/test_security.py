@@ -39,6 +39,7 @@ from batchweave._manifest._codec import (
 from batchweave._metrics import start_metrics_server
 from batchweave._store._base import Bounded
 from batchweave._store._file import TEMP_DIR_NAME, FileStore
+from batchweave.testing import free_port
 
 SECRET = "SeCrEt-0f7e3a-not-a-real-key"
 PASSWORD = "Pa55w0rd-9c1d"
@@ -146,28 +147,12 @@ def test_an_endpoint_with_url_credentials_is_refused_without_echoing_them(
     assert "***@127.0.0.1" in str(info.value)
 
 
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])  # closed once the block ends
-
-
-@pytest.fixture
-def aws_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
-    return monkeypatch
-
-
 def test_an_environment_endpoint_with_url_credentials_is_refused(
     aws_env: pytest.MonkeyPatch,
 ) -> None:
     # botocore takes the endpoint from the environment, credentials and all; before the audit
     # they then appeared in every connection error.
-    aws_env.setenv("AWS_ENDPOINT_URL_S3", f"http://user:{PASSWORD}@127.0.0.1:{_closed_port()}")
+    aws_env.setenv("AWS_ENDPOINT_URL_S3", f"http://user:{PASSWORD}@127.0.0.1:{free_port()}")
     with pytest.raises(InvalidStoreURL, match=r"\*\*\*@127\.0\.0\.1") as info:
         S3Store("bucket", region="us-east-1", access_key_id="AK", secret_access_key=SECRET)
     assert PASSWORD not in "".join(traceback.format_exception(info.value))
@@ -180,7 +165,7 @@ def test_an_unreachable_endpoint_error_carries_no_secret(
     aws_env.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     store = cls(
         "bucket",
-        endpoint_url=f"http://127.0.0.1:{_closed_port()}",
+        endpoint_url=f"http://127.0.0.1:{free_port()}",
         region="us-east-1",
         access_key_id="AK",
         secret_access_key=SECRET,
