@@ -569,6 +569,26 @@ def test_well_formed_endpoints_are_accepted() -> None:
             store.close()
 
 
+def test_obstore_does_not_take_its_retry_timeout_setting_for_a_timeout() -> None:
+    # object_store's debug dump of every RetryError names its retry_timeout setting; matched
+    # as "timeout", every otherwise unknown error was transient and retried without end.
+    store = bw.open_store(
+        "s3://bucket/p", s3_client="obstore", verify_conditional_writes=False,
+        endpoint_url="http://127.0.0.1:9", **_credentials(),
+    )  # fmt: skip
+    dump = (
+        "Generic S3 error: Error performing GET http://127.0.0.1:9/bucket/p/k - unexpected "
+        "reply\n\nDebug source:\nGeneric {\n    source: RetryError(\n        RetryErrorImpl "
+        "{\n            retries: 0,\n            retry_timeout: 180s,\n        },\n    ),\n}"
+    )
+    error = store._translate(Exception(dump), op="get", key="k")  # type: ignore[attr-defined]
+    assert type(error) is bw.StoreError
+    timed_out = dump.replace("unexpected reply", "operation timed out")
+    error = store._translate(Exception(timed_out), op="get", key="k")  # type: ignore[attr-defined]
+    assert isinstance(error, bw.TransientStoreError)
+    store.close()
+
+
 class _IgnoresRange(http.server.BaseHTTPRequestHandler):
     """Answers every GET with 200 and the whole 64 MiB object, whatever Range asked for."""
 

@@ -298,7 +298,8 @@ class ObstoreS3Store(S3Location):
                 f"answer within read_timeout={self._read_timeout:g} s (an overloaded or hung "
                 "server, or not an S3 server on that port)"
             )
-        if _TRANSIENT.search(message):
+        # Every RetryError dump names its "retry_timeout" setting, which is no sign of a timeout.
+        if _TRANSIENT.search(message.replace("retry_timeout", "")):
             return TransientStoreError(detail)
         return StoreError(detail)
 
