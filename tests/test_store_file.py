@@ -103,6 +103,28 @@ def test_symlinked_directory_cannot_escape_root(
     assert list(store.list()) == []  # symlinks are not followed when listing
 
 
+@pytest.mark.parametrize("first_write", [True, False])
+def test_a_temp_directory_replaced_by_a_symlink_is_refused_not_written_through(
+    outside: Path, root: Path, first_write: bool
+) -> None:
+    # Writes stage their bytes in .bw-tmp before publishing them: a symlink planted there
+    # put every object's bytes outside the root first.
+    store = FileStore(root, fsync=False)
+    if not first_write:
+        store.put("before", b"x")
+        shutil.rmtree(root / TEMP_DIR_NAME)
+    (root / TEMP_DIR_NAME).symlink_to(outside, target_is_directory=True)
+    for call in (
+        lambda: store.put("k", b"payload"),
+        lambda: store.put_if_absent("k", b"payload"),
+    ):
+        with pytest.raises(InvalidKey, match="symbolic link") as info:
+            call()
+        assert "outside the root" in str(info.value)
+    assert list(outside.iterdir()) == []
+    assert not (root / "k").exists()
+
+
 @KERNEL_CHECK
 def test_symlinked_file_cannot_escape_root(
     tmp_path: Path, store: FileStore, root: Path, kernel_check: bool

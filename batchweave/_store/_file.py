@@ -57,6 +57,9 @@ _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY
 """Reads open with O_NONBLOCK so a FIFO planted under the root cannot hang ``open``."""
 _DIR_FLAGS = _READ_FLAGS | getattr(os, "O_DIRECTORY", 0)
 """A parent directory opened to publish into (Python's ``os.open`` already sets close-on-exec)."""
+_TEMP_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+_TEMP_DIR_FLAGS = _DIR_FLAGS | getattr(os, "O_NOFOLLOW", 0)
+"""The temp directory is opened without following a symlink in its place."""
 _STAT_FLAGS = getattr(os, "O_PATH", 0)
 """``head`` opens with ``O_PATH``: no read permission needed, nothing of a FIFO opened."""
 _PUBLISH_AT = (
@@ -195,15 +198,15 @@ class FileStore(ObjectStore):
     # -- writes ------------------------------------------------------------------------------
 
     def _write_temp(self, key: str, parts: Sequence[bytes | memoryview]) -> str:
-        tmp = os.path.join(self._tmp, f"{secrets.token_hex(16)}.tmp")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        name = f"{secrets.token_hex(16)}.tmp"
+        tmp = os.path.join(self._tmp, name)
         try:
-            fd = os.open(tmp, flags, 0o644)
+            fd = self._create_temp(key, name)
         except (FileNotFoundError, NotADirectoryError):
             # The first write, or an operator removed the temp directory (cleaning up stray
             # temp files): create it rather than failing every write with "no object".
             self._make_temp_dir(key)
-            fd = os.open(tmp, flags, 0o644)
+            fd = self._create_temp(key, name)
         try:
             _write_all(fd, parts)
             if self._fsync:
@@ -214,6 +217,30 @@ class FileStore(ObjectStore):
             raise
         os.close(fd)
         return tmp
+
+    def _create_temp(self, key: str, name: str) -> int:
+        """Create temp file ``name`` in the temp directory, never through a symlink there.
+
+        A ``.bw-tmp`` replaced by a symlink would put every object's bytes outside the root
+        before they are published; it is refused instead (``O_NOFOLLOW`` on the directory).
+        """
+        if os.open not in os.supports_dir_fd:
+            return os.open(os.path.join(self._tmp, name), _TEMP_FILE_FLAGS, 0o644)
+        try:
+            dfd = os.open(self._tmp, _TEMP_DIR_FLAGS)
+        except OSError as exc:
+            # With O_DIRECTORY, Linux reports a symlink as ENOTDIR rather than ELOOP.
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR) or not os.path.islink(self._tmp):
+                raise
+            raise InvalidKey(
+                f"cannot write {key!r} to {self.url}: its temp directory {self._tmp} is a "
+                f"symbolic link, which would put the data outside the root; remove the link "
+                f"(the name {TEMP_DIR_NAME!r} is reserved for in-flight writes)"
+            ) from exc
+        try:
+            return os.open(name, _TEMP_FILE_FLAGS, 0o644, dir_fd=dfd)
+        finally:
+            os.close(dfd)
 
     def _make_temp_dir(self, key: str) -> None:
         """Create the temp directory (and the root, if it was removed) for writing ``key``.
