@@ -893,7 +893,13 @@ class Consumer:
             f"{self._where}: step {step} (TGB steps {first}..{end - 1}) did not become visible "
             f"within {self.timeout} s; manifest version {m.version} holds TGB steps "
             f"{m.base_step}..{m.next_step - 1}. "
-            + (_UNREACHABLE if self._outage.down else "Are the producers running?")
+            + (
+                _UNREACHABLE
+                if self._outage.down
+                else "Are the producers running? Producers with max_lag also wait for "
+                "checkpoints: check that rank 0 calls checkpoint_hook after each checkpoint "
+                "(batchweave inspect lists the watermarks that hold them)."
+            )
         )
 
     def _open_timeout_error(self) -> ConsumerTimeout:

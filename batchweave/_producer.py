@@ -86,6 +86,9 @@ _LOG = logging.getLogger("batchweave.producer")
 LAG_WARN_AFTER = 60.0
 """Seconds an ``append`` blocked by ``max_lag`` with no watermark recorded waits before the
 producer says so once at WARNING (its periodic lines are INFO)."""
+LAG_WARN_LONG = 600.0
+"""Seconds after which any one ``max_lag`` wait is said once at WARNING: a watermark that
+stopped advancing (a trainer that never calls ``checkpoint_hook`` after its first mark)."""
 
 _RETRYABLE = (TransientStoreError, AmbiguousWriteError, StoreUnavailable)
 """Store failures after which retrying later may succeed; nothing pending is dropped."""
@@ -1271,10 +1274,13 @@ class Producer:
                     if now - last_log >= self._lag_log_interval:
                         last_log = now
                         holder, unmarked = self._boundary_holder()
-                        # Blocking is normal back-pressure (INFO); still blocked long after
-                        # start with no watermark at all looks like a job that never
-                        # checkpoints, so say it once where default logging shows it.
-                        loud = unmarked and not warned and now - blocked_since >= LAG_WARN_AFTER
+                        # Blocking is normal back-pressure (INFO); a minute with no watermark at
+                        # all, or ten with one that does not move, looks like a job that does not
+                        # checkpoint, so say it once where default logging shows it.
+                        waited = now - blocked_since
+                        loud = not warned and (
+                            waited >= LAG_WARN_LONG or (unmarked and waited >= LAG_WARN_AFTER)
+                        )
                         warned = warned or loud
                         _LOG.log(
                             logging.WARNING if loud else logging.INFO,

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import inspect
 import multiprocessing
+import pickle
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -25,10 +26,11 @@ import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, default_convert, get_worker_info
 
 from batchweave._consumer import Consumer, _resolve_coordinates
-from batchweave._errors import ConsumerTimeout, NamespaceNotFound
+from batchweave._errors import ConsumerError, ConsumerTimeout, NamespaceNotFound
 from batchweave._mesh import Mesh
 from batchweave._projection import DEFAULT_RANK_ORDER
 from batchweave._store._base import ObjectStore
+from batchweave._store._memory import MemoryStore
 from batchweave._store._open import check_store_url, open_store
 
 __all__ = ["WeaveDataset", "WeaveLoader", "to_tensors"]
@@ -212,6 +214,45 @@ def _sleep_unless_stopped(
             consumer.close()
 
 
+def _check_store_reaches_workers(dataset: WeaveDataset, context: Any) -> None:
+    """Refuse a store object that DataLoader worker processes cannot use, saying what works.
+
+    A ``memory://`` store lives in one process: each worker would read its own copy, which no
+    producer writes to. Workers started with ``spawn``/``forkserver`` receive the dataset
+    pickled, which an S3 client (thread-local sessions, locks) does not survive; torch's own
+    error names only the unpicklable attribute.
+    """
+    store = dataset.store
+    if isinstance(store, MemoryStore) or (
+        isinstance(store, str) and store.lower().startswith("memory://")
+    ):
+        raise ValueError(
+            "a memory:// store exists only in this process: DataLoader workers would each read "
+            "an empty copy of their own; use num_workers=0, or a file:// or s3:// store"
+        )
+    if isinstance(store, str):
+        return
+    method = context if isinstance(context, str) or context is None else context.get_start_method()
+    # Not get_start_method(): without allow_none it fixes the default, and a later
+    # set_start_method() of the user's would fail. The first method listed is the default.
+    method = (
+        method
+        or multiprocessing.get_start_method(allow_none=True)
+        or multiprocessing.get_all_start_methods()[0]
+    )
+    if method == "fork":
+        return  # forked workers inherit the store; nothing is pickled
+    try:
+        pickle.dumps(store)
+    except Exception as exc:
+        raise TypeError(
+            f"the store {store!r} cannot be sent to DataLoader workers started with "
+            f"{method!r} (pickling it failed: {exc}); "
+            "pass the store URL instead, e.g. WeaveDataset('s3://bucket/prefix', ..., "
+            "store_options={...}), and each worker opens its own client"
+        ) from exc
+
+
 class WeaveLoader:
     """Iterates a :class:`WeaveDataset` through a ``DataLoader``; checkpointable (``Stateful``).
 
@@ -235,9 +276,13 @@ class WeaveLoader:
             raise ValueError("persistent_workers cannot restart at a resumed step; leave it off")
         if dataloader_options.get("in_order", True) is not True:
             raise ValueError("in_order=False would deliver steps out of order; leave it on")
+        if dataloader_options.get("num_workers", 0):
+            _check_store_reaches_workers(dataset, dataloader_options.get("multiprocessing_context"))
         self.dataset = dataset
         self.dataloader_options = {"collate_fn": to_tensors, **dataloader_options}
         self._next_step: int | None = None
+        self._loops = 0
+        """Iterations running now: a state loaded meanwhile would not reach their workers."""
         self._shadow_store: ObjectStore | None = None
         self._shadow: Consumer | None = None
 
@@ -248,11 +293,13 @@ class WeaveLoader:
         stop = self._stop_event()
         self.dataset.stop_event = stop  # pickled into (or forked with) this iteration's workers
         batches = iter(loader)
+        self._loops += 1
         try:
             for step, data in batches:
                 self._next_step = int(step) + 1
                 yield step, data
         finally:
+            self._loops -= 1
             # A worker still waiting for producers would hold up the shutdown for 5 s before
             # torch kills it: it gives up now instead.
             if stop is not None:
@@ -329,11 +376,25 @@ class WeaveLoader:
         """
         return None
 
+    @property
+    def namespace(self) -> str:
+        """The namespace the dataset reads (:func:`batchweave.checkpoint_hook` checks it)."""
+        return self.dataset.namespace
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at ``state["step"]``: checked against the namespace, re-anchored if DP changed.
 
         Reads the namespace's manifest like the first :meth:`state_dict`, with the same timeout.
+        Refused while a loop over this loader runs (:class:`~batchweave.ConsumerError`): its
+        workers were started at another step and would go on from there.
         """
+        if self._loops:
+            raise ConsumerError(
+                f"WeaveLoader.load_state_dict() was called while a loop over the loader is "
+                f"running (next step {self._next_step}); its DataLoader workers would go on "
+                "from where they are. Leave the loop (break, or close the iterator), then load "
+                "the state and iterate the loader again"
+            )
         shadow = self._consumer()
         shadow.load_state_dict(state)
         self.dataset.resume_state = shadow.state_dict()

@@ -23,6 +23,7 @@ from fake_time import FakeTime
 from test_consumer import parse, produce
 from test_outage import OutageStore
 
+import batchweave as bw
 from batchweave import (
     Consumer,
     ConsumerTimeout,
@@ -109,6 +110,67 @@ def test_a_new_iteration_continues_where_the_last_stopped(
     assert _items(loader) == reference[3:]
     assert [parse(d)[2:] for _, d in reference] == [(1, 0)] * len(reference)
     loader.close()
+
+
+def test_load_state_dict_inside_a_running_loop_is_refused(
+    namespace: tuple[str, list[tuple[int, Any]]],
+) -> None:
+    # Before: accepted and silently ignored; the running workers went on from where they were.
+    url, reference = namespace
+    loader = _loader(url, 0)
+    seen: list[int] = []
+    for step, _ in loader:
+        seen.append(int(step))
+        if step == 2:
+            state = loader.state_dict()
+        if step == 4:
+            with pytest.raises(bw.ConsumerError, match="while a loop over the loader is running"):
+                loader.load_state_dict(state)
+    assert seen == [s for s, _ in reference]  # the refused call changed nothing
+    loader.load_state_dict(state)  # outside the loop it works: the next loop starts at 3
+    assert [int(s) for s, _ in loader] == [s for s, _ in reference[3:]]
+    loader.close()
+
+
+def test_checkpoint_hook_refuses_a_loader_of_another_namespace(
+    namespace: tuple[str, list[tuple[int, Any]]], tmp_path: Path
+) -> None:
+    # Before: WeaveLoader had no namespace attribute, so the hook recorded this loader's step
+    # in the other namespace's watermarks.
+    url, _ = namespace
+    loader = _loader(url, 0)
+    assert loader.namespace == "run"
+    marks = bw.Watermarks(FileStore(tmp_path, fsync=False), "other")
+    with pytest.raises(ValueError, match="reads namespace 'run'"):
+        bw.checkpoint_hook(loader, marks, "ckpt-1", rank=0)
+    assert marks.live() == []
+    loader.close()
+
+
+def test_a_memory_store_is_refused_with_worker_processes() -> None:
+    # Before: each worker read an empty copy of its own and waited for steps for ever.
+    for store in (bw.MemoryStore(), "memory://x"):
+        dataset = WeaveDataset(store, "run", mesh=MESH, dp_rank=0, cp_rank=0)
+        with pytest.raises(ValueError, match="memory:// store exists only in this process"):
+            WeaveLoader(dataset, num_workers=2)
+        WeaveLoader(dataset, num_workers=0).close()  # in-process is fine
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_a_store_object_that_spawned_workers_cannot_receive_is_refused_naming_the_fix(
+    tmp_path: Path, context: str
+) -> None:
+    class Unpicklable(FileStore):
+        def __reduce__(self) -> Any:
+            raise TypeError("cannot pickle '_thread.lock' object")
+
+    dataset = WeaveDataset(Unpicklable(tmp_path), "run", mesh=MESH, dp_rank=0, cp_rank=0)
+    with pytest.raises(TypeError, match="pass the store URL instead") as info:
+        WeaveLoader(dataset, num_workers=2, multiprocessing_context=context)
+    assert context in str(info.value)
+    WeaveLoader(dataset, num_workers=2, multiprocessing_context="fork").close()  # inherited
+    picklable = WeaveDataset(FileStore(tmp_path), "run", mesh=MESH, dp_rank=0, cp_rank=0)
+    WeaveLoader(picklable, num_workers=2, multiprocessing_context=context).close()
 
 
 def test_loader_refuses_options_that_break_step_order(

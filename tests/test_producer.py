@@ -35,7 +35,7 @@ from batchweave._format import CHECKSUM_ALGOS, ChecksumAlgo
 from batchweave._format._tgb import EncodedTgb, TgbBuilder, encode_tgb, read_footer, read_slice
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, TgbDescriptor
-from batchweave._producer import LAG_WARN_AFTER, _Entry
+from batchweave._producer import LAG_WARN_AFTER, LAG_WARN_LONG, _Entry
 from batchweave._store._memory import MemoryStore
 from batchweave._store._wrappers import FaultInjectingStore
 from batchweave._watermarks import Watermarks
@@ -848,9 +848,13 @@ def test_default_boundary_comes_from_the_namespace_watermarks(
     assert committed_offsets(store, "p0") == [0, 1, 2, 3, 4]
 
 
-def test_a_long_max_lag_wait_with_no_watermark_warns_once(store: MemoryStore) -> None:
-    # Blocking is normal back-pressure and logs at INFO, which default logging hides: a job whose
-    # trainer never calls checkpoint_hook looked like a producer that hangs in append.
+def _lag_lines_until_warned(
+    store: MemoryStore, *, mark_step: int | None
+) -> list[logging.LogRecord]:
+    """Block a producer by max_lag=2 until it has warned and logged once more; its lag lines.
+
+    ``mark_step``: a watermark recorded before the wait (and never moved), or none at all.
+    """
     lines: list[logging.LogRecord] = []
     info_after_warning = threading.Event()
 
@@ -868,6 +872,9 @@ def test_a_long_max_lag_wait_with_no_watermark_warns_once(store: MemoryStore) ->
     old_level = logger.level
     logger.setLevel(logging.INFO)
     fake = FakeTime(1000.0)
+    marks = Watermarks(store, NS, clock=fake.wall)
+    if mark_step is not None:
+        marks.record("ckpt-0", step=mark_step)
     try:
         with make(store, fake=fake, max_lag=2, lag_log_interval=5.0) as p:
             for off in range(3):
@@ -875,20 +882,45 @@ def test_a_long_max_lag_wait_with_no_watermark_warns_once(store: MemoryStore) ->
             p.flush()
             blocked = threading.Thread(target=p.append, args=(payloads(3),), kwargs={"offset": 3})
             blocked.start()
-            assert info_after_warning.wait(30)
-            Watermarks(store, NS, clock=fake.wall).record("ckpt-1", step=2)
+            assert info_after_warning.wait(60)
+            marks.record("ckpt-1", step=2)
+            if mark_step is not None:
+                marks.release("ckpt-0")
             blocked.join(10)
             assert not blocked.is_alive()
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
+    return lines
+
+
+def _waited(record: logging.LogRecord) -> float:
+    return float(record.getMessage().split("waiting ")[1].split(" s")[0])
+
+
+def test_a_long_max_lag_wait_with_no_watermark_warns_once(store: MemoryStore) -> None:
+    # Blocking is normal back-pressure and logs at INFO, which default logging hides: a job whose
+    # trainer never calls checkpoint_hook looked like a producer that hangs in append.
+    lines = _lag_lines_until_warned(store, mark_step=None)
     warnings = [r for r in lines if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "no watermark is recorded yet" in warnings[0].getMessage()
     assert "checkpoint_hook" in warnings[0].getMessage()
     assert lines[0].levelno == logging.INFO  # the first minute is ordinary back-pressure
-    waited = float(warnings[0].getMessage().split("waiting ")[1].split(" s")[0])
-    assert waited >= LAG_WARN_AFTER
+    assert LAG_WARN_AFTER <= _waited(warnings[0]) < LAG_WARN_LONG
+
+
+def test_a_max_lag_wait_on_a_watermark_that_never_moves_warns_after_ten_minutes(
+    store: MemoryStore,
+) -> None:
+    # A job that records a start mark and then never calls the hook: a watermark exists, so the
+    # one-minute warning does not apply, and before this the wait stayed at INFO for ever.
+    lines = _lag_lines_until_warned(store, mark_step=0)
+    warnings = [r for r in lines if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "the oldest is 'ckpt-0' at step 0" in warnings[0].getMessage()
+    assert _waited(warnings[0]) >= LAG_WARN_LONG
+    assert all(r.levelno == logging.INFO for r in lines if _waited(r) < LAG_WARN_LONG)
 
 
 # ---------------------------------------------------------------------------------------------
