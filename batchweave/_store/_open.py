@@ -25,10 +25,11 @@ from batchweave._store._base import ObjectStore
 from batchweave._store._file import FileStore, check_root
 from batchweave._store._memory import MemoryStore
 from batchweave._store._obstore import ObstoreS3Store
-from batchweave._store._s3 import S3Store, check_pool_size
+from batchweave._store._s3 import S3Store
 from batchweave._store._s3_location import (
     check_client_options,
     check_location,
+    check_pool_size,
     location_url,
     redact_url,
 )

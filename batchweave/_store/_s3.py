@@ -49,12 +49,13 @@ from batchweave._store._s3_location import (
     S3Location,
     check_client_options,
     check_endpoint,
+    check_pool_size,
 )
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
-__all__ = ["S3Store", "check_pool_size"]
+__all__ = ["S3Store"]
 
 DELETE_BATCH = 1000
 """S3's limit on keys per ``DeleteObjects`` request (SeaweedFS enforces it too)."""
@@ -139,18 +140,6 @@ class _RedactCredentials(logging.Filter):
 _REDACT = _RedactCredentials()
 for _name in _HEADER_LOGGERS:
     logging.getLogger(_name).addFilter(_REDACT)
-
-
-def check_pool_size(url: str, max_pool_connections: object) -> None:
-    """``InvalidStoreURL`` unless ``max_pool_connections`` (for ``url``) is an integer >= 1."""
-    if (
-        isinstance(max_pool_connections, bool)
-        or not isinstance(max_pool_connections, int)
-        or max_pool_connections < 1
-    ):
-        raise InvalidStoreURL(
-            f"{url}: max_pool_connections must be an integer >= 1, got {max_pool_connections!r}"
-        )
 
 
 class S3Store(S3Location):

@@ -20,6 +20,7 @@ __all__ = [
     "check_client_options",
     "check_endpoint",
     "check_location",
+    "check_pool_size",
     "location_url",
     "redact_url",
     "refuse_url_credentials",
@@ -132,6 +133,16 @@ def _positive_number(url: str, name: str, value: object) -> None:
         raise InvalidStoreURL(f"{url}: {name} must be a positive number of seconds, got {value!r}")
 
 
+def _at_least_one(url: str, name: str, value: object, note: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidStoreURL(f"{url}: {name} must be an integer >= 1{note}, got {value!r}")
+
+
+def check_pool_size(url: str, max_pool_connections: object) -> None:
+    """``InvalidStoreURL`` unless ``max_pool_connections`` (boto3 only) is an integer >= 1."""
+    _at_least_one(url, "max_pool_connections", max_pool_connections)
+
+
 def check_client_options(
     url: str,
     *,
@@ -160,11 +171,7 @@ def check_client_options(
         )
     _positive_number(url, "connect_timeout", connect_timeout)
     _positive_number(url, "read_timeout", read_timeout)
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-        raise InvalidStoreURL(
-            f"{url}: max_attempts must be an integer >= 1 (1 disables retries), "
-            f"got {max_attempts!r}"
-        )
+    _at_least_one(url, "max_attempts", max_attempts, " (1 disables retries)")
     if addressing_style is not None and addressing_style not in _ADDRESSING_STYLES:
         raise InvalidStoreURL(
             f"{url}: addressing_style must be 'path', 'virtual' or 'auto' (the default), "
