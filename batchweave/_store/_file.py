@@ -178,7 +178,7 @@ class FileStore(ObjectStore):
         """The store error ``exc`` (raised while doing ``action`` on ``key``) translates to."""
         if exc.errno in _MISSING_ERRNOS:
             return ObjectNotFound(f"no object {key!r} in {self.url}")
-        if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+        if _refused(exc):
             hint = f": {self._read_only(exc)}" if action in _WRITE_ACTIONS else ""
             return AccessDenied(f"permission denied to {action} {key!r} in {self.url}{hint}")
         return StoreError(f"cannot {action} {key!r} in {self.url}: {exc}")
@@ -252,7 +252,7 @@ class FileStore(ObjectStore):
             os.makedirs(self._tmp, exist_ok=True)
         except OSError as exc:
             what = f"cannot write {key!r} to {self.url}"
-            if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+            if _refused(exc):
                 raise AccessDenied(f"{what}: {self._read_only(exc)}") from exc
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
                 raise StoreError(f"{what}: creating {self._tmp} failed: {exc.strerror}") from exc
@@ -679,7 +679,7 @@ def _use_root(path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+        if _refused(exc):
             raise AccessDenied(
                 f"cannot create file store root {shown}: {exc.strerror}; create it with write "
                 "permission for this user, or choose a path this user can create"
@@ -700,6 +700,11 @@ def _unusable_root(path: Path, exc: OSError) -> InvalidStoreURL:
     return InvalidStoreURL(
         f"file store root {str(path)!r} cannot be used ({exc.strerror}); {_NOT_A_ROOT_FIX}"
     )
+
+
+def _refused(exc: OSError) -> bool:
+    """Whether ``exc`` means this user may not write there (permissions, a read-only mount)."""
+    return isinstance(exc, PermissionError) or exc.errno == errno.EROFS
 
 
 def _non_directory(path: str) -> str | None:
