@@ -31,7 +31,7 @@ from batchweave._mesh import Mesh
 from batchweave._projection import DEFAULT_RANK_ORDER
 from batchweave._store._base import ObjectStore
 from batchweave._store._memory import MemoryStore
-from batchweave._store._open import check_store_url, open_store
+from batchweave._store._open import check_store_url, open_store, store_url_scheme
 
 __all__ = ["WeaveDataset", "WeaveLoader", "to_tensors"]
 
@@ -224,7 +224,7 @@ def _check_store_reaches_workers(dataset: WeaveDataset, context: Any) -> None:
     """
     store = dataset.store
     if isinstance(store, MemoryStore) or (
-        isinstance(store, str) and store.lower().startswith("memory://")
+        isinstance(store, str) and store_url_scheme(store) == "memory"
     ):
         raise ValueError(
             "a memory:// store exists only in this process: DataLoader workers would each read "

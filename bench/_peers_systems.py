@@ -78,7 +78,23 @@ def _consume(
         n += 1
         if mid is not None and n == mid and on_mid is not None:
             state = on_mid()
-    end = time.monotonic()
+    return _reading(go, c0, first, time.monotonic(), ids, lat, nbytes, fetched=None, state=state)
+
+
+def _reading(
+    go: float,
+    c0: float,
+    first: float | None,
+    end: float,
+    ids: list[int],
+    lat: list[float],
+    nbytes: int,
+    *,
+    fetched: int | None,
+    state: Any,
+) -> dict[str, Any]:
+    """The dict every reader returns (the fields the module docstring lists), measured now:
+    ``c0`` the CPU seconds at ``go``, ``first`` None when no batch came (then ``end``)."""
     return {
         "go": go,
         "first": first if first is not None else end,
@@ -89,7 +105,7 @@ def _consume(
         "lat": lat,
         "cpu": cpu_seconds() - c0,
         "rss": peak_rss_mb(),
-        "fetched": None,
+        "fetched": fetched,
         "state": state,
     }
 
@@ -351,18 +367,6 @@ def nats_read(p: dict[str, Any], rank: int, ready: Ready) -> dict[str, Any]:
             del batch, view, data, msg
         end = time.monotonic()
         await nc.close()
-        return {
-            "go": go,
-            "first": first or end,
-            "end": end,
-            "bytes": nbytes,
-            "samples": len(ids),
-            "ids": ids,
-            "lat": lat,
-            "cpu": cpu_seconds() - c0,
-            "rss": peak_rss_mb(),
-            "fetched": fetched,
-            "state": None,
-        }
+        return _reading(go, c0, first, end, ids, lat, nbytes, fetched=fetched, state=None)
 
     return asyncio.run(main())

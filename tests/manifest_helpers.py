@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 from batchweave import ByteRange, ObjectStore, PutMode, StoreWrapper
+from batchweave._format._checksum import checksum
 from batchweave._manifest import (
     Committed,
     Manifest,
@@ -17,7 +18,27 @@ from batchweave._manifest import (
 )
 from batchweave._store._base import ObjectMeta
 
-__all__ = ["CountingStore", "FaultyPutStore", "descriptor", "landed_then"]
+__all__ = [
+    "KEY",
+    "SEG_KEY",
+    "CountingStore",
+    "FaultyPutStore",
+    "descriptor",
+    "envelope",
+    "grow",
+    "landed_then",
+]
+
+KEY = "runs/x/_manifests/00000000000000000007.manifest"
+"""The key bytes decoded outside a store are read as (decode errors name it)."""
+SEG_KEY = "runs/x/_segments/00000000000000000000-abc.seg"
+"""The same for segments."""
+
+
+def envelope(body: bytes, magic: str = "batchweave-manifest") -> bytes:
+    """``body`` behind the header the encoder writes (``magic``, the body's CRC-32C and length):
+    a well-formed object around a body the encoder would never write."""
+    return f"{magic} crc32c={checksum(body):08x} length={len(body)}\n".encode() + body
 
 
 def descriptor(producer: str, offset: int, *, epoch: int = 0, size: int = 1000) -> TgbDescriptor:

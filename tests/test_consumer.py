@@ -70,6 +70,24 @@ def parse(data: bytes) -> tuple[int, int, int, int]:
     return int(p), int(o), int(d), int(c)
 
 
+def in_threads(count: int, work: Callable[[int], None]) -> list[BaseException]:
+    """Run ``work(i)`` for ``i`` in ``range(count)`` on as many threads; what they raised."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 def produce(
     store: ObjectStore,
     namespace: str,
@@ -87,36 +105,26 @@ def produce(
 
     ``slice_table_limit=0`` keeps slice tables out of the manifest (consumers read footers).
     """
-    errors: list[BaseException] = []
 
     def run(i: int) -> None:
-        try:
-            if start is not None:
-                start.wait()
-            with Producer(
-                store,
-                namespace,
-                producer_id=f"p{i}",
-                mesh=mesh,
-                policy="naive",
-                slice_table_limit=slice_table_limit,
-                checksum_algo=checksum_algo,
-            ) as p:
-                for offset in range(tgbs):
-                    slices = [
-                        payload(i, offset, d, c, size)
-                        for d in range(mesh.dp)
-                        for c in range(mesh.cp)
-                    ]
-                    p.append(slices, offset=offset)
-        except BaseException as exc:
-            errors.append(exc)
+        if start is not None:
+            start.wait()
+        with Producer(
+            store,
+            namespace,
+            producer_id=f"p{i}",
+            mesh=mesh,
+            policy="naive",
+            slice_table_limit=slice_table_limit,
+            checksum_algo=checksum_algo,
+        ) as p:
+            for offset in range(tgbs):
+                slices = [
+                    payload(i, offset, d, c, size) for d in range(mesh.dp) for c in range(mesh.cp)
+                ]
+                p.append(slices, offset=offset)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(producers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = in_threads(producers, run)
     assert not errors, errors
     if seal:
         with Producer(store, namespace, producer_id="p0", mesh=mesh, policy="naive") as p:
@@ -126,6 +134,28 @@ def produce(
 def consume(store: ObjectStore, namespace: str, mesh: Mesh, **kw: Any) -> list[tuple[int, Any]]:
     with Consumer(store, namespace, mesh=mesh, **kw) as c:
         return list(c)
+
+
+def budgeted(
+    mesh: Mesh, *, dp_rank: int, retry_budget: int, stored: Mesh | None = None
+) -> tuple[Consumer, FaultInjectingStore, FakeTime]:
+    """A consumer of ``run`` (2 TGBs produced for ``stored``, by default ``mesh``) reading
+    inline (``prefetch=0``) through a fault injector, with ``retry_budget`` and a fake clock."""
+    inner = MemoryStore()
+    produce(inner, "run", stored or mesh, tgbs=2)
+    store = FaultInjectingStore(inner)
+    fake = FakeTime()
+    c = Consumer(
+        store,
+        "run",
+        mesh=mesh,
+        dp_rank=dp_rank,
+        prefetch=0,
+        retry_budget=retry_budget,
+        clock=fake.clock,
+        sleep=fake.sleep,
+    )
+    return c, store, fake
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,22 +415,9 @@ def test_transient_errors_are_retried_with_backoff() -> None:
 
 
 def test_exhausted_retry_budget_names_step_object_and_slice() -> None:
-    inner = MemoryStore()
-    produce(inner, "run", Mesh(dp=2), tgbs=2)
-    store = FaultInjectingStore(inner)
-    fake = FakeTime()
     # DP halved: step 1 reads TGB 0 again, so its footer is cached and the failing read is the
     # slice itself
-    c = Consumer(
-        store,
-        "run",
-        mesh=Mesh(dp=1),
-        dp_rank=0,
-        prefetch=0,
-        retry_budget=2,
-        clock=fake.clock,
-        sleep=fake.sleep,
-    )
+    c, store, fake = budgeted(Mesh(dp=1), dp_rank=0, retry_budget=2, stored=Mesh(dp=2))
     assert next(c)[0] == 0
     store.fail_next("get_range", times=3)
     with pytest.raises(
@@ -660,21 +677,8 @@ def test_failed_range_reads_count_as_requests_but_not_as_bytes() -> None:
 
 
 def test_stall_time_counts_calls_that_deliver_and_calls_that_fail() -> None:
-    inner = MemoryStore()
-    mesh = Mesh(dp=2)
-    produce(inner, "run", mesh, tgbs=2)
-    store = FaultInjectingStore(inner)
-    fake = FakeTime()  # moves only in sleep, and every sleep here is a retry inside next()
-    c = Consumer(
-        store,
-        "run",
-        mesh=mesh,
-        dp_rank=1,
-        prefetch=0,
-        retry_budget=1,
-        clock=fake.clock,
-        sleep=fake.sleep,
-    )
+    # The fake clock moves only in sleep, and every sleep here is a retry inside next().
+    c, store, fake = budgeted(Mesh(dp=2), dp_rank=1, retry_budget=1)
     assert next(c)[0] == 0
     store.fail_next("get_range", times=2)
     with pytest.raises(ConsumerError, match="budget"):

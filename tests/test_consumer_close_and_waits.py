@@ -20,13 +20,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from fake_time import FakeTime
-from test_consumer import _object_of, parse, payload, produce
+from test_consumer import _object_of, budgeted, parse, payload, produce
 
 from batchweave import (
     Consumer,
     ConsumerError,
     ConsumerTimeout,
-    FaultInjectingStore,
     FormatError,
     MemoryStore,
     Mesh,
@@ -266,14 +265,7 @@ def test_a_truncated_object_says_what_to_do(slice_table_limit: int, read: str) -
 
 def test_a_spent_retry_budget_says_what_to_do() -> None:
     """Before: the error named the step, object and slice but not that next() retries it."""
-    inner = MemoryStore()
-    produce(inner, "run", MESH, tgbs=2)
-    store = FaultInjectingStore(inner)
-    fake = FakeTime()
-    c = Consumer(
-        store, "run", mesh=MESH, dp_rank=0, prefetch=0, retry_budget=1,
-        clock=fake.clock, sleep=fake.sleep,
-    )  # fmt: skip
+    c, store, _ = budgeted(MESH, dp_rank=0, retry_budget=1)
     store.fail_next("get_range", times=2, key_prefix="run/data/")
     with pytest.raises(ConsumerError, match=r"^step 0 .*budget \(1\) is spent") as info:
         next(c)

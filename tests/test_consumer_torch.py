@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from fake_time import FakeTime
 from test_consumer import parse, produce
+from test_consumer import take as take_steps
 from test_outage import OutageStore
 
 import batchweave as bw
@@ -45,13 +46,24 @@ MAX_SLEEPS = 1_000
 """More sleeps than any bounded wait here takes: a wait without end fails the test instead."""
 
 
+def produce_reference(root: Path, *, producers: int, tgbs: int) -> list[tuple[int, Any]]:
+    """Produce namespace ``run`` of ``MESH`` in a file store at ``root`` (``tgbs`` TGBs per
+    producer); what rank (dp 1, cp 0) reads of it, the sequence its loaders must deliver."""
+    store = FileStore(root, fsync=False)
+    produce(store, "run", MESH, producers=producers, tgbs=tgbs)
+    with Consumer(store, "run", mesh=MESH, dp_rank=1, cp_rank=0) as c:
+        return list(c)
+
+
+def take(loader: WeaveLoader, n: int | None = None) -> list[tuple[int, Any]]:
+    """``test_consumer.take`` of a loop over ``loader``, its steps as plain ints."""
+    return [(int(step), data) for step, data in take_steps(loader, n)]
+
+
 @pytest.fixture(scope="module")
 def namespace(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[tuple[int, Any]]]:
     root: Path = tmp_path_factory.mktemp("weave")
-    store = FileStore(root, fsync=False)
-    produce(store, "run", MESH, producers=2, tgbs=5)
-    with Consumer(store, "run", mesh=MESH, dp_rank=1, cp_rank=0) as c:
-        reference = list(c)
+    reference = produce_reference(root, producers=2, tgbs=5)
     assert len(reference) == 10
     return f"file://{root}", reference
 
@@ -64,22 +76,13 @@ def _loader(url: str, workers: int, **kw: Any) -> WeaveLoader:
     return WeaveLoader(dataset, **options)
 
 
-def _items(loader: WeaveLoader, n: int | None = None) -> list[tuple[int, bytes]]:
-    out: list[tuple[int, bytes]] = []
-    for step, data in loader:
-        out.append((int(step), data))
-        if len(out) == n:
-            break
-    return out
-
-
 @pytest.mark.parametrize("workers", [0, 3])
 def test_same_sequence_with_any_number_of_workers(
     namespace: tuple[str, list[tuple[int, Any]]], workers: int
 ) -> None:
     url, reference = namespace
     loader = _loader(url, workers)
-    assert _items(loader) == reference
+    assert take(loader) == reference
     assert loader.state_dict()["step"] == len(reference)
     loader.close()
 
@@ -90,14 +93,14 @@ def test_resume_from_a_loader_checkpoint(
 ) -> None:
     url, reference = namespace
     first = _loader(url, before)
-    head = _items(first, 4)
+    head = take(first, 4)
     state = first.state_dict()  # workers may have prefetched more; only yielded steps count
     first.close()
     assert head == reference[:4]
     assert state["step"] == 4
     second = _loader(url, after)
     second.load_state_dict(state)
-    assert _items(second) == reference[4:]
+    assert take(second) == reference[4:]
     second.close()
 
 
@@ -106,8 +109,8 @@ def test_a_new_iteration_continues_where_the_last_stopped(
 ) -> None:
     url, reference = namespace
     loader = _loader(url, 0)
-    assert _items(loader, 3) == reference[:3]
-    assert _items(loader) == reference[3:]
+    assert take(loader, 3) == reference[:3]
+    assert take(loader) == reference[3:]
     assert [parse(d)[2:] for _, d in reference] == [(1, 0)] * len(reference)
     loader.close()
 

@@ -22,21 +22,17 @@ import pytest
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from test_consumer import produce
+from test_consumer_torch import MESH, produce_reference, take
 from torch.distributed.checkpoint.stateful import Stateful
 
 from batchweave import ChecksumMismatch, Consumer, ConsumerTimeout, FileStore, Mesh
 from batchweave.torch import WeaveDataset, WeaveLoader
 
-MESH = Mesh(dp=2, cp=2)
-
 
 @pytest.fixture(scope="module")
 def sealed(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[tuple[int, Any]]]:
     root: Path = tmp_path_factory.mktemp("weave")
-    store = FileStore(root, fsync=False)
-    produce(store, "run", MESH, producers=1, tgbs=6)
-    with Consumer(store, "run", mesh=MESH, dp_rank=1, cp_rank=0) as c:
-        reference = list(c)
+    reference = produce_reference(root, producers=1, tgbs=6)
     assert len(reference) == 6
     return root.as_uri(), reference
 
@@ -46,15 +42,6 @@ def _loader(url: str, workers: int, mesh: Mesh = MESH, **options: Any) -> WeaveL
     if workers:
         options.setdefault("multiprocessing_context", "fork")
     return WeaveLoader(dataset, num_workers=workers, **options)
-
-
-def _take(loader: WeaveLoader, n: int | None = None) -> list[tuple[int, Any]]:
-    out: list[tuple[int, Any]] = []
-    for step, data in loader:
-        out.append((int(step), data))
-        if len(out) == n:
-            break
-    return out
 
 
 def _steps(loader: WeaveLoader) -> Iterator[int]:
@@ -67,14 +54,14 @@ def test_spawn_workers_resume_without_workers_and_a_finished_loader_stays_finish
 ) -> None:
     url, reference = sealed
     first = _loader(url, 2, multiprocessing_context="spawn", prefetch_factor=1)
-    head = _take(first, 3)
+    head = take(first, 3)
     state = first.state_dict()
     first.close()
     assert multiprocessing.active_children() == []
     second = _loader(url, 0)
     second.load_state_dict(state)
-    assert head + _take(second) == reference
-    assert _take(second) == []  # a second epoch of a sealed namespace: nothing more
+    assert head + take(second) == reference
+    assert take(second) == []  # a second epoch of a sealed namespace: nothing more
     assert second.state_dict()["step"] == len(reference)
     second.close()
 
@@ -103,7 +90,7 @@ def test_dcp_save_and_load_resume_with_another_mesh_and_worker_count(
     url, _ = sealed
     first = _loader(url, 2)
     assert isinstance(first, Stateful)
-    _take(first, 3)  # workers have prefetched further: only the 3 yielded steps count
+    take(first, 3)  # workers have prefetched further: only the 3 yielded steps count
     dcp.save({"data": first}, checkpoint_id=tmp_path / "ckpt")
     saved = first.state_dict()
     first.close()
@@ -117,7 +104,7 @@ def test_dcp_save_and_load_resume_with_another_mesh_and_worker_count(
         c.load_state_dict(saved)
         expected = list(c)
     assert len(expected) == 12 - 2 * 3
-    assert _take(resumed) == expected
+    assert take(resumed) == expected
     resumed.close()
 
 
@@ -210,3 +197,13 @@ def test_leaving_the_loop_while_workers_wait_for_producers_is_prompt(tmp_path: P
     assert left < 3.0, f"leaving the loop took {left:.1f} s"
     assert multiprocessing.active_children() == []
     loader.close()
+
+
+@pytest.mark.parametrize("url", ["MEMORY://x", "Memory://x", " memory://x", "\tmemory://x"])
+def test_a_memory_url_is_refused_with_workers_however_open_store_reads_it(url: str) -> None:
+    # Before: only a lower-case "memory://" prefix was refused; open_store reads these as
+    # memory:// too, so each worker read an empty store of its own and waited for ever.
+    dataset = WeaveDataset(url, "run", mesh=MESH, dp_rank=0, cp_rank=0)
+    with pytest.raises(ValueError, match="memory:// store exists only in this process"):
+        WeaveLoader(dataset, num_workers=2)
+    WeaveLoader(dataset, num_workers=0).close()  # in-process is fine

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -60,8 +61,15 @@ def _reply(status: str, body: bytes) -> bytes:
     return head.encode() + b"Connection: close\r\n\r\n" + body
 
 
+_CONSOLE = (
+    b"<!DOCTYPE html><html><head><meta charset=utf-8><title>Console</title></head>"
+    b"<body>Sign in<br></body></html>"
+)
+"""A web console's page: HTML that is not well-formed XML (``<meta>``, ``<br>`` never closed)."""
+
 REPLIES = {
     "web-page": _reply("200 OK", _PAGE),
+    "console-page": _reply("200 OK", _CONSOLE),
     "not-found-page": _reply("404 Not Found", b"<html><body>404 Not Found</body></html>"),
     "silent": None,  # accepts the connection, reads the request, never answers
     # Location: a closed port on loopback (obstore follows redirects; botocore does not).
@@ -106,6 +114,19 @@ class FakeEndpoint:
                 conn.close()
         except OSError:
             pass
+
+    def closed_by_client(self, timeout: float) -> bool:
+        """Whether the client closed every connection it opened: each reads to EOF in time."""
+        with self._lock:
+            connections = list(self._open)
+        for conn in connections:
+            conn.settimeout(timeout)
+            try:
+                while conn.recv(65536):
+                    pass
+            except OSError:  # TimeoutError included: the client still holds it open
+                return False
+        return True
 
     def stop(self) -> None:
         # shutdown() wakes the accept() blocked in _serve (close() alone does not, on Linux).
@@ -172,6 +193,65 @@ def test_reads_from_a_web_page_are_refused_not_taken_as_objects(
         }
         with pytest.raises(bw.StoreError, match="did not answer like an S3 server"):
             calls[op]()
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_an_html_page_that_is_not_xml_is_not_s3_and_not_retried(
+    aws_env: pytest.MonkeyPatch, client: str
+) -> None:
+    # Before (boto3): botocore took the page for an S3 answer cut short and made it a 500, which
+    # it retried max_attempts times and BatchWeave called transient (list, delete) or
+    # ambiguous (put): a web console on the S3 port read as a flaky S3 server.
+    with fake_endpoint("console-page") as page:
+        store = bw.open_store(
+            "s3://bucket/p", s3_client=client, verify_conditional_writes=False,
+            endpoint_url=page.url, **_credentials(), max_attempts=3,
+        )  # fmt: skip
+        calls: dict[str, Callable[[], object]] = {
+            "put": lambda: store.put("k", b"v"),
+            "put_if_absent": lambda: store.put_if_absent("k", b"v"),
+            "list": lambda: list(store.list()),
+            "delete": lambda: store.delete_many(["k"]),
+        }
+        for op, call in calls.items():
+            before = page.connections
+            with pytest.raises(bw.StoreError, match="did not answer like an S3 server") as info:
+                call()
+            assert not isinstance(info.value, bw.TransientStoreError | bw.AmbiguousWriteError)
+            assert page.url in str(info.value), op
+            assert page.connections - before == 1, op  # not retried
+        with pytest.raises(bw.StoreError, match="did not answer like an S3 server") as opening:
+            bw.open_store(
+                "s3://bucket/p", s3_client=client, endpoint_url=page.url, **_credentials()
+            )
+        assert not isinstance(opening.value, bw.TransientStoreError | bw.AmbiguousWriteError)
+        assert SECRET not in _everything_said(opening.value)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        # An S3 answer cut short (botocore's reason to call a 200 it cannot parse a 500).
+        _reply("200 OK", b'<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult><Name>buc'),
+        # A gateway in front of S3 that is briefly down: its error page is HTML too.
+        _reply("503 Service Unavailable", b"<html><body>503 Service Unavailable</body></html>"),
+    ],
+    ids=["cut-xml", "gateway-503"],
+)
+def test_a_cut_s3_answer_or_a_gateway_error_page_stays_transient(
+    aws_env: pytest.MonkeyPatch, reply: bytes
+) -> None:
+    server = FakeEndpoint(reply)
+    try:
+        store = bw.open_store(
+            "s3://bucket/p", verify_conditional_writes=False, endpoint_url=server.url,
+            **_credentials(), max_attempts=2,
+        )  # fmt: skip
+        with pytest.raises(bw.TransientStoreError):
+            list(store.list())
+        assert server.connections == 2  # retried as before
+    finally:
+        server.stop()
 
 
 _LISTING_WITHOUT_IS_TRUNCATED = (
@@ -432,6 +512,52 @@ def test_a_silent_endpoint_fails_in_bounded_time_as_a_timeout_on_both_clients(
         assert SECRET not in _everything_said(opening.value)
 
 
+EXPECT_CONTINUE = {"boto3": 1.0, "obstore": 0.0}
+"""Seconds a client waits for ``100 Continue`` before sending a PUT body (botocore: 1 s)."""
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_open_store_gives_up_on_a_silent_endpoint_after_probe_timeout(
+    aws_env: pytest.MonkeyPatch, client: str
+) -> None:
+    # Before: the probe waited read_timeout on every attempt, and then again for its read-back
+    # and its delete: minutes with the defaults (60 s x 5 attempts), here 5 s x 3 each.
+    probe_timeout = 0.5
+    with fake_endpoint("silent") as silent:
+        started = time.monotonic()
+        with pytest.raises(bw.StoreUnavailable) as info:
+            bw.open_store(
+                "s3://bucket/p", s3_client=client, endpoint_url=silent.url, **_credentials(),
+                read_timeout=5.0, max_attempts=3, probe_timeout=probe_timeout,
+            )  # fmt: skip
+        elapsed = time.monotonic() - started
+        # One request, one attempt: it waited probe_timeout for an answer, then gave up (no
+        # retry, read-back or delete, which would each have waited as long again).
+        assert probe_timeout <= elapsed < probe_timeout + EXPECT_CONTINUE[client] + 1.0
+        assert silent.connections == 1
+        assert silent.closed_by_client(timeout=5.0)  # no socket left open to the endpoint
+    said = str(info.value)
+    assert silent.url in said
+    assert "accepted the connection but did not answer within 0.5 s" in said
+    assert "probe_timeout" in said  # what to change for a server that is only slow
+    assert "s3://bucket/p" in said
+    assert SECRET not in _everything_said(info.value)
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_the_probe_waits_no_longer_than_read_timeout(
+    aws_env: pytest.MonkeyPatch, client: str
+) -> None:
+    with fake_endpoint("silent") as silent:
+        started = time.monotonic()
+        with pytest.raises(bw.StoreUnavailable, match=r"did not answer within 0\.5 s"):
+            bw.open_store(
+                "s3://bucket/p", s3_client=client, endpoint_url=silent.url, **_credentials(),
+                read_timeout=0.5, probe_timeout=30.0,
+            )  # fmt: skip
+        assert time.monotonic() - started < 0.5 + EXPECT_CONTINUE[client] + 1.0
+
+
 def test_open_store_says_it_is_waiting_for_a_silent_endpoint(
     aws_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -689,6 +815,12 @@ def test_a_gateway_path_in_the_endpoint_is_kept_before_the_bucket(
         ("connect_timeout", -1, "connect_timeout must be a positive number"),
         ("read_timeout", "5", "read_timeout must be a positive number"),
         ("read_timeout", float("nan"), "read_timeout must be a positive number"),
+        ("read_timeout", np.float64("inf"), "read_timeout must be a positive number"),
+        ("probe_timeout", 0, "probe_timeout must be a positive number"),
+        ("probe_timeout", True, "probe_timeout must be a positive number"),
+        ("max_attempts", np.int64(0), "max_attempts must be an integer >= 1"),
+        ("max_attempts", np.True_, "max_attempts must be an integer >= 1"),
+        ("max_attempts", np.float64(2.0), "max_attempts must be an integer >= 1"),
         ("addressing_style", "dns", "addressing_style must be"),
         ("access_key_id", "AKID", "access_key_id was given without secret_access_key"),
         ("secret_access_key", SECRET, "secret_access_key was given without access_key_id"),
@@ -704,6 +836,42 @@ def test_bad_client_options_are_refused_naming_the_option(
     assert says in str(info.value)
     assert "s3://bucket/p" in str(info.value)
     assert SECRET not in _everything_said(info.value)
+    # Where the URL is only passed on (WeaveDataset), the same check, in the same words.
+    with pytest.raises(bw.InvalidStoreURL) as checked:
+        store_open.check_store_url("s3://bucket/p", s3_client=client, **{option: value})
+    assert str(checked.value) == str(info.value)
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_numpy_numbers_are_taken_for_numeric_options(
+    aws_env: pytest.MonkeyPatch, client: str
+) -> None:
+    # Before: np.int64(8) was "max_attempts must be an integer >= 1, got 8" (a value computed
+    # with NumPy, e.g. from a config array), and so for every timeout given as a NumPy float.
+    options: dict[str, Any] = {
+        "connect_timeout": np.float32(1.5),
+        "read_timeout": np.int64(7),
+        "probe_timeout": np.float64(2.5),
+        "max_attempts": np.int64(4),
+    }
+    if client == "boto3":
+        options["max_pool_connections"] = np.int32(3)
+    store_open.check_store_url("s3://bucket/p", s3_client=client, **options)
+    store = bw.open_store(
+        "s3://bucket/p", s3_client=client, verify_conditional_writes=False, **_credentials(),
+        **options,
+    )  # fmt: skip
+    checked = store._options  # type: ignore[attr-defined]
+    assert (checked.connect_timeout, checked.read_timeout, checked.probe_timeout) == (1.5, 7, 2.5)
+    assert checked.max_attempts == 4
+    # Plain Python numbers reach the clients (obstore's timedelta refuses a NumPy float32).
+    for value in (checked.connect_timeout, checked.read_timeout, checked.probe_timeout):
+        assert type(value) is float
+    assert type(checked.max_attempts) is int
+    if client == "boto3":
+        config = store.client.meta.config  # type: ignore[attr-defined]
+        assert (config.max_pool_connections, config.read_timeout) == (3, 7.0)
+        assert config.retries["total_max_attempts"] == 4
 
 
 @pytest.mark.parametrize("client", CLIENTS)

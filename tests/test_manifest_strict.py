@@ -34,7 +34,7 @@ from botocore.config import Config
 from botocore.response import StreamingBody
 from botocore.stub import Stubber
 from fake_time import FakeTime
-from manifest_helpers import descriptor, grow
+from manifest_helpers import KEY, SEG_KEY, descriptor, envelope, grow
 from moto import mock_aws
 
 from batchweave import (
@@ -188,9 +188,6 @@ def test_each_manifest_read_is_one_bounded_range_read_on_every_backend(
 
 # -- 2. strict parsing of persisted JSON --------------------------------------------------------
 
-KEY = "runs/x/_manifests/00000000000000000007.manifest"
-SEG_KEY = "runs/x/_segments/00000000000000000000-abc.seg"
-
 
 def _table(count: int = 4) -> SliceTable:
     return SliceTable(
@@ -239,8 +236,8 @@ def _manifest() -> Manifest:
 
 
 def _envelope(body: dict[str, Any], magic: str = "batchweave-manifest") -> bytes:
-    raw = json.dumps(body).encode()  # Python's json writes NaN and Infinity as bare tokens
-    return f"{magic} crc32c={_codec.body_checksum(raw):08x} length={len(raw)}\n".encode() + raw
+    # Python's json writes NaN and Infinity as bare tokens
+    return envelope(json.dumps(body).encode(), magic)
 
 
 def _body(data: bytes) -> dict[str, Any]:
@@ -297,9 +294,8 @@ def test_coercible_manifest_json_is_a_format_error_naming_key_and_field(
 def test_an_overflowing_float_literal_is_refused() -> None:
     raw = encode_manifest(_manifest()).split(b"\n", 1)[1]
     raw = raw.replace(b'"created_at":1700000000.0', b'"created_at":1e999')
-    data = f"batchweave-manifest crc32c={_codec.body_checksum(raw):08x} length={len(raw)}\n"
     with pytest.raises(FormatError, match="created_at"):
-        decode_manifest(data.encode() + raw, key=KEY)
+        decode_manifest(envelope(raw), key=KEY)
 
 
 @pytest.mark.parametrize(

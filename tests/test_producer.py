@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1068,6 +1069,28 @@ def _payloads(offset: int) -> list[bytes]:
     return [f"{offset}/{i}".encode() for i in range(Mesh(dp=2, cp=1).slices)]
 
 
+def _fake_time_producer(store: ObjectStore, fake: FakeTime, **options: Any) -> Producer:
+    """Producer ``p0`` of ``NS`` (dp=2, cp=1) on ``fake``'s clocks (and its ``sleep`` unless
+    ``options`` name another)."""
+    options.setdefault("sleep", fake.sleep)
+    return Producer(
+        store,
+        NS,
+        producer_id="p0",
+        mesh=Mesh(dp=2, cp=1),
+        clock=fake.clock,
+        wall_clock=fake.wall,
+        **options,
+    )
+
+
+def _committed_offsets(store: ObjectStore) -> list[int]:
+    """The offsets of the TGBs the latest manifest of ``NS`` holds, in step order."""
+    log = ManifestLog(store, NS)
+    m = log.latest()
+    return [d.offset for _, d in log.descriptors(m, 0, m.next_step)]
+
+
 def test_max_lag_commits_what_it_counts_when_a_count_policy_holds_it_back() -> None:
     # max_lag counts this producer's uncommitted TGBs as visible. With a count-paced policy
     # (fixed10) and max_lag below its count, the TGBs that block append were never committed:
@@ -1081,17 +1104,8 @@ def test_max_lag_commits_what_it_counts_when_a_count_policy_holds_it_back() -> N
         fake.sleep(seconds)
         tick.wait(0.005)  # the blocked append re-checks with backoff; keep it from spinning
 
-    p = Producer(
-        store,
-        NS,
-        producer_id="p0",
-        mesh=Mesh(dp=2, cp=1),
-        policy="fixed10",
-        max_lag=3,
-        boundary=lambda: boundary["step"],
-        clock=fake.clock,
-        wall_clock=fake.wall,
-        sleep=sleep,
+    p = _fake_time_producer(
+        store, fake, sleep=sleep, policy="fixed10", max_lag=3, boundary=lambda: boundary["step"]
     )
     try:
         for off in range(4):  # 0 + 3 pending <= max_lag when offset 3 is appended
@@ -1112,9 +1126,7 @@ def test_max_lag_commits_what_it_counts_when_a_count_policy_holds_it_back() -> N
         assert not blocked.is_alive()
     finally:
         p.close()
-    log = ManifestLog(store, NS)
-    m = log.latest()
-    assert [d.offset for _, d in log.descriptors(m, 0, m.next_step)] == [0, 1, 2, 3, 4]
+    assert _committed_offsets(store) == [0, 1, 2, 3, 4]
 
 
 def test_an_append_racing_close_is_committed_or_refused_never_silently_dropped() -> None:
@@ -1124,16 +1136,7 @@ def test_an_append_racing_close_is_committed_or_refused_never_silently_dropped()
     # commit it: close() then returned without error and the TGB was lost.
     store = MemoryStore()
     fake = FakeTime(1000.0)
-    p = Producer(
-        store,
-        NS,
-        producer_id="p0",
-        mesh=Mesh(dp=2, cp=1),
-        policy="naive",
-        clock=fake.clock,
-        wall_clock=fake.wall,
-        sleep=fake.sleep,
-    )
+    p = _fake_time_producer(store, fake, policy="naive")
     p.append(_payloads(0), offset=0)
     outcome: list[BaseException | None] = []
     shutdown = p._shutdown
@@ -1152,9 +1155,7 @@ def test_an_append_racing_close_is_committed_or_refused_never_silently_dropped()
 
     p._shutdown = late_append_then_shutdown  # type: ignore[method-assign]
     p.close()
-    log = ManifestLog(store, NS)
-    m = log.latest()
-    committed = [d.offset for _, d in log.descriptors(m, 0, m.next_step)]
+    committed = _committed_offsets(store)
     assert len(outcome) == 1
     refused = isinstance(outcome[0], ProducerError)
     assert refused or committed == [0, 1], (

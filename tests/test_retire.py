@@ -7,9 +7,11 @@ of the manifests.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -155,19 +157,26 @@ def test_a_commit_landing_first_keeps_its_producer() -> None:
     assert "a" in log.latest().producers
 
 
+@contextlib.contextmanager
+def _retired_while_running(store: bw.ObjectStore) -> Iterator[tuple[bw.Producer, bw.RetireReport]]:
+    """Producer ``pod-7`` commits offset 0, then its id is retired (two days later) while it
+    runs: the producer and the retire's report; the producer is aborted on the way out."""
+    producer = bw.Producer(store, NS, producer_id="pod-7", mesh=MESH)
+    try:
+        producer.append([b"0", b"x"], offset=0)
+        producer.flush(timeout=30)
+        yield producer, bw.retire_producers(store, NS, idle_for=DAY, wall_clock=lambda: later(2))
+    finally:
+        producer.abort()
+
+
 def test_a_running_producer_of_a_retired_id_stops_and_says_where_to_resume() -> None:
     store = bw.MemoryStore()
-    zombie = bw.Producer(store, NS, producer_id="pod-7", mesh=MESH)
-    try:
-        zombie.append([b"0", b"x"], offset=0)
-        zombie.flush(timeout=30)
-        report = bw.retire_producers(store, NS, idle_for=DAY, wall_clock=lambda: later(2))
+    with _retired_while_running(store) as (zombie, report):
         assert report.retired == ("pod-7",)
         zombie.append([b"1", b"x"], offset=1)
         with pytest.raises(bw.ProducerRetired) as info:
             zombie.flush(timeout=30)
-    finally:
-        zombie.abort()
     message = str(info.value)
     assert f"manifest version {report.version} no longer lists it" in message
     assert "uncommitted: offsets 1..1" in message
@@ -275,22 +284,18 @@ def test_cli_verify_and_inspect_account_for_retired_ids(tmp_path: Path) -> None:
 def test_a_process_of_the_old_stream_is_fenced_when_the_id_starts_again() -> None:
     """Retire, start the id again, and only then let the old process try to commit."""
     store = bw.MemoryStore()
-    old = bw.Producer(store, NS, producer_id="pod-7", mesh=MESH)
-    try:
-        old.append([b"0", b"x"], offset=0)
-        old.flush(timeout=30)
-        bw.retire_producers(store, NS, idle_for=DAY, wall_clock=lambda: later(2))
-        with bw.Producer(store, NS, producer_id="pod-7", mesh=MESH) as new:
-            assert new.epoch > old.epoch
-            assert new.resume_offset == 0
-            new.append([b"n0", b"x"], offset=0)
-            new.flush(timeout=30)
-            old.append([b"1", b"x"], offset=1)
-            with pytest.raises(bw.ProducerFenced):
-                old.flush(timeout=30)
-            new.append([b"n1", b"x"], offset=1)
-    finally:
-        old.abort()
+    with (
+        _retired_while_running(store) as (old, _),
+        bw.Producer(store, NS, producer_id="pod-7", mesh=MESH) as new,
+    ):
+        assert new.epoch > old.epoch
+        assert new.resume_offset == 0
+        new.append([b"n0", b"x"], offset=0)
+        new.flush(timeout=30)
+        old.append([b"1", b"x"], offset=1)
+        with pytest.raises(bw.ProducerFenced):
+            old.flush(timeout=30)
+        new.append([b"n1", b"x"], offset=1)
     assert steps(store) == [("pod-7", 0), ("pod-7", 0), ("pod-7", 1)]
     state = ManifestLog(store, NS).latest().producers["pod-7"]
     assert (state.epoch, state.offset) == (new.epoch, 1)

@@ -96,6 +96,27 @@ def test_namespace_with_a_control_character_is_a_one_line_cli_error(tmp_path: Pa
 # -- bucket names ------------------------------------------------------------------------------
 
 BAD_BUCKETS = ("bad bucket", "bad_bucket!", "host:9000", "b" * 256)
+SECRET = "audit-secret-value"
+"""The secret key of :func:`_audited`'s clients: no error message may contain it."""
+
+
+def _audited(
+    cls: type[bw.S3Store] | type[bw.ObstoreS3Store],
+    endpoint_url: str,
+    bucket: str = "bucket",
+    *prefix: str,
+    **options: Any,
+) -> bw.S3Store | bw.ObstoreS3Store:
+    """A ``cls`` client of ``bucket`` at ``endpoint_url`` with static keys and one attempt."""
+    return cls(
+        bucket,
+        *prefix,
+        endpoint_url=endpoint_url,
+        access_key_id="AKIDAUDIT",
+        secret_access_key=SECRET,
+        max_attempts=1,
+        **options,
+    )
 
 
 @pytest.mark.parametrize("bucket", BAD_BUCKETS, ids=lambda b: b[:12])
@@ -107,14 +128,8 @@ def test_invalid_bucket_names_are_refused_as_a_bad_url(
     # AmbiguousWriteError for a put and TransientStoreError (retried forever by consumers) for
     # reads; obstore panicked in Rust (pyo3 PanicException, a BaseException, with a backtrace on
     # stderr) on a bucket with a space.
-    options = {
-        "endpoint_url": f"http://127.0.0.1:{free_port()}",
-        "access_key_id": "AKIDAUDIT",
-        "secret_access_key": "audit-secret-value",
-        "max_attempts": 1,
-    }
     with pytest.raises(bw.InvalidStoreURL, match="not a valid S3 bucket name"):
-        cls(bucket, "prefix", **options)
+        _audited(cls, f"http://127.0.0.1:{free_port()}", bucket, "prefix")
 
 
 def test_open_store_and_cli_refuse_a_bad_bucket_in_one_line() -> None:
@@ -163,16 +178,10 @@ def test_delete_on_an_unreachable_endpoint_is_unavailable_on_both_s3_clients(
     # Before: obstore reported a failed delete as AmbiguousWriteError (boto3:
     # StoreUnavailable/TransientStoreError), so the reclaimer, which stops at once on an
     # unavailable store, instead retried every key one by one and recorded them as refused.
-    store = cls(
-        "bucket",
-        endpoint_url=f"http://127.0.0.1:{free_port()}",
-        access_key_id="AKIDAUDIT",
-        secret_access_key="audit-secret-value",
-        max_attempts=1,
-    )
+    store = _audited(cls, f"http://127.0.0.1:{free_port()}")
     with store, pytest.raises(bw.StoreUnavailable) as info:
         store.delete_many(["a", "b"])
-    assert "audit-secret-value" not in str(info.value)
+    assert SECRET not in str(info.value)
 
 
 # -- file:// URLs ------------------------------------------------------------------------------
@@ -242,6 +251,11 @@ class _FakeS3(http.server.ThreadingHTTPServer):
     head_ok = False
     request_id = "7A2B9C0D1E2F3A4B"
 
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host!s}:{port}"
+
 
 @pytest.fixture(scope="module")
 def error_server() -> Iterator[_FakeS3]:
@@ -282,16 +296,7 @@ def test_both_s3_clients_map_server_errors_to_the_same_leaf(
     expected: type[bw.StoreError],
 ) -> None:
     error_server.answer = (status, code)
-    host, port = error_server.server_address[:2]
-    store = cls(
-        "bucket",
-        "p",
-        endpoint_url=f"http://{host!s}:{port}",
-        region="us-east-1",
-        access_key_id="AKIDAUDIT",
-        secret_access_key="audit-secret-value",
-        max_attempts=1,
-    )
+    store = _audited(cls, error_server.url, "bucket", "p", region="us-east-1")
     calls: dict[str, Callable[[], Any]] = {
         "put_if_absent": lambda: store.put_if_absent("k", b"x"),
         "put": lambda: store.put("k", b"x"),
@@ -302,7 +307,7 @@ def test_both_s3_clients_map_server_errors_to_the_same_leaf(
     with store, pytest.raises(bw.StoreError) as info:
         calls[op]()
     assert type(info.value) is expected, info.value
-    assert "audit-secret-value" not in str(info.value)
+    assert SECRET not in str(info.value)
 
 
 # -- credentials that cannot be loaded ---------------------------------------------------------
@@ -385,14 +390,7 @@ def test_obstore_range_read_failing_with_416_in_its_request_id_is_not_read_as_em
     monkeypatch.setattr(error_server, "answer", (503, "SlowDown"))
     monkeypatch.setattr(error_server, "head_ok", True)
     monkeypatch.setattr(error_server, "request_id", "4416AB0C9D8E7F60")
-    host, port = error_server.server_address[:2]
-    store = bw.ObstoreS3Store(
-        "bucket",
-        endpoint_url=f"http://{host!s}:{port}",
-        access_key_id="AKIDAUDIT",
-        secret_access_key="audit-secret-value",
-        max_attempts=1,
-    )
+    store = _audited(bw.ObstoreS3Store, error_server.url)
     assert store.head("k").size == 10
     with store, pytest.raises(bw.TransientStoreError):
         store.get_range("k", bw.Bounded(2, 6))
@@ -422,15 +420,7 @@ def test_reads_are_classified_by_the_server_status_not_by_words_in_its_reply(
 ) -> None:
     monkeypatch.setattr(error_server, "answer", (status, code))
     monkeypatch.setattr(error_server, "request_id", request_id)
-    host, port = error_server.server_address[:2]
-    store = cls(
-        "bucket",
-        endpoint_url=f"http://{host!s}:{port}",
-        region="us-east-1",
-        access_key_id="AKIDAUDIT",
-        secret_access_key="audit-secret-value",
-        max_attempts=1,
-    )
+    store = _audited(cls, error_server.url, region="us-east-1")
     with store, pytest.raises(bw.StoreError) as info:
         store.get("k")
     assert type(info.value) is expected, info.value

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_consumer import produce
+from test_consumer import in_threads, produce
 
 import batchweave as bw
 from batchweave import (
@@ -56,8 +56,11 @@ def outside(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def store(root: Path) -> FileStore:
-    return FileStore(root)
+def store(root: Path, request: pytest.FixtureRequest) -> FileStore:
+    """A store at ``root``; under :data:`KERNEL_CHECK`, confined either way it can be."""
+    store = FileStore(root)
+    store._proc_fd = getattr(request, "param", True) and store._proc_fd
+    return store
 
 
 def test_missing_root_is_created_and_url_is_a_file_uri(tmp_path: Path) -> None:
@@ -73,8 +76,12 @@ def test_relative_root_is_refused() -> None:
         FileStore("relative/dir")
 
 
-KERNEL_CHECK = pytest.mark.parametrize("kernel_check", [True, False], ids=["proc-fd", "realpath"])
-"""Confinement is checked on opened descriptors (Linux /proc/self/fd) or, elsewhere, on paths."""
+KERNEL_CHECK = pytest.mark.parametrize(
+    "store", [True, False], ids=["proc-fd", "realpath"], indirect=True
+)
+"""Confinement is checked on opened descriptors (Linux /proc/self/fd) or, elsewhere, on paths:
+the ``store`` of a test marked so is run both ways (``realpath``: as if there were no
+/proc/self/fd)."""
 PROC_FD_ONLY = pytest.mark.skipif(
     not os.path.isdir("/proc/self/fd"), reason="descriptor confinement needs /proc/self/fd"
 )
@@ -82,9 +89,8 @@ PROC_FD_ONLY = pytest.mark.skipif(
 
 @KERNEL_CHECK
 def test_symlinked_directory_cannot_escape_root(
-    outside: Path, store: FileStore, root: Path, kernel_check: bool
+    outside: Path, store: FileStore, root: Path
 ) -> None:
-    store._proc_fd = kernel_check and store._proc_fd
     (outside / "secret").write_bytes(b"do not read")
     (root / "link").symlink_to(outside, target_is_directory=True)
     for call in (
@@ -126,10 +132,7 @@ def test_a_temp_directory_replaced_by_a_symlink_is_refused_not_written_through(
 
 
 @KERNEL_CHECK
-def test_symlinked_file_cannot_escape_root(
-    tmp_path: Path, store: FileStore, root: Path, kernel_check: bool
-) -> None:
-    store._proc_fd = kernel_check and store._proc_fd
+def test_symlinked_file_cannot_escape_root(tmp_path: Path, store: FileStore, root: Path) -> None:
     target = tmp_path / "target"
     target.write_bytes(b"outside")
     (root / "alias").symlink_to(target)
@@ -149,9 +152,8 @@ def test_symlinked_file_cannot_escape_root(
 
 @KERNEL_CHECK
 def test_a_put_replaces_a_symlink_inside_the_root_not_its_target(
-    store: FileStore, root: Path, kernel_check: bool
+    store: FileStore, root: Path
 ) -> None:
-    store._proc_fd = kernel_check and store._proc_fd
     store.put("real/object", b"target")
     (root / "alias").symlink_to(root / "real" / "object")
     with pytest.raises(ObjectExists):
@@ -237,10 +239,9 @@ def test_a_put_retries_when_its_opened_directory_is_pruned(
 
 @KERNEL_CHECK
 def test_every_read_path_refuses_an_escaping_symlink(
-    tmp_path: Path, store: FileStore, root: Path, kernel_check: bool
+    tmp_path: Path, store: FileStore, root: Path
 ) -> None:
     # Reads check the descriptor they opened (Linux /proc/self/fd) or, elsewhere, the path.
-    store._proc_fd = kernel_check and store._proc_fd
     (tmp_path / "outside").write_bytes(b"0123456789")
     (root / "alias").symlink_to(tmp_path / "outside")
     buffer = memoryview(bytearray(4))
@@ -333,23 +334,14 @@ def test_delete_prunes_emptied_directories_only(store: FileStore, root: Path) ->
 
 def test_puts_survive_concurrent_pruning(store: FileStore) -> None:
     # Deletes prune the directory a concurrent put is about to publish into; puts must retry.
-    errors: list[BaseException] = []
-
     def churn(worker: int) -> None:
-        try:
-            for i in range(150):
-                key = f"hot/dir/w{worker}-{i}"
-                store.put(key, b"x")
-                assert store.get(key) == b"x"
-                store.delete_many([key])
-        except BaseException as exc:
-            errors.append(exc)
+        for i in range(150):
+            key = f"hot/dir/w{worker}-{i}"
+            store.put(key, b"x")
+            assert store.get(key) == b"x"
+            store.delete_many([key])
 
-    threads = [threading.Thread(target=churn, args=(w,)) for w in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = in_threads(4, churn)
     assert not errors, errors[0]
     assert list(store.list()) == []
 
@@ -437,11 +429,10 @@ def test_put_parts_finishes_short_writes(store: FileStore, monkeypatch: pytest.M
 @KERNEL_CHECK
 @pytest.mark.parametrize("mode", [PutMode.OVERWRITE, PutMode.CREATE])
 def test_a_put_removes_its_temp_file_and_unlinks_only_what_is_left(
-    store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch, kernel_check: bool, mode: PutMode
+    store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch, mode: PutMode
 ) -> None:
     # A published replace consumed the temp name (no unlink spent on it); a link (CREATE)
     # leaves it, and so does a failed publish: those are unlinked. Either way none stays.
-    store._proc_fd = kernel_check and store._proc_fd
     temp_dir = root / TEMP_DIR_NAME
     real_unlink = os.unlink
     unlinked: list[str] = []
@@ -675,21 +666,12 @@ def test_the_temp_directory_is_made_once_by_concurrent_first_writes(root: Path) 
     store = FileStore(root, fsync=False)
     assert not (root / TEMP_DIR_NAME).exists()
     start = threading.Barrier(8)
-    errors: list[BaseException] = []
 
     def write(i: int) -> None:
         start.wait()
-        try:
-            store.put(f"k{i}", b"x")
-        except BaseException as exc:
-            errors.append(exc)
+        store.put(f"k{i}", b"x")
 
-    threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert in_threads(8, write) == []
     assert [m.key for m in store.list()] == [f"k{i}" for i in range(8)]
     assert list((root / TEMP_DIR_NAME).iterdir()) == []
 

@@ -87,3 +87,17 @@ def test_obstore_takes_the_addressing_styles_s3store_takes() -> None:
         bw.ObstoreS3Store("bucket", endpoint_url="http://127.0.0.1:9", addressing_style=style)
     with pytest.raises(ValueError, match="'path', 'virtual' or 'auto'"):
         bw.ObstoreS3Store("bucket", endpoint_url="http://127.0.0.1:9", addressing_style="dns")
+
+
+@pytest.mark.moto_server
+def test_open_store_probes_with_probe_timeout_and_keeps_the_data_path_timeouts(
+    moto_endpoint: S3Endpoint, s3_bucket: str, s3_prefix: str
+) -> None:
+    options = moto_endpoint.store_options() | {"read_timeout": 7.0, "probe_timeout": 0.5}
+    store = open_store(f"s3://{s3_bucket}/{s3_prefix}", s3_client="obstore", **options)
+    assert isinstance(store, ObstoreS3Store)
+    view = store._probe_view()
+    assert (view._answer_within, store._answer_within) == (0.5, None)
+    assert view._store is not store._store  # a client of its own; the store's keeps 7 s
+    assert store._read_timeout == 7.0
+    assert list(store.list()) == []  # the probe passed on a real server and deleted its object

@@ -381,3 +381,29 @@ def test_wrong_credentials_are_access_denied(
     for text in (str(info.value), repr(info.value)):
         assert SECRET not in text
         assert ACCESS_KEY not in text
+
+
+@pytest.mark.moto_server
+def test_open_store_probes_through_a_client_of_its_own_and_closes_it(
+    moto_endpoint: S3Endpoint, s3_bucket: str, s3_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The probe waits at most probe_timeout per answer; the store open_store returns keeps the
+    # data path's read_timeout and max_attempts.
+    closed: list[Any] = []
+    close = S3Store.close
+    monkeypatch.setattr(S3Store, "close", lambda self: (closed.append(self.client), close(self)))
+    options = moto_endpoint.store_options() | {"read_timeout": 7.0, "max_attempts": 4}
+    store = open_store(f"s3://{s3_bucket}/{s3_prefix}", **options, probe_timeout=0.5)
+    assert [c.meta.config.read_timeout for c in closed] == [0.5]  # the probe's, closed
+    assert closed[0].meta.config.retries["total_max_attempts"] == 3
+    assert closed[0] is not store.client
+    config = store.client.meta.config
+    assert (config.read_timeout, config.retries["total_max_attempts"]) == (7.0, 4)
+    assert list(store.list()) == []  # the probe object was deleted through the probe client
+    store.close()
+
+
+def test_a_store_on_an_injected_client_is_probed_through_that_client() -> None:
+    # Its connection options (and so a probe_timeout) are not used: the client is the caller's.
+    store = S3Store("bkt", client=_client(), probe_timeout=0.5)
+    assert store._probe_view() is None

@@ -12,6 +12,7 @@ exactly the :class:`ObjectStore` contract (checked by the shipped conformance su
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -22,7 +23,6 @@ from batchweave._errors import (
     AccessDenied,
     AmbiguousWriteError,
     ConcurrentWriteConflict,
-    ConditionalWritesUnsupported,
     InvalidStoreURL,
     ObjectExists,
     ObjectNotFound,
@@ -38,7 +38,7 @@ from batchweave._store._base import (
     PutMode,
     resolve_range,
 )
-from batchweave._store._s3_location import S3Location, check_client_options, check_endpoint
+from batchweave._store._s3_location import BUCKET_OPS, S3Location, check_endpoint
 
 __all__ = ["ObstoreS3Store"]
 
@@ -83,8 +83,6 @@ _INSTANCE_METADATA = re.compile(r"169\.254\.169\.254|/latest/api/token|/latest/m
 _BARE_REDIRECT = "Received redirect without LOCATION"
 """object_store's words for a 3xx without ``Location``: AWS S3's answer to a request signed for
 another region than the bucket's (object_store does not follow S3's region redirects)."""
-_NOT_S3_ON_404 = frozenset({"put", "put_if_absent", "list", "delete"})
-"""Requests whose only S3 404 is ``NoSuchBucket``: a bare 404 means the endpoint is not S3."""
 _CREDENTIAL_ENV = (
     "AWS_ACCESS_KEY_ID",
     "AWS_WEB_IDENTITY_TOKEN_FILE",
@@ -134,7 +132,8 @@ class ObstoreS3Store(S3Location):
     ``region``, explicit credentials (else the ``AWS_*`` environment), timeouts in seconds,
     ``max_attempts`` (1 + retries of transient failures inside obstore), ``addressing_style``
     (``"path"`` or ``"virtual"``; ``"auto"`` or ``None``, the default, is path style, as
-    :class:`~batchweave.S3Store` uses with an endpoint, so one option value works for both).
+    :class:`~batchweave.S3Store` uses with an endpoint, so one option value works for both),
+    ``probe_timeout`` (how long :func:`~batchweave.open_store`'s probe waits for each answer).
     """
 
     def __init__(
@@ -151,22 +150,25 @@ class ObstoreS3Store(S3Location):
         read_timeout: float = 60.0,
         max_attempts: int = 5,
         addressing_style: str | None = None,
+        probe_timeout: float = 10.0,
     ) -> None:
         super().__init__(
             bucket,
             prefix,
             endpoint_url=endpoint_url,
-            secrets=(access_key_id, secret_access_key, session_token),
-        )
-        check_client_options(
-            self.url,
             access_key_id=access_key_id,
             secret_access_key=secret_access_key,
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            max_attempts=max_attempts,
-            addressing_style=addressing_style,
+            session_token=session_token,
+            options={
+                "connect_timeout": connect_timeout,
+                "read_timeout": read_timeout,
+                "max_attempts": max_attempts,
+                "addressing_style": addressing_style,
+                "probe_timeout": probe_timeout,
+            },
         )
+        assert self._options is not None
+        options = self._options
         endpoints = [endpoint_url] if endpoint_url is not None else []
         if endpoint_url is None:
             for name in _ENDPOINT_ENV:
@@ -194,12 +196,27 @@ class ObstoreS3Store(S3Location):
             config["secret_access_key"] = secret_access_key
         if session_token is not None:
             config["session_token"] = session_token
-        config["virtual_hosted_style_request"] = addressing_style == "virtual"
+        config["virtual_hosted_style_request"] = options.addressing_style == "virtual"
+        extra: dict[str, Any] = {}
+        no_credentials = access_key_id is None and not any(map(os.environ.get, _CREDENTIAL_ENV))
+        if no_credentials and _metadata_disabled():
+            # object_store would ask the instance metadata service anyway (a request leaving
+            # the machine, and a long wait off EC2); refuse as boto3 does.
+            extra["credential_provider"] = _refuse_credentials
+        # An http:// endpoint from the environment too (else: "builder error" on each request)
+        self._allow_http = any(e.startswith("http://") for e in endpoints)
+        self._config, self._extra = config, extra
+        self._read_timeout = options.read_timeout
+        self._store = self._make_store(
+            options.connect_timeout, options.read_timeout, options.max_attempts
+        )
+
+    def _make_store(self, connect_timeout: float, read_timeout: float, max_attempts: int) -> Any:
+        """An obstore ``S3Store`` for this location with these timeouts and attempts."""
         client: dict[str, Any] = {
             "connect_timeout": timedelta(seconds=connect_timeout),
             "timeout": timedelta(seconds=read_timeout),
-            # An http:// endpoint from the environment too (else: "builder error" on each request)
-            "allow_http": any(e.startswith("http://") for e in endpoints),
+            "allow_http": self._allow_http,
         }
         retry: dict[str, Any] = {
             "max_retries": max_attempts - 1,
@@ -210,21 +227,30 @@ class ObstoreS3Store(S3Location):
                 "base": 2,
             },
         }
-        extra: dict[str, Any] = {}
-        no_credentials = access_key_id is None and not any(map(os.environ.get, _CREDENTIAL_ENV))
-        if no_credentials and _metadata_disabled():
-            # object_store would ask the instance metadata service anyway (a request leaving
-            # the machine, and a long wait off EC2); refuse as boto3 does.
-            extra["credential_provider"] = _refuse_credentials
-        self._read_timeout = read_timeout
         try:
-            self._store = obs.store.S3Store(
-                bucket, config=config, client_options=client, retry_config=retry, **extra
+            return self._obs.store.S3Store(
+                self.bucket,
+                config=self._config,
+                client_options=client,
+                retry_config=retry,
+                **self._extra,
             )
         except Exception as exc:
             raise InvalidStoreURL(
                 f"cannot configure obstore for {self.url}: {self._scrub(str(exc))}"
             ) from exc
+
+    def _probe_view(self) -> ObstoreS3Store:
+        # object_store does not retry a PUT that timed out (it is not idempotent), and the probe
+        # stops at its first timeout: no request of the probe waits twice.
+        options = self._options
+        assert options is not None
+        view = copy.copy(self)
+        view._store = self._make_store(
+            options.probe_connect_timeout, options.probe_read_timeout, options.probe_attempts
+        )
+        view._answer_within = options.probe_read_timeout
+        return view
 
     # -- error translation -------------------------------------------------------------------
 
@@ -255,7 +281,7 @@ class ObstoreS3Store(S3Location):
                 "bucket's region (elsewhere: endpoint_url is not the S3 API's address)"
             )
         not_s3 = _NOT_S3.search(message)
-        if not_s3 is not None and (op in _NOT_S3_ON_404 or "404" not in not_s3.group()):
+        if not_s3 is not None and (op in BUCKET_OPS or "404" not in not_s3.group()):
             # (NoSuchBucket was matched above.) Checked before a failed write is called
             # ambiguous: a reply that is not S3's is no reason to read the object back.
             return self._not_s3(op, key, message.splitlines()[0])
@@ -270,15 +296,17 @@ class ObstoreS3Store(S3Location):
             return ObjectNotFound(detail)
         denied = (errors.PermissionDeniedError, errors.UnauthenticatedError, PermissionError)
         if isinstance(exc, denied) or _DENIED.search(message):
-            return AccessDenied(f"{detail} (check the credentials and the bucket policy)")
+            return self._denied(detail)
         if op == "put_if_absent" and _NOT_IMPLEMENTED.search(message):
-            return ConditionalWritesUnsupported(
-                f"{detail}: the store does not implement If-None-Match; BatchWeave needs "
-                "conditional writes"
-            )
+            return self._no_conditional_writes(detail)
+        status = _STATUS.search(message)
+        unreachable = _UNREACHABLE.search(message) is not None
+        # Connected, then no answer (no status, and not a connect that failed or timed out).
+        silent = status is None and not unreachable and _TIMED_OUT.search(message) is not None
+        if silent and self._answer_within is not None:
+            return self._silent(op, key)  # the probe: it fails at once, writes included
         if write:
             return AmbiguousWriteError(f"{detail}; the write may have landed, read it back")
-        status = _STATUS.search(message)
         if status is not None:
             # The server answered: classify by its status and code only. The keyword patterns
             # below would also match request ids and timings in its reply ("in 503.1ms").
@@ -286,12 +314,12 @@ class ObstoreS3Store(S3Location):
             if code >= 500 or code == 429 or _THROTTLED_CODE.search(message):
                 return TransientStoreError(detail)
             return StoreError(detail)
-        if _UNREACHABLE.search(message):
+        if unreachable:
             return StoreUnavailable(
                 f"cannot {what}: {self._endpoint_shown} is unreachable (refused, DNS, TLS "
                 "or proxy failure: check the endpoint's scheme, host and port, and HTTPS_PROXY)"
             )
-        if _TIMED_OUT.search(message):
+        if silent:
             # Connected, then no answer: boto3 reports a read timeout as transient too.
             return TransientStoreError(
                 f"{what}: {self._endpoint_shown} accepted the connection but did not "

@@ -20,19 +20,14 @@ from batchweave._errors import (
     ObjectExists,
     ObjectNotFound,
     StoreError,
+    StoreUnavailable,
 )
 from batchweave._store._base import ObjectStore
 from batchweave._store._file import FileStore, check_root
 from batchweave._store._memory import MemoryStore
 from batchweave._store._obstore import ObstoreS3Store
 from batchweave._store._s3 import S3Store
-from batchweave._store._s3_location import (
-    check_client_options,
-    check_location,
-    check_pool_size,
-    location_url,
-    redact_url,
-)
+from batchweave._store._s3_location import S3Location, check_s3_arguments, redact_url
 
 __all__ = [
     "PROBE_PREFIX",
@@ -40,6 +35,7 @@ __all__ = [
     "check_store_url",
     "ensure_conditional_writes",
     "open_store",
+    "store_url_scheme",
 ]
 
 _log = logging.getLogger("batchweave.store")
@@ -185,22 +181,32 @@ def check_store_url(url: str, *, s3_client: str = "boto3", **options: Any) -> No
         check_root(target.location)
     elif target.kind != "memory":
         factory = S3Store if target.kind == "s3" else ObstoreS3Store
-        given = inspect.signature(factory).bind(target.location, **options)
+        given = inspect.signature(factory).bind(target.location, unquote(target.prefix), **options)
         given.apply_defaults()
         value = given.arguments
-        prefix = check_location(target.location, unquote(target.prefix), value["endpoint_url"])
-        checked_url = location_url(target.location, prefix)
-        check_client_options(
-            checked_url,
-            access_key_id=value["access_key_id"],
-            secret_access_key=value["secret_access_key"],
-            connect_timeout=value["connect_timeout"],
-            read_timeout=value["read_timeout"],
-            max_attempts=value["max_attempts"],
-            addressing_style=value["addressing_style"],
+        # What S3Location.__init__ checks for both backends, without building a client.
+        check_s3_arguments(
+            value["bucket"],
+            value["prefix"],
+            **{name: value[name] for name in _S3_CHECKED if name in value},
         )
-        if "max_pool_connections" in value:
-            check_pool_size(checked_url, value["max_pool_connections"])
+
+
+_S3_CHECKED = tuple(
+    name
+    for name in inspect.signature(check_s3_arguments).parameters
+    if name not in ("bucket", "prefix")
+)
+"""The S3 backends' arguments :func:`check_s3_arguments` takes (all but the location)."""
+
+
+def store_url_scheme(url: str) -> str:
+    """The scheme ``open_store`` reads in ``url`` (``file``, ``s3`` or ``memory``).
+
+    As its parser reads it (``MEMORY://x`` and `` memory://x`` are ``memory``); raises
+    ``InvalidStoreURL`` for a URL ``open_store`` would refuse. Nothing is opened.
+    """
+    return _parse(url, {}, S3_CLIENTS[0]).kind
 
 
 def _missing_slashes(url: object) -> str:
@@ -265,9 +271,11 @@ _verified_lock = threading.Lock()
 SLOW_PROBE_NOTICE = 10.0
 """Seconds without an answer to the probe after which ``ensure_conditional_writes`` says so.
 
-A hung endpoint (a wrong port that accepts connections, an overloaded server) fails only after
-the client's timeouts and retries, minutes with the defaults; the warning tells the user that
-``open_store`` is waiting and for what, instead of leaving them at a silent prompt.
+An S3 store's probe waits at most ``probe_timeout`` (10 s) for each answer and fails at the
+first request that got none, but a slow server may take almost that long for each of the
+probe's requests, and other stores (a ``file://`` root on a hung network mount, an injected
+boto3 client) wait as long as they do; the warning tells the user that ``open_store`` is
+waiting and for what, instead of leaving them at a silent prompt.
 """
 
 
@@ -278,9 +286,10 @@ def _notice_if_slow(store: ObjectStore, key: str) -> Iterator[None]:
         SLOW_PROBE_NOTICE,
         _log.warning,
         args=(
-            "%s has not answered the conditional-write probe (%r) for %g s; still waiting. A "
-            "wrong or hung endpoint fails only after the client's timeouts and retries "
-            "(connect_timeout, read_timeout, max_attempts): check the store URL and endpoint",
+            "%s has not answered the conditional-write probe (%r) for %g s; still waiting. An "
+            "S3 endpoint gets probe_timeout seconds per answer (plus connect_timeout and "
+            "retries for a connection); other stores their own timeouts: check the store URL "
+            "and endpoint",
             store.url,
             key,
             SLOW_PROBE_NOTICE,
@@ -300,19 +309,48 @@ def ensure_conditional_writes(store: ObjectStore) -> None:
     Creates ``_batchweave/probe-{uuid}`` twice; the second create must raise ``ObjectExists``.
     Raises ``ConditionalWritesUnsupported`` otherwise, since committing manifests on a store that
     silently ignores ``If-None-Match`` would lose data. The probe object is deleted afterwards.
+
+    An S3 store (either backend) is probed through a copy of its client that waits at most its
+    ``probe_timeout`` for each answer and retries no request that got none: an endpoint that
+    accepts connections but never answers raises ``StoreUnavailable`` saying so within about
+    ``probe_timeout`` (plus the connect time), not after ``read_timeout`` x ``max_attempts``.
     """
     with _verified_lock:
         if store in _verified:
             return
     key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
-    with _notice_if_slow(store, key):
-        _probe(store, key)
+    view = store._probe_view() if isinstance(store, S3Location) else None
+    try:
+        with _notice_if_slow(store, key):
+            _probe(store if view is None else view, key)
+    finally:
+        if view is not None:
+            view.close()
     with _verified_lock:
         _verified.add(store)
 
 
 def _probe(store: ObjectStore, key: str) -> None:
-    """Create ``key`` twice; refuse ``store`` if the second create succeeds. Deletes ``key``."""
+    """Create ``key`` twice; refuse ``store`` if the second create succeeds. Deletes ``key``.
+
+    Not after ``StoreUnavailable``: an endpoint that is unreachable, or did not answer within the
+    probe's timeout, would only keep the caller waiting as long again for the delete.
+    """
+    unavailable = False
+    try:
+        _create_twice(store, key)
+    except StoreUnavailable:
+        unavailable = True
+        raise
+    finally:
+        if not unavailable:
+            try:
+                store.delete_many([key])
+            except StoreError as exc:
+                _log.warning("could not delete the probe object %r in %s: %s", key, store.url, exc)
+
+
+def _create_twice(store: ObjectStore, key: str) -> None:
     # ObjectExists here means our own retried first attempt landed: all the probe needs.
     with contextlib.suppress(ObjectExists):
         try:
@@ -332,8 +370,3 @@ def _probe(store: ObjectStore, key: str) -> None:
             "file:// directory) or upgrade this one; open_store(..., "
             "verify_conditional_writes=False) skips this check at your own risk."
         )
-    finally:
-        try:
-            store.delete_many([key])
-        except StoreError as exc:
-            _log.warning("could not delete the probe object %r in %s: %s", key, store.url, exc)

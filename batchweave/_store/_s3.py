@@ -12,6 +12,7 @@ not prove that somebody else won; callers that care read the object back.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import re
@@ -28,7 +29,6 @@ from batchweave._errors import (
     AccessDenied,
     AmbiguousWriteError,
     ConcurrentWriteConflict,
-    ConditionalWritesUnsupported,
     InvalidStoreURL,
     ObjectExists,
     ObjectNotFound,
@@ -45,12 +45,7 @@ from batchweave._store._base import (
     Suffix,
     resolve_range,
 )
-from batchweave._store._s3_location import (
-    S3Location,
-    check_client_options,
-    check_endpoint,
-    check_pool_size,
-)
+from batchweave._store._s3_location import BUCKET_OPS, ClientOptions, S3Location, check_endpoint
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -85,8 +80,6 @@ _THROTTLED = frozenset(
     }
 )
 _WRITE_OPS = frozenset({"put", "put_if_absent"})
-_BUCKET_OPS = _WRITE_OPS | {"list", "delete"}
-"""Requests whose only S3 404 is ``NoSuchBucket``: a bare 404 means the endpoint is not S3."""
 _LISTING_FIELDS = frozenset({"IsTruncated", "Contents", "Name", "Prefix", "KeyCount", "MaxKeys"})
 """Elements of a ListObjectsV2 result. S3 sends all of them (``Contents`` when not empty), some
 compatible servers omit ``IsTruncated`` when false; a web page botocore parses has none."""
@@ -137,6 +130,25 @@ class _RedactCredentials(logging.Filter):
         return True
 
 
+_NOT_S3_REPLY = "BatchWeaveNotS3"
+"""Key :meth:`S3Store._on_response` sets in a response's ``ResponseMetadata`` when the server
+answered ``200`` with a body that is not XML (a web page), which botocore turned into a ``500``."""
+
+
+def _no_retry_after_read_timeout(caught_exception: Exception | None = None, **_: Any) -> Any:
+    """A probe client's ``needs-retry`` handler: a read timeout is final (``False``), not retried.
+
+    Registered before botocore's retry handler, whose answer the first non-``None`` one
+    overrides; every other outcome (``None``) is left to it.
+    """
+    return False if isinstance(caught_exception, bex.ReadTimeoutError) else None
+
+
+def _is_xml(body: bytes) -> bool:
+    """Whether ``body`` may be an S3 answer cut short: it begins as S3's XML documents do."""
+    return body.lstrip()[:5] == b"<?xml"
+
+
 _REDACT = _RedactCredentials()
 for _name in _HEADER_LOGGERS:
     logging.getLogger(_name).addFilter(_REDACT)
@@ -150,8 +162,10 @@ class S3Store(S3Location):
     concurrent range reads (consumer prefetch); ``max_attempts`` counts the first attempt, so
     ``1`` disables botocore's retries. ``addressing_style`` defaults to ``"path"`` when an
     ``endpoint_url`` is given (what MinIO, SeaweedFS and RGW expect) and to botocore's choice
-    otherwise. ``client`` injects a ready boto3 S3 client (tests, custom sessions); the other
-    connection options are then ignored.
+    otherwise. ``probe_timeout`` bounds :func:`~batchweave.open_store`'s conditional-write probe
+    (each answer, through a client of its own); the data path keeps ``read_timeout``. ``client``
+    injects a ready boto3 S3 client (tests, custom sessions); the other connection options are
+    then ignored.
 
     Neither ``url`` nor ``repr`` nor any error message contains credentials.
     """
@@ -172,38 +186,42 @@ class S3Store(S3Location):
         read_timeout: float = 60.0,
         max_attempts: int = 5,
         addressing_style: str | None = None,
+        probe_timeout: float = 10.0,
         client: S3Client | None = None,
     ) -> None:
         super().__init__(
             bucket,
             prefix,
             endpoint_url=endpoint_url,
-            secrets=(access_key_id, secret_access_key, session_token),
+            access_key_id=access_key_id,
+            secret_access_key=secret_access_key,
+            session_token=session_token,
+            options=None
+            if client is not None
+            else {
+                "max_pool_connections": max_pool_connections,
+                "connect_timeout": connect_timeout,
+                "read_timeout": read_timeout,
+                "max_attempts": max_attempts,
+                "addressing_style": addressing_style,
+                "probe_timeout": probe_timeout,
+            },
         )
         self._local = threading.local()
+        self._session: boto3.session.Session | None = None
+        """The session the client was made from (``None``: injected); probe clients reuse it."""
+        self._config: Config | None = None
+        self._session_lock = threading.Lock()
+        """A boto3 session is not thread-safe: probe clients may be made from several threads."""
         if client is None:
-            check_client_options(
-                self.url,
-                access_key_id=access_key_id,
-                secret_access_key=secret_access_key,
-                connect_timeout=connect_timeout,
-                read_timeout=read_timeout,
-                max_attempts=max_attempts,
-                addressing_style=addressing_style,
-            )
-            check_pool_size(self.url, max_pool_connections)
+            assert self._options is not None
             client = self._make_client(
-                endpoint_url=endpoint_url,
                 region=region,
                 access_key_id=access_key_id,
                 secret_access_key=secret_access_key,
                 session_token=session_token,
                 profile=profile,
-                max_pool_connections=max_pool_connections,
-                connect_timeout=connect_timeout,
-                read_timeout=read_timeout,
-                max_attempts=max_attempts,
-                addressing_style=addressing_style,
+                options=self._options,
             )
             if endpoint_url is None:
                 # botocore may take it from AWS_ENDPOINT_URL(_S3) or the AWS config file.
@@ -218,24 +236,26 @@ class S3Store(S3Location):
         if self._secrets:
             with _live_lock:
                 _live_stores.add(self)
+        self._register(client)
+
+    def _register(self, client: S3Client) -> None:
+        """Install this store's botocore event handlers on ``client``."""
         # Note PutObject attempts that may have reached the server, so a final connect error
         # after an earlier timed-out attempt is reported as ambiguous, not as "never sent".
         client.meta.events.register("needs-retry.s3.PutObject", self._on_put_attempt)
+        # On "needs-retry.s3.*": runs before botocore's retry handler (on "needs-retry.s3"),
+        # whose answer a False from here overrides.
+        client.meta.events.register("needs-retry.s3.*", self._on_response)
 
     def _make_client(
         self,
         *,
-        endpoint_url: str | None,
         region: str | None,
         access_key_id: str | None,
         secret_access_key: str | None,
         session_token: str | None,
         profile: str | None,
-        max_pool_connections: int,
-        connect_timeout: float,
-        read_timeout: float,
-        max_attempts: int,
-        addressing_style: str | None,
+        options: ClientOptions,
     ) -> S3Client:
         try:
             session = boto3.session.Session(
@@ -249,24 +269,50 @@ class S3Store(S3Location):
             raise InvalidStoreURL(
                 f"{self.url}: AWS profile {profile!r} is not in the AWS config files"
             ) from exc
-        style = addressing_style or ("path" if endpoint_url else None)
+        style = options.addressing_style or ("path" if self.endpoint_url else None)
         config = Config(
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            retries={"mode": "standard", "total_max_attempts": max_attempts},
-            max_pool_connections=max_pool_connections,
+            connect_timeout=options.connect_timeout,
+            read_timeout=options.read_timeout,
+            retries={"mode": "standard", "total_max_attempts": options.max_attempts},
+            max_pool_connections=options.max_pool_connections,
             s3=cast(Any, {"addressing_style": style} if style else None),
             user_agent_extra="batchweave",
         )
+        client = self._client_from(session, config)
+        self._session, self._config = session, config
+        return client
+
+    def _client_from(self, session: boto3.session.Session, config: Config) -> S3Client:
         try:
             # Resolves the credentials: a failing credential_process or SSO profile fails here.
-            return session.client("s3", endpoint_url=endpoint_url, config=config)
+            # (The session keeps them: a probe client made from it resolves nothing again.)
+            with self._session_lock:
+                return session.client("s3", endpoint_url=self.endpoint_url, config=config)
         except _CREDENTIAL_ERRORS as exc:
             raise self._no_credentials(f"open {self.url}", exc) from exc
         except bex.BotoCoreError as exc:
             raise InvalidStoreURL(
                 f"cannot configure boto3 for {self.url}: {self._scrub(str(exc))}"
             ) from exc
+
+    def _probe_view(self) -> S3Store | None:
+        if self._session is None or self._config is None or self._options is None:
+            return None  # an injected client: probe through it, with its own timeouts
+        options = self._options
+        config = self._config.merge(
+            Config(
+                connect_timeout=options.probe_connect_timeout,
+                read_timeout=options.probe_read_timeout,
+                retries={"mode": "standard", "total_max_attempts": options.probe_attempts},
+            )
+        )
+        view = copy.copy(self)
+        view._local = threading.local()
+        view._client = self._client_from(self._session, config)
+        view._answer_within = options.probe_read_timeout
+        view._register(view._client)
+        view._client.meta.events.register("needs-retry.s3.*", _no_retry_after_read_timeout)
+        return view
 
     @property
     def client(self) -> S3Client:
@@ -282,11 +328,37 @@ class S3Store(S3Location):
         if not isinstance(caught_exception, bex.ConnectionError):
             self._local.put_maybe_sent = True
 
+    def _on_response(self, response: Any = None, **_: Any) -> Any:
+        """Mark a web page botocore took for a cut S3 error, and do not retry it (``False``).
+
+        botocore parses a ``200`` body that is not XML as a ``500`` error (meant for an S3
+        answer cut short), which would be retried and reported as transient: a web server or
+        console on the endpoint's port would read as an S3 outage. The wire status is still
+        ``200`` on the raw response. A body that starts as XML (``<?xml``) stays botocore's
+        case.
+        """
+        if response is None:
+            return None
+        http, parsed = response
+        metadata = parsed.get("ResponseMetadata", {}) if isinstance(parsed, dict) else {}
+        wire = getattr(getattr(http, "raw", None), "status", None)
+        if wire != 200 or metadata.get("HTTPStatusCode") != 500:
+            return None
+        body = bytes(getattr(http, "content", b"") or b"")
+        if _is_xml(body):
+            return None
+        kind = self._scrub(str(http.headers.get("content-type", "no content type")))[:60]
+        metadata[_NOT_S3_REPLY] = f"200 with a {len(body)}-byte {kind} body that is not S3's XML"
+        return False
+
     def _translate(self, exc: Exception, *, op: str, key: str | None) -> StoreError:
         """Map a botocore exception to the store error tree. The single place that does so."""
         what = self._describe(op, key)
         write = op in _WRITE_OPS
         if isinstance(exc, bex.ClientError):
+            not_s3 = exc.response.get("ResponseMetadata", {}).get(_NOT_S3_REPLY)
+            if not_s3:
+                return self._not_s3(op, key, str(not_s3))
             error = exc.response.get("Error", {})
             code = str(error.get("Code", ""))
             message = self._scrub(str(error.get("Message", "")))
@@ -316,6 +388,8 @@ class S3Store(S3Location):
         if isinstance(exc, bex.ParamValidationError):
             # Refused by botocore before anything was sent: neither ambiguous nor transient.
             return StoreError(f"cannot {what}: boto3 refused the request: {self._scrub(str(exc))}")
+        if self._answer_within is not None and isinstance(exc, bex.ReadTimeoutError):
+            return self._silent(op, key)  # the probe: connected, then no answer in time
         endpoint = self._endpoint_shown
         if isinstance(exc, bex.ConnectionError):
             if write and getattr(self._local, "put_maybe_sent", False):
@@ -352,19 +426,16 @@ class S3Store(S3Location):
             return ConcurrentWriteConflict(detail)
         if code == "NoSuchBucket":
             return self._missing_bucket(detail)
-        if status == 404 and op in _BUCKET_OPS and code != "NoSuchKey":
+        if status == 404 and op in BUCKET_OPS and code != "NoSuchKey":
             return self._not_s3(
                 op, key, f"{code or status} to a {op}, which S3 only answers with NoSuchBucket"
             )
         if code in _NOT_FOUND or status == 404:
             return ObjectNotFound(detail)
         if code in _DENIED or status == 403:
-            return AccessDenied(f"{detail} (check the credentials and the bucket policy)")
+            return self._denied(detail)
         if code == "NotImplemented" and op == "put_if_absent":
-            return ConditionalWritesUnsupported(
-                f"{detail}: the store does not implement If-None-Match; BatchWeave needs "
-                "conditional writes"
-            )
+            return self._no_conditional_writes(detail)
         if op in _WRITE_OPS and status >= 500:
             return AmbiguousWriteError(f"{detail}; the write may have landed, read it back")
         if code in _THROTTLED or status >= 500 or status == 429:

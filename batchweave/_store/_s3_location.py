@@ -8,23 +8,39 @@ error wording live here once, so the two cannot drift apart.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import re
-from collections.abc import Iterable
+from collections.abc import Mapping
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from batchweave._errors import InvalidStoreURL, StoreError
+from batchweave._errors import (
+    AccessDenied,
+    ConditionalWritesUnsupported,
+    InvalidStoreURL,
+    StoreError,
+    StoreUnavailable,
+)
 from batchweave._store._base import ObjectStore, validate_key
 
 __all__ = [
+    "BUCKET_OPS",
+    "PROBE_ATTEMPTS",
+    "ClientOptions",
     "S3Location",
-    "check_client_options",
     "check_endpoint",
-    "check_location",
-    "check_pool_size",
-    "location_url",
+    "check_s3_arguments",
     "redact_url",
     "refuse_url_credentials",
 ]
+
+PROBE_ATTEMPTS = 3
+"""At most this many attempts per request of ``open_store``'s probe (``max_attempts`` if lower).
+
+A probe request that times out waiting for an answer is not retried at all: a server that did
+not answer a few-byte PUT within ``probe_timeout`` will not answer the next one either, and each
+retry would add as long again. Throttling, 5xx and connect errors still get these attempts."""
 
 _USERINFO = re.compile(r"(?<=://)[^/?#\s\"']*@")
 """The ``user:password@`` of any URL in a text (botocore and obstore quote request URLs), up to
@@ -43,6 +59,9 @@ _ACCESS_POINT_ARN = re.compile(
 )
 """An S3 access point ARN, which boto3 accepts in place of a bucket name (botocore's rule)."""
 
+
+BUCKET_OPS = frozenset({"put", "put_if_absent", "list", "delete"})
+"""Requests whose only S3 404 is ``NoSuchBucket``: a bare 404 means the endpoint is not S3."""
 
 _ADDRESSING_STYLES = ("auto", "path", "virtual")
 """Values of the ``addressing_style`` option both S3 backends accept (``None`` = the default)."""
@@ -124,41 +143,97 @@ def check_endpoint(endpoint_url: object, what: str, *, bucket: str) -> None:
         )
 
 
-def _positive_number(url: str, name: str, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not (value > 0 and math.isfinite(value))
-    ):
-        raise InvalidStoreURL(f"{url}: {name} must be a positive number of seconds, got {value!r}")
+def _positive_number(url: str, name: str, value: object) -> float:
+    """``value`` as a ``float`` if it is a finite real number > 0 (NumPy's too), else refused."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = float(value)
+        if number > 0 and math.isfinite(number):
+            return number
+    raise InvalidStoreURL(f"{url}: {name} must be a positive number of seconds, got {value!r}")
 
 
-def _at_least_one(url: str, name: str, value: object, note: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidStoreURL(f"{url}: {name} must be an integer >= 1{note}, got {value!r}")
+def _at_least_one(url: str, name: str, value: object, note: str = "") -> int:
+    """``value`` as an ``int`` if ``operator.index`` takes it (not a bool) and it is >= 1."""
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+        else:
+            if number >= 1:
+                return number
+    raise InvalidStoreURL(f"{url}: {name} must be an integer >= 1{note}, got {value!r}")
 
 
-def check_pool_size(url: str, max_pool_connections: object) -> None:
-    """``InvalidStoreURL`` unless ``max_pool_connections`` (boto3 only) is an integer >= 1."""
-    _at_least_one(url, "max_pool_connections", max_pool_connections)
+_NO_POOL: object = object()
+"""``max_pool_connections`` of a backend without that option (obstore)."""
 
 
-def check_client_options(
-    url: str,
+@dataclass(frozen=True)
+class ClientOptions:
+    """The client options of an S3 backend, checked and as plain ``float``/``int`` values."""
+
+    connect_timeout: float
+    read_timeout: float
+    probe_timeout: float
+    max_attempts: int
+    addressing_style: str | None
+    max_pool_connections: int | None
+    """``None`` for a backend without this option (obstore)."""
+
+    @property
+    def probe_read_timeout(self) -> float:
+        """Seconds the probe waits for an answer: ``probe_timeout``, or ``read_timeout`` if less."""
+        return min(self.read_timeout, self.probe_timeout)
+
+    @property
+    def probe_connect_timeout(self) -> float:
+        """Seconds the probe waits for a connection: never longer than for an answer."""
+        return min(self.connect_timeout, self.probe_timeout)
+
+    @property
+    def probe_attempts(self) -> int:
+        """Attempts per probe request (see :data:`PROBE_ATTEMPTS`)."""
+        return min(self.max_attempts, PROBE_ATTEMPTS)
+
+
+@dataclass(frozen=True)
+class CheckedS3:
+    """What :func:`check_s3_arguments` found usable: the location and the client options."""
+
+    prefix: str
+    """The prefix without its slashes."""
+    url: str
+    """``s3://bucket/prefix``, without credentials."""
+    options: ClientOptions | None
+    """``None`` where only the location was checked (an injected client)."""
+
+
+def check_s3_arguments(
+    bucket: str,
+    prefix: str,
     *,
+    endpoint_url: str | None,
     access_key_id: str | None,
     secret_access_key: str | None,
     connect_timeout: object,
     read_timeout: object,
+    probe_timeout: object,
     max_attempts: object,
     addressing_style: object,
-) -> None:
-    """``InvalidStoreURL`` naming the option for a value neither S3 client can use.
+    max_pool_connections: object = _NO_POOL,
+) -> CheckedS3:
+    """Check an S3 backend's location and client options; ``InvalidStoreURL`` naming what is wrong.
 
-    Checked here, before a client is built, so both backends refuse the same values with the
-    same words (the clients' own errors are not ``BatchWeaveError`` and name no option).
-    Credentials are never echoed: only which one is missing.
+    The one check of both backends (:class:`S3Location` runs it for each) and of
+    :func:`~batchweave._store._open.check_store_url`, which runs it where no store is opened:
+    pure, no request, no credentials resolved. So both backends refuse the same values with the
+    same words (the clients' own errors are not ``BatchWeaveError`` and name no option), before
+    a client is built. Credentials are never echoed: only which one is missing.
+    ``max_pool_connections`` is left out for a backend without that option.
     """
+    prefix = check_location(bucket, prefix, endpoint_url)
+    url = location_url(bucket, prefix)
     if (access_key_id is None) != (secret_access_key is None):
         given, missing = (
             ("access_key_id", "secret_access_key")
@@ -169,21 +244,36 @@ def check_client_options(
             f"{url}: {given} was given without {missing}: give both, or neither (to use the AWS "
             "credential chain: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, ...)"
         )
-    _positive_number(url, "connect_timeout", connect_timeout)
-    _positive_number(url, "read_timeout", read_timeout)
-    _at_least_one(url, "max_attempts", max_attempts, " (1 disables retries)")
-    if addressing_style is not None and addressing_style not in _ADDRESSING_STYLES:
-        raise InvalidStoreURL(
-            f"{url}: addressing_style must be 'path', 'virtual' or 'auto' (the default), "
-            f"got {addressing_style!r}"
-        )
+    options = ClientOptions(
+        connect_timeout=_positive_number(url, "connect_timeout", connect_timeout),
+        read_timeout=_positive_number(url, "read_timeout", read_timeout),
+        probe_timeout=_positive_number(url, "probe_timeout", probe_timeout),
+        max_attempts=_at_least_one(url, "max_attempts", max_attempts, " (1 disables retries)"),
+        addressing_style=_addressing_style(url, addressing_style),
+        max_pool_connections=(
+            None
+            if max_pool_connections is _NO_POOL
+            else _at_least_one(url, "max_pool_connections", max_pool_connections)
+        ),
+    )
+    return CheckedS3(prefix, url, options)
+
+
+def _addressing_style(url: str, addressing_style: object) -> str | None:
+    if addressing_style is None or (
+        isinstance(addressing_style, str) and addressing_style in _ADDRESSING_STYLES
+    ):
+        return addressing_style
+    raise InvalidStoreURL(
+        f"{url}: addressing_style must be 'path', 'virtual' or 'auto' (the default), "
+        f"got {addressing_style!r}"
+    )
 
 
 def check_location(bucket: str, prefix: str, endpoint_url: str | None) -> str:
     """``prefix`` without its slashes if ``bucket``, ``prefix`` and ``endpoint_url`` are usable.
 
-    Else ``InvalidStoreURL`` (``InvalidKey`` for the prefix). Pure: no request, no credentials,
-    so :func:`~batchweave._store._open.check_store_url` can run it where no store is opened.
+    Else ``InvalidStoreURL`` (``InvalidKey`` for the prefix). Pure: no request, no credentials.
     """
     if not bucket:
         raise InvalidStoreURL("an S3 store needs a bucket: use s3://bucket/prefix")
@@ -214,7 +304,7 @@ def location_url(bucket: str, prefix: str) -> str:
 class S3Location(ObjectStore):
     """An object store whose objects live under ``s3://bucket/prefix``.
 
-    ``secrets`` (credentials; ``None`` entries are skipped) are masked by :meth:`_scrub` in every
+    The credentials given (``None`` entries are skipped) are masked by :meth:`_scrub` in every
     message built from server or client text, so they never reach logs or errors.
     """
 
@@ -224,18 +314,58 @@ class S3Location(ObjectStore):
         prefix: str,
         *,
         endpoint_url: str | None,
-        secrets: Iterable[str | None],
+        access_key_id: str | None,
+        secret_access_key: str | None,
+        session_token: str | None,
+        options: Mapping[str, object] | None,
     ) -> None:
-        prefix = check_location(bucket, prefix, endpoint_url)
+        """Check the location and ``options`` (the client options; ``None``: not used here)."""
+        if options is None:  # an injected client: only the location is ours
+            prefix = check_location(bucket, prefix, endpoint_url)
+            checked = CheckedS3(prefix, location_url(bucket, prefix), None)
+        else:
+            checked = check_s3_arguments(
+                bucket,
+                prefix,
+                endpoint_url=endpoint_url,
+                access_key_id=access_key_id,
+                secret_access_key=secret_access_key,
+                **options,
+            )
         self.bucket = bucket
-        self.prefix = f"{prefix}/" if prefix else ""
+        self.prefix = f"{checked.prefix}/" if checked.prefix else ""
         self.endpoint_url = endpoint_url
         self._endpoint_shown = endpoint_url or "AWS S3"
         """The endpoint as messages name it; a backend sets the one its client really uses."""
-        self.url = location_url(bucket, prefix)
+        self.url = checked.url
+        self._options = checked.options
+        """The checked client options (``None`` with an injected client: then unknown)."""
+        self._answer_within: float | None = None
+        """Set on a probe view (:meth:`_probe_view`): seconds it waits for an answer."""
         # A secret of a few characters (test setups: "a", "test") would mask those letters in
         # every message; it protects nothing anyway.
+        secrets = (access_key_id, secret_access_key, session_token)
         self._secrets = tuple(s for s in secrets if s and len(s) >= _MIN_SECRET)
+
+    def _probe_view(self) -> S3Location | None:
+        """A copy of this store for ``open_store``'s probe, or ``None`` to probe this store itself.
+
+        The copy waits at most ``probe_timeout`` for each answer and does not retry a request
+        that timed out (the data path keeps ``read_timeout`` and ``max_attempts``); its
+        ``_translate`` reports such a timeout with :meth:`_silent`. Closed after the probe.
+        """
+        return None
+
+    def _silent(self, op: str, key: str | None) -> StoreUnavailable:
+        """The probe's error for an endpoint that connected but did not answer in time."""
+        within = self._answer_within
+        return StoreUnavailable(
+            f"cannot {self._describe(op, key)}: {self._endpoint_shown} accepted the connection "
+            f"but did not answer within {within:g} s (a wrong port, a hung or overloaded "
+            "server, or not an S3 server); check that endpoint_url is the address of the S3 "
+            "API (scheme, host and port) and that the server is up. A server that is only "
+            f"slow: pass a larger probe_timeout (now {within:g} s) to open_store"
+        )
 
     def __repr__(self) -> str:
         endpoint = f", endpoint_url={self.endpoint_url!r}" if self.endpoint_url else ""
@@ -260,6 +390,15 @@ class S3Location(ObjectStore):
             f"cannot {self._describe(op, key)}: {self._endpoint_shown} did not "
             f"answer like an S3 server ({detail}); check that endpoint_url is the address of "
             "the S3 API (scheme, host and port), not of a web page or console"
+        )
+
+    def _denied(self, detail: str) -> AccessDenied:
+        return AccessDenied(f"{detail} (check the credentials and the bucket policy)")
+
+    def _no_conditional_writes(self, detail: str) -> ConditionalWritesUnsupported:
+        return ConditionalWritesUnsupported(
+            f"{detail}: the store does not implement If-None-Match; BatchWeave needs "
+            "conditional writes"
         )
 
     def _missing_bucket(self, detail: str) -> InvalidStoreURL:
