@@ -29,7 +29,8 @@ working for callers that do not know BatchWeave.
     ├── ProducerError
     │   ├── ProducerFenced             a newer incarnation of this producer id has started
     │   │   └── ProducerRetired        this producer id was retired (retire_producers)
-    │   └── OffsetOrderError           (ValueError) offsets must strictly increase
+    │   ├── OffsetOrderError           (ValueError) offsets must strictly increase
+    │   └── SourceMismatch             the id's committed source differs: offsets mean other data
     └── ConsumerError
         └── ConsumerTimeout            (TimeoutError) no new step arrived in time
 """
@@ -58,6 +59,7 @@ __all__ = [
     "ProducerError",
     "ProducerFenced",
     "ProducerRetired",
+    "SourceMismatch",
     "StepReclaimed",
     "StoreError",
     "StoreUnavailable",
@@ -171,6 +173,15 @@ class ProducerRetired(ProducerFenced):
 
 class OffsetOrderError(ProducerError, ValueError):
     """A TGB was appended with an offset not greater than the previous one."""
+
+
+class SourceMismatch(ProducerError):
+    """The producer id's committed ``source`` differs from the one this producer was given.
+
+    Its offsets would map to other data than the committed ones (a dataset read at another
+    version, another shard or seed), so resuming would publish other rows under the resumed
+    offsets. Raised at start, before anything is committed.
+    """
 
 
 class ConsumerError(BatchWeaveError):

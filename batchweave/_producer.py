@@ -40,6 +40,7 @@ from batchweave._errors import (
     ProducerError,
     ProducerFenced,
     ProducerRetired,
+    SourceMismatch,
     StoreUnavailable,
     TransientStoreError,
 )
@@ -71,6 +72,7 @@ from batchweave._manifest._models import (
     SliceTable,
     TgbDescriptor,
     TgbObjectRef,
+    check_source,
 )
 from batchweave._mesh import Mesh
 from batchweave._outage import OutageLog
@@ -207,6 +209,13 @@ class Producer:
 
     Parameters beyond the obvious ones:
 
+    - ``source``: an opaque identity of what the offsets mean, such as
+      :attr:`batchweave.lance.LanceSource.source_id` (1 to 1024 printable characters). The
+      epoch commit records it for ``producer_id``; a later start with another ``source`` raises
+      :class:`~batchweave.SourceMismatch` before committing anything, since its resumed offsets
+      would publish other data. ``None`` checks nothing and keeps what is committed
+      (:attr:`committed_source`). Manifests carrying a source are format 4, which needs readers
+      of this version or newer (``docs/producer.md``).
     - ``codec`` / ``compression`` / ``checksum_algo``: how ``append`` encodes slices it is given
       as payloads (TGBs given ready-built keep their own). ``checksum_algo`` is ``"crc32c"``
       (default: every BatchWeave reads it), ``"xxhash64"`` or ``"xxh3"`` (XXH3-64: about 4x
@@ -256,6 +265,7 @@ class Producer:
         *,
         producer_id: str,
         mesh: Mesh,
+        source: str | None = None,
         policy: str | CommitPolicy = "dac",
         max_lag: int | None = None,
         codec: str = "raw",
@@ -288,6 +298,16 @@ class Producer:
         if "/" in producer_id:
             raise ValueError(f"producer_id {producer_id!r} must not contain '/'")
         check_key_name("producer_id", producer_id)
+        if source is not None:
+            if not isinstance(source, str):
+                raise TypeError(
+                    f"producer {producer_id!r}: source must be a str or None, got the "
+                    f"{type(source).__name__} {source!r}; e.g. source=lance_source.source_id"
+                )
+            try:
+                check_source(source)
+            except ValueError as exc:
+                raise ValueError(f"producer {producer_id!r}: {exc}") from None
         if max_lag is not None and max_lag < 0:
             raise ValueError(f"max_lag must be >= 0 or None, got {max_lag}")
         check_at_least(1, upload_threads=upload_threads, max_inflight_bytes=max_inflight_bytes)
@@ -315,6 +335,7 @@ class Producer:
         self._namespace = namespace
         self._producer_id = producer_id
         self._mesh = mesh
+        self._source = source
         self._policy = resolved_policy
         self._max_lag = max_lag
         self._codec = codec
@@ -392,6 +413,7 @@ class Producer:
         self._last_attempt_end = self._base_read_at
         state = self._base.producers[producer_id]
         self._committed_offset: int | None = state.offset
+        self._committed_source = state.source
         self._resume_offset = 0 if state.offset is None else state.offset + 1
 
         self._uploads = ThreadPoolExecutor(
@@ -438,6 +460,12 @@ class Producer:
     def closed(self) -> bool:
         """Whether :meth:`close` or :meth:`abort` stopped this producer: it publishes no more."""
         return self._closed
+
+    @property
+    def committed_source(self) -> str | None:
+        """The source identity committed for this producer id: ``source=`` as given, or, with
+        ``source=None``, the one an earlier incarnation committed (``None``: none)."""
+        return self._committed_source
 
     @property
     def committed_offset(self) -> int | None:
@@ -654,6 +682,7 @@ class Producer:
                     manifest = self._log.create_or_open(self._mesh)
                 self._check_not_sealed(manifest)
                 old = manifest.producers.get(self._producer_id)
+                self._check_source(manifest, old)
                 # An id the manifest does not list (new, or retired) takes the version of this
                 # epoch commit: higher than any epoch the id had before a retirement (each was
                 # committed in an earlier version), so a process left running from then is fenced.
@@ -663,6 +692,7 @@ class Producer:
                     offset=None if old is None else old.offset,
                     last_version=manifest.version + 1,
                     last_commit_at=self._wall_clock(),
+                    source=old.source if self._source is None and old is not None else self._source,
                 )
                 began = self._clock()
                 result = self._log.commit(manifest, producers={self._producer_id: state})
@@ -692,6 +722,20 @@ class Producer:
             manifest = result.winner
             # Producers starting together collide; spread their retries.
             self._sleep(self._rng.uniform(0.0, self._backoff(min(conflicts, 4))))
+
+    def _check_source(self, manifest: Manifest, old: ProducerState | None) -> None:
+        """Refuse to start under another source than the one committed for this id."""
+        if self._source is None or old is None or old.source in (None, self._source):
+            return
+        raise SourceMismatch(
+            f"producer {self._producer_id!r} of namespace {self._namespace!r} committed "
+            f"source {old.source!r} (manifest version {manifest.version}), but this producer "
+            f"was given source {self._source!r}: the offsets it resumes at would read other "
+            "data than the committed ones. Restart with the committed source (for a "
+            "LanceSource, the same arguments and the dataset version the committed source "
+            "names: LanceSource(..., version=N)), or use a new producer_id for the new data. "
+            "Nothing was committed."
+        )
 
     def _check_not_sealed(self, manifest: Manifest) -> None:
         if manifest.sealed:
@@ -1064,6 +1108,7 @@ class Producer:
             offset=new_offset,
             last_version=base.version + 1,
             last_commit_at=self._wall_clock(),
+            source=self._committed_source,
         )
         descriptors = [e.descriptor for e in batch if e.descriptor is not None]
         try:

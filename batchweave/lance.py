@@ -6,7 +6,9 @@ and ``offset``, so a producer restarted at ``Producer.resume_offset`` re-creates
 batches it had not committed yet (exactly-once from source to training step)::
 
     source = LanceSource("corpus.lance", rows_per_batch=64, seed=7, shard=i, num_shards=n)
-    with bw.Producer(store, "run-1", producer_id=f"prep-{i}", mesh=mesh) as p:
+    with bw.Producer(
+        store, "run-1", producer_id=f"prep-{i}", mesh=mesh, source=source.source_id
+    ) as p:
         for offset, table in source.iter_from(p.resume_offset, stop=1000):
             p.append(pack(table), offset=offset)
 
@@ -16,10 +18,12 @@ every step into a Lance dataset. Requires ``pylance`` (``pip install batchweave[
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import lance
 import numpy as np
@@ -27,6 +31,7 @@ import pyarrow as pa
 
 from batchweave._checks import as_int
 from batchweave._history import MEMBERSHIP_SCHEMA, membership_batches
+from batchweave._manifest._models import MAX_SOURCE_LENGTH
 from batchweave._store._base import ObjectStore
 
 __all__ = ["LanceSource", "export_history"]
@@ -53,6 +58,8 @@ class LanceSource:
     once the dataset has changed. A read finding the dataset object moved to another version
     (``insert`` or ``checkout_latest`` on :attr:`dataset`) raises ``RuntimeError``; an open
     dataset passed in is copied, so the caller's later changes to it do not reach the source.
+    :attr:`source_id` names all of that for ``Producer(source=...)``, which then refuses a
+    restart whose offsets would read other rows.
 
     Blob columns (Lance's blob encoding) come back as their bytes (``large_binary``, read with
     ``read_blobs``): ``take`` alone returns only their descriptors.
@@ -136,6 +143,28 @@ class LanceSource:
             f"rows_per_batch={self.rows_per_batch}, seed={self.seed}, "
             f"shard={self.shard}/{self.num_shards})"
         )
+
+    @property
+    def source_id(self) -> str:
+        """What this source's offsets mean, for ``Producer(source=source.source_id)``.
+
+        Names everything that fixes the rows of batch ``offset``: the dataset (its URI, a local
+        path made absolute, without user info or query), :attr:`version`, ``rows_per_batch``,
+        ``seed``, ``shuffle``, ``shard``/``num_shards``, ``epochs`` and ``columns``. Equal for
+        sources built with the same arguments on the same version, so a producer restarted on
+        another dataset version (or shard, seed...) raises :class:`~batchweave.SourceMismatch`
+        instead of publishing other rows under the offsets it resumes at. At most 1024
+        characters: a longer one ends with a digest of the whole.
+        """
+        text = (
+            f"lance:{_uri_identity(self.dataset.uri)!r} version={self.version} "
+            f"rows_per_batch={self.rows_per_batch} seed={self.seed} shuffle={self.shuffle} "
+            f"shard={self.shard}/{self.num_shards} epochs={self.epochs} columns={self.columns!r}"
+        )
+        if len(text) <= MAX_SOURCE_LENGTH:
+            return text
+        suffix = f"... sha256={hashlib.sha256(text.encode()).hexdigest()}"
+        return text[: MAX_SOURCE_LENGTH - len(suffix)] + suffix
 
     @property
     def rows_per_epoch(self) -> int:
@@ -228,6 +257,15 @@ class LanceSource:
         while end is None or current < end:
             yield current, self.take(current)
             current += 1
+
+
+def _uri_identity(uri: str) -> str:
+    """``uri`` as :attr:`LanceSource.source_id` names it: a local path made absolute, a URL
+    without user info and query (no credentials in manifests or messages)."""
+    if "://" not in uri:
+        return os.path.abspath(uri)
+    parts = urlsplit(uri)
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
 
 
 def _batch_offset(offset: object) -> int:

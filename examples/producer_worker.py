@@ -1,11 +1,13 @@
 """A preprocessing worker embedding a BatchWeave producer, fed by a Lance dataset.
 
-Run one per producer id (``--producer-id prep-0``, ``prep-1``, ... with matching ``--shard``);
-kill and restart it at will: it resumes at its committed offset under a new epoch, so every
-source batch is published exactly once. SIGTERM (or Ctrl-C) stops it cleanly after committing
-what it has appended, also while ``append`` is blocked by ``--max-lag`` (no checkpoints are
-advancing the watermarks, e.g. no trainer is running). With ``--metrics-port`` it serves
-Prometheus metrics on 127.0.0.1.
+Run one per producer id (``--producer-id prep-0``, ``prep-1``, ... with matching ``--shard``); kill
+and restart it at will: it resumes at its committed offset under a new epoch, so every source batch
+is published exactly once. The producer commits the source's identity (dataset, version, shard,
+...): a restart that would read another dataset version stops with ``SourceMismatch`` before
+publishing anything; pass the ``--dataset-version`` it names. SIGTERM (or Ctrl-C) stops it cleanly
+after committing what it has appended, also while ``append`` is blocked by ``--max-lag`` (no
+checkpoints are advancing the watermarks, e.g. no trainer is running). With ``--metrics-port`` it
+serves Prometheus metrics on 127.0.0.1.
 
     python examples/producer_worker.py --store /tmp/weave --namespace runs/demo \\
         --producer-id prep-0 --shard 0 --shards 2 --batches 100 &
@@ -151,6 +153,7 @@ def main() -> None:
         args.namespace,
         producer_id=args.producer_id,
         mesh=mesh,
+        source=source.source_id,  # a restart on another dataset version is refused
         codec="tensors",
         policy=bw.instrument_policy("dac"),
         max_lag=args.max_lag,

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import lance
 import numpy as np
@@ -129,6 +130,57 @@ def test_version_is_recorded_and_a_pinned_restart_reads_the_same_rows(
     assert resumed.version == first.version
     assert [_ids(resumed.take(o)) for o in range(5, 12)] == before[5:]
     assert f"version={first.version}" in repr(resumed)
+
+
+def test_source_id_changes_with_the_version_and_whatever_maps_offsets_to_rows(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It is what Producer(source=...) commits: equal exactly when the offsets read the same rows.
+    args: dict[str, Any] = {"rows_per_batch": 10, "seed": 4, "shard": 1, "num_shards": 2}
+    first = LanceSource(dataset, **args)
+    same = first.source_id
+    assert same.isprintable()
+    assert f"version={first.version}" in same
+    assert LanceSource(dataset, **args).source_id == same
+    # The same dataset named another way, or passed open, is the same source.
+    monkeypatch.chdir(Path(dataset).parent)
+    assert LanceSource(f"./{Path(dataset).name}", **args).source_id == same
+    assert LanceSource(lance.dataset(dataset), **args).source_id == same
+    _write(Path(dataset), ROWS, 50, mode="append")
+    newest = LanceSource(dataset, **args)
+    assert newest.source_id != same
+    assert f"version={first.version + 1}" in newest.source_id
+    assert LanceSource(dataset, **args, version=first.version).source_id == same
+    others: list[dict[str, Any]] = [
+        {"rows_per_batch": 11},
+        {"seed": 5},
+        {"shard": 0},
+        {"num_shards": 3},
+        {"shuffle": False},
+        {"epochs": 2},
+        {"columns": ["id"]},
+    ]
+    ids = [
+        LanceSource(dataset, **{**args, **other}, version=first.version).source_id
+        for other in others
+    ]
+    assert same not in ids
+    assert len(set(ids)) == len(others)
+
+
+def test_source_id_holds_no_credentials_and_fits_a_producer(tmp_path: Path) -> None:
+    from batchweave.lance import _uri_identity
+
+    assert _uri_identity("s3://key:secret@bucket/c.lance?sig=abc") == "s3://bucket/c.lance"
+    long_name = "c" * 1100
+    path = tmp_path / "long.lance"
+    lance.write_dataset(pa.table({long_name: [1, 2, 3]}), str(path))
+    source = LanceSource(path, rows_per_batch=2, columns=[long_name])
+    assert len(source.source_id) == 1024
+    assert source.source_id.isprintable()
+    assert source.source_id.startswith("lance:")
+    other = LanceSource(path, rows_per_batch=3, columns=[long_name])
+    assert other.source_id != source.source_id  # the digest covers what was cut
 
 
 def test_a_delete_through_the_passed_dataset_object_does_not_reach_the_source(

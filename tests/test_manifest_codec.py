@@ -8,6 +8,7 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from manifest_helpers import KEY, SEG_KEY, envelope
 from pydantic import TypeAdapter
 
 from batchweave import ChecksumMismatch, FormatError, Mesh, UnsupportedFormatVersion
@@ -28,9 +29,7 @@ from batchweave._manifest import (
     encode_manifest,
     encode_segment,
 )
-
-KEY = "runs/x/_manifests/00000000000000000007.manifest"
-SEG_KEY = "runs/x/_segments/00000000000000000000-abc.seg"
+from batchweave._manifest._models import MAX_SOURCE_LENGTH
 
 u32 = st.integers(0, 2**32 - 1)
 u64 = st.integers(0, 2**63 - 1)
@@ -90,12 +89,20 @@ descriptors = st.builds(
     bytes=u64,
     samples=st.none() | u32,
 )
+sources = st.text(
+    st.characters(exclude_categories=("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs"))
+    | st.just(" "),
+    min_size=1,
+    max_size=MAX_SOURCE_LENGTH,
+)
+"""Valid source identities: 1 to 1024 printable characters (``str.isprintable``)."""
 producer_states = st.builds(
     ProducerState,
     epoch=u32,
     offset=st.none() | u64,
     last_version=u64,
     last_commit_at=times,
+    source=st.none() | sources,
 )
 
 
@@ -145,6 +152,16 @@ def test_manifest_round_trip(manifest: Manifest) -> None:
 
 
 @settings(max_examples=60, deadline=None)
+@given(manifests())
+def test_manifests_use_format_4_only_for_producer_sources(manifest: Manifest) -> None:
+    # Format 4 only adds ProducerState.source: without one, format-3 readers still read it.
+    body = json.loads(encode_manifest(manifest).split(b"\n", 1)[1])
+    sourced = {pid for pid, state in manifest.producers.items() if state.source is not None}
+    assert body["format"] == manifest.format == (4 if sourced else 3)
+    assert {pid for pid, state in body["producers"].items() if "source" in state} == sourced
+
+
+@settings(max_examples=60, deadline=None)
 @given(segments)
 def test_segment_round_trip(segment: Segment) -> None:
     data = encode_segment(segment)
@@ -164,15 +181,11 @@ def _sample_manifest() -> Manifest:
     )
 
 
-def _reenvelope(body: bytes, magic: str = "batchweave-manifest") -> bytes:
-    return f"{magic} crc32c={checksum(body):08x} length={len(body)}\n".encode() + body
-
-
 def test_body_is_plain_json_after_the_header() -> None:
     data = encode_manifest(_sample_manifest())
     header, body = data.split(b"\n", 1)
     assert re.fullmatch(rb"batchweave-manifest crc32c=[0-9a-f]{8} length=\d+", header)
-    assert json.loads(body)["format"] == MANIFEST_FORMAT
+    assert json.loads(body)["format"] == 3  # no producer state has a source
 
 
 @pytest.mark.parametrize("position", [60, -1, -30])
@@ -227,7 +240,7 @@ def test_future_format_asks_to_upgrade() -> None:
     body["format"] = MANIFEST_FORMAT + 1
     body["some_new_field"] = {"x": 1}
     with pytest.raises(UnsupportedFormatVersion, match="upgrade batchweave") as err:
-        decode_manifest(_reenvelope(json.dumps(body).encode()), key=KEY)
+        decode_manifest(envelope(json.dumps(body).encode()), key=KEY)
     assert KEY in str(err.value)
     assert f"format {MANIFEST_FORMAT + 1}" in str(err.value)
 
@@ -236,7 +249,7 @@ def test_future_format_with_known_fields_still_refused() -> None:
     body = json.loads(encode_manifest(_sample_manifest()).split(b"\n", 1)[1])
     body["format"] = MANIFEST_FORMAT + 5
     with pytest.raises(UnsupportedFormatVersion):
-        decode_manifest(_reenvelope(json.dumps(body).encode()), key=KEY)
+        decode_manifest(envelope(json.dumps(body).encode()), key=KEY)
 
 
 def test_invalid_schema_is_a_format_error_naming_key_and_field() -> None:
@@ -244,7 +257,7 @@ def test_invalid_schema_is_a_format_error_naming_key_and_field() -> None:
     body["mesh"]["dp"] = 0
     del body["commit_id"]
     with pytest.raises(FormatError) as err:
-        decode_manifest(_reenvelope(json.dumps(body).encode()), key=KEY)
+        decode_manifest(envelope(json.dumps(body).encode()), key=KEY)
     message = str(err.value)
     assert KEY in message
     assert "mesh.dp" in message
@@ -256,12 +269,12 @@ def test_broken_step_layout_is_a_format_error() -> None:
     body = json.loads(encode_manifest(_sample_manifest()).split(b"\n", 1)[1])
     body["base_step"] = 5  # beyond next_step 0
     with pytest.raises(FormatError, match="base_step 5"):
-        decode_manifest(_reenvelope(json.dumps(body).encode()), key=KEY)
+        decode_manifest(envelope(json.dumps(body).encode()), key=KEY)
 
 
 def test_invalid_json_is_a_format_error() -> None:
     with pytest.raises(FormatError, match="invalid manifest"):
-        decode_manifest(_reenvelope(b"{not json"), key=KEY)
+        decode_manifest(envelope(b"{not json"), key=KEY)
 
 
 def _descriptor() -> TgbDescriptor:
@@ -292,11 +305,11 @@ def test_segment_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     body = json.loads(data.split(b"\n", 1)[1])
     body["format"] = 99
     with pytest.raises(UnsupportedFormatVersion, match="upgrade batchweave"):
-        decode_segment(_reenvelope(json.dumps(body).encode(), "batchweave-segment"), key=SEG_KEY)
+        decode_segment(envelope(json.dumps(body).encode(), "batchweave-segment"), key=SEG_KEY)
     body["format"] = 1
     body["tgbs"] = []
     with pytest.raises(FormatError, match="invalid segment"):
-        decode_segment(_reenvelope(json.dumps(body).encode(), "batchweave-segment"), key=SEG_KEY)
+        decode_segment(envelope(json.dumps(body).encode(), "batchweave-segment"), key=SEG_KEY)
     monkeypatch.setattr(_codec, "MAX_SEGMENT_BYTES", len(data) - 1)
     with pytest.raises(FormatError, match="far larger than any segment"):
         decode_segment(data, key=SEG_KEY)
@@ -311,7 +324,7 @@ def _format_1_body() -> dict[str, object]:
 
 
 def test_a_format_1_manifest_is_still_read() -> None:
-    manifest = decode_manifest(_reenvelope(json.dumps(_format_1_body()).encode()), key=KEY)
+    manifest = decode_manifest(envelope(json.dumps(_format_1_body()).encode()), key=KEY)
     assert manifest.format == 1
     assert manifest.tail[0].objects[0].slices is None
 
@@ -329,7 +342,7 @@ def test_an_inconsistent_slice_table_is_a_format_error_naming_the_key() -> None:
     }
     ref["footer_offset"] = ref["slice_count"] + 1  # the table says the footer starts earlier
     with pytest.raises(FormatError, match="slice table ends at byte") as err:
-        decode_manifest(_reenvelope(json.dumps(body).encode()), key=KEY)
+        decode_manifest(envelope(json.dumps(body).encode()), key=KEY)
     assert KEY in str(err.value)
 
 
@@ -347,7 +360,7 @@ def test_a_format_2_manifest_with_per_slice_lists_is_still_read() -> None:
         "uncompressed_lengths": None,
         "sample_counts": [2] * count,
     }
-    manifest = decode_manifest(_reenvelope(json.dumps(body).encode()), key=KEY)
+    manifest = decode_manifest(envelope(json.dumps(body).encode()), key=KEY)
     table = manifest.tail[0].objects[0].slices
     assert manifest.format == 2
     assert table is not None
@@ -400,8 +413,11 @@ def _body(data: bytes) -> bytes:
 def test_encoding_from_cached_descriptors_is_pydantics_json_byte_for_byte(
     manifest: Manifest, segment: Segment
 ) -> None:
+    # A producer state's source is written only when set (format 3 has no such field).
+    unset = {pid: {"source"} for pid, state in manifest.producers.items() if state.source is None}
+    expected = manifest.model_dump_json(exclude={"producers": unset}).encode()
     for _ in range(2):  # the second time every descriptor comes from the cache
-        assert _body(encode_manifest(manifest)) == manifest.model_dump_json().encode()
+        assert _body(encode_manifest(manifest)) == expected
         assert _body(encode_segment(segment)) == segment.model_dump_json().encode()
     tail_json = TypeAdapter(tuple[TgbDescriptor, ...]).dump_json(manifest.tail)
     assert _codec.descriptors_json_bytes(manifest.tail) == len(tail_json)

@@ -642,6 +642,7 @@ class ManifestLog:
                 offset=desc.offset,
                 last_version=version,
                 last_commit_at=now,
+                source=prev.source if prev is not None else None,
             )
         next_step = base.next_step + len(append)
         new_base = base.base_step if base_step is None else max(base.base_step, base_step)

@@ -40,7 +40,9 @@ from batchweave._store._base import validate_key
 from batchweave._unchecked import unchecked
 
 __all__ = [
+    "FORMAT_WITH_SOURCES",
     "MANIFEST_FORMAT",
+    "MAX_SOURCE_LENGTH",
     "SEGMENT_FORMAT",
     "Manifest",
     "ProducerState",
@@ -49,15 +51,27 @@ __all__ = [
     "SliceTable",
     "TgbDescriptor",
     "TgbObjectRef",
+    "check_source",
 ]
 
-MANIFEST_FORMAT = 3
-"""Manifest format this library writes and the newest it reads.
+MANIFEST_FORMAT = 4
+"""The newest manifest format this library reads.
 
 Format 2 added the optional :class:`SliceTable` of an object reference, format 3 its compact
-columns (a repeated value written once, checksums packed in base64); formats 1 and 2 are still
-read.
+columns (a repeated value written once, checksums packed in base64), format 4 a producer
+state's ``source``; formats 1 to 3 are still read. Each version is written in the oldest format
+that can express it: 4 only when some producer state has a ``source``, else 3, so a namespace
+that does not use source identities stays readable by releases that read format 3 (which
+answer "upgrade batchweave" for format 4, not "corrupt").
 """
+
+_FORMAT_WITHOUT_SOURCES = 3
+"""The format of a manifest in which no producer state has a ``source``."""
+FORMAT_WITH_SOURCES = 4
+"""The first format with a producer state's ``source``."""
+
+MAX_SOURCE_LENGTH = 1024
+"""Longest ``source`` identity of a producer state, in characters."""
 
 SEGMENT_FORMAT = 3
 """Segment format this library writes and the newest it reads (descriptors as in the manifest)."""
@@ -328,6 +342,17 @@ class Segment(BaseModel):
     tgbs: tuple[TgbDescriptor, ...] = Field(min_length=1)
 
 
+def check_source(source: str) -> str:
+    """``source`` if it is a valid source identity (1 to 1024 printable characters)."""
+    if not source or len(source) > MAX_SOURCE_LENGTH or not source.isprintable():
+        shown = repr(source[:60]) + ("..." if len(source) > 60 else "")
+        raise ValueError(
+            f"a source identity must be 1 to {MAX_SOURCE_LENGTH} printable characters, got "
+            f"{len(source)} characters: {shown}"
+        )
+    return source
+
+
 class ProducerState(BaseModel):
     """A producer's committed state: the basis of fencing and exactly-once resume."""
 
@@ -341,6 +366,9 @@ class ProducerState(BaseModel):
     """Manifest version of this producer's last successful commit."""
     last_commit_at: float = Field(default=0.0, allow_inf_nan=False)
     """Wall-clock time (seconds since the epoch, finite) of that commit; counts active producers."""
+    source: Annotated[str, AfterValidator(check_source)] | None = None
+    """What the offsets mean (``Producer(source=...)``), opaque; only in manifest format 4,
+    and ``encode_manifest`` writes it only when set."""
 
 
 class Manifest(BaseModel):
@@ -349,6 +377,7 @@ class Manifest(BaseModel):
     model_config = _STRICT
 
     format: int = MANIFEST_FORMAT
+    """Schema version; when not given, the oldest that expresses the manifest (3 or 4)."""
     namespace_id: str
     mesh: Mesh
     version: int = Field(ge=0)
@@ -373,6 +402,17 @@ class Manifest(BaseModel):
     def next_step(self) -> int:
         """The step the next committed TGB will get (= number of steps ever committed)."""
         return self.tail_start + len(self.tail)
+
+    @model_validator(mode="after")
+    def _check_format(self) -> Manifest:
+        with_sources = any(state.source is not None for state in self.producers.values())
+        if "format" not in self.model_fields_set:
+            # Built by this library: the oldest format that can express it (see MANIFEST_FORMAT).
+            fmt = FORMAT_WITH_SOURCES if with_sources else _FORMAT_WITHOUT_SOURCES
+            object.__setattr__(self, "format", fmt)
+        elif with_sources and self.format < FORMAT_WITH_SOURCES:
+            raise ValueError(f"a producer state has a source, which format {self.format} lacks")
+        return self
 
     @model_validator(mode="after")
     def _check_step_layout(self) -> Manifest:

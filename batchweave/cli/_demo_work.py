@@ -236,6 +236,7 @@ def run_producer(config: WorkerConfig, index: int) -> None:
         config.namespace,
         producer_id=f"prep-{index}",
         mesh=mesh,
+        source=source.source_id,
         codec="tensors",
         max_lag=config.max_lag,
         policy=instrument_policy("dac"),
