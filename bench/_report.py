@@ -12,10 +12,13 @@ import math
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R", bound=Mapping[str, Any])
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -35,6 +38,30 @@ def percentile(values: Sequence[float], q: float) -> float:
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, int(q) - 1))]
+
+
+def rotated(items: Sequence[T], round_: int) -> tuple[T, ...]:
+    """``items`` in the order round ``round_`` (from 0) runs them: rotated left by one more each
+    round, so that over ``len(items)`` rounds each item runs once in every position and the
+    machine's load drift is spread over all of them rather than favouring whichever runs first.
+    """
+    k = round_ % len(items) if items else 0
+    return tuple(items[k:]) + tuple(items[:k])
+
+
+def median_round(rounds: Sequence[R], key: str) -> R:
+    """The median of ``rounds`` by ``rounds[i][key]``: a whole round, so that every figure of a
+    row comes from the same run. With an even count it is the upper of the two middle rounds; a
+    NaN (unmeasured) round counts as the lowest, so it is the median only when most are NaN.
+    """
+    if not rounds:
+        raise ValueError(f"no rounds to take the median of by {key!r}")
+
+    def rank(r: R) -> tuple[bool, float]:
+        value = float(r[key])
+        return (not math.isnan(value), value if not math.isnan(value) else 0.0)
+
+    return sorted(rounds, key=rank)[len(rounds) // 2]
 
 
 def json_safe(value: Any) -> Any:

@@ -53,7 +53,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import Report, parser, percentile
+from _report import Report, median_round, parser, percentile, rotated
 from _servers import STORAGES, StoreSpec, add_file_root_option, obstore_available, storages
 from _workers import TimedStore, WorkerPool
 
@@ -339,8 +339,7 @@ def run_mode(
 def round_order(round_: int) -> tuple[str, ...]:
     """The modes in the order round ``round_`` runs them: rotated by one more each round, so
     the machine's load drift is spread over every mode."""
-    k = round_ % len(MODES)
-    return MODES[k:] + MODES[:k]
+    return rotated(MODES, round_)
 
 
 def point_rows(key: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -349,7 +348,7 @@ def point_rows(key: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> li
     over the faster raw mode's)."""
     rows: dict[str, dict[str, Any]] = {}
     for mode, mode_runs in runs.items():
-        median = sorted(mode_runs, key=lambda r: r["agg MB/s"])[len(mode_runs) // 2]
+        median = median_round(mode_runs, "agg MB/s")
         rows[mode] = {**key, "mode": mode, **median, "rounds": len(mode_runs)}
     dense = rows.get("dense", {}).get("rank MB/s", math.nan)
     raw = max(rows[m]["agg MB/s"] for m in RAW_MODES)

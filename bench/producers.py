@@ -41,7 +41,16 @@ yet finished, while the others drain their final commits), and as visibility (TG
 second; the last tenth includes the final drain of ``close()``). The same run measures raw PUTs
 of 20,000 TGBs, whose own last/first shows how much the store itself slows as it fills.
 
+``--rounds N`` (3 recommended for runs that judge the targets; default 1) measures each
+(storage, producers, payload, segmented) group ``N`` times: each round runs the raw PUTs and
+every policy, in an order rotated by one more each round, so that load drifting over minutes on
+this shared machine does not favour whichever policy runs first. Each row is that policy's
+median round by ``MB/s`` (its ``raw MB/s`` the raw PUTs' median round); the JSON rows also hold
+``round figures`` (``MB/s``, ``success``, ``attempts`` and ``drain ms`` of every round, in round
+order) and ``raw MB/s by round``. The long run runs once.
+
     python bench/producers.py                 # the default subset (about 15-20 min, 2 cores)
+    python bench/producers.py --rounds 3      # the same, three rotated rounds (three times as long)
     python bench/producers.py --full          # the whole matrix of issue #3 (hours)
     python bench/producers.py --long-run --only-long-run
     python bench/producers.py --storages file --producers 16 --policies dac,fixed100 --tgbs 10000
@@ -57,16 +66,16 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import Report, parser, percentile
+from _report import Report, median_round, parser, percentile, rotated
 from _servers import STORAGES, StoreSpec, add_file_root_option, storages
-from _workers import TimedStore, WorkerPool
+from _workers import Task, TimedStore, WorkerPool
 
 from batchweave import AttemptOutcome, CommitPolicy, Mesh, Producer, encode_tgb
 from batchweave._manifest._log import DEFAULT_TAIL_BYTES_LIMIT, DEFAULT_TAIL_LIMIT
@@ -80,14 +89,10 @@ UNSEGMENTED = 1 << 40
 UPLOAD_THREADS = 4
 MIB = 1 << 20
 
+POINT_COLUMNS = ["storage", "producers", "payload", "policy", "segmented", "tgbs", "MB/s"]
+"""What both tables start with: the point measured and its throughput."""
 COLUMNS = [
-    "storage",
-    "producers",
-    "payload",
-    "policy",
-    "segmented",
-    "tgbs",
-    "MB/s",
+    *POINT_COLUMNS,
     "ingest MB/s",
     "raw MB/s",
     "vs_raw",
@@ -104,15 +109,10 @@ COLUMNS = [
     "first won/att",
     "steady won/att",
     "close won/att",
+    "rounds",
 ]
 LONG_COLUMNS = [
-    "storage",
-    "producers",
-    "payload",
-    "policy",
-    "segmented",
-    "tgbs",
-    "MB/s",
+    *POINT_COLUMNS,
     "ingest first TGB/s",
     "ingest last TGB/s",
     "ingest last/first",
@@ -129,6 +129,10 @@ LONG_COLUMNS = [
     "window KB/commit first",
     "window KB/commit last",
 ]
+RAW = "raw PUT"
+"""The raw-PUT baseline's entry in a group's rotation (no policy has this name)."""
+ROUND_FIGURES = ("MB/s", "success", "attempts", "drain ms")
+"""What a row's ``round figures`` keep of each of its policy's rounds."""
 
 
 class RecordingPolicy(PolicyWrapper):
@@ -571,45 +575,101 @@ def run_producers(
     tgbs: int,
     max_inflight: int,
 ) -> list[dict[str, Any]]:
-    namespace = f"prod-{uuid.uuid4().hex[:10]}"
-    params = [
-        {
-            "spec": spec,
-            "namespace": namespace,
-            "producer_id": f"p{i}",
-            "policy": policy,
-            "payload": payload,
-            "segmented": segmented,
-            "tgbs": n,
-            "max_inflight": max_inflight,
-        }
-        for i, n in enumerate(_split(tgbs, producers))
-    ]
-    try:
-        return pool.run(produce_task, params)
-    finally:
-        spec.clean(namespace)
+    return _run_split(
+        pool,
+        spec,
+        produce_task,
+        "prod",
+        producers=producers,
+        tgbs=tgbs,
+        policy=policy,
+        payload=payload,
+        segmented=segmented,
+        max_inflight=max_inflight,
+    )
 
 
 def run_raw(
     pool: WorkerPool, spec: StoreSpec, *, producers: int, payload: int, tgbs: int
 ) -> list[dict[str, Any]]:
     """Raw PUTs of ``tgbs`` encoded TGBs by ``producers`` processes; one result per process."""
-    namespace = f"raw-{uuid.uuid4().hex[:10]}"
+    return _run_split(
+        pool, spec, raw_put_task, "raw", producers=producers, tgbs=tgbs, payload=payload
+    )
+
+
+def _run_split(
+    pool: WorkerPool,
+    spec: StoreSpec,
+    task: Task,
+    prefix: str,
+    *,
+    producers: int,
+    tgbs: int,
+    **common: Any,
+) -> list[dict[str, Any]]:
+    """``task`` in ``producers`` processes, ``tgbs`` split between them, in a fresh namespace
+    (``prefix-<random>``, deleted afterwards); ``common`` goes to every process."""
+    namespace = f"{prefix}-{uuid.uuid4().hex[:10]}"
     params = [
-        {
-            "spec": spec,
-            "namespace": namespace,
-            "producer_id": f"p{i}",
-            "payload": payload,
-            "tgbs": n,
-        }
+        {"spec": spec, "namespace": namespace, "producer_id": f"p{i}", **common, "tgbs": n}
         for i, n in enumerate(_split(tgbs, producers))
     ]
     try:
-        return pool.run(raw_put_task, params)
+        return pool.run(task, params)
     finally:
         spec.clean(namespace)
+
+
+def groups(
+    points: Iterable[tuple[int, str, str, bool]],
+) -> list[tuple[tuple[int, str, bool], list[str]]]:
+    """The planned points as ``((producers, payload, segmented), policies)`` groups: the runs
+    compared with each other (and with the same raw PUTs), groups in the order the plan first
+    names them, each group's policies in plan order (a policy named twice runs once)."""
+    out: dict[tuple[int, str, bool], list[str]] = {}
+    for producers, size, policy, segmented in points:
+        policies = out.setdefault((producers, size, segmented), [])
+        if policy not in policies:
+            policies.append(policy)
+    return list(out.items())
+
+
+def round_entries(policies: Sequence[str], round_: int, *, raw: bool) -> tuple[str, ...]:
+    """What a group's round ``round_`` (from 0) runs, in order: the raw PUTs (:data:`RAW`, when
+    ``raw``: measured in this group) and then ``policies``, rotated by one more each round."""
+    return rotated([RAW, *policies] if raw else list(policies), round_)
+
+
+def group_rows(
+    key: Mapping[str, Any], runs: Mapping[str, Sequence[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """One row per policy of a group, in the order of ``runs``: the policy's median round by
+    ``MB/s`` (a :func:`_summary`), with ``raw MB/s`` the median of the raw PUTs' rounds
+    (``runs[RAW]``, each ``{"MB/s": ...}``), ``vs_raw`` the two medians' ratio, ``rounds`` how
+    many rounds the policy ran, ``round figures`` each round's :data:`ROUND_FIGURES` and ``raw
+    MB/s by round`` the baseline's rounds, both in round order."""
+    if not runs.get(RAW):
+        raise ValueError(f"group {dict(key)}: no raw PUT round, which every ratio needs")
+    raw = float(median_round(runs[RAW], "MB/s")["MB/s"])
+    rows = []
+    for policy, rounds in runs.items():
+        if policy == RAW:
+            continue
+        median = median_round(rounds, "MB/s")
+        rows.append(
+            {
+                **key,
+                "policy": policy,
+                **median,
+                "raw MB/s": raw,
+                "vs_raw": median["MB/s"] / raw,
+                "rounds": len(rounds),
+                "round figures": [{f: r[f] for f in ROUND_FIGURES} for r in rounds],
+                "raw MB/s by round": [r["MB/s"] for r in runs[RAW]],
+            }
+        )
+    return rows
 
 
 def tgbs_for(payload: int, producers: int, budget: int, max_tgbs: int) -> int:
@@ -688,8 +748,25 @@ def _at_least(value: float, floor: float) -> bool | None:
     return None if math.isnan(value) else value >= floor
 
 
+def round_ratios(
+    dac: Mapping[str, Any], baselines: Sequence[Mapping[str, Any]]
+) -> list[tuple[float, str]]:
+    """Per round, in round order: DAC's ``MB/s`` over the best baseline's of the same round, and
+    that baseline's name (from the rows' ``round figures``). Empty when a row has none or the
+    rows' round counts differ (rounds can only be paired when they ran together)."""
+    counts = {len(r.get("round figures") or ()) for r in (dac, *baselines)}
+    if not baselines or len(counts) != 1 or 0 in counts:
+        return []
+    out = []
+    for i, own in enumerate(dac["round figures"]):
+        best, name = max((b["round figures"][i]["MB/s"], b["policy"]) for b in baselines)
+        out.append((own["MB/s"] / best, name))
+    return out
+
+
 def targets(rows: Sequence[dict[str, Any]], long_rows: Sequence[dict[str, Any]]) -> list[str]:
-    """The issue's targets, evaluated on whatever this run measured."""
+    """The issue's targets, evaluated on whatever this run measured (with ``--rounds``, on
+    each policy's median round; the 1.5x line is followed by the ratio of every round)."""
     notes = []
     for storage in sorted({r["storage"] for r in rows} | {r["storage"] for r in long_rows}):
         mine = [r for r in rows if r["storage"] == storage]
@@ -706,19 +783,27 @@ def targets(rows: Sequence[dict[str, Any]], long_rows: Sequence[dict[str, Any]])
                 for r in mine
                 if r["producers"] == 16 and r["payload"] == "100KB" and r["segmented"] == seg
             ]
-            dac = [r["MB/s"] for r in point if r["policy"] == "dac"]
-            base = [(r["MB/s"], r["policy"]) for r in point if r["policy"] != "dac"]
+            dac = [r for r in point if r["policy"] == "dac"]
+            others = [r for r in point if r["policy"] != "dac"]
+            base = [(r["MB/s"], r["policy"]) for r in others]
             if dac and base:
                 best, name = max(base)
-                ratio = dac[0] / best
+                ratio = dac[0]["MB/s"] / best
                 # No policy publishes faster than the raw PUTs of the same payloads: raw / best
                 # is the most any policy can gain over the best baseline in this run.
                 ceiling = point[0]["raw MB/s"] / best
+                where = f"at 16 producers, 100 KB (segmented={'yes' if seg else 'no'})"
                 notes.append(
-                    f"[{storage}] DAC >= 1.5x best baseline MB/s at 16 producers, 100 KB "
-                    f"(segmented={'yes' if seg else 'no'}): {_fmt_target(ratio >= 1.5)} "
+                    f"[{storage}] DAC >= 1.5x best baseline MB/s {where}: "
+                    f"{_fmt_target(ratio >= 1.5)} "
                     f"({ratio:.2f}x {name}; raw PUT is {ceiling:.2f}x {name}, the ceiling)"
                 )
+                by_round = round_ratios(dac[0], others)
+                if len(by_round) > 1:
+                    notes.append(
+                        f"[{storage}] DAC / best baseline MB/s by round {where}: "
+                        + ", ".join(f"{x:.2f}x {n}" for x, n in by_round)
+                    )
             elif seg:
                 notes.append(
                     f"[{storage}] DAC >= 1.5x best baseline at 16 producers, 100 KB: not measured"
@@ -781,6 +866,14 @@ def main() -> None:
         help="TGBs per matrix run, overriding --budget-mb/--max-tgbs (steady-state runs)",
     )
     p.add_argument("--max-inflight-mb", type=int, default=64, help="upload queue per producer")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds per (storage, producers, payload, segmented) group, raw PUTs and policies "
+        "in a rotated order each round; each row is the policy's median round (3 recommended "
+        "for target runs)",
+    )
     p.add_argument("--long-run", action="store_true", help="also run the 20,000-TGB run")
     p.add_argument("--only-long-run", action="store_true", help="skip the matrix")
     p.add_argument("--long-run-tgbs", type=int, default=20_000)
@@ -790,6 +883,8 @@ def main() -> None:
         "--long-run-unsegmented", action="store_true", help="also the long run without segments"
     )
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: a group needs at least one round (3 for target runs)")
     if args.smoke:
         args.storages = args.storages or ["file"]
         args.budget_mb, args.max_tgbs, args.max_inflight_mb = 2, 24, 1
@@ -808,39 +903,49 @@ def main() -> None:
     with storages(names, file_root=args.file_root) as specs, WorkerPool(pool_size) as pool:
         for name in names:
             spec = specs[name][0]
-            raw_cache: dict[tuple[int, str], float] = {}
-            for producers, size, policy, segmented in plans[name]:
+            raw_once: dict[tuple[int, str], list[dict[str, Any]]] = {}
+            for (producers, size, segmented), policies in groups(plans[name]):
                 payload = PAYLOADS[size]
                 tgbs = args.tgbs or tgbs_for(
                     payload, producers, args.budget_mb * 1_000_000, args.max_tgbs
                 )
-                if (producers, size) not in raw_cache:
-                    raw_cache[(producers, size)] = _throughput(
-                        run_raw(pool, spec, producers=producers, payload=payload, tgbs=tgbs)
-                    )
-                raw = raw_cache[(producers, size)]
-                results = run_producers(
-                    pool,
-                    spec,
-                    producers=producers,
-                    payload=payload,
-                    policy=policy,
-                    segmented=segmented,
-                    tgbs=tgbs,
-                    max_inflight=args.max_inflight_mb * MIB,
-                )
-                row = {
+                key = {
                     "storage": spec.label,
                     "producers": producers,
                     "payload": size,
-                    "policy": policy,
                     "segmented": "yes" if segmented else "no",
-                    **_summary(results),
-                    "raw MB/s": raw,
                 }
-                row["vs_raw"] = row["MB/s"] / raw
-                report.add(**row)
-                print(_progress(row), flush=True)
+                # One round measures the raw PUTs once per (producers, payload), for both
+                # segmented groups; more rounds measure them in every group, among its policies.
+                shared = raw_once.get((producers, size)) if args.rounds == 1 else None
+                runs: dict[str, list[dict[str, Any]]] = {RAW: shared} if shared else {}
+                for round_ in range(args.rounds):
+                    tag = f" (round {round_ + 1}/{args.rounds})" if args.rounds > 1 else ""
+                    for entry in round_entries(policies, round_, raw=not shared):
+                        if entry == RAW:
+                            raw = _throughput(
+                                run_raw(pool, spec, producers=producers, payload=payload, tgbs=tgbs)
+                            )
+                            runs.setdefault(RAW, []).append({"MB/s": raw})
+                            row = {**key, "policy": RAW, "tgbs": tgbs, "MB/s": raw}
+                            print(_progress(row, tag), flush=True)
+                            continue
+                        results = run_producers(
+                            pool,
+                            spec,
+                            producers=producers,
+                            payload=payload,
+                            policy=entry,
+                            segmented=segmented,
+                            tgbs=tgbs,
+                            max_inflight=args.max_inflight_mb * MIB,
+                        )
+                        runs.setdefault(entry, []).append(_summary(results))
+                        row = {**key, "policy": entry, **runs[entry][-1]}
+                        print(_progress(row, tag), flush=True)
+                raw_once[(producers, size)] = runs[RAW]
+                for row in group_rows(key, runs):
+                    report.add(**row)
             if long_run:
                 payload = PAYLOADS[args.long_run_payload]
                 raw_first, raw_last = _raw_tenths(
@@ -897,6 +1002,15 @@ def main() -> None:
         f"machine: {os.cpu_count()} cores shared with other engineers' test runs; every "
         "producer is a process; TGB = 4 slices of payload/4 bytes, raw codec; "
         f"{UPLOAD_THREADS} upload threads and {args.max_inflight_mb} MiB in flight per producer",
+        (
+            f"each (storage, producers, payload, segmented) group ran {args.rounds} rounds, the "
+            "raw PUTs and the policies in an order rotated by one each round (round 1: raw PUTs, "
+            "then the policies in table order); each row is the policy's median round by MB/s, "
+            "raw MB/s the raw PUTs' median round"
+            if args.rounds > 1
+            else "each point ran once, after the raw PUTs of its (producers, payload) and the "
+            "policies before it in table order (--rounds 3 rotates the order over three rounds)"
+        ),
         *targets(
             [{**r, "segmented": r["segmented"] == "yes"} for r in report.rows], long_report.rows
         ),
@@ -909,13 +1023,13 @@ def main() -> None:
         long_report.emit(out)
 
 
-def _progress(row: dict[str, Any]) -> str:
+def _progress(row: dict[str, Any], tag: str = "") -> str:
     keys: Iterable[str] = ("storage", "producers", "payload", "policy", "segmented", "tgbs")
-    head = " ".join(f"{row[k]}" for k in keys)
-    return (
-        f"[{time.strftime('%H:%M:%S')}] {head}: {row['MB/s']:.1f} MB/s, success "
-        f"{row['success']:.0%}, commit p50 {row['commit p50 ms']:.0f} ms"
-    )
+    head = " ".join(f"{row[k]}" for k in keys) + tag
+    line = f"[{time.strftime('%H:%M:%S')}] {head}: {row['MB/s']:.1f} MB/s"
+    if "success" not in row:  # the raw PUTs
+        return line
+    return f"{line}, success {row['success']:.0%}, commit p50 {row['commit p50 ms']:.0f} ms"
 
 
 if __name__ == "__main__":

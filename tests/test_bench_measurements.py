@@ -424,3 +424,106 @@ def test_a_points_rows_are_median_rounds_against_the_faster_raw_mode(
     del runs["dense"]
     rows = {r["mode"]: r for r in consumers.point_rows({"client": "c"}, runs)}
     assert math.isnan(rows["batchweave"]["vs dense"])
+
+
+# -- rounds: rotation and medians (bench/_report.py, shared by both benchmarks) ----------------
+
+
+def test_rotation_puts_every_entry_in_every_place_once(producers: ModuleType) -> None:
+    rotated = producers.rotated  # bench/_report.py's, which consumers.py uses too
+    items = ("raw PUT", "dac", "naive", "fixed100")
+    orders = [rotated(items, r) for r in range(len(items))]
+    assert orders[0] == items  # round 1 runs in plan order: one round is today's order
+    assert orders[1] == ("dac", "naive", "fixed100", "raw PUT")
+    for item in items:
+        assert sorted(o.index(item) for o in orders) == [0, 1, 2, 3]
+    assert rotated(items, len(items) + 1) == orders[1]
+    assert rotated((), 2) == ()
+
+
+def test_the_median_round_is_one_whole_round(producers: ModuleType) -> None:
+    median_round = producers.median_round  # bench/_report.py's, which consumers.py uses too
+    rounds = [{"MB/s": 30.0, "success": 0.3}, {"MB/s": 10.0, "success": 0.1}]
+    rounds.append({"MB/s": 20.0, "success": 0.2})
+    assert median_round(rounds, "MB/s") == {"MB/s": 20.0, "success": 0.2}
+    # Two rounds: the upper one (a real round, not an average of two).
+    assert median_round(rounds[:2], "MB/s")["MB/s"] == 30.0
+    # An unmeasured round counts as the lowest: it is the median only when most are NaN.
+    nan = {"MB/s": math.nan, "success": 0.0}
+    assert median_round([rounds[0], nan, rounds[1]], "MB/s")["MB/s"] == 10.0
+    assert math.isnan(median_round([nan, nan, rounds[0]], "MB/s")["MB/s"])
+    with pytest.raises(ValueError, match="MB/s"):
+        median_round([], "MB/s")
+
+
+# -- producers: rounds -------------------------------------------------------------------------
+
+
+def test_a_groups_rounds_rotate_the_raw_puts_and_the_policies(producers: ModuleType) -> None:
+    # The default plan names dac and every baseline with and without segments, interleaved:
+    # each segmented value is one group, compared with its own raw PUTs.
+    plan = [(16, "100KB", p, s) for p in ("dac", "naive", "fixed100") for s in (True, False)]
+    assert producers.groups(plan) == [
+        ((16, "100KB", True), ["dac", "naive", "fixed100"]),
+        ((16, "100KB", False), ["dac", "naive", "fixed100"]),
+    ]
+    policies = ["dac", "naive", "fixed100"]
+    orders = [producers.round_entries(policies, r, raw=True) for r in range(3)]
+    assert orders[0] == (producers.RAW, "dac", "naive", "fixed100")
+    for entry in (producers.RAW, *policies):
+        assert len({o.index(entry) for o in orders}) == 3  # never twice in the same place
+    assert orders[1][-1] == producers.RAW  # the baseline also runs after the policies
+    # One round whose raw PUTs were measured for the other segmented group: today's order.
+    assert producers.round_entries(policies, 0, raw=False) == tuple(policies)
+
+
+def _summary_round(mbps: float, success: float) -> dict[str, Any]:
+    """A ``_summary`` of one round, as far as the rows and the targets read it."""
+    return {"tgbs": 20, "MB/s": mbps, "success": success, "attempts": 7, "drain ms": 40.0}
+
+
+def test_a_groups_rows_are_median_rounds_against_the_median_raw_round(
+    producers: ModuleType,
+) -> None:
+    key = {"storage": "s", "producers": 16, "payload": "100KB", "segmented": "yes"}
+    runs = {
+        producers.RAW: [{"MB/s": 100.0}, {"MB/s": 50.0}, {"MB/s": 80.0}],  # median 80
+        "dac": [_summary_round(30, 0.9), _summary_round(10, 0.5), _summary_round(20, 0.7)],
+        "naive": [_summary_round(5, 0.2), _summary_round(6, 0.3), _summary_round(4, 0.1)],
+    }
+    dac, naive = producers.group_rows(key, runs)
+    assert (dac["policy"], dac["segmented"], dac["rounds"]) == ("dac", "yes", 3)
+    # Every figure of the row comes from the median round (MB/s 20), not from others.
+    assert (dac["MB/s"], dac["success"]) == (20, 0.7)
+    assert dac["raw MB/s"] == 80.0
+    assert dac["vs_raw"] == pytest.approx(20 / 80)
+    assert [f["MB/s"] for f in dac["round figures"]] == [30, 10, 20]  # in round order
+    assert set(dac["round figures"][0]) == {"MB/s", "success", "attempts", "drain ms"}
+    assert dac["raw MB/s by round"] == [100.0, 50.0, 80.0]
+    assert (naive["MB/s"], naive["success"]) == (5, 0.2)
+    with pytest.raises(ValueError, match="raw PUT"):
+        producers.group_rows(key, {"dac": runs["dac"]})
+
+
+def test_the_baseline_target_uses_median_rows_and_names_each_rounds_ratio(
+    producers: ModuleType,
+) -> None:
+    def row(policy: str, *mbps: float) -> dict[str, Any]:
+        runs = {producers.RAW: [{"MB/s": 100.0}] * len(mbps)}
+        runs[policy] = [_summary_round(x, 0.9) for x in mbps]
+        key = {"storage": "s", "producers": 16, "payload": "100KB"}
+        (out,) = producers.group_rows(key, runs)
+        median: dict[str, Any] = out | {"segmented": True, "ingest MB/s": out["MB/s"]}
+        return median
+
+    rows = [row("dac", 30, 24, 40), row("fixed100", 20, 12, 40), row("naive", 10, 16, 10)]
+    notes = producers.targets(rows, [])
+    # Medians: DAC 30, fixed100 20, naive 10: 1.50x fixed100, whatever single rounds said.
+    assert _line(notes, "1.5x best baseline MB/s").endswith(
+        "MET (1.50x fixed100; raw PUT is 5.00x fixed100, the ceiling)"
+    )
+    # Each round against that round's best baseline (round 2: naive's 16, not fixed100's 12).
+    assert _line(notes, "by round").endswith(": 1.50x fixed100, 1.50x naive, 1.00x fixed100")
+    # One round has nothing to spread.
+    one = [row("dac", 30), row("fixed100", 20)]
+    assert not [n for n in producers.targets(one, []) if "by round" in n]
