@@ -82,6 +82,26 @@ def test_inspect_tables_accept_a_file_url(root: Path) -> None:
     assert "storage by prefix" in out
 
 
+def test_inspect_shows_committed_source_identities(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # rich's width: room for the whole table
+    store = publish(root)
+    assert "source" not in run("inspect", str(root), NAMESPACE).stdout  # no column when unused
+    long_source = "lance:/data/corpus.lance@v12;" + "x" * 80
+    with bw.Producer(store, NAMESPACE, producer_id="prep-0", mesh=MESH, source=long_source):
+        pass
+    data = json.loads(run("inspect", str(root), NAMESPACE, "--json").stdout)
+    assert {p["producer_id"]: p["source"] for p in data["producers"]} == {
+        "prep-0": long_source,
+        "prep-1": None,
+    }
+    table = run("inspect", str(root), NAMESPACE).stdout
+    assert "source" in table
+    assert long_source[:30] in table
+    assert long_source not in table  # cut to SOURCE_SHOWN characters, --json has all of it
+
+
 def test_verify_passes_then_fails_on_a_corrupt_slice(root: Path) -> None:
     publish(root)
     ok = run("verify", str(root), NAMESPACE, "--json")

@@ -35,6 +35,7 @@ __all__ = [
     "check_store_url",
     "ensure_conditional_writes",
     "open_store",
+    "probe_conditional_writes",
     "store_url_scheme",
 ]
 
@@ -319,35 +320,38 @@ def ensure_conditional_writes(store: ObjectStore) -> None:
         if store in _verified:
             return
     key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
-    view = store._probe_view() if isinstance(store, S3Location) else None
-    try:
-        with _notice_if_slow(store, key):
-            _probe(store if view is None else view, key)
-    finally:
-        if view is not None:
-            view.close()
+    probe_conditional_writes(store, key, delete=True)
     with _verified_lock:
         _verified.add(store)
 
 
-def _probe(store: ObjectStore, key: str) -> None:
-    """Create ``key`` twice; refuse ``store`` if the second create succeeds. Deletes ``key``.
+def probe_conditional_writes(store: ObjectStore, key: str, *, delete: bool) -> None:
+    """Create ``key`` twice; raise ``ConditionalWritesUnsupported`` if the second create succeeds.
 
-    Not after ``StoreUnavailable``: an endpoint that is unreachable, or did not answer within the
-    probe's timeout, would only keep the caller waiting as long again for the delete.
+    What :func:`ensure_conditional_writes` does, without its once-per-store cache, for callers
+    that report on a store (``batchweave check``). An S3 store is probed through its probe client
+    (``probe_timeout``); a WARNING says so if no answer comes for :data:`SLOW_PROBE_NOTICE`
+    seconds. With ``delete``, ``key`` is deleted afterwards, but not after ``StoreUnavailable``:
+    an endpoint that is unreachable, or did not answer within the probe's timeout, would only
+    keep the caller waiting as long again.
     """
+    view = store._probe_view() if isinstance(store, S3Location) else None
+    target = store if view is None else view
     unavailable = False
     try:
-        _create_twice(store, key)
+        with _notice_if_slow(store, key):
+            _create_twice(target, key)
     except StoreUnavailable:
         unavailable = True
         raise
     finally:
-        if not unavailable:
+        if delete and not unavailable:
             try:
-                store.delete_many([key])
+                target.delete_many([key])
             except StoreError as exc:
                 _log.warning("could not delete the probe object %r in %s: %s", key, store.url, exc)
+        if view is not None:
+            view.close()
 
 
 def _create_twice(store: ObjectStore, key: str) -> None:

@@ -1,8 +1,8 @@
 """The click application: one command per operator task (see ``docs/cli.md``).
 
-Exit status: 0 success; 1 a check failed (``verify``, ``demo``); 2 the command could not run
-(bad URL or option, missing namespace, store unreachable, ...), reported as one line on stderr;
-130 interrupted (Ctrl-C); 143 terminated (SIGTERM), after the same cleanup as Ctrl-C.
+Exit status: 0 success; 1 a check failed (``check``, ``verify``, ``demo``); 2 the command could
+not run (bad URL or option, missing namespace, store unreachable, ...), reported as one line on
+stderr; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM), after the same cleanup as Ctrl-C.
 ``BATCHWEAVE_DEBUG=1`` shows tracebacks instead.
 """
 
@@ -23,6 +23,7 @@ from batchweave._lifecycle import Reclaimer
 from batchweave._manifest._log import ManifestLog
 from batchweave._retire import retire_producers
 from batchweave._store._base import ObjectStore
+from batchweave.cli._check import DEFAULT_REQUESTS, check_store, render_check
 from batchweave.cli._common import (
     CliFailure,
     FiniteFloat,
@@ -103,6 +104,40 @@ def main() -> None:
 
 def _open(store: str, options: dict[str, Any], *, writes: bool) -> ObjectStore:
     return open_cli_store(store, options, writes=writes)
+
+
+# -- check -------------------------------------------------------------------------------------
+
+
+@cli.command("check")
+@click.argument("store")
+@click.option(
+    "--requests",
+    type=click.IntRange(min=1, max=10_000),
+    default=DEFAULT_REQUESTS,
+    show_default=True,
+    help="Timed requests per latency measurement (p50/p95).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@store_options
+def check_command(store: str, requests: int, as_json: bool, **options: Any) -> None:
+    """Check that STORE can carry BatchWeave (conditional create, ranges, listing, deletes, a
+    create race) and time its requests, under a scratch prefix removed afterwards.
+
+    Exit status 0 when every required check passes, 1 when one fails.
+    """
+    st = _open(store, options, writes=False)  # the checks probe conditional writes themselves
+    try:
+        with progress_bar("checking", quiet=as_json) as progress:
+            report = check_store(st, requests=requests, progress=progress)
+    finally:
+        st.close()
+    if as_json:
+        echo_json(report.as_dict())
+    else:
+        render_check(report, out_console())
+    if not report.ok:
+        raise SystemExit(EXIT_FAILED)
 
 
 # -- inspect ------------------------------------------------------------------------------------

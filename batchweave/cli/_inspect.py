@@ -84,6 +84,7 @@ def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
             "last_commit_at": _iso(state.last_commit_at),
             "idle_seconds": round(now - state.last_commit_at, 1) if state.last_commit_at else None,
             "live_steps": None if steps_error else steps.get(pid, 0),
+            "source": state.source,
             "retired": False,
         }
         for pid, state in sorted(manifest.producers.items())
@@ -98,6 +99,7 @@ def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
             "last_commit_at": None,
             "idle_seconds": None,
             "live_steps": count,
+            "source": None,
             "retired": True,
         }
         for pid, count in sorted(steps.items())
@@ -161,6 +163,17 @@ def first_rows(rows: list[_Row]) -> tuple[list[_Row], list[_Row]]:
 
 SKEW_TOLERANCE = 60.0
 """A timestamp further in the future than this is flagged: the writer's clock runs ahead."""
+
+
+_NUMERIC_COLUMNS = frozenset({"epoch", "offset", "last version", "live steps"})
+
+SOURCE_SHOWN = 48
+"""Characters of a producer's source identity the table shows (``--json`` has all of it)."""
+
+
+def _shorten(text: str) -> str:
+    """``text``, cut to :data:`SOURCE_SHOWN` characters with an ellipsis when longer."""
+    return text if len(text) <= SOURCE_SHOWN else text[: SOURCE_SHOWN - 3] + "..."
 
 
 def _skew_note(age: float | None) -> str:
@@ -227,30 +240,30 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
     console.print(summary)
 
     producers = Table(title="producers")
-    for col in ("producer", "epoch", "offset", "last version", "last commit", "live steps"):
-        producers.add_column(col, justify="left" if col in ("producer", "last commit") else "right")
+    columns = ["producer", "epoch", "offset", "last version", "last commit", "live steps"]
+    # Only namespaces whose producers committed a source identity (Producer(source=...)).
+    with_sources = any(p["source"] for p in data["producers"])
+    if with_sources:
+        columns.append("source")
+    for col in columns:
+        producers.add_column(col, justify="right" if col in _NUMERIC_COLUMNS else "left")
     shown, hidden = first_rows(data["producers"])
     for p in shown:
         if p["retired"]:
-            producers.add_row(p["producer_id"], "-", "-", "-", "retired", str(p["live_steps"]))
-            continue
-        producers.add_row(
-            p["producer_id"],
-            str(p["epoch"]),
-            "-" if p["committed_offset"] is None else str(p["committed_offset"]),
-            str(p["last_version"]),
-            (p["last_commit_at"] or "-") + _skew_note(p["idle_seconds"]),
-            "?" if p["live_steps"] is None else str(p["live_steps"]),
-        )
+            row = [p["producer_id"], "-", "-", "-", "retired", str(p["live_steps"])]
+        else:
+            row = [
+                p["producer_id"],
+                str(p["epoch"]),
+                "-" if p["committed_offset"] is None else str(p["committed_offset"]),
+                str(p["last_version"]),
+                (p["last_commit_at"] or "-") + _skew_note(p["idle_seconds"]),
+                "?" if p["live_steps"] is None else str(p["live_steps"]),
+            ]
+        producers.add_row(*row, *([escape(_shorten(p["source"] or "-"))] if with_sources else []))
     if hidden:
-        producers.add_row(
-            f"... {len(hidden)} more",
-            "",
-            "",
-            "",
-            "",
-            "?" if data.get("steps_error") else str(sum(p["live_steps"] for p in hidden)),
-        )
+        live = "?" if data.get("steps_error") else str(sum(p["live_steps"] for p in hidden))
+        producers.add_row(f"... {len(hidden)} more", "", "", "", "", live)
     console.print(producers)
     if data.get("steps_error"):
         console.print(f"[red]problem[/red]: {escape(data['steps_error'])}")

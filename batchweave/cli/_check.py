@@ -1,0 +1,658 @@
+"""``batchweave check STORE``: can this store carry BatchWeave, and how fast does it answer?
+
+Everything happens under one scratch prefix, ``_batchweave/check-<uuid>/`` below the store URL's
+prefix, which is removed at the end, also after a failure, Ctrl-C or SIGTERM; no other key is
+read or written. Each named check is one row (ok/FAIL and a one-line detail); a check BatchWeave
+does not rely on is reported as ``warn`` and never fails the store. Then small requests are timed
+(p50/p95) and the commit's fragile window that DAC will measure is derived from them
+(``docs/dac.md``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from batchweave._errors import (
+    AmbiguousWriteError,
+    ConcurrentWriteConflict,
+    ConditionalWritesUnsupported,
+    ObjectExists,
+    ObjectNotFound,
+    StoreError,
+    StoreUnavailable,
+)
+from batchweave._policy import DEFAULT_CONFLICT_BUDGET, DEFAULT_DUTY_BUDGET, dac_gap
+from batchweave._store._base import Bounded, ByteRange, ObjectStore, Offset, PutMode, Suffix
+from batchweave._store._open import probe_conditional_writes
+from batchweave.cli._common import deferred_interrupt, one_line
+
+__all__ = [
+    "DEFAULT_REQUESTS",
+    "SCRATCH_PREFIX",
+    "CheckResult",
+    "DacEstimate",
+    "Latency",
+    "StoreCheckReport",
+    "check_store",
+    "render_check",
+]
+
+SCRATCH_PREFIX = "_batchweave/check-"
+"""Keys of a check live under ``_batchweave/check-<uuid>/`` (removed at the end)."""
+
+DEFAULT_REQUESTS = 20
+"""Requests per latency measurement (``--requests``)."""
+
+RACE_THREADS = 8
+"""Threads that create the same key at once in the race check."""
+
+RACE_ROUNDS = 2
+"""Rounds of the race, each on a fresh key."""
+
+SMALL_BYTES = 1024
+LARGE_BYTES = 100 * 1024
+LIST_KEYS = 12
+
+_CONDITIONAL_ADVICE = (
+    "enable conditional writes or upgrade the store to a release that enforces If-None-Match: * "
+    "(AWS S3 does; MinIO, Ceph RGW and SeaweedFS releases that do exist), or use another store"
+)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One named check: whether it passed and a one-line detail (what is wrong and what to do)."""
+
+    name: str
+    ok: bool
+    detail: str
+    required: bool = True
+    """False for a property BatchWeave does not rely on: shown as ``warn``, never a failure."""
+
+    @property
+    def status(self) -> str:
+        """``ok``, ``FAIL`` (a required check failed) or ``warn``."""
+        return "ok" if self.ok else "FAIL" if self.required else "warn"
+
+
+@dataclass(frozen=True)
+class Latency:
+    """p50/p95 of ``requests`` timed requests of one kind, in milliseconds."""
+
+    operation: str
+    requests: int
+    p50_ms: float | None
+    p95_ms: float | None
+    error: str | None = None
+    """Why it could not be measured (the request failed)."""
+
+
+@dataclass(frozen=True)
+class DacEstimate:
+    """What DAC will see on this store, from the measured p50s (``docs/dac.md``)."""
+
+    window_ms: float
+    """The fragile window ``W``: a commit's probe (GET of the next version) + conditional PUT."""
+    lone_producer_period_ms: float
+    """``W + dac_gap(W, 1)``: a lone producer's attempt period with the default budgets."""
+    namespace_commits_per_second: float
+    """``(1 - eps) k / W``: the namespace's commit rate whatever the number of producers."""
+    summary: str
+
+
+@dataclass(frozen=True)
+class StoreCheckReport:
+    """Everything ``batchweave check`` found; ``ok`` when every required check passed."""
+
+    store: str
+    scratch: str
+    checks: list[CheckResult]
+    latency: list[Latency] = field(default_factory=list)
+    dac: DacEstimate | None = None
+
+    @property
+    def failed(self) -> list[CheckResult]:
+        """The required checks that failed."""
+        return [c for c in self.checks if c.required and not c.ok]
+
+    @property
+    def ok(self) -> bool:
+        """Whether every required check passed."""
+        return not self.failed
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data (``--json``)."""
+        return {
+            "store": self.store,
+            "scratch": self.scratch,
+            "ok": self.ok,
+            "failed": [c.name for c in self.failed],
+            "checks": [{**asdict(c), "status": c.status} for c in self.checks],
+            "latency": [asdict(x) for x in self.latency],
+            "dac": None if self.dac is None else asdict(self.dac),
+        }
+
+
+class _Failed(Exception):
+    """A check found the store wrong: the message says what and what to do."""
+
+
+class _Run:
+    """The store, the scratch prefix and every key written under it."""
+
+    def __init__(self, store: ObjectStore, scratch: str, clock: Callable[[], float]) -> None:
+        self.store = store
+        self.scratch = scratch
+        self.clock = clock
+        self.written: set[str] = set()
+        seed = random.Random(scratch)
+        self.payload = seed.randbytes(LARGE_BYTES)
+        self.small = seed.randbytes(SMALL_BYTES)
+
+    def key(self, name: str) -> str:
+        key = self.scratch + name
+        self.written.add(key)
+        return key
+
+    @property
+    def object_key(self) -> str:
+        """The 100 KB object the read checks and the GET timing use."""
+        return self.key("object")
+
+
+def _expect_missing(what: str, call: Callable[[], object]) -> None:
+    try:
+        call()
+    except ObjectNotFound:
+        return
+    raise _Failed(
+        f"{what} of a key that does not exist did not raise ObjectNotFound: the store answers "
+        "for absent objects (a proxy or cache in front of it?); BatchWeave tells a missing "
+        "manifest version from a present one this way"
+    )
+
+
+# -- the checks ---------------------------------------------------------------------------------
+
+
+def _conditional_create(run: _Run) -> str:
+    """``PutMode.CREATE`` twice, exactly as ``open_store``'s probe: the second must fail."""
+    key = run.key("create")
+    store = run.store
+    try:
+        probe_conditional_writes(store, key, delete=False)
+    except ConditionalWritesUnsupported as exc:
+        text = one_line(exc)
+        raise _Failed(text if "upgrade" in text else f"{text}; {_CONDITIONAL_ADVICE}") from exc
+    if store.get(key) != b"probe-1":
+        raise _Failed(
+            "the second create raised ObjectExists but replaced the object: the store does not "
+            f"enforce If-None-Match: * atomically; {_CONDITIONAL_ADVICE}"
+        )
+    return "a second PutMode.CREATE of the key raised ObjectExists; the first object stayed"
+
+
+def _overwrite(run: _Run) -> str:
+    key = run.key("overwrite")
+    run.store.put(key, b"first")
+    try:
+        run.store.put(key, b"second")
+    except ObjectExists as exc:
+        raise _Failed(
+            "a plain PUT over an existing object raised ObjectExists: the store treats every PUT "
+            "as create-only; BatchWeave overwrites objects (watermarks), check the server's or "
+            "bucket's write policy (object lock, WORM)"
+        ) from exc
+    got = run.store.get(key)
+    if got != b"second":
+        raise _Failed(
+            f"after an overwrite GET returned {got[:20]!r}, not the new bytes: the store (or a "
+            "cache in front of it) serves stale reads; BatchWeave needs read-after-write "
+            "consistency"
+        )
+    return "PutMode.OVERWRITE replaced the object; GET returned the new bytes"
+
+
+def _get(run: _Run) -> str:
+    key = run.object_key
+    run.store.put(key, run.payload)
+    got = run.store.get(key)
+    if got != run.payload:
+        raise _Failed(
+            f"GET of a {LARGE_BYTES:,}-byte object returned {len(got):,} other bytes: the store "
+            "(or a proxy) alters objects; BatchWeave's checksums would refuse every TGB"
+        )
+    _expect_missing("GET", lambda: run.store.get(run.key("absent")))
+    return f"{LARGE_BYTES // 1024} KB object read back intact; a missing key is ObjectNotFound"
+
+
+def _compare_ranges(run: _Run, ranges: Sequence[ByteRange], header: Callable[[Any], str]) -> None:
+    size = len(run.payload)
+    for rng in ranges:
+        got = run.store.get_range(run.object_key, rng)
+        if isinstance(rng, Bounded):
+            want = run.payload[rng.start : rng.end]
+        elif isinstance(rng, Offset):
+            want = run.payload[rng.start :]
+        else:
+            want = run.payload[max(0, size - rng.length) :]
+        if got != want:
+            raise _Failed(
+                f"GET with Range: {header(rng)} of a {size:,}-byte object returned {len(got):,} "
+                f"bytes, not the {len(want):,} expected: the store (or a proxy) mishandles Range "
+                "headers; BatchWeave reads slices and TGB footers with ranged GETs"
+            )
+
+
+def _ranged_get(run: _Run) -> str:
+    size = len(run.payload)
+
+    def header(rng: Bounded | Offset) -> str:
+        end = "" if isinstance(rng, Offset) else str(rng.end - 1)
+        return f"bytes={rng.start}-{end}"
+
+    ranges: list[ByteRange] = [
+        Bounded(1000, 5000),
+        Offset(size - 777),
+        Bounded(size - 10, size + 100),
+        Bounded(size + 5, size + 10),
+    ]
+    _compare_ranges(run, ranges, header)
+    return "bytes=a-b, bytes=a- and ranges past the end return the right bytes"
+
+
+def _suffix_range(run: _Run) -> str:
+    size = len(run.payload)
+    _compare_ranges(run, [Suffix(64), Suffix(size + 100)], lambda rng: f"bytes=-{rng.length}")
+    return "bytes=-n returns the object's last n bytes (all of it when n exceeds the size)"
+
+
+def _get_range_into(run: _Run) -> str:
+    size = len(run.payload)
+    buffer = bytearray(4096)
+    for start, want in ((1000, 4096), (size - 100, 100)):
+        count = run.store.get_range_into(run.object_key, start, memoryview(buffer))
+        if count != want or buffer[:count] != run.payload[start : start + want]:
+            raise _Failed(
+                f"get_range_into from byte {start:,} filled {count:,} bytes, not the {want:,} "
+                "expected: large slice reads would be wrong; check the ranged get row and the "
+                "store's Range support"
+            )
+    return "fills a buffer from an offset; returns fewer bytes only at the object's end"
+
+
+def _head(run: _Run) -> str:
+    meta = run.store.head(run.object_key)
+    if meta.size != len(run.payload):
+        raise _Failed(
+            f"HEAD reported {meta.size:,} bytes for a {len(run.payload):,}-byte object: the "
+            "store's metadata is wrong; BatchWeave sizes footers and reclaimed bytes from it"
+        )
+    _expect_missing("HEAD", lambda: run.store.head(run.key("absent")))
+    return "size matches; a missing key is ObjectNotFound"
+
+
+def _list(run: _Run) -> str:
+    directory = run.scratch + "list/"
+    keys = [run.key(f"list/v-{i:010d}") for i in range(LIST_KEYS)]
+    for key in keys:  # in sorted order, as manifest versions are written
+        run.store.put(key, key.encode())
+    cases: list[tuple[str, str, str | None, list[str]]] = [
+        ("LIST of the directory", directory, None, keys),
+        (f"LIST with start_after={keys[4]!r}", directory, keys[4], keys[5:]),
+        ("LIST with a longer prefix", keys[0][:-1], None, keys[:10]),
+        ("LIST with prefix and start_after", keys[0][:-1], keys[7], keys[8:10]),
+    ]
+    for what, prefix, start_after, want in cases:
+        listed = list(run.store.list(prefix, start_after=start_after))
+        got = [m.key for m in listed]
+        if got != want:
+            order = "in another order" if sorted(got) == want else f"{len(got)} keys"
+            raise _Failed(
+                f"{what} gave {order} where {len(want)} keys in byte order were expected "
+                f"(first {got[:3]}): BatchWeave finds the newest manifest version by listing "
+                "one directory in key order after a start key (docs/protocol.md); this store "
+                "cannot carry it"
+            )
+        sizes = {m.key: m.size for m in listed}
+        wrong = [k for k in want if sizes[k] != len(k.encode())]
+        if wrong:
+            raise _Failed(f"{what} reported wrong sizes for {wrong[:3]}: listing metadata is wrong")
+    return (
+        f"{LIST_KEYS} keys written in order list back in order; prefix and start_after filter "
+        "correctly"
+    )
+
+
+def _list_across_directories(run: _Run) -> str:
+    """Bytewise order across directory levels: BatchWeave's layout does not rely on it."""
+    keys = [run.key("order/a-b"), run.key("order/a/c")]  # '-' < '/' bytewise
+    for key in keys:
+        run.store.put(key, b"x")
+    got = [m.key for m in run.store.list(run.scratch + "order/")]
+    if got != keys:
+        shown = [k.removeprefix(run.scratch) for k in got]
+        raise _Failed(
+            f"lists {shown} (bytewise: {[k.removeprefix(run.scratch) for k in keys]}): keys "
+            "under a directory come before siblings that "
+            "sort lower bytewise (file-system walk order, as SeaweedFS does); BatchWeave's "
+            "layout does not rely on it (docs/store.md, Known server deviations)"
+        )
+    return "bytewise across directory levels, as AWS S3 lists"
+
+
+def _delete(run: _Run) -> str:
+    key = run.key("delete")
+    run.store.put(key, b"x")
+    run.store.delete_many([key])
+    _expect_missing("HEAD after DELETE", lambda: run.store.head(key))
+    if any(m.key == key for m in run.store.list(run.scratch + "delete")):
+        raise _Failed(
+            "a deleted object is still listed: the store's listing lags deletes; the reclaimer "
+            "would count deleted objects again"
+        )
+    return "a deleted object is gone from HEAD and LIST"
+
+
+def _delete_missing(run: _Run) -> str:
+    run.store.delete_many([run.key("never-written")])
+    return "deleting a key that does not exist is not an error"
+
+
+def _create_race(run: _Run, threads: int, rounds: int) -> str:
+    for round_ in range(rounds):
+        key = run.key(f"race/{round_:02d}")
+        barrier = threading.Barrier(threads)
+        payloads = [f"{key} writer {i}".encode() for i in range(threads)]
+
+        def attempt(payload: bytes, key: str = key, barrier: threading.Barrier = barrier) -> str:
+            barrier.wait(timeout=60)
+            try:
+                run.store.put(key, payload, mode=PutMode.CREATE)
+            except (ObjectExists, ConcurrentWriteConflict):
+                return "lost"
+            except AmbiguousWriteError:
+                return "ambiguous"  # decided below by reading the object back
+            return "won"
+
+        with ThreadPoolExecutor(threads) as pool:
+            outcomes = list(pool.map(attempt, payloads))
+        stored = run.store.get(key)
+        winners = [
+            p
+            for p, outcome in zip(payloads, outcomes, strict=True)
+            if outcome == "won" or (outcome == "ambiguous" and p == stored)
+        ]
+        if len(winners) != 1:
+            raise _Failed(
+                f"round {round_ + 1}: {len(winners)} of {threads} concurrent creates of one key "
+                "succeeded: the store does not enforce If-None-Match: * atomically, so concurrent "
+                f"commits would overwrite each other; {_CONDITIONAL_ADVICE}"
+            )
+        if stored != winners[0]:
+            raise _Failed(
+                f"round {round_ + 1}: the object holds another writer's bytes than the one "
+                "create that succeeded: the store does not enforce If-None-Match: * atomically; "
+                f"{_CONDITIONAL_ADVICE}"
+            )
+    return (
+        f"{rounds} rounds of {threads} threads: exactly one create won each, the others got "
+        "ObjectExists"
+    )
+
+
+# -- latency ------------------------------------------------------------------------------------
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of ascending values."""
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
+
+
+def _time(run: _Run, operation: str, requests: int, call: Callable[[int], object]) -> Latency:
+    seconds: list[float] = []
+    try:
+        for i in range(requests):
+            start = run.clock()
+            call(i)
+            seconds.append(run.clock() - start)
+    except StoreUnavailable:
+        raise
+    except StoreError as exc:
+        return Latency(operation, len(seconds), None, None, error=one_line(exc))
+    seconds.sort()
+    return Latency(
+        operation,
+        requests,
+        round(_percentile(seconds, 0.5) * 1000, 3),
+        round(_percentile(seconds, 0.95) * 1000, 3),
+    )
+
+
+def _missing_get(store: ObjectStore, key: str) -> None:
+    try:
+        store.get(key)
+    except ObjectNotFound:
+        return
+
+
+PROBE_GET = "GET missing key (commit probe)"
+CONDITIONAL_PUT = f"conditional PUT {SMALL_BYTES // 1024} KB"
+
+
+def _latency_plan(run: _Run) -> list[tuple[str, Callable[[int], object]]]:
+    store = run.store
+    put_key, absent = run.key("latency/put"), run.key("latency/absent")
+    return [
+        (f"PUT {SMALL_BYTES // 1024} KB", lambda i: store.put(put_key, run.small)),
+        (
+            CONDITIONAL_PUT,
+            lambda i: store.put(run.key(f"latency/create-{i:06d}"), run.small, mode=PutMode.CREATE),
+        ),
+        (f"GET {LARGE_BYTES // 1024} KB", lambda i: store.get(run.object_key)),
+        (PROBE_GET, lambda i: _missing_get(store, absent)),
+        ("HEAD", lambda i: store.head(run.object_key)),
+        (
+            f"LIST {LIST_KEYS} keys",
+            lambda i: sum(1 for _ in store.list(run.scratch + "list/")),
+        ),
+    ]
+
+
+def _dac_estimate(latency: Sequence[Latency]) -> DacEstimate | None:
+    """W and the commit rates docs/dac.md derives from it, with the default budgets."""
+    p50 = {x.operation: x.p50_ms for x in latency}
+    probe, put = p50.get(PROBE_GET), p50.get(CONDITIONAL_PUT)
+    if probe is None or put is None or probe + put <= 0:
+        return None
+    window = (probe + put) / 1000
+    period = window + dac_gap(window, 1)
+    k = -math.log1p(-DEFAULT_CONFLICT_BUDGET)
+    rate = (1 - DEFAULT_CONFLICT_BUDGET) * k / window
+    summary = (
+        f"DAC (docs/dac.md): fragile window W ~ commit probe + conditional PUT = "
+        f"{window * 1000:.1f} ms at p50 on an idle store (more under a data load); with the "
+        f"default budgets (conflict {DEFAULT_CONFLICT_BUDGET:g}, duty {DEFAULT_DUTY_BUDGET:g}) "
+        f"a lone producer commits at most every {period * 1000:.0f} ms (W / duty) and a "
+        f"namespace about {rate:.1f} commits/s whatever the number of producers "
+        "((1 - eps) k / W, k = -ln(1 - eps))"
+    )
+    return DacEstimate(round(window * 1000, 3), round(period * 1000, 3), round(rate, 3), summary)
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def _cleanup(run: _Run) -> CheckResult:
+    """Delete everything under the scratch prefix and confirm nothing is left."""
+    try:
+        keys = set(run.written)
+        keys.update(m.key for m in run.store.list(run.scratch))
+        run.store.delete_many(sorted(keys))
+        left = [m.key for m in run.store.list(run.scratch)]
+    except StoreError as exc:
+        return CheckResult(
+            "cleanup",
+            False,
+            f"removing {run.scratch} failed: {one_line(exc)}; delete the objects under that "
+            "prefix by hand",
+        )
+    if left:
+        return CheckResult(
+            "cleanup",
+            False,
+            f"{len(left)} objects are still listed under {run.scratch} after deleting them "
+            f"({left[:3]}): delete them by hand",
+        )
+    return CheckResult("cleanup", True, f"removed the {len(keys)} objects under {run.scratch}")
+
+
+def check_store(
+    store: ObjectStore,
+    *,
+    requests: int = DEFAULT_REQUESTS,
+    progress: Callable[[int, int], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    race_threads: int = RACE_THREADS,
+    race_rounds: int = RACE_ROUNDS,
+) -> StoreCheckReport:
+    """Run every check and latency measurement against ``store`` under a fresh scratch prefix.
+
+    ``progress(done, total)`` is called after each step. The scratch prefix is removed at the
+    end, also when a check raises or the run is interrupted. ``StoreUnavailable`` (the endpoint
+    is unreachable), and any error of the first request other than ignored conditional writes
+    (missing credentials or bucket, an endpoint that is no object store), is raised: the store
+    could not be checked, which is not the same as failing a check.
+    """
+    if requests < 1:
+        raise ValueError(f"requests must be at least 1, got {requests}")
+    run = _Run(store, f"{SCRATCH_PREFIX}{uuid.uuid4().hex}/", clock)
+    checks: list[tuple[str, Callable[[_Run], str], bool]] = [
+        ("conditional create", _conditional_create, True),
+        ("overwrite", _overwrite, True),
+        ("get", _get, True),
+        ("ranged get", _ranged_get, True),
+        ("suffix range", _suffix_range, True),
+        ("get_range_into", _get_range_into, True),
+        ("head", _head, True),
+        ("list order and start_after", _list, True),
+        ("list order across directories", _list_across_directories, False),
+        ("delete", _delete, True),
+        ("delete missing", _delete_missing, True),
+        ("concurrent create race", lambda r: _create_race(r, race_threads, race_rounds), True),
+    ]
+    plan = _latency_plan(run)
+    total = len(checks) + len(plan) + 1
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    results: list[CheckResult] = []
+    latency: list[Latency] = []
+    try:
+        for index, (name, check, required) in enumerate(checks):
+            try:
+                detail = check(run)
+            except _Failed as exc:
+                results.append(CheckResult(name, False, str(exc), required))
+            except StoreUnavailable:
+                raise
+            except StoreError as exc:
+                if index == 0:
+                    raise  # the store cannot be used at all: credentials, bucket, endpoint
+                results.append(CheckResult(name, False, one_line(exc), required))
+            else:
+                results.append(CheckResult(name, True, detail, required))
+            step()
+        for operation, call in plan:
+            latency.append(_time(run, operation, requests, call))
+            step()
+    except StoreUnavailable as exc:
+        # No cleanup: it would wait for the endpoint as long again.
+        if len(results) > 1:  # objects were written: say where they are
+            raise StoreUnavailable(
+                f"{exc} (objects of this check may remain under {run.scratch}: delete them once "
+                "the store answers)"
+            ) from exc
+        raise
+    except BaseException as exc:
+        if not results and isinstance(exc, StoreError):
+            raise  # the first request failed (credentials, bucket): nothing to remove
+        # Failed or interrupted (Ctrl-C, SIGTERM): remove what was written, then let the error
+        # go on. A second Ctrl-C during the cleanup stops it at once.
+        with deferred_interrupt() as interrupted:
+            outcome = _cleanup(run)
+        if not outcome.ok:
+            click.echo(f"batchweave: warning: {outcome.detail}", err=True)
+        interrupted()
+        raise
+    results.append(_cleanup(run))
+    step()
+    conditional_ok = results[0].ok
+    return StoreCheckReport(
+        store=store.url,
+        scratch=run.scratch,
+        checks=results,
+        latency=latency,
+        dac=_dac_estimate(latency) if conditional_ok else None,
+    )
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms" if value >= 1 else f"{value:.2f} ms"
+
+
+def render_check(report: StoreCheckReport, out: Console) -> None:
+    """Print the checks table, the latency table, the DAC line and the verdict."""
+    colours = {"ok": "green", "FAIL": "red", "warn": "yellow"}
+    table = Table(title=f"check {escape(report.store)}", title_justify="left")
+    table.add_column("check", style="bold")
+    table.add_column("result")
+    table.add_column("detail")
+    for c in report.checks:
+        table.add_row(c.name, f"[{colours[c.status]}]{c.status}[/]", escape(c.detail))
+    out.print(table)
+    if report.latency:
+        lat = Table(title="latency", title_justify="left")
+        lat.add_column("request", style="bold")
+        lat.add_column("p50", justify="right")
+        lat.add_column("p95", justify="right")
+        lat.add_column("requests", justify="right")
+        for x in report.latency:
+            if x.error is not None:
+                lat.add_row(x.operation, "-", "-", f"failed: {escape(x.error)}")
+            else:
+                lat.add_row(x.operation, _ms(x.p50_ms), _ms(x.p95_ms), str(x.requests))
+        out.print(lat)
+    if report.dac is not None:
+        out.print(escape(report.dac.summary))
+    for c in report.failed:
+        out.print(f"[red]FAIL[/red] {escape(c.name)}: {escape(c.detail)}")
+    if report.ok:
+        out.print(f"[green]OK[/green]: {escape(report.store)} can carry BatchWeave")
+    else:
+        names = ", ".join(c.name for c in report.failed)
+        out.print(
+            f"[red]FAILED[/red]: {len(report.failed)} required check(s) failed ({escape(names)}); "
+            f"{escape(report.store)} cannot carry BatchWeave as it is"
+        )
