@@ -150,16 +150,20 @@ class LanceSource:
 
         Names everything that fixes the rows of batch ``offset``: the dataset (its URI, a local
         path made absolute, without user info or query), :attr:`version`, ``rows_per_batch``,
-        ``seed``, ``shuffle``, ``shard``/``num_shards``, ``epochs`` and ``columns``. Equal for
-        sources built with the same arguments on the same version, so a producer restarted on
-        another dataset version (or shard, seed...) raises :class:`~batchweave.SourceMismatch`
-        instead of publishing other rows under the offsets it resumes at. At most 1024
-        characters: a longer one ends with a digest of the whole.
+        ``shuffle`` and its ``seed`` (``seed=-`` without shuffling, where it orders nothing),
+        ``shard``/``num_shards``, ``epochs`` and ``columns``. Equal for sources built with the
+        same arguments on the same version, so a producer restarted on another dataset version
+        (or shard, seed...) raises :class:`~batchweave.SourceMismatch` instead of publishing
+        other rows under the offsets it resumes at. At most 1024 characters: a longer one ends
+        with a digest of the whole.
         """
+        shuffle = bool(self.shuffle)
+        columns = None if self.columns is None else [str(c) for c in self.columns]
         text = (
             f"lance:{_uri_identity(self.dataset.uri)!r} version={self.version} "
-            f"rows_per_batch={self.rows_per_batch} seed={self.seed} shuffle={self.shuffle} "
-            f"shard={self.shard}/{self.num_shards} epochs={self.epochs} columns={self.columns!r}"
+            f"rows_per_batch={self.rows_per_batch} seed={self.seed if shuffle else '-'} "
+            f"shuffle={shuffle} shard={self.shard}/{self.num_shards} epochs={self.epochs} "
+            f"columns={columns!r}"
         )
         if len(text) <= MAX_SOURCE_LENGTH:
             return text

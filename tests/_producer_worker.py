@@ -11,6 +11,10 @@ and reports progress as lines on stdout, which the test reads as events:
   test SIGKILLs it there: a crash mid-commit, the second one with an unacknowledged success);
 - ``done <committed_offset>`` after ``close()`` drained everything.
 
+Every incarnation passes the same ``source=`` (:func:`source_id`), so the restarts exercise
+source identities: a worker exits with status 3 if the state it restarts from, or the final
+state, does not carry that source (a commit path that dropped it).
+
 Credentials come from ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` in the environment, never
 from the command line.
 """
@@ -18,13 +22,15 @@ from the command line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import threading
 
-from batchweave import Mesh, ObjectStore, Producer, PutMode, StoreWrapper
+from batchweave import Mesh, NamespaceNotFound, ObjectStore, Producer, PutMode, StoreWrapper
 from batchweave._manifest._codec import decode_manifest
+from batchweave._manifest._log import ManifestLog
 from batchweave._store._open import open_store
 
 MESH = Mesh(dp=2, cp=1)
@@ -33,6 +39,23 @@ MESH = Mesh(dp=2, cp=1)
 def payload(producer_id: str, offset: int) -> list[bytes]:
     """The deterministic source: TGB ``offset`` of ``producer_id``."""
     return [f"{producer_id}:{offset}:{c}".encode().ljust(64, b".") for c in range(MESH.slices)]
+
+
+def source_id(producer_id: str) -> str:
+    """The source identity every incarnation of ``producer_id`` passes."""
+    return f"test-worker-source {producer_id} dp={MESH.dp}"
+
+
+def committed_source(store: ObjectStore, namespace: str, producer_id: str) -> str | None:
+    """The source the newest manifest holds for ``producer_id`` (``None``: none, or no state)."""
+    state = ManifestLog(store, namespace).latest().producers.get(producer_id)
+    return None if state is None else state.source
+
+
+def check_source(where: str, found: str | None, expected: str) -> None:
+    if found != expected:
+        sys.stderr.write(f"{where}: committed source {found!r}, expected {expected!r}\n")
+        sys.exit(3)
 
 
 def report(line: str) -> None:
@@ -94,16 +117,27 @@ def main() -> int:
         secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
         region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
     )
+    source = source_id(args.producer_id)
+    with contextlib.suppress(NamespaceNotFound):  # the first workers find no namespace yet
+        state = ManifestLog(store, args.namespace).latest().producers.get(args.producer_id)
+        if state is not None:  # a restart: its predecessor's commits must have kept the source
+            check_source("before the restart", state.source, source)
     if args.hold is not None:
         store = HoldingStore(store, args.producer_id, args.hold, args.hold_offset)
     with Producer(
-        store, args.namespace, producer_id=args.producer_id, mesh=MESH, policy="dac"
+        store,
+        args.namespace,
+        producer_id=args.producer_id,
+        mesh=MESH,
+        policy="dac",
+        source=source,
     ) as producer:
         report(f"started {producer.epoch} {producer.resume_offset}")
         for offset in range(producer.resume_offset, args.total):
             producer.append(payload(args.producer_id, offset), offset=offset)
             if offset in args.flush_at:
                 producer.flush()
+    check_source("after close", committed_source(store, args.namespace, args.producer_id), source)
     stats = producer.stats()
     report(
         f"done {producer.committed_offset} attempts={stats.attempts} commits={stats.commits} "

@@ -394,3 +394,47 @@ def test_credentials_that_cannot_delete_fail_the_delete_checks_and_name_the_pref
     cleanup = data["checks"][-1]["detail"]
     assert cleanup.startswith(f"removing {data['scratch']} failed: AccessDenied")
     assert cleanup.endswith("delete the objects under that prefix by hand")
+
+
+class DeniesReads(StoreWrapper):
+    """Write-only credentials (an upload role): every GET is refused."""
+
+    def get(self, key: str) -> bytes:
+        raise bw.AccessDenied(f"cannot get {key!r} in {self.url}: AccessDenied (test)")
+
+
+def test_credentials_that_cannot_read_are_the_usual_error_and_leave_nothing_behind(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first check's creates land before its GET is refused: they are removed too.
+    inject(monkeypatch, DeniesReads)
+    result = invoke("check", str(root))
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("batchweave: error: AccessDenied: cannot get ")
+    assert "warning" not in result.stderr
+    assert leftovers(root) == []
+
+
+class UnavailableAt(StoreWrapper):
+    """The endpoint stops answering at the ``at``-th put, after earlier ones landed."""
+
+    def __init__(self, inner: bw.ObjectStore, at: int) -> None:
+        super().__init__(inner)
+        self.puts, self.at = 0, at
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        self.puts += 1
+        if self.puts >= self.at:
+            raise bw.StoreUnavailable(f"cannot put {key!r} in {self.url}: unreachable (test)")
+        self.inner.put(key, data, mode=mode)
+
+
+def test_an_endpoint_lost_after_the_first_check_names_the_objects_left_behind(root: Path) -> None:
+    # The conditional-create check wrote its object (2 puts); the overwrite check then finds
+    # the endpoint gone: no cleanup is tried, and the error says where the object is.
+    store = UnavailableAt(bw.open_store(root.as_uri()), 3)
+    with pytest.raises(bw.StoreUnavailable) as info:
+        check_store(store, requests=1)
+    left = leftovers(root)
+    assert any(p.is_file() for p in left)
+    assert f"may remain under {SCRATCH_PREFIX}" in str(info.value)

@@ -235,8 +235,13 @@ def test_an_html_page_that_is_not_xml_is_not_s3_and_not_retried(
         _reply("200 OK", b'<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult><Name>buc'),
         # A gateway in front of S3 that is briefly down: its error page is HTML too.
         _reply("503 Service Unavailable", b"<html><body>503 Service Unavailable</body></html>"),
+        # S3's error inside a 200 (botocore's other reason), from a server that writes no XML
+        # declaration: an S3 answer, not a web page.
+        _reply("200 OK", b"<Error><Code>InternalError</Code><Message>retry</Message></Error>"),
+        # An S3 answer cut within its XML declaration.
+        _reply("200 OK", b"<?x"),
     ],
-    ids=["cut-xml", "gateway-503"],
+    ids=["cut-xml", "gateway-503", "error-without-declaration", "cut-in-declaration"],
 )
 def test_a_cut_s3_answer_or_a_gateway_error_page_stays_transient(
     aws_env: pytest.MonkeyPatch, reply: bytes
@@ -550,12 +555,15 @@ def test_the_probe_waits_no_longer_than_read_timeout(
 ) -> None:
     with fake_endpoint("silent") as silent:
         started = time.monotonic()
-        with pytest.raises(bw.StoreUnavailable, match=r"did not answer within 0\.5 s"):
+        with pytest.raises(bw.StoreUnavailable, match=r"did not answer within 0\.5 s") as info:
             bw.open_store(
                 "s3://bucket/p", s3_client=client, endpoint_url=silent.url, **_credentials(),
                 read_timeout=0.5, probe_timeout=30.0,
             )  # fmt: skip
         assert time.monotonic() - started < 0.5 + EXPECT_CONTINUE[client] + 1.0
+        # read_timeout was the limit: a larger probe_timeout would not help, so it is not asked.
+        assert "pass a larger read_timeout (now 0.5 s)" in str(info.value)
+        assert "probe_timeout" not in str(info.value)
 
 
 def test_open_store_says_it_is_waiting_for_a_silent_endpoint(
@@ -1103,6 +1111,34 @@ def test_cli_against_a_web_page_says_so_and_shows_no_secret(aws_env: pytest.Monk
             assert "did not answer like an S3 server" in out or "object store" in out, out
             assert SECRET not in out
             assert TOKEN not in out
+
+
+@pytest.mark.parametrize("command", ["check", "seal"])
+def test_cli_probe_timeout_bounds_the_wait_for_a_silent_endpoint(
+    aws_env: pytest.MonkeyPatch, command: str
+) -> None:
+    # --probe-timeout (env BATCHWEAVE_PROBE_TIMEOUT) reaches the probe of the commands that run
+    # it (check, and open_store's probe before a write), and the message names the option.
+    env = {"AWS_ACCESS_KEY_ID": "AKIDENVAUDIT", "AWS_SECRET_ACCESS_KEY": SECRET}
+    env |= {"BATCHWEAVE_REGION": "us-east-1", "BATCHWEAVE_PROBE_TIMEOUT": "0.5"}
+    with fake_endpoint("silent") as silent:
+        args = [command, "s3://bucket/p", *(["runs/a"] if command == "seal" else [])]
+        started = time.monotonic()
+        code, out = _run_cli(*args, "--endpoint-url", silent.url, env=env)
+        assert time.monotonic() - started < 0.5 + EXPECT_CONTINUE["boto3"] + 1.0
+    assert code == 2, out
+    assert "did not answer within 0.5 s" in out
+    assert "--probe-timeout" in out
+    assert SECRET not in out
+
+
+def test_cli_probe_timeout_applies_to_s3_only(tmp_path: Any) -> None:
+    code, out = _run_cli("check", str(tmp_path), "--probe-timeout", "5")
+    assert code == 2
+    assert "--probe-timeout apply to s3:// only" in out
+    code, out = _run_cli("check", "s3://bucket/p", "--probe-timeout", "0")
+    assert code == 2
+    assert "--probe-timeout" in out
 
 
 def test_cli_refuses_an_endpoint_with_a_path_before_touching_the_store() -> None:

@@ -32,8 +32,9 @@ from batchweave import (
     UnsupportedFormatVersion,
 )
 from batchweave._manifest import _codec, decode_manifest, encode_manifest
-from batchweave._manifest._log import ManifestLog
+from batchweave._manifest._log import Committed, ManifestLog
 from batchweave._manifest._models import Manifest, ProducerState
+from batchweave.cli._seal import seal_namespace
 from batchweave.lance import LanceSource
 
 MESH = Mesh(dp=2)
@@ -134,6 +135,42 @@ def test_a_source_given_where_none_is_committed_is_adopted_and_kept_by_commits()
     assert (state.source, state.offset) == (V1, 2)
     with pytest.raises(SourceMismatch):
         make(store, source=V2)
+
+
+def test_every_commit_path_keeps_a_committed_source() -> None:
+    # The manifest's producer states are rebuilt by every commit: those of other producers
+    # (tail rolls into segments, level merges swapped in), a rebase after a lost race, a
+    # reclaimer's base_step commit, a retirement of another id and a seal. None may drop the
+    # source, nor write the version in format 3.
+    store = MemoryStore()
+    log = ManifestLog(store, NS)
+
+    def kept(after: str) -> None:
+        manifest = latest(store)
+        assert manifest.producers["prep-0"].source == V1, after
+        assert manifest.format == 4, after
+        again = decode_manifest(encode_manifest(manifest), key="v")
+        assert again.producers["prep-0"].source == V1
+
+    small = {"tail_limit": 2}
+    stale = {"refresh_age": 1e9}  # a commits on the base it read last: b's commits beat it
+    with make(store, source=V1, **small, **stale) as a, make(store, "other", **small) as b:
+        for offset in range(12):
+            b.append([b"b", b"b"], offset=offset)
+            b.flush()  # rolls the tail into segments, merging them level by level
+            a.append([b"a", b"a"], offset=offset)
+            a.flush()  # its base is older than b's commit: a lost race, then a rebase
+        assert a.stats().conflicts > 0
+        assert latest(store).segments
+        kept("commits of another producer and rebases")
+    base = latest(store)
+    assert isinstance(log.commit(base, base_step=base.next_step - 2), Committed)
+    kept("a reclaimer's base_step commit")
+    bw.retire_producers(store, NS, idle_for=1.0, producer_ids=["other"], wall_clock=lambda: 1e12)
+    assert "other" not in latest(store).producers
+    kept("a retirement of another id")
+    assert seal_namespace(store, NS)[1]
+    kept("a seal")
 
 
 def test_source_none_checks_nothing_and_keeps_the_committed_source() -> None:
@@ -238,6 +275,25 @@ def test_a_lance_producer_restarted_on_a_newer_version_is_refused(tmp_path: Path
     assert resumed.resume_offset == 3
     expected = [first.take(o).column("id").to_numpy().tobytes() for o in range(6)]
     assert read_all(store) == expected
+
+
+def test_lance_sources_that_read_the_same_rows_have_the_same_source_id(tmp_path: Path) -> None:
+    # A restart spelling an argument differently, or changing one that has no effect on the
+    # rows, must not be refused: the seed only orders rows when shuffling, shuffle is a truth
+    # value, and column names are names however the list holds them.
+    path = tmp_path / "rows.lance"
+    _write(path, 0, 40)
+    plain = LanceSource(path, rows_per_batch=4, seed=3, shuffle=False, columns=["id"])
+    same = [
+        LanceSource(path, rows_per_batch=4, seed=9, shuffle=False, columns=["id"]),
+        LanceSource(path, rows_per_batch=4, seed=3, shuffle=0, columns=np.array(["id"])),
+    ]
+    for other in same:
+        assert [other.take(o) for o in range(10)] == [plain.take(o) for o in range(10)]
+        assert other.source_id == plain.source_id
+    shuffled = LanceSource(path, rows_per_batch=4, seed=3)
+    assert LanceSource(path, rows_per_batch=4, seed=3, shuffle=1).source_id == shuffled.source_id
+    assert LanceSource(path, rows_per_batch=4, seed=9).source_id != shuffled.source_id
 
 
 # ------------------------------------------------------------------------------------------------

@@ -30,7 +30,9 @@ from batchweave._store._s3 import S3Store
 from batchweave._store._s3_location import S3Location, check_s3_arguments, redact_url
 
 __all__ = [
+    "PROBE_FIRST",
     "PROBE_PREFIX",
+    "PROBE_SECOND",
     "SCHEMES",
     "check_store_url",
     "ensure_conditional_writes",
@@ -244,6 +246,10 @@ def _read_back_probe(store: ObjectStore, key: str, ambiguous: AmbiguousWriteErro
         raise exc from ambiguous
 
 
+PROBE_FIRST, PROBE_SECOND = b"probe-1", b"probe-2"
+"""The bodies of the probe's first and second create of its key."""
+
+
 def _refuse_a_non_store(store: ObjectStore, key: str) -> None:
     """``StoreError`` if ``store`` does not give back what the probe wrote to ``key``.
 
@@ -256,7 +262,7 @@ def _refuse_a_non_store(store: ObjectStore, key: str) -> None:
     except StoreError as exc:
         detail = f"reading it back failed: {exc}"
     else:
-        if data == b"probe-2":
+        if data == PROBE_SECOND:
             return
         detail = f"reading it back gave {len(data)} other bytes ({bytes(data[:40])!r})"
     raise StoreError(
@@ -358,11 +364,11 @@ def _create_twice(store: ObjectStore, key: str) -> None:
     # ObjectExists here means our own retried first attempt landed: all the probe needs.
     with contextlib.suppress(ObjectExists):
         try:
-            store.put_if_absent(key, b"probe-1")
+            store.put_if_absent(key, PROBE_FIRST)
         except AmbiguousWriteError as exc:
             _read_back_probe(store, key, exc)
     try:
-        store.put_if_absent(key, b"probe-2")
+        store.put_if_absent(key, PROBE_SECOND)
     except ObjectExists:
         pass
     else:

@@ -144,9 +144,24 @@ def _no_retry_after_read_timeout(caught_exception: Exception | None = None, **_:
     return False if isinstance(caught_exception, bex.ReadTimeoutError) else None
 
 
+_XML_ELEMENT = re.compile(rb"<[A-Za-z_]")
+"""The start of an XML element (``<Error>``, ``<ListBucketResult ...>``)."""
+_HTML_ELEMENT = re.compile(rb"<(?:html|head|body)\b", re.IGNORECASE)
+"""An element that starts a web page, not an S3 document."""
+
+
 def _is_xml(body: bytes) -> bool:
-    """Whether ``body`` may be an S3 answer cut short: it begins as S3's XML documents do."""
-    return body.lstrip()[:5] == b"<?xml"
+    """Whether ``body`` may be an S3 answer, possibly cut short: it begins as XML does.
+
+    With the XML declaration, or a part of it (``<?x``: cut short), or with an element that is
+    not HTML's: S3 and some compatible servers send ``<Error>`` in a ``200`` without a
+    declaration, which botocore rightly makes a ``500``. A web page begins with ``<!DOCTYPE``,
+    ``<html>`` or text that is no element.
+    """
+    start = body.lstrip().removeprefix(b"\xef\xbb\xbf").lstrip()  # a UTF-8 byte order mark
+    if b"<?xml".startswith(start[:5]):
+        return True
+    return _XML_ELEMENT.match(start) is not None and _HTML_ELEMENT.match(start) is None
 
 
 _REDACT = _RedactCredentials()
@@ -334,8 +349,8 @@ class S3Store(S3Location):
         botocore parses a ``200`` body that is not XML as a ``500`` error (meant for an S3
         answer cut short), which would be retried and reported as transient: a web server or
         console on the endpoint's port would read as an S3 outage. The wire status is still
-        ``200`` on the raw response. A body that starts as XML (``<?xml``) stays botocore's
-        case.
+        ``200`` on the raw response. A body that begins as XML (:func:`_is_xml`: ``<?xml``, or
+        an element such as ``<Error>``) stays botocore's case.
         """
         if response is None:
             return None

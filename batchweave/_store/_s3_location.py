@@ -359,12 +359,20 @@ class S3Location(ObjectStore):
     def _silent(self, op: str, key: str | None) -> StoreUnavailable:
         """The probe's error for an endpoint that connected but did not answer in time."""
         within = self._answer_within
+        options = self._options
+        # The probe waits the shorter of the two: name the one that set the limit.
+        limit = (
+            "read_timeout"
+            if options is not None and options.read_timeout < options.probe_timeout
+            else "probe_timeout"
+        )
         return StoreUnavailable(
             f"cannot {self._describe(op, key)}: {self._endpoint_shown} accepted the connection "
             f"but did not answer within {within:g} s (a wrong port, a hung or overloaded "
             "server, or not an S3 server); check that endpoint_url is the address of the S3 "
             "API (scheme, host and port) and that the server is up. A server that is only "
-            f"slow: pass a larger probe_timeout (now {within:g} s) to open_store"
+            f"slow: pass a larger {limit} (now {within:g} s) to open_store"
+            + (" (batchweave CLI: --probe-timeout)" if limit == "probe_timeout" else "")
         )
 
     def __repr__(self) -> str:

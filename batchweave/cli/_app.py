@@ -25,6 +25,7 @@ from batchweave._retire import retire_producers
 from batchweave._store._base import ObjectStore
 from batchweave.cli._check import DEFAULT_REQUESTS, check_store, render_check
 from batchweave.cli._common import (
+    S3_OPTIONS,
     CliFailure,
     FiniteFloat,
     Terminated,
@@ -518,7 +519,7 @@ def demo(**kwargs: Any) -> None:
     and verify exactly-once delivery (about a minute with the defaults)."""
     from batchweave.cli._demo import DemoConfig, run_demo
 
-    options = {k: kwargs.pop(k) for k in ("endpoint_url", "region", "profile", "addressing_style")}
+    options = {k: kwargs.pop(k) for k in S3_OPTIONS}
     config = DemoConfig(**kwargs, store_options={k: v for k, v in options.items() if v})
     ok = run_demo(config)
     if not ok:

@@ -10,12 +10,13 @@ does not rely on is reported as ``warn`` and never fails the store. Then small r
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -36,7 +37,7 @@ from batchweave._errors import (
 )
 from batchweave._policy import DEFAULT_CONFLICT_BUDGET, DEFAULT_DUTY_BUDGET, dac_gap
 from batchweave._store._base import Bounded, ByteRange, ObjectStore, Offset, PutMode, Suffix
-from batchweave._store._open import probe_conditional_writes
+from batchweave._store._open import PROBE_FIRST, probe_conditional_writes
 from batchweave.cli._common import deferred_interrupt, one_line
 
 __all__ = [
@@ -158,6 +159,8 @@ class _Run:
         self.scratch = scratch
         self.clock = clock
         self.written: set[str] = set()
+        self.landed = False
+        """Whether objects of this check may exist: set once its first create went through."""
         seed = random.Random(scratch)
         self.payload = seed.randbytes(LARGE_BYTES)
         self.small = seed.randbytes(SMALL_BYTES)
@@ -195,9 +198,11 @@ def _conditional_create(run: _Run) -> str:
     try:
         probe_conditional_writes(store, key, delete=False)
     except ConditionalWritesUnsupported as exc:
+        run.landed = True
         text = one_line(exc)
         raise _Failed(text if "upgrade" in text else f"{text}; {_CONDITIONAL_ADVICE}") from exc
-    if store.get(key) != b"probe-1":
+    run.landed = True
+    if store.get(key) != PROBE_FIRST:
         raise _Failed(
             "the second create raised ObjectExists but replaced the object: the store does not "
             f"enforce If-None-Match: * atomically; {_CONDITIONAL_ADVICE}"
@@ -520,6 +525,55 @@ def _cleanup(run: _Run) -> CheckResult:
     return CheckResult("cleanup", True, f"removed the {len(keys)} objects under {run.scratch}")
 
 
+def _run_check(
+    run: _Run, name: str, check: Callable[[_Run], str], required: bool, *, first: bool
+) -> CheckResult:
+    """One check's row. A store error is the check's failure, except ``StoreUnavailable`` and
+    any error of the ``first`` check (credentials, bucket, endpoint): the store could not be
+    checked at all, and :func:`check_store` raises it."""
+    try:
+        detail = check(run)
+    except _Failed as exc:
+        return CheckResult(name, False, str(exc), required)
+    except StoreUnavailable:
+        raise
+    except StoreError as exc:
+        if first:
+            raise
+        return CheckResult(name, False, one_line(exc), required)
+    return CheckResult(name, True, detail, required)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(run: _Run) -> Iterator[None]:
+    """Remove the scratch prefix if the body raises or is interrupted, then let the error go on.
+
+    Not after ``StoreUnavailable``: the cleanup would wait for the endpoint as long again, so
+    the error names the prefix instead (when something was written). Nor after a store error
+    before the first create landed (credentials that cannot write): there is nothing to remove.
+    """
+    try:
+        yield
+    except StoreUnavailable as exc:
+        if run.landed:
+            raise StoreUnavailable(
+                f"{exc} (objects of this check may remain under {run.scratch}: delete them once "
+                "the store answers)"
+            ) from exc
+        raise
+    except BaseException as exc:
+        if not run.landed and isinstance(exc, StoreError):
+            raise
+        # Failed or interrupted (Ctrl-C, SIGTERM). A second Ctrl-C during the cleanup stops it
+        # at once.
+        with deferred_interrupt() as interrupted:
+            outcome = _cleanup(run)
+        if not outcome.ok:
+            click.echo(f"batchweave: warning: {outcome.detail}", err=True)
+        interrupted()
+        raise
+
+
 def check_store(
     store: ObjectStore,
     *,
@@ -533,9 +587,11 @@ def check_store(
 
     ``progress(done, total)`` is called after each step. The scratch prefix is removed at the
     end, also when a check raises or the run is interrupted. ``StoreUnavailable`` (the endpoint
-    is unreachable), and any error of the first request other than ignored conditional writes
-    (missing credentials or bucket, an endpoint that is no object store), is raised: the store
-    could not be checked, which is not the same as failing a check.
+    is unreachable; no cleanup is tried, the message names the prefix if objects were written),
+    and any error of the first check other than ignored conditional writes (missing
+    credentials or bucket, credentials that cannot read, an endpoint that is no object store),
+    is raised, after that cleanup: the store could not be checked, which is not the same as
+    failing a check.
     """
     if requests < 1:
         raise ValueError(f"requests must be at least 1, got {requests}")
@@ -566,43 +622,13 @@ def check_store(
 
     results: list[CheckResult] = []
     latency: list[Latency] = []
-    try:
+    with _removed_on_failure(run):
         for index, (name, check, required) in enumerate(checks):
-            try:
-                detail = check(run)
-            except _Failed as exc:
-                results.append(CheckResult(name, False, str(exc), required))
-            except StoreUnavailable:
-                raise
-            except StoreError as exc:
-                if index == 0:
-                    raise  # the store cannot be used at all: credentials, bucket, endpoint
-                results.append(CheckResult(name, False, one_line(exc), required))
-            else:
-                results.append(CheckResult(name, True, detail, required))
+            results.append(_run_check(run, name, check, required, first=index == 0))
             step()
         for operation, call in plan:
             latency.append(_time(run, operation, requests, call))
             step()
-    except StoreUnavailable as exc:
-        # No cleanup: it would wait for the endpoint as long again.
-        if len(results) > 1:  # objects were written: say where they are
-            raise StoreUnavailable(
-                f"{exc} (objects of this check may remain under {run.scratch}: delete them once "
-                "the store answers)"
-            ) from exc
-        raise
-    except BaseException as exc:
-        if not results and isinstance(exc, StoreError):
-            raise  # the first request failed (credentials, bucket): nothing to remove
-        # Failed or interrupted (Ctrl-C, SIGTERM): remove what was written, then let the error
-        # go on. A second Ctrl-C during the cleanup stops it at once.
-        with deferred_interrupt() as interrupted:
-            outcome = _cleanup(run)
-        if not outcome.ok:
-            click.echo(f"batchweave: warning: {outcome.detail}", err=True)
-        interrupted()
-        raise
     results.append(_cleanup(run))
     step()
     conditional_ok = results[0].ok

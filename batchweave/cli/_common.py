@@ -26,6 +26,7 @@ from batchweave._store._open import SCHEMES, open_store
 __all__ = [
     "DEBUG_ENV",
     "MEMORY_STORE_REFUSAL",
+    "S3_OPTIONS",
     "CliFailure",
     "FiniteFloat",
     "Terminated",
@@ -217,6 +218,10 @@ def validate_namespace(namespace: str) -> str:
     return cleaned
 
 
+S3_OPTIONS = ("endpoint_url", "region", "profile", "addressing_style", "probe_timeout")
+"""The parameters :func:`store_options` adds: ``open_store`` options for ``s3://`` only."""
+
+
 def store_options(func: F) -> F:
     """Add the S3 endpoint options every store-using command accepts."""
     decorators = [
@@ -231,6 +236,13 @@ def store_options(func: F) -> F:
             "--addressing-style",
             type=click.Choice(["auto", "path", "virtual"]),
             help="S3 addressing style (path for most self-hosted servers).",
+        ),
+        click.option(
+            "--probe-timeout",
+            envvar="BATCHWEAVE_PROBE_TIMEOUT",
+            type=FiniteFloat(min=0, min_open=True),
+            help="Seconds the conditional-write probe waits for each S3 answer (default 10; "
+            "larger for a slow server); env BATCHWEAVE_PROBE_TIMEOUT.",
         ),
     ]
     for decorator in reversed(decorators):
@@ -251,11 +263,7 @@ def open_cli_store(
     url = store_url(location)
     if url.lower().startswith("memory:"):
         raise CliFailure(f"cannot use {url}: {MEMORY_STORE_REFUSAL}")
-    s3 = {
-        name: options[name]
-        for name in ("endpoint_url", "region", "profile", "addressing_style")
-        if options.get(name)
-    }
+    s3 = {name: options[name] for name in S3_OPTIONS if options.get(name)}
     if s3 and not url.lower().startswith("s3://"):
         raise CliFailure(f"{', '.join('--' + k.replace('_', '-') for k in s3)} apply to s3:// only")
     try:

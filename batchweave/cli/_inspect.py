@@ -167,8 +167,9 @@ SKEW_TOLERANCE = 60.0
 
 _NUMERIC_COLUMNS = frozenset({"epoch", "offset", "last version", "live steps"})
 
-SOURCE_SHOWN = 48
-"""Characters of a producer's source identity the table shows (``--json`` has all of it)."""
+SOURCE_SHOWN = 160
+"""Characters of a producer's source identity the table shows, folded over lines (``--json``
+has all of it): enough for a ``LanceSource.source_id`` with its version and sharding."""
 
 
 def _shorten(text: str) -> str:
@@ -246,7 +247,11 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
     if with_sources:
         columns.append("source")
     for col in columns:
-        producers.add_column(col, justify="right" if col in _NUMERIC_COLUMNS else "left")
+        producers.add_column(
+            col,
+            justify="right" if col in _NUMERIC_COLUMNS else "left",
+            overflow="fold" if col == "source" else "ellipsis",
+        )
     shown, hidden = first_rows(data["producers"])
     for p in shown:
         if p["retired"]:
