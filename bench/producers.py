@@ -759,7 +759,15 @@ def round_ratios(
         return []
     out = []
     for i, own in enumerate(dac["round figures"]):
-        best, name = max((b["round figures"][i]["MB/s"], b["policy"]) for b in baselines)
+        measured = [
+            (b["round figures"][i]["MB/s"], b["policy"])
+            for b in baselines
+            if b["round figures"][i]["MB/s"] > 0  # NaN (unmeasured) and 0 compare False
+        ]
+        if not measured:
+            out.append((math.nan, "-"))
+            continue
+        best, name = max(measured)
         out.append((own["MB/s"] / best, name))
     return out
 

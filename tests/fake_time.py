@@ -36,6 +36,11 @@ class FakeTime:
         if self.on_sleep is not None:
             self.on_sleep()
 
+    def producer_options(self) -> dict[str, Callable[..., object]]:
+        """``clock``, ``wall_clock`` and ``sleep`` for a ``Producer`` (or ``Consumer``) on this
+        fake time."""
+        return {"clock": self.clock, "wall_clock": self.wall, "sleep": self.sleep}
+
     def advance(self, seconds: float) -> None:
         """Move time forward without a sleep (e.g. a slow request)."""
         with self._lock:

@@ -527,3 +527,16 @@ def test_the_baseline_target_uses_median_rows_and_names_each_rounds_ratio(
     # One round has nothing to spread.
     one = [row("dac", 30), row("fixed100", 20)]
     assert not [n for n in producers.targets(one, []) if "by round" in n]
+
+
+def test_round_ratios_skip_unmeasured_baseline_rounds(producers: ModuleType) -> None:
+    def rounds(policy: str, *mbps: float) -> dict[str, Any]:
+        return {"policy": policy, "round figures": [{"MB/s": x} for x in mbps]}
+
+    dac = rounds("dac", 30, 24, 40)
+    baselines = [rounds("fixed100", math.nan, 12, 0.0), rounds("naive", 10, math.nan, 0.0)]
+    ratios = producers.round_ratios(dac, baselines)
+    # Round 1: fixed100 unmeasured, naive's 10; round 2: fixed100's 12; round 3: nothing measured.
+    assert ratios[:2] == [(3.0, "naive"), (2.0, "fixed100")]
+    assert math.isnan(ratios[2][0])
+    assert ratios[2][1] == "-"

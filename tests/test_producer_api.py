@@ -41,14 +41,7 @@ NS = "api"
 
 
 def make(store: bw.ObjectStore, **kw: Any) -> Producer:
-    fake = FakeTime(1000.0)
-    opts: dict[str, Any] = {
-        "policy": "naive",
-        "clock": fake.clock,
-        "wall_clock": fake.wall,
-        "sleep": fake.sleep,
-    }
-    opts.update(kw)
+    opts: dict[str, Any] = {"policy": "naive", **FakeTime(1000.0).producer_options(), **kw}
     mesh = opts.pop("mesh", MESH)
     return Producer(store, NS, producer_id="p0", mesh=mesh, **opts)
 

@@ -44,14 +44,7 @@ V2 = "lance:'/data/corpus.lance' version=2 shard=0/4"
 
 
 def make(store: bw.ObjectStore, producer_id: str = "prep-0", **kw: Any) -> Producer:
-    fake = FakeTime(1000.0)
-    opts: dict[str, Any] = {
-        "policy": "naive",
-        "clock": fake.clock,
-        "wall_clock": fake.wall,
-        "sleep": fake.sleep,
-    }
-    opts.update(kw)
+    opts: dict[str, Any] = {"policy": "naive", **FakeTime(1000.0).producer_options(), **kw}
     return Producer(store, NS, producer_id=producer_id, mesh=MESH, **opts)
 
 
