@@ -61,6 +61,7 @@ from batchweave import (
     NamespaceNotFound,
     ObjectMeta,
     ObjectStore,
+    ObstoreS3Store,
     Producer,
     PutMode,
     Reclaimer,
@@ -108,6 +109,8 @@ class Config:
     transient_rate: float = 0.02
     ambiguous_rate: float = 0.02
     failed_put_rate: float = 0.01
+    s3_client: str = "boto3"
+    """The workers' S3 backend: ``boto3`` (``S3Store``) or ``obstore`` (``ObstoreS3Store``)."""
 
     @classmethod
     def load(cls, path: str) -> Config:
@@ -235,7 +238,8 @@ def atomic_write(path: Path, text: str) -> None:
 def worker_store(cfg: Config, seed: int) -> tuple[FaultInjectingStore, SlowStore]:
     """The worker's store: S3 (no probe: the driver checked conditional writes) behind faults."""
     bucket = cfg.url.removeprefix("s3://")
-    base = S3Store(bucket, **cfg.options)
+    backend = ObstoreS3Store if cfg.s3_client == "obstore" else S3Store
+    base = backend(bucket, **cfg.options)
     slow = SlowStore(base, rate=cfg.slow_rate, seconds=cfg.slow_seconds, seed=seed)
     faulty = FaultInjectingStore(
         slow,
@@ -673,6 +677,7 @@ def driver_main(args: Any) -> int:
             grace=120.0,
             reclaim_interval=2.0,
             seed=args.seed,
+            s3_client=args.s3_client,
         )
         config_path = root / "config.json"
         config_path.write_text(json.dumps(dataclasses.asdict(cfg)))
@@ -960,7 +965,7 @@ def judge(
     load = os.getloadavg()
     rep.notes += [
         f"{fault_seconds / 60:.1f} min of faults, then drain; mesh dp={cfg.mesh[0]} "
-        f"cp={cfg.mesh[1]}, {cfg.producers} producers, {n} steps "
+        f"cp={cfg.mesh[1]}, {cfg.producers} producers, {n} steps, workers on {cfg.s3_client} "
         f"({n * cfg.mesh[0] * cfg.mesh[1] * cfg.slice_bytes / 1e6:.1f} MB of slices)",
         f"restored consumer checkpoints: {injected.get('restored_checkpoints', 0)}; reclaim "
         f"passes {injected.get('reclaim_passes', 0)} ({injected.get('reclaim_failed_passes', 0)} "
@@ -994,6 +999,12 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=None, help="fault phase length (10; smoke 1.5)")
     p.add_argument("--producers", type=int, default=3)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--s3-client",
+        choices=("boto3", "obstore"),
+        default="boto3",
+        help="the workers' S3 backend (the driver's admin store stays boto3)",
+    )
     p.add_argument("--outage-seconds", type=float, default=6.0)
     p.add_argument("--workdir", default=None, help="keep the run's files here (default: temp)")
     p.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
