@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from batchweave._checks import check_key_name
 from batchweave._errors import BatchWeaveError, InvalidStoreURL
 from batchweave._store._base import ObjectStore
-from batchweave._store._open import SCHEMES, open_store
+from batchweave._store._open import SCHEMES, open_store, store_url_scheme
 
 __all__ = [
     "DEBUG_ENV",
@@ -261,10 +261,11 @@ def open_cli_store(
     makes new stores): a mistyped path is reported, not created.
     """
     url = store_url(location)
-    if url.lower().startswith("memory:"):
+    scheme = store_url_scheme(url)  # as open_store reads it (case, leading spaces)
+    if scheme == "memory":
         raise CliFailure(f"cannot use {url}: {MEMORY_STORE_REFUSAL}")
     s3 = {name: options[name] for name in S3_OPTIONS if options.get(name)}
-    if s3 and not url.lower().startswith("s3://"):
+    if s3 and scheme != "s3":
         raise CliFailure(f"{', '.join('--' + k.replace('_', '-') for k in s3)} apply to s3:// only")
     try:
         parts = urlsplit(url)
