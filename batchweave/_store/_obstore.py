@@ -12,7 +12,6 @@ exactly the :class:`ObjectStore` contract (checked by the shipped conformance su
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -38,7 +37,7 @@ from batchweave._store._base import (
     PutMode,
     resolve_range,
 )
-from batchweave._store._s3_location import BUCKET_OPS, S3Location, check_endpoint
+from batchweave._store._s3_location import BUCKET_OPS, ClientOptions, S3Location, check_endpoint
 
 __all__ = ["ObstoreS3Store"]
 
@@ -240,17 +239,12 @@ class ObstoreS3Store(S3Location):
                 f"cannot configure obstore for {self.url}: {self._scrub(str(exc))}"
             ) from exc
 
-    def _probe_view(self) -> ObstoreS3Store:
+    def _use_probe_client(self, options: ClientOptions) -> None:
         # object_store does not retry a PUT that timed out (it is not idempotent), and the probe
         # stops at its first timeout: no request of the probe waits twice.
-        options = self._options
-        assert options is not None
-        view = copy.copy(self)
-        view._store = self._make_store(
+        self._store = self._make_store(
             options.probe_connect_timeout, options.probe_read_timeout, options.probe_attempts
         )
-        view._answer_within = options.probe_read_timeout
-        return view
 
     # -- error translation -------------------------------------------------------------------
 

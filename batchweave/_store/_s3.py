@@ -12,7 +12,6 @@ not prove that somebody else won; callers that care read the object back.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import re
@@ -310,10 +309,10 @@ class S3Store(S3Location):
                 f"cannot configure boto3 for {self.url}: {self._scrub(str(exc))}"
             ) from exc
 
-    def _probe_view(self) -> S3Store | None:
-        if self._session is None or self._config is None or self._options is None:
-            return None  # an injected client: probe through it, with its own timeouts
-        options = self._options
+    def _use_probe_client(self, options: ClientOptions) -> None:
+        # Options are only known for a client this store made, from a session it kept.
+        assert self._session is not None
+        assert self._config is not None
         config = self._config.merge(
             Config(
                 connect_timeout=options.probe_connect_timeout,
@@ -321,13 +320,10 @@ class S3Store(S3Location):
                 retries={"mode": "standard", "total_max_attempts": options.probe_attempts},
             )
         )
-        view = copy.copy(self)
-        view._local = threading.local()
-        view._client = self._client_from(self._session, config)
-        view._answer_within = options.probe_read_timeout
-        view._register(view._client)
-        view._client.meta.events.register("needs-retry.s3.*", _no_retry_after_read_timeout)
-        return view
+        self._local = threading.local()
+        self._client = self._client_from(self._session, config)
+        self._register(self._client)
+        self._client.meta.events.register("needs-retry.s3.*", _no_retry_after_read_timeout)
 
     @property
     def client(self) -> S3Client:

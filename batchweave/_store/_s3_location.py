@@ -7,6 +7,7 @@ error wording live here once, so the two cannot drift apart.
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import operator
@@ -353,8 +354,20 @@ class S3Location(ObjectStore):
         The copy waits at most ``probe_timeout`` for each answer and does not retry a request
         that timed out (the data path keeps ``read_timeout`` and ``max_attempts``); its
         ``_translate`` reports such a timeout with :meth:`_silent`. Closed after the probe.
+        ``None`` with an injected client, whose timeouts are not ours to change.
         """
-        return None
+        options = self._options
+        if options is None:
+            return None
+        view = copy.copy(self)
+        view._answer_within = options.probe_read_timeout
+        view._use_probe_client(options)
+        return view
+
+    def _use_probe_client(self, options: ClientOptions) -> None:
+        """Give this copy (see :meth:`_probe_view`) a client of its own with the probe's
+        timeouts and attempts (``options.probe_*``)."""
+        raise NotImplementedError
 
     def _silent(self, op: str, key: str | None) -> StoreUnavailable:
         """The probe's error for an endpoint that connected but did not answer in time."""
