@@ -441,3 +441,84 @@ def test_the_descriptor_json_cache_is_bounded_and_keyed_by_identity() -> None:
     assert id(a) not in cache._items
     assert id(c) in cache._items
     assert cache.get(a) == a.model_dump_json().encode()
+
+
+# --- decoding with a previous manifest: its tail descriptors are reused -----------------------
+
+
+@st.composite
+def manifests_and_previous(draw: st.DrawFn) -> tuple[Manifest, Manifest]:
+    """A manifest and a ``previous`` one whose tail holds a run of its tail, as commits leave it.
+
+    The run is the same objects or equal copies, between descriptors of its own; ``previous``
+    is otherwise the same manifest (``decode_manifest`` looks at its tail only).
+    """
+    manifest = draw(manifests())
+    tail = manifest.tail
+    start = draw(st.integers(0, len(tail)))
+    run = tail[start : draw(st.integers(start, len(tail)))]
+    if draw(st.booleans()):
+        run = tuple(d.model_copy() for d in run)
+    before = draw(st.lists(descriptors, max_size=2))
+    after = draw(st.lists(descriptors, max_size=2))
+    return manifest, manifest.model_copy(update={"tail": (*before, *run, *after)})
+
+
+def _outcome(data: bytes, previous: Manifest | None) -> Manifest | str:
+    """What decoding ``data`` afresh gives: the manifest, or the error's type and message."""
+    _codec.forget_decoded()
+    try:
+        return decode_manifest(data, key=KEY, previous=previous)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+@settings(max_examples=150, deadline=None)
+@given(manifests_and_previous())
+def test_decoding_with_a_previous_manifest_equals_decoding_afresh(
+    pair: tuple[Manifest, Manifest],
+) -> None:
+    manifest, previous = pair
+    data = encode_manifest(manifest)
+    fresh, reused = _outcome(data, None), _outcome(data, previous)
+    assert isinstance(reused, Manifest)
+    assert isinstance(fresh, Manifest)
+    assert reused == fresh == manifest
+    assert reused.model_fields_set == fresh.model_fields_set
+    assert encode_manifest(reused) == data
+    if manifest.tail and any(d == manifest.tail[0] for d in previous.tail):
+        # The tail's first descriptor is in previous: it and its run are previous's objects.
+        assert any(reused.tail[0] is d for d in previous.tail)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    manifests_and_previous(),
+    st.integers(0, 2**16),
+    st.sampled_from([b",", b"]", b"[", b"{", b"}", b'"', b"0", b" ", b'"tail":[', b""]),
+    st.integers(0, 3),
+)
+def test_decoding_any_body_with_a_previous_manifest_gives_the_fresh_outcome(
+    pair: tuple[Manifest, Manifest], at: int, insert: bytes, remove: int
+) -> None:
+    # Edited bodies under a valid checksum: what another writer could store. Reusing the
+    # previous tail must give the same manifest, or the same error, as decoding afresh.
+    manifest, previous = pair
+    body = _body(encode_manifest(manifest))
+    at %= len(body) + 1
+    data = envelope(body[:at] + insert + body[at + remove :])
+    assert _outcome(data, previous) == _outcome(data, None)
+
+
+def test_reused_descriptors_count_in_the_step_layout() -> None:
+    # Every step reclaimed: base_step equals next_step only with the reused descriptors counted.
+    tail = tuple(_descriptor().model_copy(update={"offset": i}) for i in range(3))
+    manifest = Manifest(
+        namespace_id="ns", mesh=Mesh(dp=1), version=4, commit_id="c", tail=tail, base_step=3
+    )
+    reused = decode_manifest(encode_manifest(manifest), key=KEY, previous=manifest)
+    assert reused == manifest
+    assert all(a is b for a, b in zip(reused.tail, tail, strict=True))
+    beyond = encode_manifest(manifest).replace(b'"base_step":3', b'"base_step":4')
+    with pytest.raises(FormatError, match=r"base_step 4 outside the listed steps \[0, 3\]"):
+        decode_manifest(envelope(_body(beyond)), key=KEY, previous=manifest)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from manifest_helpers import CountingStore, FaultyPutStore, descriptor, landed_then
+from manifest_helpers import CountingStore, FaultyPutStore, descriptor, grow, landed_then
 
 from batchweave import (
     AmbiguousWriteError,
@@ -38,6 +38,7 @@ from batchweave._manifest import (
     active_producers,
     manifest_key,
 )
+from batchweave._manifest._codec import forget_decoded
 from batchweave._store._file import FileStore
 
 MESH = Mesh(dp=4, cp=2)
@@ -561,3 +562,20 @@ def test_a_first_read_racing_another_threads_first_read_is_not_a_mesh_mismatch()
     assert log.latest() == m0
     threads[0].join(5)
     assert outcome == [None], outcome
+
+
+def test_a_reader_takes_the_shared_tail_from_the_version_it_read_before(
+    store: ObjectStore,
+) -> None:
+    writer = ManifestLog(store, NS)
+    head = grow(writer, writer.create_or_open(MESH), 3)
+    forget_decoded()  # the reader decodes what it reads, as another process would
+    reader = ManifestLog(store, NS)
+    before = reader.latest()
+    grow(writer, head, 2)
+    forget_decoded()
+    after = reader.latest(before)
+    assert after.version == before.version + 2
+    assert after.tail[:3] == before.tail
+    assert all(a is b for a, b in zip(after.tail, before.tail, strict=False))
+    assert after.tail[3:] == tuple(descriptor("p", step) for step in (3, 4))

@@ -38,10 +38,12 @@ from batchweave._manifest._models import (
     FORMAT_WITH_SOURCES,
     MANIFEST_FORMAT,
     SEGMENT_FORMAT,
+    TAIL_REUSED,
     Manifest,
     Segment,
     TgbDescriptor,
 )
+from batchweave._unchecked import unchecked
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
@@ -305,15 +307,81 @@ def forget_decoded() -> None:
     _DECODED.clear()
 
 
-def decode_manifest(data: bytes, *, key: str) -> Manifest:
-    """Parse and verify the bytes of the manifest object ``key`` (used in error messages)."""
+def decode_manifest(data: bytes, *, key: str, previous: Manifest | None = None) -> Manifest:
+    """Parse and verify the bytes of the manifest object ``key`` (used in error messages).
+
+    ``previous``, a manifest decoded before (the newest one the caller has seen), makes decoding
+    cheaper: the descriptors at the start of the tail that are byte for byte those of
+    ``previous``'s tail are taken from it instead of being validated again (see
+    :func:`_reuse_tail`). The result is the same either way.
+    """
     cached = _DECODED.get(key, data)
     if isinstance(cached, Manifest):
         return cached
     _, body = _split_envelope(data, key=key, magic=_MANIFEST_MAGIC, limit=MAX_MANIFEST_BYTES)
-    manifest = _validate(body, Manifest, key=key, what="manifest", supported=MANIFEST_FORMAT)
+    manifest = None if previous is None else _reuse_tail(body, previous.tail)
+    if manifest is None:
+        manifest = _validate(body, Manifest, key=key, what="manifest", supported=MANIFEST_FORMAT)
     _DECODED.put(key, data, manifest)
     return manifest
+
+
+_TAIL_KEY: Final = b'"tail":'
+_TAIL_START: Final = b',"tail":['
+
+
+def _reuse_tail(body: bytes, known: Sequence[TgbDescriptor]) -> Manifest | None:
+    """``body``'s manifest, its leading tail descriptors taken from ``known`` (None: no match).
+
+    A commit copies its base's tail into the manifest it writes, so consecutive versions share
+    most of their tail, and validating a descriptor costs about 12 us against about 1 us of
+    JSON parsing. Here the run of ``known`` descriptors whose JSON (as :func:`encode_manifest`
+    writes it) starts the tail array, each followed by ``,`` or the array's ``]``, is cut out of
+    ``body``; the rest is validated in full, in strict mode, with the step layout checked as if
+    the run were there (:data:`TAIL_REUSED`), and the run's objects are put back in front of its
+    tail. Validating a descriptor depends on its JSON alone, and JSON decodes to what it encodes
+    (the round-trip tests), so the result equals validating ``body`` whole. The cut is made only
+    where the only ``"tail":`` of the body opens the root's tail array (an unescaped quote
+    cannot occur inside a JSON string, no other model has a ``tail`` field, and extra fields are
+    refused); anything else, and any body that fails to validate, returns None and is decoded
+    in full, which also gives the error its usual message.
+    """
+    if not known or body.count(_TAIL_KEY) != 1:
+        return None
+    at = body.find(_TAIL_START)
+    if at < 0:
+        return None
+    start = at + len(_TAIL_START)
+    first = next(
+        (i for i, d in enumerate(known) if body.startswith(_DESCRIPTOR_JSON.get(d), start)), None
+    )
+    if first is None:
+        return None
+    end, stop = start, first
+    while stop < len(known):
+        element = _DESCRIPTOR_JSON.get(known[stop])
+        after = end + len(element)
+        separator = body[after : after + 1]
+        if not body.startswith(element, end) or separator not in (b",", b"]"):
+            break
+        stop += 1
+        if separator == b"]":
+            end = after
+            break
+        end = after + 1  # the comma goes with its element
+    if stop == first:
+        return None
+    run = tuple(known[first:stop])
+    try:
+        rest = Manifest.model_validate_json(
+            body[:start] + body[end:], strict=True, context={TAIL_REUSED: len(run)}
+        )
+    except ValidationError:
+        return None
+    if not 1 <= rest.format <= MANIFEST_FORMAT:
+        return None
+    fields = {**rest.__dict__, "tail": run + rest.tail}
+    return unchecked(Manifest, fields, set(rest.model_fields_set))
 
 
 def decode_segment(data: bytes, *, key: str) -> tuple[Segment, int]:

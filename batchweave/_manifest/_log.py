@@ -448,7 +448,7 @@ class ManifestLog:
                 f"{limit + 1} bytes were read): the object was replaced by something other than "
                 f"BatchWeave. Restore it from a backup, and write nothing else under {self._where}"
             )
-        manifest = decode_manifest(data, key=key)
+        manifest = decode_manifest(data, key=key, previous=self._newest)
         if manifest.version != version:
             raise FormatError(f"{key}: object says it is version {manifest.version}, not {version}")
         self._observe(manifest, key)

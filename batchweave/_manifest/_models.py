@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     model_serializer,
     model_validator,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "ProducerState",
     "Segment",
     "SegmentRef",
+    "TAIL_REUSED",
     "SliceTable",
     "TgbDescriptor",
     "TgbObjectRef",
@@ -371,6 +373,14 @@ class ProducerState(BaseModel):
     and ``encode_manifest`` writes it only when set."""
 
 
+TAIL_REUSED = "batchweave.tail_reused"
+"""Validation context key: how many leading tail descriptors the JSON being validated lacks.
+
+``decode_manifest`` leaves out of the JSON it validates the leading tail descriptors that are
+byte for byte those of a manifest it decoded before, and passes their count here so that the
+step layout is checked with them; it then puts the decoded objects back in front of the tail."""
+
+
 class Manifest(BaseModel):
     """One immutable manifest version: the complete state of a namespace."""
 
@@ -415,7 +425,10 @@ class Manifest(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _check_step_layout(self) -> Manifest:
+    def _check_step_layout(self, info: ValidationInfo) -> Manifest:
+        context = info.context
+        reused = context.get(TAIL_REUSED, 0) if isinstance(context, dict) else 0
+        next_step = self.next_step + reused
         expected = self.segments[0].first_step if self.segments else self.tail_start
         for ref in self.segments:
             if ref.first_step != expected:
@@ -426,9 +439,8 @@ class Manifest(BaseModel):
         if self.tail_start != expected:
             raise ValueError(f"tail starts at step {self.tail_start}, expected {expected}")
         first_listed = self.segments[0].first_step if self.segments else self.tail_start
-        if self.base_step > self.next_step or (self.base_step < first_listed):
+        if self.base_step > next_step or (self.base_step < first_listed):
             raise ValueError(
-                f"base_step {self.base_step} outside the listed steps "
-                f"[{first_listed}, {self.next_step}]"
+                f"base_step {self.base_step} outside the listed steps [{first_listed}, {next_step}]"
             )
         return self
