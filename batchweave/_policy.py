@@ -72,6 +72,16 @@ DEFAULT_SLOT_FACTOR = 2.0
 """A ``flush()``/``close()`` slot lasts at least this many won windows: an attempt starts in the
 middle of its slot and must end inside it (rounding the period up to the grid adds up to 2x)."""
 
+DEFAULT_MIN_SLOT_WINDOW = 0.005
+"""The least window a ``flush()``/``close()`` slot is sized for, in seconds, whatever was measured.
+
+The measured estimates come from moments with less load than a close (a start-up commit takes
+0.5-3 ms on ``file://``), while closers commit while other producers still upload: 16 producers'
+close commits on one disk took 3.6-25 ms, 9-11 ms at the median, and overran the 7.8 ms slots
+sized from start-up commits, losing 4-9 of 20-25 close attempts per run. A commit makes two to
+four requests, each a round trip or a synced write, so a few milliseconds is what one costs under
+load on any store; with the slot factor every slot then holds at least 10 ms."""
+
 _RECENT_WON = 8
 _PUT_REQUESTS = 4.0
 """Requests of a commit, each costing about a data PUT: probe, parent check, segment, manifest."""
@@ -444,6 +454,7 @@ class DacPolicy(CommitPolicy):
         max_forced_gap: float = DEFAULT_MAX_FORCED_GAP,
         window_clamp: float = DEFAULT_WINDOW_CLAMP,
         slot_factor: float = DEFAULT_SLOT_FACTOR,
+        min_slot_window: float = DEFAULT_MIN_SLOT_WINDOW,
     ) -> None:
         _check_budgets(conflict_budget, duty_budget)
         if not 0 < ema_alpha <= 1:
@@ -473,8 +484,13 @@ class DacPolicy(CommitPolicy):
         self.max_forced_gap = max_forced_gap
         if not (math.isfinite(slot_factor) and slot_factor > 0):
             raise ValueError(f"slot_factor must be a finite number > 0, got {slot_factor!r}")
+        if not (math.isfinite(min_slot_window) and min_slot_window >= 0):
+            raise ValueError(
+                f"min_slot_window must be a finite number >= 0 seconds, got {min_slot_window!r}"
+            )
         self.window_clamp = window_clamp
         self.slot_factor = slot_factor
+        self.min_slot_window = min_slot_window
         self._rng: UniformSource = rng if rng is not None else random.Random(seed)
         self._window = initial_window
         self._samples = 0 if initial_window is None else round(1 / ema_alpha)
@@ -572,12 +588,13 @@ class DacPolicy(CommitPolicy):
         checkpoint), so the window a slot must hold is the uncontended one, usually far shorter
         than ``W`` under load. The estimate is the shortest of the last won windows (the
         start-up commit counts), bounded from above by :attr:`put_window` and from below by
-        :attr:`put_floor`. A producer whose first commit comes at ``close()`` has only its
-        start-up commit among its won windows, a noisy sample made before the data load: 0.5-61
-        ms on ``file://`` for producers started together (alone, it put closers on slot
-        periods from 0.125 s to 2 s), and 1-5 ms on SeaweedFS where close-time commits took
-        10-35 ms (8 ms slots: a third of the close attempts lost). The fastest upload, a PUT
-        made in the same run under the load, bounds it on both sides. Estimating low costs at
+        :attr:`put_floor` and ``min_slot_window`` (:data:`DEFAULT_MIN_SLOT_WINDOW`). A producer
+        whose first commit comes at ``close()`` has only its start-up commit among its won
+        windows, a noisy sample made before the data load: 0.5-61 ms on ``file://`` for
+        producers started together (alone, it put closers on slot periods from 0.125 s to 2 s),
+        and 1-5 ms on SeaweedFS where close-time commits took 10-35 ms (8 ms slots: a third of
+        the close attempts lost). The fastest upload, a PUT made in the same run under the load,
+        bounds it on both sides, and the fixed minimum from below. Estimating low costs at
         most a lost attempt: a lost slotted attempt that ran past its slot's end (longer than
         half a slot, as it starts at the middle) shows the slot was too short, and doubles it
         until an attempt wins again (binary exponential backoff, over grids that stay nested);
@@ -588,7 +605,8 @@ class DacPolicy(CommitPolicy):
         candidates = [*self._won_windows, *([] if put is None else [put])]
         if not candidates:
             return self._window or 0.0
-        return max(min(candidates), self.put_floor) * 2.0**self._slot_backoff
+        floor = max(self.put_floor, self.min_slot_window)
+        return max(min(candidates), floor) * 2.0**self._slot_backoff
 
     @property
     def slot_period(self) -> float:

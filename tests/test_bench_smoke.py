@@ -1,4 +1,4 @@
-"""The producer and consumer benchmarks run end to end at smoke sizes and write sane JSON.
+"""The producer, consumer and manifest benchmarks run end to end at smoke sizes and write sane JSON.
 
 Each benchmark runs as a subprocess exactly as ``nox -s bench`` runs it, so a broken import,
 worker-pool protocol or report column shows up here rather than in a long manual run.
@@ -101,6 +101,15 @@ def test_consumers_smoke(tmp_path: Path) -> None:
     assert rows["batchweave"]["vs raw"] == pytest.approx(
         rows["batchweave"]["agg MB/s"] / fastest_raw
     )
+
+
+@pytest.mark.timeout(150)
+def test_manifests_smoke(tmp_path: Path) -> None:
+    payload = _run("manifests.py", tmp_path / "manifests.json")
+    for row in payload["rows"]:
+        assert _positive(row["afresh us"])
+        assert _positive(row["with previous us"])
+        assert row["speed-up"] == pytest.approx(row["afresh us"] / row["with previous us"])
 
 
 def test_consumers_dense_ceiling_note(load_bench: Callable[[str], ModuleType]) -> None:

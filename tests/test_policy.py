@@ -14,6 +14,7 @@ from batchweave import AttemptOutcome, CommitPolicy, DacPolicy, dac_gap, make_po
 from batchweave._policy import (
     DEFAULT_CONFLICT_BUDGET,
     DEFAULT_DUTY_BUDGET,
+    DEFAULT_MIN_SLOT_WINDOW,
     AimdPolicy,
     Fixed10Policy,
     Fixed100Policy,
@@ -400,6 +401,8 @@ def test_random_random_is_an_accepted_source() -> None:
         ({"max_forced_gap": -1.0}, "max_forced_gap"),
         ({"max_gap": 0.5, "max_forced_gap": 1.0}, "max_forced_gap"),
         ({"window_clamp": 0.5}, "window_clamp"),
+        ({"min_slot_window": -0.001}, "min_slot_window"),
+        ({"min_slot_window": math.inf}, "min_slot_window"),
     ],
 )
 def test_dac_validates_parameters(kwargs: dict[str, object], message: str) -> None:
@@ -543,6 +546,9 @@ def test_public_exports() -> None:
 
 
 def _slotted(window: float, producers: int, **kw: float) -> DacPolicy:
+    """A DAC policy started with ``window``; slots sized by measurements alone unless ``kw`` sets
+    ``min_slot_window``."""
+    kw.setdefault("min_slot_window", 0.0)
     policy = DacPolicy(jitter=0.0, rng=FixedDraw(0.5), **kw)
     policy.start(window, producers, 0)
     return policy
@@ -628,6 +634,22 @@ def test_the_fastest_data_put_is_a_floor_under_the_slot_window() -> None:
     assert big.put_floor == pytest.approx(0.05 * 65536 / 10_000_000)
     assert big.slot_window == pytest.approx(0.002)
     assert _slotted(0.002, 16).put_floor == 0.0  # no PUT seen yet
+
+
+def test_slots_hold_at_least_the_minimum_slot_window() -> None:
+    # 16 closers whose start-up commits took 1-3 ms (before the data load) would sit on 7.8 ms
+    # slots; their close commits take about 10 ms. The 5 ms floor: 16 x 2 x 5 ms = 0.16 s, the
+    # 0.25 s grid, slots of 15.6 ms.
+    policy = _slotted(0.002, 16, min_slot_window=DEFAULT_MIN_SLOT_WINDOW)
+    assert policy.slot_window == pytest.approx(0.005)
+    assert policy.slot_period == pytest.approx(0.25)
+    # A lost slotted attempt that overran its slot doubles it, floor included.
+    policy.record(AttemptOutcome(False, 0.02, 16, 1, forced=True))
+    assert policy.slot_window == pytest.approx(0.01)
+    # Measurements above the floor size the slots as before; few producers keep the 0.125 s grid.
+    assert _slotted(0.008, 16, min_slot_window=0.005).slot_window == pytest.approx(0.008)
+    assert _slotted(0.002, 4, min_slot_window=0.005).slot_period == pytest.approx(0.125)
+    assert DacPolicy().min_slot_window == DEFAULT_MIN_SLOT_WINDOW == 0.005
 
 
 def test_the_fastest_data_put_bounds_the_slot_window() -> None:
