@@ -486,7 +486,8 @@ def test_decoding_with_a_previous_manifest_equals_decoding_afresh(
     assert reused == fresh == manifest
     assert reused.model_fields_set == fresh.model_fields_set
     assert encode_manifest(reused) == data
-    if manifest.tail and any(d == manifest.tail[0] for d in previous.tail):
+    plain = b"\\u" not in data and data.count(b'"tail"') == 1  # see _codec._reuse_tail
+    if plain and manifest.tail and any(d == manifest.tail[0] for d in previous.tail):
         # The tail's first descriptor is in previous: it and its run are previous's objects.
         assert any(reused.tail[0] is d for d in previous.tail)
 
@@ -495,7 +496,9 @@ def test_decoding_with_a_previous_manifest_equals_decoding_afresh(
 @given(
     manifests_and_previous(),
     st.integers(0, 2**16),
-    st.sampled_from([b",", b"]", b"[", b"{", b"}", b'"', b"0", b" ", b'"tail":[', b""]),
+    st.sampled_from(
+        [b",", b"]", b"[", b"{", b"}", b'"', b"0", b" ", b'"tail":[', b'"t\\u0061il":[],', b""]
+    ),
     st.integers(0, 3),
 )
 def test_decoding_any_body_with_a_previous_manifest_gives_the_fresh_outcome(

@@ -326,7 +326,7 @@ def decode_manifest(data: bytes, *, key: str, previous: Manifest | None = None) 
     return manifest
 
 
-_TAIL_KEY: Final = b'"tail":'
+_TAIL_KEY: Final = b'"tail"'
 _TAIL_START: Final = b',"tail":['
 
 
@@ -336,17 +336,24 @@ def _reuse_tail(body: bytes, known: Sequence[TgbDescriptor]) -> Manifest | None:
     A commit copies its base's tail into the manifest it writes, so consecutive versions share
     most of their tail, and validating a descriptor costs about 12 us against about 1 us of
     JSON parsing. Here the run of ``known`` descriptors whose JSON (as :func:`encode_manifest`
-    writes it) starts the tail array, each followed by ``,`` or the array's ``]``, is cut out of
-    ``body``; the rest is validated in full, in strict mode, with the step layout checked as if
-    the run were there (:data:`TAIL_REUSED`), and the run's objects are put back in front of its
-    tail. Validating a descriptor depends on its JSON alone, and JSON decodes to what it encodes
-    (the round-trip tests), so the result equals validating ``body`` whole. The cut is made only
-    where the only ``"tail":`` of the body opens the root's tail array (an unescaped quote
-    cannot occur inside a JSON string, no other model has a ``tail`` field, and extra fields are
-    refused); anything else, and any body that fails to validate, returns None and is decoded
-    in full, which also gives the error its usual message.
+    writes it) starts the tail array, each followed by ``,{`` or the array's ``]``, is cut out
+    of ``body``; the rest is validated in full, in strict mode, with the step layout checked as
+    if the run were there (:data:`TAIL_REUSED`), and the run's objects are put back in front of
+    its tail. Validating a descriptor depends on its JSON alone, and JSON decodes to what it
+    encodes (the round-trip tests), so the result equals validating ``body`` whole: an equal
+    manifest with the same fields set, which encodes to the same bytes (a reused descriptor's
+    own fields set is that of the object in ``known``, which nothing reads). ``known`` must hold
+    validated values: descriptors this library decoded or built.
+
+    The cut is made only where it cannot change what the JSON means: the body has no ``\\u``
+    escape (which could spell a key) and ``"tail"`` exactly once, so the root's tail key is the
+    only key of that name (a duplicate key, which JSON parsers resolve to the last, cannot
+    exist) and the array the cut is made in is the root's; an element the cut takes with its
+    comma must be followed by another element, so ``[X,]`` stays invalid. Anything else, and
+    any body that fails to validate, returns None and is decoded in full, which also gives the
+    error its usual message.
     """
-    if not known or body.count(_TAIL_KEY) != 1:
+    if not known or b"\\u" in body or body.count(_TAIL_KEY) != 1:
         return None
     at = body.find(_TAIL_START)
     if at < 0:
@@ -361,14 +368,15 @@ def _reuse_tail(body: bytes, known: Sequence[TgbDescriptor]) -> Manifest | None:
     while stop < len(known):
         element = _DESCRIPTOR_JSON.get(known[stop])
         after = end + len(element)
-        separator = body[after : after + 1]
-        if not body.startswith(element, end) or separator not in (b",", b"]"):
+        separator = body[after : after + 2]
+        if not body.startswith(element, end):
             break
-        stop += 1
-        if separator == b"]":
-            end = after
+        if separator[:1] == b"]":
+            end, stop = after, stop + 1
             break
-        end = after + 1  # the comma goes with its element
+        if separator != b",{":
+            break
+        end, stop = after + 1, stop + 1  # the comma goes with its element
     if stop == first:
         return None
     run = tuple(known[first:stop])
@@ -380,7 +388,8 @@ def _reuse_tail(body: bytes, known: Sequence[TgbDescriptor]) -> Manifest | None:
         return None
     if not 1 <= rest.format <= MANIFEST_FORMAT:
         return None
-    fields = {**rest.__dict__, "tail": run + rest.tail}
+    fields = {name: getattr(rest, name) for name in Manifest.model_fields}
+    fields["tail"] = run + rest.tail
     return unchecked(Manifest, fields, set(rest.model_fields_set))
 
 
