@@ -14,8 +14,10 @@ from batchweave._manifest import (
     ManifestLog,
     TgbDescriptor,
     TgbObjectRef,
+    decode_manifest,
     encode_manifest,
 )
+from batchweave._manifest._codec import forget_decoded
 from batchweave._store._base import ObjectMeta
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "SEG_KEY",
     "CountingStore",
     "FaultyPutStore",
+    "decode_outcome",
     "descriptor",
     "envelope",
     "grow",
@@ -39,6 +42,16 @@ def envelope(body: bytes, magic: str = "batchweave-manifest") -> bytes:
     """``body`` behind the header the encoder writes (``magic``, the body's CRC-32C and length):
     a well-formed object around a body the encoder would never write."""
     return f"{magic} crc32c={checksum(body):08x} length={len(body)}\n".encode() + body
+
+
+def decode_outcome(data: bytes, previous: Manifest | None = None) -> Manifest | str:
+    """What decoding ``data`` (read at :data:`KEY`) gives with nothing cached: the manifest, or
+    the error's type and message, so that two ways of decoding can be compared with ``==``."""
+    forget_decoded()
+    try:
+        return decode_manifest(data, key=KEY, previous=previous)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def descriptor(producer: str, offset: int, *, epoch: int = 0, size: int = 1000) -> TgbDescriptor:

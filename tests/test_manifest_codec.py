@@ -8,7 +8,7 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from manifest_helpers import KEY, SEG_KEY, envelope
+from manifest_helpers import KEY, SEG_KEY, decode_outcome, envelope
 from pydantic import TypeAdapter
 
 from batchweave import ChecksumMismatch, FormatError, Mesh, UnsupportedFormatVersion
@@ -464,15 +464,6 @@ def manifests_and_previous(draw: st.DrawFn) -> tuple[Manifest, Manifest]:
     return manifest, manifest.model_copy(update={"tail": (*before, *run, *after)})
 
 
-def _outcome(data: bytes, previous: Manifest | None) -> Manifest | str:
-    """What decoding ``data`` afresh gives: the manifest, or the error's type and message."""
-    _codec.forget_decoded()
-    try:
-        return decode_manifest(data, key=KEY, previous=previous)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-
-
 @settings(max_examples=150, deadline=None)
 @given(manifests_and_previous())
 def test_decoding_with_a_previous_manifest_equals_decoding_afresh(
@@ -480,7 +471,7 @@ def test_decoding_with_a_previous_manifest_equals_decoding_afresh(
 ) -> None:
     manifest, previous = pair
     data = encode_manifest(manifest)
-    fresh, reused = _outcome(data, None), _outcome(data, previous)
+    fresh, reused = decode_outcome(data, None), decode_outcome(data, previous)
     assert isinstance(reused, Manifest)
     assert isinstance(fresh, Manifest)
     assert reused == fresh == manifest
@@ -510,7 +501,7 @@ def test_decoding_any_body_with_a_previous_manifest_gives_the_fresh_outcome(
     body = _body(encode_manifest(manifest))
     at %= len(body) + 1
     data = envelope(body[:at] + insert + body[at + remove :])
-    assert _outcome(data, previous) == _outcome(data, None)
+    assert decode_outcome(data, previous) == decode_outcome(data, None)
 
 
 def test_reused_descriptors_count_in_the_step_layout() -> None:

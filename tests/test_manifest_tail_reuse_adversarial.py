@@ -13,7 +13,7 @@ import json
 import threading
 
 import pytest
-from manifest_helpers import KEY, descriptor, envelope
+from manifest_helpers import KEY, decode_outcome, descriptor, envelope
 
 from batchweave import FormatError, Mesh, UnsupportedFormatVersion
 from batchweave._manifest import (
@@ -26,15 +26,6 @@ from batchweave._manifest import (
     encode_manifest,
 )
 from batchweave._manifest._models import MANIFEST_FORMAT, SliceTable
-
-
-def _outcome(data: bytes, previous: Manifest | None) -> Manifest | str:
-    """What decoding ``data`` gives (nothing cached): the manifest, or the error's type and text."""
-    _codec.forget_decoded()
-    try:
-        return decode_manifest(data, key=KEY, previous=previous)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
 
 
 def _manifest(tail: tuple[TgbDescriptor, ...], **fields: object) -> Manifest:
@@ -57,7 +48,7 @@ PREVIOUS = _manifest(TAIL)
 
 
 def _same(data: bytes, previous: Manifest) -> None:
-    fresh, reused = _outcome(data, None), _outcome(data, previous)
+    fresh, reused = decode_outcome(data, None), decode_outcome(data, previous)
     assert reused == fresh
     if isinstance(fresh, Manifest):
         assert isinstance(reused, Manifest)
@@ -80,7 +71,7 @@ def test_a_trailing_comma_after_reused_descriptors_is_invalid_json_either_way(
         b",".join(_json(d) for d in TAIL) + b"]", elements + b"," + gap + b"]"
     )
     data = envelope(body)
-    assert isinstance(_outcome(data, None), str)  # "FormatError: ... trailing comma ..."
+    assert isinstance(decode_outcome(data, None), str)  # "FormatError: ... trailing comma ..."
     _same(data, PREVIOUS)
 
 
@@ -95,7 +86,7 @@ def test_a_later_duplicate_tail_key_wins_as_it_does_afresh(spelling: bytes) -> N
     body = _body(PREVIOUS)
     at = body.index(b'"tail_start"')
     data = envelope(body[:at] + spelling + b"[]," + body[at:])
-    fresh = _outcome(data, None)
+    fresh = decode_outcome(data, None)
     assert isinstance(fresh, Manifest)
     assert fresh.tail == ()
     _same(data, PREVIOUS)
@@ -121,7 +112,7 @@ def test_descriptors_reused_from_a_format_2_previous_equal_a_fresh_decode() -> N
     previous = decode_manifest(envelope(json.dumps(old).encode()), key=KEY)
     data = encode_manifest(previous.model_copy(update={"format": 3, "version": 5}))
     _same(data, previous)
-    reused = _outcome(data, previous)
+    reused = decode_outcome(data, previous)
     assert isinstance(reused, Manifest)
     assert all(a is b for a, b in zip(reused.tail, previous.tail, strict=True))
 
@@ -135,7 +126,7 @@ def test_a_descriptor_committed_in_process_is_reused_as_it_was_built() -> None:
     previous = _manifest((built,))
     data = encode_manifest(previous.model_copy(update={"version": 5}))
     _same(data, previous)
-    reused = _outcome(data, previous)
+    reused = decode_outcome(data, previous)
     assert isinstance(reused, Manifest)
     assert reused.tail[0] is built
 
@@ -148,7 +139,7 @@ def test_a_previous_holding_an_unvalidated_descriptor_does_not_make_a_body_valid
     bad = TAIL[0].model_copy(update={"objects": (ref,)})
     previous = Manifest.model_construct(**{**dict(PREVIOUS), "tail": (bad,)})
     data = envelope(_body(PREVIOUS).replace(_json(TAIL[0]), _json(bad)))
-    assert isinstance(_outcome(data, None), str)
+    assert isinstance(decode_outcome(data, None), str)
     _same(data, previous)
 
 
@@ -177,7 +168,7 @@ def test_producers_named_like_the_tail_key_decode_as_afresh(producer: str) -> No
     manifest = _manifest(tail, producers={producer: state})
     data = encode_manifest(manifest.model_copy(update={"version": 5}))
     _same(data, manifest)
-    assert _outcome(data, manifest) == manifest.model_copy(update={"version": 5})
+    assert decode_outcome(data, manifest) == manifest.model_copy(update={"version": 5})
 
 
 @pytest.mark.parametrize(
@@ -204,7 +195,7 @@ def test_a_tail_made_empty_or_from_a_later_run_of_previous_decodes_as_afresh() -
     ]:
         manifest = _manifest(tail, tail_start=start, base_step=start)
         _same(encode_manifest(manifest), PREVIOUS)
-        assert _outcome(encode_manifest(manifest), PREVIOUS) == manifest
+        assert decode_outcome(encode_manifest(manifest), PREVIOUS) == manifest
     _same(encode_manifest(PREVIOUS), _manifest(()))
 
 
@@ -277,7 +268,7 @@ def test_concurrent_decodes_with_one_previous_agree() -> None:
     previous = _manifest(tail)
     # Equal copies: previous's own objects are not yet in the cache when the threads start.
     data = encode_manifest(_manifest((*(d.model_copy() for d in tail), descriptor("q", 0))))
-    expected = _outcome(data, None)
+    expected = decode_outcome(data, None)
     barrier = threading.Barrier(8)
     results: list[object] = []
     lock = threading.Lock()
