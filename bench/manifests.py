@@ -10,7 +10,7 @@ every version) and with the previous version. It reports the median time per ver
 ratio. Descriptors carry a slice table of ``slices`` slices (the manifest holds one for meshes of
 up to 128 slices).
 
-    python bench/manifests.py           # tails of 64 and 256, 1 and 16 new per version, 8 and 128 slices
+    python bench/manifests.py           # tails 64 and 256, 1 and 16 new, 8 and 128 slices
     python bench/manifests.py --smoke
 """
 
