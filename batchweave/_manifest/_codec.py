@@ -345,18 +345,19 @@ def _reuse_tail(body: bytes, known: Sequence[TgbDescriptor]) -> Manifest | None:
     own fields set is that of the object in ``known``, which nothing reads). ``known`` must hold
     validated values: descriptors this library decoded or built.
 
-    The cut is made only where it cannot change what the JSON means: the body has no ``\\u``
-    escape (which could spell a key) and ``"tail"`` exactly once, so the root's tail key is the
+    The cut is made only where it cannot change what the JSON means: the body has no escape at
+    all (no backslash: a ``\\u`` escape could spell a key) and ``"tail"`` exactly once (its first
+    and last occurrence are the tail key's; cheaper than counting), so the root's tail key is the
     only key of that name (a duplicate key, which JSON parsers resolve to the last, cannot
     exist) and the array the cut is made in is the root's; an element the cut takes with its
     comma must be followed by another element, so ``[X,]`` stays invalid. Anything else, and
     any body that fails to validate, returns None and is decoded in full, which also gives the
     error its usual message.
     """
-    if not known or b"\\u" in body or body.count(_TAIL_KEY) != 1:
+    if not known or b"\\" in body:  # one memchr; what a manifest holds is rarely escaped
         return None
     at = body.find(_TAIL_START)
-    if at < 0:
+    if at < 0 or body.find(_TAIL_KEY) != at + 1 or body.rfind(_TAIL_KEY) != at + 1:
         return None
     start = at + len(_TAIL_START)
     first = next(
