@@ -368,10 +368,10 @@ def _reuse_tail(body: bytes, known: Sequence[TgbDescriptor]) -> Manifest | None:
     end, stop = start, first
     while stop < len(known):
         element = _DESCRIPTOR_JSON.get(known[stop])
-        after = end + len(element)
-        separator = body[after : after + 2]
         if not body.startswith(element, end):
             break
+        after = end + len(element)
+        separator = body[after : after + 2]
         if separator[:1] == b"]":
             end, stop = after, stop + 1
             break
