@@ -38,7 +38,7 @@ from batchweave import (
     PutMode,
     Suffix,
 )
-from batchweave._store._file import TEMP_DIR_NAME
+from batchweave._store._file import TEMP_DIR_NAME, _non_directory
 from batchweave._store._open import open_store
 
 
@@ -344,6 +344,46 @@ def test_puts_survive_concurrent_pruning(store: FileStore) -> None:
     errors = in_threads(4, churn)
     assert not errors, errors[0]
     assert list(store.list()) == []
+
+
+def test_a_directory_pruned_while_checked_is_never_taken_for_a_file_in_the_way(
+    tmp_path: Path,
+) -> None:
+    # A put whose makedirs collides with a concurrent prune asks what is in the way. Checking
+    # "exists" and "is a directory" with two calls once saw the directory, then saw it gone,
+    # and called it a file in the way (an InvalidKey under concurrent deletes, seen in CI).
+    directory = tmp_path / "hot" / "dir"
+    directory.mkdir(parents=True)
+    flipper = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
+                import os
+                print(flush=True)
+                while True:
+                    for step in (os.rmdir, os.mkdir):
+                        try:
+                            step({str(directory)!r})
+                        except OSError:
+                            pass
+            """),
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert flipper.stdout is not None
+        flipper.stdout.readline()  # flipping
+        seen = [_non_directory(str(directory), stop=str(tmp_path)) for _ in range(20_000)]
+    finally:
+        flipper.kill()
+        flipper.wait()
+    assert seen == [None] * len(seen)
+    assert _non_directory(str(directory / "x"), stop=str(tmp_path)) is None
+    (tmp_path / "hot" / "file").write_bytes(b"")
+    assert _non_directory(str(tmp_path / "hot" / "file" / "x"), stop=str(tmp_path)) == str(
+        tmp_path / "hot" / "file"
+    )
 
 
 def test_fsync_can_be_disabled(root: Path) -> None:

@@ -287,15 +287,12 @@ class FileStore(ObjectStore):
             self._fsync_dir(directory)
 
     def _blocking_file(self, directory: str) -> str | None:
-        """The nearest ancestor (or ``directory`` itself) that exists but is not a directory."""
-        while directory != self._root:
-            if os.path.lexists(directory) and not os.path.isdir(directory):
-                return directory
-            directory = os.path.dirname(directory)
-        return None
+        """The nearest ancestor (or ``directory`` itself) below the root that is not a directory."""
+        return _non_directory(directory, stop=self._root)
 
-    def _conflict(self, key: str, path: str) -> InvalidKey:
-        blocker = self._blocking_file(os.path.dirname(path))
+    def _conflict(self, key: str, blocker: str | None) -> InvalidKey:
+        """``key`` cannot be stored: ``blocker`` (a file) is in the way, or, if None, a
+        directory of other objects already holds its name."""
         what = (
             f"object {os.path.relpath(blocker, self._root)!r} is in the way"
             if blocker is not None
@@ -314,8 +311,9 @@ class FileStore(ObjectStore):
         except FileNotFoundError:
             return False  # an ancestor was pruned while we were creating it
         except (FileExistsError, NotADirectoryError) as exc:
-            if self._blocking_file(parent) is not None:
-                raise self._conflict(key, path) from exc
+            blocker = self._blocking_file(parent)
+            if blocker is not None:
+                raise self._conflict(key, blocker) from exc
             return False  # a concurrent prune raced makedirs; nothing is in the way
         return True
 
@@ -323,7 +321,7 @@ class FileStore(ObjectStore):
         """The error for a publish that found ``path`` taken (``is_dir``: by a directory)."""
         if isinstance(exc, FileExistsError) and not is_dir:
             return ObjectExists(f"object {key!r} already exists in {self.url}")
-        return self._conflict(key, path)
+        return self._conflict(key, self._blocking_file(os.path.dirname(path)))
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
         self.put_parts(key, (data,), mode=mode)
@@ -707,15 +705,35 @@ def _refused(exc: OSError) -> bool:
     return isinstance(exc, PermissionError) or exc.errno == errno.EROFS
 
 
-def _non_directory(path: str) -> str | None:
-    """The nearest of ``path`` and its ancestors that exists but is not a directory, if any."""
-    while True:
-        if os.path.lexists(path) and not os.path.isdir(path):
+def _non_directory(path: str, *, stop: str | None = None) -> str | None:
+    """The nearest of ``path`` and its ancestors (up to, not including, ``stop``) that exists
+    but is not a directory, if any.
+
+    One ``lstat`` per path (and a ``stat`` for a symlink): a directory pruned between two
+    separate checks would otherwise look like a file in the way.
+    """
+    while path != stop:
+        if _occupied_by_non_directory(path):
             return path
         parent = os.path.dirname(path)
         if parent == path:
             return None
         path = parent
+    return None
+
+
+def _occupied_by_non_directory(path: str) -> bool:
+    """Whether ``path`` exists as a file, or a symlink not leading to a directory."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            st = os.stat(path)
+        except OSError:
+            return True  # a dangling link still holds the name
+    return not stat.S_ISDIR(st.st_mode)
 
 
 def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
