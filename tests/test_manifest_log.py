@@ -39,6 +39,7 @@ from batchweave._manifest import (
     manifest_key,
 )
 from batchweave._manifest._codec import forget_decoded
+from batchweave._manifest._log import PROBE_TRUST_SECONDS
 from batchweave._store._file import FileStore
 
 MESH = Mesh(dp=4, cp=2)
@@ -233,9 +234,10 @@ def test_recreated_prefix_is_detected(store: ObjectStore) -> None:
 
 
 def test_commit_appends_dense_steps_and_tracks_producers(store: ObjectStore) -> None:
-    clock = iter(float(t) for t in range(100, 200))
-    log = ManifestLog(store, NS, clock=lambda: next(clock))
+    now = [100.0]
+    log = ManifestLog(store, NS, clock=lambda: now[0])
     m0 = log.create_or_open(MESH)
+    now[0] = 101.0
     m1 = _commit(log, m0, descriptor("a", 3), descriptor("b", 7), descriptor("a", 4))
     assert (m1.version, m1.parent, m1.next_step) == (1, 0, 3)
     assert m1.commit_id != m0.commit_id
@@ -291,6 +293,35 @@ def test_lost_race_reports_the_winner(store: ObjectStore) -> None:
     result = ManifestLog(store, NS).commit(m0, append=[descriptor("b", 0)])
     assert result == Conflict(winner)
     assert log.latest() == winner
+
+
+def test_a_base_seen_current_lately_is_not_checked_again(store: ObjectStore) -> None:
+    # The producer's attempt: latest() then commit(). Its base was just seen as the newest, so
+    # its successor cannot have been reclaimed (the grace is longer): no HEAD in the window.
+    now = [1000.0]
+    counting = CountingStore(store)
+    log = ManifestLog(counting, NS, clock=lambda: now[0])
+    base = log.latest(log.create_or_open(MESH))
+    counting.reset()
+    mine = _commit(log, base, descriptor("a", 0))
+    assert (counting.calls["head"], counting.calls["put"]) == (0, 1)
+    # Its own commit is the newest it has seen too.
+    counting.reset()
+    mine = _commit(log, mine, descriptor("a", 1))
+    assert counting.calls["head"] == 0
+    # Held as long as the probe trusts a missing successor, the base is checked again.
+    now[0] += PROBE_TRUST_SECONDS
+    counting.reset()
+    mine = _commit(log, mine, descriptor("a", 2))
+    assert counting.calls["head"] == 1
+    # So is a base this client has seen superseded, and a copy it never saw current.
+    newer = _commit(log, mine, descriptor("a", 3))
+    counting.reset()
+    assert isinstance(log.commit(mine, append=[descriptor("a", 4)]), Conflict)
+    assert counting.calls["head"] == 1
+    counting.reset()
+    assert isinstance(log.commit(log.read(newer.version), append=[descriptor("a", 4)]), Committed)
+    assert counting.calls["head"] == 1
 
 
 def test_reclaimed_parent_is_a_conflict_without_writing(store: ObjectStore) -> None:

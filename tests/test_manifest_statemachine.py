@@ -3,8 +3,10 @@
 Several clients (each its own ``ManifestLog``, producer id and stale local view) append offsets and
 commit with the simple rebase loop a producer uses. Conditional PUTs fail in every way the store
 can report (lands then times out, lands then 412, never lands, 409); a reclaimer raises
-``base_step`` and deletes old versions. After every step the invariants of docs/protocol.md are
-checked against a model of everything ever observed.
+``base_step`` and deletes old versions superseded more than its grace ago, as ``Reclaimer``
+does. Time is a fake clock every client reads, moved on by ``wait`` between any two steps (a
+paused process). After every step the invariants of docs/protocol.md are checked against a
+model of everything ever observed.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ from batchweave import (
     Mesh,
     ObjectExists,
 )
-from batchweave._manifest import Committed, Manifest, ManifestLog, TgbDescriptor, manifest_key
+from batchweave._manifest import (
+    Committed,
+    Manifest,
+    ManifestLog,
+    TgbDescriptor,
+    manifest_key,
+)
+from batchweave._manifest._log import PROBE_TRUST_SECONDS
 
 NS = "runs/sm"
 CLIENTS = ("a", "b", "c")
@@ -35,15 +44,21 @@ BYTE_BOUND_CLIENT = "b"
 TAIL_BYTES_LIMIT = 1000
 """Client b rolls on bytes (at the fourth of these descriptors), not on its count."""
 FAULTS = ("ok", "landed-ambiguous", "landed-412", "lost-ambiguous", "409")
+GRACE = 2 * PROBE_TRUST_SECONDS
+"""The reclaimer's grace: the least it runs with without a warning."""
+PAUSES = (0.5, PROBE_TRUST_SECONDS - 0.5, PROBE_TRUST_SECONDS + 0.5, GRACE + 0.5, 10 * GRACE)
 
 
 class ManifestMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
         self.inner = MemoryStore()
+        self.now = 1_000_000.0
+        self.first_seen: dict[int, float] = {0: self.now}
+        """Manifest version -> the clock when an invariant first saw it (rules add at most one)."""
         self.fault = "ok"
         self.store = FaultyPutStore(self.inner, self._fault)
-        ManifestLog(self.store, NS).create_or_open(Mesh(dp=2))
+        ManifestLog(self.store, NS, clock=self._clock).create_or_open(Mesh(dp=2))
         # The first client merges segments after its commits (as a Producer does), the others
         # inside them (as the reclaimer and tools do): both kinds interleave on one history.
         # Client b bounds its tail by bytes with a count limit it never reaches, so rolls of
@@ -56,6 +71,7 @@ class ManifestMachine(RuleBasedStateMachine):
                 tail_bytes_limit=TAIL_BYTES_LIMIT if c == BYTE_BOUND_CLIENT else None,
                 max_segment_tgbs=12,
                 deferred_merges=c == CLIENTS[0],
+                clock=self._clock,
             )
             for c in CLIENTS
         }
@@ -66,6 +82,9 @@ class ManifestMachine(RuleBasedStateMachine):
         """Every step -> (producer, offset) ever observed by any reader."""
         self.confirmed: set[tuple[str, int]] = set()
         """TGBs whose commit returned Committed."""
+
+    def _clock(self) -> float:
+        return self.now
 
     def _fault(self, key: str) -> tuple[bool, Exception | None]:
         fault, self.fault = self.fault, "ok"
@@ -117,15 +136,25 @@ class ManifestMachine(RuleBasedStateMachine):
     def refresh(self, client: str) -> None:
         self._rebase(client, self.logs[client].latest(self.bases[client]))
 
+    @rule(seconds=st.sampled_from(PAUSES))
+    def wait(self, seconds: float) -> None:
+        self.now += seconds
+
     @rule(fraction=st.floats(0, 1), keep=st.integers(1, 3))
     def reclaim(self, fraction: float, keep: int) -> None:
-        log = ManifestLog(self.store, NS, tail_limit=3, max_segment_tgbs=12)
+        log = ManifestLog(self.store, NS, tail_limit=3, max_segment_tgbs=12, clock=self._clock)
         head = log.latest()
         boundary = head.base_step + int((head.next_step - head.base_step) * fraction)
         result = log.commit(head, base_step=boundary)
         if isinstance(result, Committed):
             head = result.manifest
-        old = [v for v in log.versions() if v <= head.version - keep]
+            self.first_seen[head.version] = self.now
+        # Oldest first, only versions superseded more than the grace ago.
+        old = [
+            v
+            for v in log.versions()
+            if v <= head.version - keep and self.first_seen[v + 1] <= self.now - GRACE
+        ]
         self.inner.delete_many(log.key(manifest_key(v)) for v in old)
 
     @invariant()
@@ -133,6 +162,7 @@ class ManifestMachine(RuleBasedStateMachine):
         reader = ManifestLog(self.inner, NS)
         head = reader.latest()
         for version in reader.versions():
+            self.first_seen.setdefault(version, self.now)
             m = reader.read(version)
             for step, d in reader.descriptors(m, m.base_step, m.next_step):
                 seen = self.steps.setdefault(step, (d.producer_id, d.offset))

@@ -295,6 +295,8 @@ class ManifestLog:
         self._observe_lock = threading.Lock()
         self._reclaimed_below = 0
         """Versions below this were seen reclaimed: ``latest`` must not trust them as current."""
+        self._current: tuple[Manifest, float] | None = None
+        """A version this client saw as the newest, and ``clock()`` when it did (see commit)."""
 
     def __repr__(self) -> str:
         return f"ManifestLog({self.store.url!r}, {self.namespace!r})"
@@ -391,6 +393,12 @@ class ManifestLog:
         ``known`` a LIST from the start finds it (old versions are reclaimed, so it is short); so
         does a ``known`` that a commit found reclaimed, since its successor may be gone too.
         """
+        asked_at = self._clock()
+        newest = self._find_latest(known)
+        self._current = (newest, asked_at)
+        return newest
+
+    def _find_latest(self, known: Manifest | None) -> Manifest:
         start_after: str | None = None
         found: Manifest | None = None
         if known is not None and known.version < self._reclaimed_below:
@@ -581,7 +589,8 @@ class ManifestLog:
                 f"of {self._where}"
             )
         try:
-            self.store.head(self.key(manifest_key(base.version)))
+            if not self._seen_current_lately(base, now):
+                self.store.head(self.key(manifest_key(base.version)))
         except ObjectNotFound:
             _log.info("base version %d of %s was reclaimed; refresh and retry", base.version, key)
             self._reclaimed_below = max(self._reclaimed_below, base.version + 1)
@@ -594,7 +603,26 @@ class ManifestLog:
         except (TransientStoreError, AmbiguousWriteError) as exc:
             _log.warning("commit of %s: transient error writing segments: %s", key, exc)
             return Conflict(None)
-        return self._put(key, manifest)
+        result = self._put(key, manifest)
+        if isinstance(result, Committed):
+            self._current = (result.manifest, now)
+        return result
+
+    def _seen_current_lately(self, base: Manifest, now: float) -> bool:
+        """Whether this client saw ``base`` as the newest version less than
+        ``PROBE_TRUST_SECONDS`` ago (:meth:`latest` returned it, or a commit wrote it).
+
+        A commit checks that its base still exists (a HEAD) because the reclaimer deletes
+        versions oldest first: a surviving base means its successor, the name the commit is
+        about to create, was not reclaimed. A base seen as the newest at ``t`` needs no check:
+        its successor was written after ``t``, and the reclaimer only deletes versions
+        superseded more than its grace (which must exceed ``2 * PROBE_TRUST_SECONDS``) ago. That
+        keeps a request out of every producer commit's fragile window, which follows a
+        ``latest`` probe. A base held longer (a paused process, a caller's stale copy) is
+        still checked.
+        """
+        current = self._current
+        return current is not None and current[0] is base and now - current[1] < PROBE_TRUST_SECONDS
 
     def _check_append(self, base: Manifest, append: Sequence[TgbDescriptor], version: int) -> None:
         if not append:
