@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from batchweave import (
     AccessDenied,
@@ -66,9 +67,14 @@ class Writer:
     """Uploads TGBs with real objects and commits them with one-attempt retries on conflict."""
 
     def __init__(
-        self, store: ObjectStore, namespace: str, mesh: Mesh, producer_id: str = "w0"
+        self,
+        store: ObjectStore,
+        namespace: str,
+        mesh: Mesh,
+        producer_id: str = "w0",
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        self.log = ManifestLog(store, namespace)
+        self.log = ManifestLog(store, namespace, clock=clock)
         self.store = store
         self.mesh = mesh
         self.producer_id = producer_id
