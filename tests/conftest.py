@@ -11,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from hypothesis import settings
 from prometheus_client import CollectorRegistry
 
 from batchweave import FileStore, MemoryStore, ObjectStore
@@ -18,6 +19,11 @@ from batchweave.testing import S3Endpoint, free_port, moto_server, seaweedfs_ser
 
 # Never let boto3 look for credentials on the network (EC2 instance metadata) during tests.
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+
+# Hypothesis fails an example that takes over 200 ms by default: on a shared 2-core CI machine a
+# scheduling stall does that to examples that take a few ms. Speed is measured in bench/.
+settings.register_profile("batchweave", deadline=None)
+settings.load_profile("batchweave")
 
 SHARED_BUCKET = "batchweave-tests"
 """One bucket per server and session; every test works under its own prefix."""

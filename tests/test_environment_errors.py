@@ -517,10 +517,6 @@ def test_a_silent_endpoint_fails_in_bounded_time_as_a_timeout_on_both_clients(
         assert SECRET not in _everything_said(opening.value)
 
 
-EXPECT_CONTINUE = {"boto3": 1.0, "obstore": 0.0}
-"""Seconds a client waits for ``100 Continue`` before sending a PUT body (botocore: 1 s)."""
-
-
 @pytest.mark.parametrize("client", CLIENTS)
 def test_open_store_gives_up_on_a_silent_endpoint_after_probe_timeout(
     aws_env: pytest.MonkeyPatch, client: str
@@ -536,9 +532,10 @@ def test_open_store_gives_up_on_a_silent_endpoint_after_probe_timeout(
                 read_timeout=5.0, max_attempts=3, probe_timeout=probe_timeout,
             )  # fmt: skip
         elapsed = time.monotonic() - started
-        # One request, one attempt: it waited probe_timeout for an answer, then gave up (no
-        # retry, read-back or delete, which would each have waited as long again).
-        assert probe_timeout <= elapsed < probe_timeout + EXPECT_CONTINUE[client] + 1.0
+        # It waited probe_timeout for an answer, not read_timeout (the bound leaves the time
+        # to build the clients to a loaded machine), then gave up: one request, one attempt (a
+        # retry, read-back or delete would open another connection to the silent endpoint).
+        assert probe_timeout <= elapsed < 5.0
         assert silent.connections == 1
         assert silent.closed_by_client(timeout=5.0)  # no socket left open to the endpoint
     said = str(info.value)
@@ -560,7 +557,8 @@ def test_the_probe_waits_no_longer_than_read_timeout(
                 "s3://bucket/p", s3_client=client, endpoint_url=silent.url, **_credentials(),
                 read_timeout=0.5, probe_timeout=30.0,
             )  # fmt: skip
-        assert time.monotonic() - started < 0.5 + EXPECT_CONTINUE[client] + 1.0
+        assert time.monotonic() - started < BOUND  # far below probe_timeout
+        assert silent.connections == 1
         # read_timeout was the limit: a larger probe_timeout would not help, so it is not asked.
         assert "pass a larger read_timeout (now 0.5 s)" in str(info.value)
         assert "probe_timeout" not in str(info.value)
@@ -1125,7 +1123,7 @@ def test_cli_probe_timeout_bounds_the_wait_for_a_silent_endpoint(
         args = [command, "s3://bucket/p", *(["runs/a"] if command == "seal" else [])]
         started = time.monotonic()
         code, out = _run_cli(*args, "--endpoint-url", silent.url, env=env)
-        assert time.monotonic() - started < 0.5 + EXPECT_CONTINUE["boto3"] + 1.0
+        assert time.monotonic() - started < BOUND  # far below the default read_timeout (60 s)
     assert code == 2, out
     assert "did not answer within 0.5 s" in out
     assert "--probe-timeout" in out

@@ -482,6 +482,7 @@ def test_in_flight_bytes_are_bounded(store: MemoryStore) -> None:
     p.append(payloads(0, 1000), offset=0)
     p.append(payloads(1, 1000), offset=1)
     assert p.stats().inflight_bytes == sum(sizes)
+    assert gated.wait_for_puts(2)
     third = threading.Thread(target=p.append, args=(payloads(2, 1000),), kwargs={"offset": 2})
     third.start()
     third.join(0.3)
@@ -938,12 +939,18 @@ class GatedStore(StoreWrapper):
         self.gate = gate
         self.gate_offsets = gate_offsets
         self.data_puts_started = 0
-        self._lock = threading.Lock()
+        self._started = threading.Condition()
+
+    def wait_for_puts(self, count: int, timeout: float = 10.0) -> bool:
+        """Wait until ``count`` data PUTs have started (reached the gate)."""
+        with self._started:
+            return self._started.wait_for(lambda: self.data_puts_started >= count, timeout)
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
         if "/data/" in key:
-            with self._lock:
+            with self._started:
                 self.data_puts_started += 1
+                self._started.notify_all()
             offset = int(key.rsplit("/", 1)[1].split("-", 1)[0])
             if self.gate_offsets is None or offset in self.gate_offsets:
                 assert self.gate.wait(30), "test gate never opened"
