@@ -33,11 +33,12 @@ import inspect
 import itertools
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from batchweave._policy import _REGISTRY, AttemptOutcome, CommitPolicy
+from batchweave._stats import nearest_rank
 
 __all__ = [
     "PolicyFactory",
@@ -152,12 +153,6 @@ class _Producer:
 
 
 _ARRIVAL, _WAKE, _END = 0, 1, 2
-
-
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
-    if not sorted_values:
-        return math.nan
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
 def simulate(
@@ -291,8 +286,8 @@ def simulate(
         tgbs_produced=produced,
         tgbs_committed=committed_tgbs,
         window_time=window_time,
-        latency_p50=_percentile(latencies, 0.5),
-        latency_p95=_percentile(latencies, 0.95),
+        latency_p50=nearest_rank(latencies, 0.5),
+        latency_p95=nearest_rank(latencies, 0.95),
         mean_gap=gap_sum / attempts if attempts else 0.0,
     )
 

@@ -36,6 +36,7 @@ from batchweave._errors import (
     StoreUnavailable,
 )
 from batchweave._policy import DEFAULT_CONFLICT_BUDGET, DEFAULT_DUTY_BUDGET, dac_gap
+from batchweave._stats import nearest_rank
 from batchweave._store._base import Bounded, ByteRange, ObjectStore, Offset, PutMode, Suffix
 from batchweave._store._open import PROBE_FIRST, probe_conditional_writes
 from batchweave.cli._common import deferred_interrupt, one_line
@@ -422,11 +423,6 @@ def _create_race(run: _Run, threads: int, rounds: int) -> str:
 # -- latency ------------------------------------------------------------------------------------
 
 
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of ascending values."""
-    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
-
-
 def _time(run: _Run, operation: str, requests: int, call: Callable[[int], object]) -> Latency:
     seconds: list[float] = []
     try:
@@ -442,8 +438,8 @@ def _time(run: _Run, operation: str, requests: int, call: Callable[[int], object
     return Latency(
         operation,
         requests,
-        round(_percentile(seconds, 0.5) * 1000, 3),
-        round(_percentile(seconds, 0.95) * 1000, 3),
+        round(nearest_rank(seconds, 0.5) * 1000, 3),
+        round(nearest_rank(seconds, 0.95) * 1000, 3),
     )
 
 
