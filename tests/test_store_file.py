@@ -8,6 +8,7 @@ or cannot be a directory at all fail with errors naming the root and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -238,6 +239,115 @@ def test_a_put_retries_when_its_opened_directory_is_pruned(
 
 
 @KERNEL_CHECK
+@pytest.mark.parametrize("mode", [PutMode.OVERWRITE, PutMode.CREATE])
+def test_an_empty_directory_at_the_name_is_no_object_in_the_way(
+    store: FileStore, root: Path, mode: PutMode
+) -> None:
+    # An empty directory holds no objects (one a delete is about to prune, or one a put made
+    # and has not published into yet): a put removes it and publishes. One of other objects,
+    # or a symlink to a directory, is still a conflict.
+    (root / "a").mkdir(parents=True)
+    store.put("a", b"1", mode=mode)
+    assert store.get("a") == b"1"
+    store.put("d/e", b"x")
+    with pytest.raises(InvalidKey, match="cannot hold both"):
+        store.put("d", b"2", mode=mode)
+    (root / "empty").mkdir()
+    (root / "alias").symlink_to(root / "empty")
+    with pytest.raises(InvalidKey, match="cannot hold both"):
+        store.put_if_absent("alias", b"3")
+    assert (root / "empty").is_dir()
+    assert store.get("d/e") == b"x"
+    assert list((root / TEMP_DIR_NAME).iterdir()) == []
+
+
+@KERNEL_CHECK
+@pytest.mark.parametrize("mode", [PutMode.OVERWRITE, PutMode.CREATE])
+def test_a_directory_pruned_after_the_publish_failed_is_retried_not_taken_for_an_object(
+    store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch, mode: PutMode
+) -> None:
+    # The link (create) or replace (overwrite) meets the empty directory a concurrent delete
+    # is about to prune, and the prune runs before the put looks at what holds the name. Two
+    # separate checks once saw the name taken but no directory there: ObjectExists for an
+    # object no one wrote (create), or a conflict with nothing (overwrite).
+    directory = root / "a"
+    directory.mkdir(parents=True)
+    pruned: list[str] = []
+
+    def pruned_after_failing(real: Any) -> Any:
+        def publish(*args: Any, **kwargs: Any) -> None:
+            try:
+                real(*args, **kwargs)
+            except OSError:
+                if not pruned:
+                    directory.rmdir()
+                    pruned.append(str(directory))
+                raise
+
+        return publish
+
+    monkeypatch.setattr(os, "link", pruned_after_failing(os.link))
+    monkeypatch.setattr(os, "replace", pruned_after_failing(os.replace))
+    store.put("a", b"1", mode=mode)
+    monkeypatch.undo()
+    assert pruned == [str(directory)]
+    assert store.get("a") == b"1"
+    assert list((root / TEMP_DIR_NAME).iterdir()) == []
+
+
+@KERNEL_CHECK
+def test_a_directory_replaced_by_a_file_after_makedirs_names_the_file(
+    store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A delete prunes the directories a put just made and another put stores a file at their
+    # name: the put retries and names the file in its way (opening the directory once raised
+    # ENOTDIR straight through, a put failing with "no object").
+    real_makedirs = os.makedirs
+    replaced: list[str] = []
+
+    def makedirs_then_replace(name: str, mode: int = 0o777, exist_ok: bool = False) -> None:
+        real_makedirs(name, mode, exist_ok)
+        if name == str(root / "ns" / "d") and not replaced:
+            shutil.rmtree(root / "ns")
+            (root / "ns").write_bytes(b"file")
+            replaced.append(name)
+
+    monkeypatch.setattr(os, "makedirs", makedirs_then_replace)
+    with pytest.raises(InvalidKey, match="object 'ns' is in the way"):
+        store.put("ns/d/object", b"x")
+    monkeypatch.undo()
+    assert replaced
+    assert store.get("ns") == b"file"
+    assert list((root / TEMP_DIR_NAME).iterdir()) == []
+
+
+@KERNEL_CHECK
+def test_a_directory_replaced_by_a_file_before_its_fsync_ends_the_put_quietly(
+    store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Once published, a concurrent delete may remove the object and prune its new directories,
+    # and another put store a file at their name, before the directories are fsynced: nothing
+    # of this write is left to sync (the fsync once raised ENOTDIR, a put of "no object").
+    assert store._fsync
+    real_fsync = os.fsync
+    replaced: list[bool] = []
+
+    def fsync_then_replace(fd: int) -> None:
+        real_fsync(fd)
+        if (root / "a" / "b" / "c").exists() and not replaced:
+            replaced.append(True)
+            store.delete_many(["a/b/c"])
+            (root / "a").write_bytes(b"file")
+
+    monkeypatch.setattr(os, "fsync", fsync_then_replace)
+    store.put("a/b/c", b"x")
+    monkeypatch.undo()
+    assert replaced
+    assert store.get("a") == b"file"
+    assert [m.key for m in store.list()] == ["a"]
+
+
+@KERNEL_CHECK
 def test_every_read_path_refuses_an_escaping_symlink(
     tmp_path: Path, store: FileStore, root: Path
 ) -> None:
@@ -421,6 +531,35 @@ def test_list_matches_a_sorted_reference(
             k for k in stored if k.startswith(prefix) and (start_after is None or k > start_after)
         ]
         assert [m.key for m in store.list(prefix, start_after=start_after)] == expected
+
+
+@pytest.mark.parametrize("replaced", ["file", "directory"])
+def test_list_decides_what_is_an_object_from_one_lstat(
+    store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch, replaced: str
+) -> None:
+    # Between the directory scan and the lstat of an entry, a file may be replaced by a
+    # directory (deleted, then a put of "k/x"), or its directory by a file. scandir's cached
+    # type said "a file" and the lstat gave a directory's size: "k" was listed as an object of
+    # 4096 bytes; and an entry under a directory now a file raised ENOTDIR ("no object").
+    for key in ("d/x", "k", "z"):
+        store.put(key, b"v")
+    real_scandir = os.scandir
+
+    def replace_after_scanning(directory: str) -> Any:
+        with real_scandir(directory) as it:
+            entries = list(it)
+        if replaced == "file" and directory == store.root:
+            (root / "k").unlink()
+            (root / "k").mkdir()
+        elif replaced == "directory" and directory == str(root / "d"):
+            store.delete_many(["d/x"])
+            (root / "d").write_bytes(b"file")
+        return contextlib.nullcontext(iter(entries))
+
+    monkeypatch.setattr(os, "scandir", replace_after_scanning)
+    listed = [(m.key, m.size) for m in store.list()]
+    monkeypatch.undo()
+    assert listed == ([("d/x", 1), ("z", 1)] if replaced == "file" else [("k", 1), ("z", 1)])
 
 
 def test_range_reads_resume_after_short_preads(

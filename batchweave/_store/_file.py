@@ -64,11 +64,11 @@ _STAT_FLAGS = getattr(os, "O_PATH", 0)
 """``head`` opens with ``O_PATH``: no read permission needed, nothing of a FIFO opened."""
 _PUBLISH_AT = (
     hasattr(os, "O_DIRECTORY")
-    and {os.link, os.rename, os.stat} <= os.supports_dir_fd
+    and {os.link, os.rename, os.rmdir, os.stat} <= os.supports_dir_fd
     and os.stat in os.supports_follow_symlinks
 )
-"""``link``/``replace``/``lstat`` relative to a directory descriptor (``os.replace`` shares
-``os.rename``'s implementation, which is the one ``supports_dir_fd`` lists)."""
+"""``link``/``replace``/``rmdir``/``lstat`` relative to a directory descriptor (``os.replace``
+shares ``os.rename``'s implementation, which is the one ``supports_dir_fd`` lists)."""
 
 
 class FileStore(ObjectStore):
@@ -273,8 +273,10 @@ class FileStore(ObjectStore):
             return
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        except FileNotFoundError:
-            return  # a concurrent delete removed the object and pruned its directory
+        except (FileNotFoundError, NotADirectoryError):
+            # A concurrent delete removed the object and pruned its directory (and a put may
+            # have stored a file at its name since): nothing of this write is left to sync.
+            return
         try:
             os.fsync(fd)
         finally:
@@ -317,11 +319,43 @@ class FileStore(ObjectStore):
             return False  # a concurrent prune raced makedirs; nothing is in the way
         return True
 
-    def _publish_failed(self, exc: OSError, key: str, path: str, *, is_dir: bool) -> StoreError:
-        """The error for a publish that found ``path`` taken (``is_dir``: by a directory)."""
-        if isinstance(exc, FileExistsError) and not is_dir:
-            return ObjectExists(f"object {key!r} already exists in {self.url}")
+    def _taken_by_directory(self, key: str, path: str) -> InvalidKey:
+        """The conflict for ``key`` whose name ``path`` a directory of other objects holds."""
         return self._conflict(key, self._blocking_file(os.path.dirname(path)))
+
+    def _settle_taken_name(self, exc: OSError, key: str, path: str, dfd: int | None) -> None:
+        """Settle a publish whose ``link``/``replace`` failed with ``exc``: the name was taken.
+
+        Returns to retry the publish; raises the error otherwise. ``dfd`` is the directory
+        descriptor the name was published through (``path``'s last component is then relative
+        to it), or None to act on ``path`` itself. What holds the name is decided from one
+        ``lstat``: a directory pruned by a concurrent delete between two separate checks would
+        otherwise be taken for an object (``ObjectExists``) or a conflict (``InvalidKey``).
+        """
+        name = path if dfd is None else os.path.basename(path)
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            # Gone since (pruned), or an ancestor is no longer a directory: the next attempt
+            # recreates the directory, or names the file in its way.
+            return
+        if stat.S_ISDIR(st.st_mode):
+            # Only an empty directory can be removed, and it holds no objects: one a delete
+            # is about to prune, or one a put made and has not published into yet (that put
+            # retries, as when a delete prunes it).
+            try:
+                os.rmdir(name, dir_fd=dfd)
+            except (FileNotFoundError, NotADirectoryError):
+                return
+            except OSError as rmdir_exc:  # ENOTEMPTY: a directory of other objects
+                raise self._taken_by_directory(key, path) from rmdir_exc
+            return
+        if stat.S_ISLNK(st.st_mode) and _is_dir_at(dfd, name):
+            # A symlink to a directory (never removed through): not an object either.
+            raise self._taken_by_directory(key, path) from exc
+        if isinstance(exc, FileExistsError):
+            raise ObjectExists(f"object {key!r} already exists in {self.url}") from exc
+        # A replace that met a directory, now a file: replacing it may succeed.
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
         self.put_parts(key, (data,), mode=mode)
@@ -390,7 +424,9 @@ class FileStore(ObjectStore):
             new_directory = True
             try:
                 dfd = self._open_confined(key, parent, _DIR_FLAGS)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
+                # Pruned since makedirs (and maybe a file stored at its name): the next attempt
+                # recreates it, or names the file in the way.
                 return None
         try:
             if mode is not PutMode.CREATE:
@@ -404,7 +440,8 @@ class FileStore(ObjectStore):
                 return None  # the directory was pruned after we opened it
             except (FileExistsError, IsADirectoryError, NotADirectoryError) as exc:
                 self._refuse_escaping_link(key, path, dfd, name)
-                raise self._publish_failed(exc, key, path, is_dir=_is_dir_at(dfd, name)) from exc
+                self._settle_taken_name(exc, key, path, dfd)
+                return None
             if self._fsync:
                 os.fsync(dfd)
         finally:
@@ -439,7 +476,8 @@ class FileStore(ObjectStore):
         except FileNotFoundError:
             return None
         except (FileExistsError, IsADirectoryError, NotADirectoryError) as exc:
-            raise self._publish_failed(exc, key, path, is_dir=os.path.isdir(path)) from exc
+            self._settle_taken_name(exc, key, path, None)
+            return None
         self._fsync_dir(parent)
         return new_directory
 
@@ -571,12 +609,14 @@ class FileStore(ObjectStore):
                 continue
             if not name.startswith(prefix) or (start_after is not None and name <= start_after):
                 continue
-            if not entry.is_file(follow_symlinks=False):
-                continue
+            # Decided from one lstat, not scandir's type and a later lstat: a file replaced by a
+            # directory between the two would be listed as an object the size of a directory.
             try:
                 st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # deleted since scandir
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # deleted since scandir (and maybe its directory pruned)
+            if not stat.S_ISREG(st.st_mode):
+                continue
             yield ObjectMeta(key=name, size=st.st_size, last_modified=st.st_mtime)
 
     # -- deletes -----------------------------------------------------------------------------
@@ -769,8 +809,9 @@ def _file_kind(mode: int) -> str:
     return f"file type {stat.S_IFMT(mode):o}"
 
 
-def _is_dir_at(dfd: int, name: str) -> bool:
-    """Whether ``name`` in directory ``dfd`` is (or links to) a directory."""
+def _is_dir_at(dfd: int | None, name: str) -> bool:
+    """Whether ``name`` in directory ``dfd`` (None: the path ``name``) is (or links to) a
+    directory."""
     try:
         return stat.S_ISDIR(os.stat(name, dir_fd=dfd).st_mode)
     except OSError:
