@@ -25,6 +25,7 @@ __all__ = [
     "SEG_KEY",
     "CountingStore",
     "FaultyPutStore",
+    "body",
     "decode_outcome",
     "descriptor",
     "envelope",
@@ -42,6 +43,13 @@ def envelope(body: bytes, magic: str = "batchweave-manifest") -> bytes:
     """``body`` behind the header the encoder writes (``magic``, the body's CRC-32C and length):
     a well-formed object around a body the encoder would never write."""
     return f"{magic} crc32c={checksum(body):08x} length={len(body)}\n".encode() + body
+
+
+def body(data: bytes | memoryview) -> bytes:
+    """The JSON body of a manifest or segment object (of any object in this envelope, watermarks
+    too): what follows its header line, unchecked. The inverse of :func:`envelope`."""
+    raw = bytes(data)
+    return raw[raw.index(b"\n") + 1 :]
 
 
 def decode_outcome(data: bytes, previous: Manifest | None = None) -> Manifest | str:

@@ -17,11 +17,11 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from manifest_helpers import body, envelope
 
 from batchweave import FormatError, MemoryStore, Mesh, Producer, encode_tgb
 from batchweave._format._tgb import decode_slice, parse_footer, parse_footer_exact
 from batchweave._manifest._codec import (
-    body_checksum,
     decode_manifest,
     decode_segment,
     encode_manifest,
@@ -157,15 +157,11 @@ JSON_VALUES = st.recursive(
 )
 
 
-def _envelope(magic: str, body: bytes) -> bytes:
-    return f"{magic} crc32c={body_checksum(body):08x} length={len(body)}\n".encode() + body
-
-
 @st.composite
 def tampered_bodies(draw: st.DrawFn, kind: str) -> bytes:
     """A valid body with one field replaced by any JSON value, re-enveloped with a good checksum."""
     seed = SEEDS[kind]
-    doc: Any = json.loads(seed.split(b"\n", 1)[1])
+    doc: Any = json.loads(body(seed))
     node = doc
     path: list[Any] = []
     while isinstance(node, (dict, list)) and node and draw(st.booleans()):
@@ -185,7 +181,7 @@ def tampered_bodies(draw: st.DrawFn, kind: str) -> bytes:
     else:
         doc = value
     magic = seed.split(b" ", 1)[0].decode()
-    return _envelope(magic, json.dumps(doc).encode())
+    return envelope(json.dumps(doc).encode(), magic)
 
 
 @FUZZ

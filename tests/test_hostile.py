@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import zstandard
+from manifest_helpers import body, envelope
 
 from batchweave import (
     AccessDenied,
@@ -43,7 +44,7 @@ from batchweave import (
 )
 from batchweave._format._checksum import checksum
 from batchweave._format._tgb import _pack_trailer
-from batchweave._manifest._codec import body_checksum, encode_manifest
+from batchweave._manifest._codec import encode_manifest
 from batchweave._manifest._log import ManifestLog, manifest_key
 from batchweave.cli._verify import verify_namespace
 from batchweave.testing import S3Endpoint
@@ -159,11 +160,9 @@ def test_manifest_claiming_a_huge_footer_is_refused_before_reading() -> None:
 def _future_manifest(store: ObjectStore, version: int) -> None:
     log = ManifestLog(store, NS)
     current = log.read(version - 1)
-    body = json.loads(encode_manifest(current).split(b"\n", 1)[1])
-    body.update(format=99, version=version, parent=version - 1, new_thing={"x": 1})
-    raw = json.dumps(body).encode()
-    header = f"batchweave-manifest crc32c={body_checksum(raw):08x} length={len(raw)}\n"
-    store.put(log.key(manifest_key(version)), header.encode() + raw)
+    doc = json.loads(body(encode_manifest(current)))
+    doc.update(format=99, version=version, parent=version - 1, new_thing={"x": 1})
+    store.put(log.key(manifest_key(version)), envelope(json.dumps(doc).encode()))
 
 
 def _produce(store: ObjectStore, tgbs: int, pid: str = "p0") -> None:

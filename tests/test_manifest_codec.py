@@ -8,7 +8,7 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from manifest_helpers import KEY, SEG_KEY, decode_outcome, envelope
+from manifest_helpers import KEY, SEG_KEY, body, decode_outcome, envelope
 from pydantic import TypeAdapter
 
 from batchweave import ChecksumMismatch, FormatError, Mesh, UnsupportedFormatVersion
@@ -155,10 +155,10 @@ def test_manifest_round_trip(manifest: Manifest) -> None:
 @given(manifests())
 def test_manifests_use_format_4_only_for_producer_sources(manifest: Manifest) -> None:
     # Format 4 only adds ProducerState.source: without one, format-3 readers still read it.
-    body = json.loads(encode_manifest(manifest).split(b"\n", 1)[1])
+    doc = json.loads(body(encode_manifest(manifest)))
     sourced = {pid for pid, state in manifest.producers.items() if state.source is not None}
-    assert body["format"] == manifest.format == (4 if sourced else 3)
-    assert {pid for pid, state in body["producers"].items() if "source" in state} == sourced
+    assert doc["format"] == manifest.format == (4 if sourced else 3)
+    assert {pid for pid, state in doc["producers"].items() if "source" in state} == sourced
 
 
 @settings(max_examples=60, deadline=None)
@@ -167,7 +167,7 @@ def test_segment_round_trip(segment: Segment) -> None:
     data = encode_segment(segment)
     decoded, crc = decode_segment(data, key=SEG_KEY)
     assert decoded == segment
-    assert crc == checksum(data[data.index(b"\n") + 1 :])
+    assert crc == checksum(body(data))
 
 
 def _sample_manifest() -> Manifest:
@@ -236,28 +236,28 @@ def test_absurd_size_is_refused_before_parsing(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_future_format_asks_to_upgrade() -> None:
-    body = json.loads(encode_manifest(_sample_manifest()).split(b"\n", 1)[1])
-    body["format"] = MANIFEST_FORMAT + 1
-    body["some_new_field"] = {"x": 1}
+    doc = json.loads(body(encode_manifest(_sample_manifest())))
+    doc["format"] = MANIFEST_FORMAT + 1
+    doc["some_new_field"] = {"x": 1}
     with pytest.raises(UnsupportedFormatVersion, match="upgrade batchweave") as err:
-        decode_manifest(envelope(json.dumps(body).encode()), key=KEY)
+        decode_manifest(envelope(json.dumps(doc).encode()), key=KEY)
     assert KEY in str(err.value)
     assert f"format {MANIFEST_FORMAT + 1}" in str(err.value)
 
 
 def test_future_format_with_known_fields_still_refused() -> None:
-    body = json.loads(encode_manifest(_sample_manifest()).split(b"\n", 1)[1])
-    body["format"] = MANIFEST_FORMAT + 5
+    doc = json.loads(body(encode_manifest(_sample_manifest())))
+    doc["format"] = MANIFEST_FORMAT + 5
     with pytest.raises(UnsupportedFormatVersion):
-        decode_manifest(envelope(json.dumps(body).encode()), key=KEY)
+        decode_manifest(envelope(json.dumps(doc).encode()), key=KEY)
 
 
 def test_invalid_schema_is_a_format_error_naming_key_and_field() -> None:
-    body = json.loads(encode_manifest(_sample_manifest()).split(b"\n", 1)[1])
-    body["mesh"]["dp"] = 0
-    del body["commit_id"]
+    doc = json.loads(body(encode_manifest(_sample_manifest())))
+    doc["mesh"]["dp"] = 0
+    del doc["commit_id"]
     with pytest.raises(FormatError) as err:
-        decode_manifest(envelope(json.dumps(body).encode()), key=KEY)
+        decode_manifest(envelope(json.dumps(doc).encode()), key=KEY)
     message = str(err.value)
     assert KEY in message
     assert "mesh.dp" in message
@@ -266,10 +266,10 @@ def test_invalid_schema_is_a_format_error_naming_key_and_field() -> None:
 
 
 def test_broken_step_layout_is_a_format_error() -> None:
-    body = json.loads(encode_manifest(_sample_manifest()).split(b"\n", 1)[1])
-    body["base_step"] = 5  # beyond next_step 0
+    doc = json.loads(body(encode_manifest(_sample_manifest())))
+    doc["base_step"] = 5  # beyond next_step 0
     with pytest.raises(FormatError, match="base_step 5"):
-        decode_manifest(envelope(json.dumps(body).encode()), key=KEY)
+        decode_manifest(envelope(json.dumps(doc).encode()), key=KEY)
 
 
 def test_invalid_json_is_a_format_error() -> None:
@@ -302,14 +302,14 @@ def test_segment_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         decode_segment(data[:-1], key=SEG_KEY)
     with pytest.raises(FormatError, match="expected a segment"):
         decode_segment(encode_manifest(_sample_manifest()), key=SEG_KEY)
-    body = json.loads(data.split(b"\n", 1)[1])
-    body["format"] = 99
+    doc = json.loads(body(data))
+    doc["format"] = 99
     with pytest.raises(UnsupportedFormatVersion, match="upgrade batchweave"):
-        decode_segment(envelope(json.dumps(body).encode(), "batchweave-segment"), key=SEG_KEY)
-    body["format"] = 1
-    body["tgbs"] = []
+        decode_segment(envelope(json.dumps(doc).encode(), "batchweave-segment"), key=SEG_KEY)
+    doc["format"] = 1
+    doc["tgbs"] = []
     with pytest.raises(FormatError, match="invalid segment"):
-        decode_segment(envelope(json.dumps(body).encode(), "batchweave-segment"), key=SEG_KEY)
+        decode_segment(envelope(json.dumps(doc).encode(), "batchweave-segment"), key=SEG_KEY)
     monkeypatch.setattr(_codec, "MAX_SEGMENT_BYTES", len(data) - 1)
     with pytest.raises(FormatError, match="far larger than any segment"):
         decode_segment(data, key=SEG_KEY)
@@ -317,10 +317,10 @@ def test_segment_errors(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _format_1_body() -> dict[str, object]:
     """A manifest as format 1 wrote it: descriptors without slice tables."""
-    body = json.loads(encode_manifest(_sample_manifest()).split(b"\n", 1)[1])
-    body["format"] = 1
-    body["tail"] = [json.loads(_descriptor().model_dump_json(exclude={"objects": {0: {"slices"}}}))]
-    return body
+    doc = json.loads(body(encode_manifest(_sample_manifest())))
+    doc["format"] = 1
+    doc["tail"] = [json.loads(_descriptor().model_dump_json(exclude={"objects": {0: {"slices"}}}))]
+    return doc
 
 
 def test_a_format_1_manifest_is_still_read() -> None:
@@ -404,10 +404,6 @@ def test_the_decoded_cache_is_bounded_in_entries_and_bytes() -> None:
     assert cache.get("b", b"y" * 11) is None  # same key, other bytes: a miss
 
 
-def _body(data: bytes) -> bytes:
-    return data[data.index(b"\n") + 1 :]
-
-
 @settings(max_examples=60, deadline=None)
 @given(manifests(), segments)
 def test_encoding_from_cached_descriptors_is_pydantics_json_byte_for_byte(
@@ -417,8 +413,8 @@ def test_encoding_from_cached_descriptors_is_pydantics_json_byte_for_byte(
     unset = {pid: {"source"} for pid, state in manifest.producers.items() if state.source is None}
     expected = manifest.model_dump_json(exclude={"producers": unset}).encode()
     for _ in range(2):  # the second time every descriptor comes from the cache
-        assert _body(encode_manifest(manifest)) == expected
-        assert _body(encode_segment(segment)) == segment.model_dump_json().encode()
+        assert body(encode_manifest(manifest)) == expected
+        assert body(encode_segment(segment)) == segment.model_dump_json().encode()
     tail_json = TypeAdapter(tuple[TgbDescriptor, ...]).dump_json(manifest.tail)
     assert _codec.descriptors_json_bytes(manifest.tail) == len(tail_json)
 
@@ -498,9 +494,9 @@ def test_decoding_any_body_with_a_previous_manifest_gives_the_fresh_outcome(
     # Edited bodies under a valid checksum: what another writer could store. Reusing the
     # previous tail must give the same manifest, or the same error, as decoding afresh.
     manifest, previous = pair
-    body = _body(encode_manifest(manifest))
-    at %= len(body) + 1
-    data = envelope(body[:at] + insert + body[at + remove :])
+    raw = body(encode_manifest(manifest))
+    at %= len(raw) + 1
+    data = envelope(raw[:at] + insert + raw[at + remove :])
     assert decode_outcome(data, previous) == decode_outcome(data, None)
 
 
@@ -515,4 +511,4 @@ def test_reused_descriptors_count_in_the_step_layout() -> None:
     assert all(a is b for a, b in zip(reused.tail, tail, strict=True))
     beyond = encode_manifest(manifest).replace(b'"base_step":3', b'"base_step":4')
     with pytest.raises(FormatError, match=r"base_step 4 outside the listed steps \[0, 3\]"):
-        decode_manifest(envelope(_body(beyond)), key=KEY, previous=manifest)
+        decode_manifest(envelope(body(beyond)), key=KEY, previous=manifest)

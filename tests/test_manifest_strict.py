@@ -34,7 +34,7 @@ from botocore.config import Config
 from botocore.response import StreamingBody
 from botocore.stub import Stubber
 from fake_time import FakeTime
-from manifest_helpers import KEY, SEG_KEY, descriptor, envelope, grow
+from manifest_helpers import KEY, SEG_KEY, body, descriptor, envelope, grow
 from moto import mock_aws
 
 from batchweave import (
@@ -241,8 +241,9 @@ def _envelope(body: dict[str, Any], magic: str = "batchweave-manifest") -> bytes
 
 
 def _body(data: bytes) -> dict[str, Any]:
-    body: dict[str, Any] = json.loads(data.split(b"\n", 1)[1])
-    return body
+    """The parsed JSON body of a manifest or segment object (the inverse of ``_envelope``)."""
+    doc: dict[str, Any] = json.loads(body(data))
+    return doc
 
 
 def _set(path: str, value: object) -> Callable[[dict[str, Any]], None]:
@@ -292,7 +293,7 @@ def test_coercible_manifest_json_is_a_format_error_naming_key_and_field(
 
 
 def test_an_overflowing_float_literal_is_refused() -> None:
-    raw = encode_manifest(_manifest()).split(b"\n", 1)[1]
+    raw = body(encode_manifest(_manifest()))
     raw = raw.replace(b'"created_at":1700000000.0', b'"created_at":1e999')
     with pytest.raises(FormatError, match="created_at"):
         decode_manifest(envelope(raw), key=KEY)

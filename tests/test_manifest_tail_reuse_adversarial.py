@@ -13,7 +13,7 @@ import json
 import threading
 
 import pytest
-from manifest_helpers import KEY, decode_outcome, descriptor, envelope
+from manifest_helpers import KEY, body, decode_outcome, descriptor, envelope
 
 from batchweave import FormatError, Mesh, UnsupportedFormatVersion
 from batchweave._manifest import (
@@ -32,11 +32,6 @@ def _manifest(tail: tuple[TgbDescriptor, ...], **fields: object) -> Manifest:
     return Manifest(
         namespace_id="ns", mesh=Mesh(dp=1), version=4, commit_id="c", tail=tail, **fields
     )
-
-
-def _body(manifest: Manifest) -> bytes:
-    data = encode_manifest(manifest)
-    return data[data.index(b"\n") + 1 :]
 
 
 def _json(desc: TgbDescriptor) -> bytes:
@@ -67,10 +62,10 @@ def test_a_trailing_comma_after_reused_descriptors_is_invalid_json_either_way(
     # [X,] is not JSON. Afresh it is a FormatError; the fast path cuts "X," and validates
     # "[]" (or "[ ]"), which is valid, and returns a manifest holding X.
     elements = b",".join(_json(d) for d in TAIL[:reused])
-    body = _body(PREVIOUS).replace(
+    raw = body(encode_manifest(PREVIOUS)).replace(
         b",".join(_json(d) for d in TAIL) + b"]", elements + b"," + gap + b"]"
     )
-    data = envelope(body)
+    data = envelope(raw)
     assert isinstance(decode_outcome(data, None), str)  # "FormatError: ... trailing comma ..."
     _same(data, PREVIOUS)
 
@@ -83,9 +78,9 @@ def test_a_later_duplicate_tail_key_wins_as_it_does_afresh(spelling: bytes) -> N
     # '"tail":' does not count it empties the tail afresh; the fast path cuts the descriptors
     # out of the first "tail" and puts them back, so the version decodes to another step ->
     # TGB mapping for a reader that had read the version before it.
-    body = _body(PREVIOUS)
-    at = body.index(b'"tail_start"')
-    data = envelope(body[:at] + spelling + b"[]," + body[at:])
+    raw = body(encode_manifest(PREVIOUS))
+    at = raw.index(b'"tail_start"')
+    data = envelope(raw[:at] + spelling + b"[]," + raw[at:])
     fresh = decode_outcome(data, None)
     assert isinstance(fresh, Manifest)
     assert fresh.tail == ()
@@ -105,7 +100,7 @@ def test_descriptors_reused_from_a_format_2_previous_equal_a_fresh_decode() -> N
         "uncompressed_lengths": None,
         "sample_counts": [2] * count,
     }
-    old = json.loads(_body(PREVIOUS))
+    old = json.loads(body(encode_manifest(PREVIOUS)))
     old["format"] = 2
     for d in old["tail"]:
         d["objects"][0].update(slices=table, footer_offset=100 * count)
@@ -138,7 +133,7 @@ def test_a_previous_holding_an_unvalidated_descriptor_does_not_make_a_body_valid
     ref = TAIL[0].objects[0].model_copy(update={"key": "../other/x.tgb"})
     bad = TAIL[0].model_copy(update={"objects": (ref,)})
     previous = Manifest.model_construct(**{**dict(PREVIOUS), "tail": (bad,)})
-    data = envelope(_body(PREVIOUS).replace(_json(TAIL[0]), _json(bad)))
+    data = envelope(body(encode_manifest(PREVIOUS)).replace(_json(TAIL[0]), _json(bad)))
     assert isinstance(decode_outcome(data, None), str)
     _same(data, previous)
 
@@ -148,15 +143,15 @@ def test_a_previous_holding_an_unvalidated_descriptor_does_not_make_a_body_valid
 
 @pytest.mark.parametrize("spelling", [b'"t\\u0061il":', b'"tail" :'])
 def test_an_earlier_duplicate_tail_key_loses_either_way(spelling: bytes) -> None:
-    body = _body(PREVIOUS)
-    at = body.index(b'"segments"')
-    _same(envelope(body[:at] + spelling + b"[]," + body[at:]), PREVIOUS)
+    raw = body(encode_manifest(PREVIOUS))
+    at = raw.index(b'"segments"')
+    _same(envelope(raw[:at] + spelling + b"[]," + raw[at:]), PREVIOUS)
 
 
 def test_a_literal_duplicate_tail_key_disables_the_fast_path() -> None:
-    body = _body(PREVIOUS)
-    at = body.index(b'"tail_start"')
-    _same(envelope(body[:at] + b'"tail":[],' + body[at:]), PREVIOUS)
+    raw = body(encode_manifest(PREVIOUS))
+    at = raw.index(b'"tail_start"')
+    _same(envelope(raw[:at] + b'"tail":[],' + raw[at:]), PREVIOUS)
 
 
 @pytest.mark.parametrize(
@@ -183,7 +178,7 @@ def test_producers_named_like_the_tail_key_decode_as_afresh(producer: str) -> No
 )
 def test_edits_around_the_cut_decode_as_afresh(edit: tuple[bytes, bytes]) -> None:
     old, new = edit
-    _same(envelope(_body(PREVIOUS).replace(old, new, 1)), PREVIOUS)
+    _same(envelope(body(encode_manifest(PREVIOUS)).replace(old, new, 1)), PREVIOUS)
 
 
 def test_a_tail_made_empty_or_from_a_later_run_of_previous_decodes_as_afresh() -> None:
@@ -201,7 +196,9 @@ def test_a_tail_made_empty_or_from_a_later_run_of_previous_decodes_as_afresh() -
 
 @pytest.mark.parametrize("fmt", [0, -1, MANIFEST_FORMAT + 1, 10**30])
 def test_a_reusable_tail_does_not_hide_an_unsupported_format(fmt: int) -> None:
-    data = envelope(_body(PREVIOUS).replace(b'"format":3', f'"format":{fmt}'.encode()))
+    data = envelope(
+        body(encode_manifest(PREVIOUS)).replace(b'"format":3', f'"format":{fmt}'.encode())
+    )
     expected = UnsupportedFormatVersion if fmt > MANIFEST_FORMAT else FormatError
     with pytest.raises(expected):
         decode_manifest(data, key=KEY, previous=PREVIOUS)
@@ -219,7 +216,7 @@ def test_a_format_1_or_2_previous_and_body_decode_as_afresh() -> None:
         "sample_counts": [2] * 8,
     }
     for fmt, slices in [(1, None), (2, lists)]:
-        old = json.loads(_body(PREVIOUS))
+        old = json.loads(body(encode_manifest(PREVIOUS)))
         old["format"] = fmt
         for d in old["tail"]:
             d["objects"][0].update(slices=slices, footer_offset=800)
@@ -235,10 +232,10 @@ def test_a_previous_of_another_namespace_and_mesh_gives_the_fresh_manifest() -> 
 
 
 def test_a_step_layout_broken_by_the_cut_count_is_refused_either_way() -> None:
-    body = _body(_manifest(TAIL, base_step=3))
+    raw = body(encode_manifest(_manifest(TAIL, base_step=3)))
     for base_step in (3, 4):
         _same(
-            envelope(body.replace(b'"base_step":3', f'"base_step":{base_step}'.encode())), PREVIOUS
+            envelope(raw.replace(b'"base_step":3', f'"base_step":{base_step}'.encode())), PREVIOUS
         )
 
 
@@ -276,7 +273,7 @@ def test_concurrent_decodes_with_one_previous_agree() -> None:
     def decode() -> None:
         barrier.wait()
         for _ in range(20):
-            got = _codec._reuse_tail(data[data.index(b"\n") + 1 :], previous.tail)
+            got = _codec._reuse_tail(body(data), previous.tail)
             with lock:
                 results.append(got)
 

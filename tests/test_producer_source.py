@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from fake_time import FakeTime
+from manifest_helpers import body, envelope
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 import batchweave as bw
@@ -64,8 +65,7 @@ def manifest_bodies(store: MemoryStore) -> dict[int, dict[str, Any]]:
     """The JSON body of every manifest version, by version."""
     out = {}
     for meta in store.list(f"{NS}/_manifests/"):
-        body = store.get(meta.key).split(b"\n", 1)[1]
-        out[int(meta.key.rsplit("/", 1)[1].split(".")[0])] = json.loads(body)
+        out[int(meta.key.rsplit("/", 1)[1].split(".")[0])] = json.loads(body(store.get(meta.key)))
     return out
 
 
@@ -191,14 +191,14 @@ def test_manifests_are_format_3_until_a_source_is_committed() -> None:
     publish(store, range(2))
     publish(store, range(2, 3), producer_id="other", source=V1)
     bodies = manifest_bodies(store)
-    with_source = [v for v, body in bodies.items() if body["format"] == 4]
+    with_source = [v for v, doc in bodies.items() if doc["format"] == 4]
     assert with_source, bodies
     first = min(with_source)
     # Every version before the first source is format 3 and names no source; every later one
     # carries it (the producer states are copied into every version).
-    for version, body in bodies.items():
-        states = body["producers"].values()
-        assert body["format"] == (4 if version >= first else 3), version
+    for version, doc in bodies.items():
+        states = doc["producers"].values()
+        assert doc["format"] == (4 if version >= first else 3), version
         assert any("source" in s for s in states) == (version >= first), version
     assert "source" not in bodies[max(bodies)]["producers"]["prep-0"]
     assert bodies[max(bodies)]["producers"]["other"]["source"] == V1
@@ -315,28 +315,16 @@ def _manifest(**states: ProducerState) -> Manifest:
     return Manifest(namespace_id="ns", mesh=MESH, version=3, commit_id="c", producers=states)
 
 
-def _body(manifest: Manifest) -> bytes:
-    return encode_manifest(manifest).split(b"\n", 1)[1]
-
-
-def envelope(body: bytes) -> bytes:
-    """``body`` as a well-formed manifest object (a body the encoder would not write)."""
-    return (
-        f"batchweave-manifest crc32c={_codec.body_checksum(body):08x} length={len(body)}\n".encode()
-        + body
-    )
-
-
 KEY = f"{NS}/_manifests/00000000000000000003.manifest"
 
 
 def test_format_3_without_sources_reads_in_a_format_3_reader() -> None:
     manifest = _manifest(a=ProducerState(epoch=1, offset=4, last_version=2))
-    body = _body(manifest)
-    assert json.loads(body)["format"] == 3
-    assert b"source" not in body  # written only when set
+    raw = body(encode_manifest(manifest))
+    assert json.loads(raw)["format"] == 3
+    assert b"source" not in raw  # written only when set
     assert decode_manifest(encode_manifest(manifest), key=KEY) == manifest
-    old = _codec._validate(body, _Format3Reader, key=KEY, what="manifest", supported=3)
+    old = _codec._validate(raw, _Format3Reader, key=KEY, what="manifest", supported=3)
     assert old.producers["a"].offset == 4
 
 
@@ -345,23 +333,23 @@ def test_format_4_round_trips_and_a_format_3_reader_asks_to_upgrade() -> None:
         a=ProducerState(epoch=1, offset=4, last_version=2),
         b=ProducerState(epoch=2, last_version=3, source=V1),
     )
-    body = _body(manifest)
-    assert json.loads(body)["format"] == 4
-    assert "source" not in json.loads(body)["producers"]["a"]
+    raw = body(encode_manifest(manifest))
+    assert json.loads(raw)["format"] == 4
+    assert "source" not in json.loads(raw)["producers"]["a"]
     decoded = decode_manifest(encode_manifest(manifest), key=KEY)
     assert decoded == manifest
     assert decoded.format == 4
     assert decoded.producers["b"].source == V1
     # An older reader: its schema refuses the unknown field, the format says why.
     with pytest.raises(UnsupportedFormatVersion, match="upgrade batchweave") as err:
-        _codec._validate(body, _Format3Reader, key=KEY, what="manifest", supported=3)
+        _codec._validate(raw, _Format3Reader, key=KEY, what="manifest", supported=3)
     message = str(err.value)
     assert KEY in message
     assert "format 4 was written by a newer BatchWeave" in message
     assert "reads formats up to 3" in message
     # The same with this schema and the supported format of a format-3 release.
     with pytest.raises(UnsupportedFormatVersion, match="upgrade batchweave"):
-        _codec._validate(body, Manifest, key=KEY, what="manifest", supported=3)
+        _codec._validate(raw, Manifest, key=KEY, what="manifest", supported=3)
 
 
 def test_a_source_in_a_format_3_manifest_is_refused() -> None:
@@ -374,10 +362,12 @@ def test_a_source_in_a_format_3_manifest_is_refused() -> None:
             commit_id="c",
             producers={"b": ProducerState(epoch=2, last_version=3, source=V1)},
         )
-    body = json.loads(_body(_manifest(b=ProducerState(epoch=2, last_version=3, source=V1))))
-    body["format"] = 3
+    doc = json.loads(
+        body(encode_manifest(_manifest(b=ProducerState(epoch=2, last_version=3, source=V1))))
+    )
+    doc["format"] = 3
     with pytest.raises(FormatError, match="format 3 lacks") as err:
-        decode_manifest(envelope(json.dumps(body).encode()), key=KEY)
+        decode_manifest(envelope(json.dumps(doc).encode()), key=KEY)
     assert KEY in str(err.value)
 
 
@@ -385,8 +375,10 @@ def test_a_source_in_a_format_3_manifest_is_refused() -> None:
 def test_a_committed_source_that_is_not_printable_or_too_long_is_a_format_error(
     source: str,
 ) -> None:
-    body = json.loads(_body(_manifest(b=ProducerState(epoch=2, last_version=3, source=V1))))
-    body["producers"]["b"]["source"] = source
+    doc = json.loads(
+        body(encode_manifest(_manifest(b=ProducerState(epoch=2, last_version=3, source=V1))))
+    )
+    doc["producers"]["b"]["source"] = source
     with pytest.raises(FormatError, match=r"producers\.b\.source") as err:
-        decode_manifest(envelope(json.dumps(body).encode()), key=KEY)
+        decode_manifest(envelope(json.dumps(doc).encode()), key=KEY)
     assert KEY in str(err.value)

@@ -13,6 +13,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+from manifest_helpers import body, envelope
 
 from batchweave import (
     FormatError,
@@ -32,7 +33,6 @@ from batchweave import (
 from batchweave._format._codecs import get_codec
 from batchweave._history import SAMPLE_IDS_KEY, _sample_ids
 from batchweave._manifest._codec import (
-    body_checksum,
     decode_manifest,
     decode_segment,
 )
@@ -191,19 +191,15 @@ def test_credentials_in_an_s3_url_are_refused_without_echoing_them(secret: str) 
 # -- hostile manifests and segments ---------------------------------------------------------
 
 
-def _envelope(magic: str, body: bytes) -> bytes:
-    return f"{magic} crc32c={body_checksum(body):08x} length={len(body)}\n".encode() + body
-
-
 @pytest.mark.parametrize(
-    "body", [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 50_000 + b"1"], ids=["array", "object"]
+    "nested", [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 50_000 + b"1"], ids=["array", "object"]
 )
-def test_deeply_nested_json_is_a_format_error(body: bytes) -> None:
+def test_deeply_nested_json_is_a_format_error(nested: bytes) -> None:
     # Before the audit the format peek after pydantic's refusal raised RecursionError.
     with pytest.raises(FormatError, match="deep-key"):
-        decode_manifest(_envelope("batchweave-manifest", body), key="deep-key")
+        decode_manifest(envelope(nested), key="deep-key")
     with pytest.raises(FormatError, match="deep-key"):
-        decode_segment(_envelope("batchweave-segment", body), key="deep-key")
+        decode_segment(envelope(nested, "batchweave-segment"), key="deep-key")
 
 
 def test_a_deeply_nested_tensor_header_is_a_format_error() -> None:
@@ -248,10 +244,10 @@ def test_a_manifest_naming_a_key_outside_its_namespace_is_refused(bad: str) -> N
     with Producer(store, "ns", producer_id="p", mesh=Mesh(dp=1), policy="naive") as producer:
         producer.append([b"x"], offset=0)
     key = sorted(m.key for m in store.list("ns/_manifests/"))[-1]
-    _, body = store.get(key).split(b"\n", 1)
+    raw = body(store.get(key))
     good = next(m.key for m in store.list("ns/data/"))[len("ns/") :]
-    assert good.encode() in body
-    hostile = body.replace(good.encode(), bad.encode())
+    assert good.encode() in raw
+    hostile = raw.replace(good.encode(), bad.encode())
     # Before: decoded, and the read failed later with InvalidKey naming only the store key.
     with pytest.raises(FormatError, match=key):
-        decode_manifest(_envelope("batchweave-manifest", hostile), key=key)
+        decode_manifest(envelope(hostile), key=key)
