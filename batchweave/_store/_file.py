@@ -64,11 +64,12 @@ _STAT_FLAGS = getattr(os, "O_PATH", 0)
 """``head`` opens with ``O_PATH``: no read permission needed, nothing of a FIFO opened."""
 _PUBLISH_AT = (
     hasattr(os, "O_DIRECTORY")
-    and {os.link, os.rename, os.rmdir, os.stat} <= os.supports_dir_fd
+    and {os.link, os.rename, os.rmdir, os.stat, os.unlink} <= os.supports_dir_fd
     and os.stat in os.supports_follow_symlinks
 )
-"""``link``/``replace``/``rmdir``/``lstat`` relative to a directory descriptor (``os.replace``
-shares ``os.rename``'s implementation, which is the one ``supports_dir_fd`` lists)."""
+"""``link``/``replace``/``rmdir``/``lstat``/``unlink`` relative to a directory descriptor
+(``os.replace`` shares ``os.rename``'s implementation, which is the one ``supports_dir_fd``
+lists)."""
 
 
 class FileStore(ObjectStore):
