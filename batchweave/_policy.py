@@ -550,7 +550,7 @@ class DacPolicy(CommitPolicy):
         The fastest PUT's duration times ``max(4, b / p)``: ``b`` the bytes the latest won
         commit wrote (its manifest, and a segment when its tail rolled), ``p`` those of that
         PUT. A commit makes up to four requests (the probe for a newer base, the parent check
-        for a base not seen current lately, the segment PUT when its tail rolls, the
+        for a base not just listed as the newest, the segment PUT when its tail rolls, the
         conditional PUT) and encodes its manifest; it is still a low estimate (the fastest PUT
         was made at the quietest moment), which the slot backoff corrects.
         """

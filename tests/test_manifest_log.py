@@ -39,7 +39,7 @@ from batchweave._manifest import (
     manifest_key,
 )
 from batchweave._manifest._codec import forget_decoded
-from batchweave._manifest._log import PROBE_TRUST_SECONDS
+from batchweave._manifest._log import LISTED_TRUST_SECONDS
 from batchweave._store._file import FileStore
 
 MESH = Mesh(dp=4, cp=2)
@@ -295,33 +295,84 @@ def test_lost_race_reports_the_winner(store: ObjectStore) -> None:
     assert log.latest() == winner
 
 
-def test_a_base_seen_current_lately_is_not_checked_again(store: ObjectStore) -> None:
-    # The producer's attempt: latest() then commit(). Its base was just seen as the newest, so
-    # its successor cannot have been reclaimed (the grace is longer): no HEAD in the window.
+def test_a_base_listed_as_the_newest_just_now_is_not_checked_again(store: ObjectStore) -> None:
+    # A contended producer's attempt: latest() finds newer versions and lists them, then
+    # commit(). A LIST that shows nothing after the base proves its successor was not reclaimed
+    # (the newest is never deleted), so the commit needs no HEAD in its fragile window.
+    now = [1000.0]
+    counting = CountingStore(store)
+    mine = ManifestLog(counting, NS, clock=lambda: now[0])
+    other = ManifestLog(store, NS, clock=lambda: now[0])
+    base = mine.create_or_open(MESH)
+    _commit(other, other.latest(), descriptor("b", 0))
+    listed = mine.latest(base)  # behind: probe, then LIST
+    counting.reset()
+    assert isinstance(mine.commit(listed, append=[descriptor("a", 0)]), Committed)
+    assert (counting.calls["head"], counting.calls["put"]) == (0, 1)
+
+
+def test_a_base_vouched_for_otherwise_is_checked(store: ObjectStore) -> None:
     now = [1000.0]
     counting = CountingStore(store)
     log = ManifestLog(counting, NS, clock=lambda: now[0])
-    base = log.latest(log.create_or_open(MESH))
-    counting.reset()
-    mine = _commit(log, base, descriptor("a", 0))
-    assert (counting.calls["head"], counting.calls["put"]) == (0, 1)
-    # Its own commit is the newest it has seen too.
+    other = ManifestLog(store, NS, clock=lambda: now[0])
+    mine = _commit(log, log.create_or_open(MESH), descriptor("a", 0))
+    # Its own commit, and then a probe that found no successor: with a short reclaimer grace
+    # the successor may have been reclaimed along with the base, so the HEAD still decides.
     counting.reset()
     mine = _commit(log, mine, descriptor("a", 1))
-    assert counting.calls["head"] == 0
-    # Held as long as the probe trusts a missing successor, the base is checked again.
-    now[0] += PROBE_TRUST_SECONDS
-    counting.reset()
-    mine = _commit(log, mine, descriptor("a", 2))
     assert counting.calls["head"] == 1
-    # So is a base this client has seen superseded, and a copy it never saw current.
-    newer = _commit(log, mine, descriptor("a", 3))
+    probed = log.latest(mine)
     counting.reset()
-    assert isinstance(log.commit(mine, append=[descriptor("a", 4)]), Conflict)
+    mine = _commit(log, probed, descriptor("a", 2))
     assert counting.calls["head"] == 1
+    # Listed as the newest, but longer ago than the check it replaces would have taken.
+    _commit(other, other.latest(), descriptor("b", 0))
+    listed = log.latest(mine)
+    now[0] += LISTED_TRUST_SECONDS
     counting.reset()
-    assert isinstance(log.commit(log.read(newer.version), append=[descriptor("a", 4)]), Committed)
+    _commit(log, listed, descriptor("a", 9))
     assert counting.calls["head"] == 1
+
+
+def test_a_probe_that_missed_a_reclaimed_successor_does_not_skip_the_parent_check(
+    store: ObjectStore,
+) -> None:
+    # A reclaimer with a short grace (the demo's 5 s) deleted the base and its successor while
+    # this client held the base: the probe finds no successor, and the base is still young, so
+    # latest() returns it. Only the HEAD can tell; skipping it would re-create version 2.
+    now = [1000.0]
+    log = ManifestLog(store, NS, clock=lambda: now[0])
+    other = ManifestLog(store, NS, clock=lambda: now[0])
+    held = _commit(log, log.create_or_open(MESH), descriptor("a", 0))
+    head = other.latest()
+    for offset in range(3):
+        head = _commit(other, head, descriptor("b", offset))
+    now[0] += 6
+    store.delete_many([log.key(manifest_key(v)) for v in range(head.version)])
+    assert log.latest(held) is held  # fooled: young, and its successor is gone
+    assert log.commit(held, append=[descriptor("a", 1)]) == Conflict(None)
+    assert list(log.versions()) == [head.version]
+
+
+def test_a_base_listed_before_a_pause_longer_than_a_short_grace_is_checked(
+    store: ObjectStore,
+) -> None:
+    # Listed as the newest, then the process pauses for longer than the demo's 5 s grace while
+    # others commit and a reclaimer deletes the base and its successor: the listing no longer
+    # vouches for anything, and the HEAD refuses to re-create version 2.
+    now = [1000.0]
+    log = ManifestLog(store, NS, clock=lambda: now[0])
+    other = ManifestLog(store, NS, clock=lambda: now[0])
+    _commit(other, log.create_or_open(MESH), descriptor("b", 0))
+    listed = log.latest(log.read(0))  # behind: listed
+    head = other.latest()
+    for offset in range(1, 3):
+        head = _commit(other, head, descriptor("b", offset))
+    now[0] += 6
+    store.delete_many([log.key(manifest_key(v)) for v in range(head.version)])
+    assert log.commit(listed, append=[descriptor("a", 0)]) == Conflict(None)
+    assert list(log.versions()) == [head.version]
 
 
 def test_reclaimed_parent_is_a_conflict_without_writing(store: ObjectStore) -> None:

@@ -36,7 +36,7 @@ from batchweave._manifest import (
     TgbDescriptor,
     manifest_key,
 )
-from batchweave._manifest._log import PROBE_TRUST_SECONDS
+from batchweave._manifest._log import LISTED_TRUST_SECONDS, PROBE_TRUST_SECONDS
 
 NS = "runs/sm"
 CLIENTS = ("a", "b", "c")
@@ -44,14 +44,22 @@ BYTE_BOUND_CLIENT = "b"
 TAIL_BYTES_LIMIT = 1000
 """Client b rolls on bytes (at the fourth of these descriptors), not on its count."""
 FAULTS = ("ok", "landed-ambiguous", "landed-412", "lost-ambiguous", "409")
-GRACE = 2 * PROBE_TRUST_SECONDS
-"""The reclaimer's grace: the least it runs with without a warning."""
-PAUSES = (0.5, PROBE_TRUST_SECONDS - 0.5, PROBE_TRUST_SECONDS + 0.5, GRACE + 0.5, 10 * GRACE)
+GRACES = (5.0, 2 * PROBE_TRUST_SECONDS)
+"""The reclaimer's grace: the demo's, and the least it runs with without a warning."""
+PAUSES = (
+    0.5,
+    LISTED_TRUST_SECONDS + 0.01,
+    *(g + d for g in GRACES for d in (-0.5, 0.5)),
+    PROBE_TRUST_SECONDS + 0.5,
+    10 * max(GRACES),
+)
+"""Between any two steps: around the trust in a listing, the graces and the probe's trust."""
 
 
 class ManifestMachine(RuleBasedStateMachine):
-    @initialize()
-    def setup(self) -> None:
+    @initialize(grace=st.sampled_from(GRACES))
+    def setup(self, grace: float) -> None:
+        self.grace = grace
         self.inner = MemoryStore()
         self.now = 1_000_000.0
         self.first_seen: dict[int, float] = {0: self.now}
@@ -105,11 +113,15 @@ class ManifestMachine(RuleBasedStateMachine):
             self.next_offset[client] += 1
 
     @precondition(lambda self: any(self.pending.values()))
-    @rule(client=st.sampled_from(CLIENTS), fault=st.sampled_from(FAULTS))
-    def commit(self, client: str, fault: str) -> None:
+    @rule(client=st.sampled_from(CLIENTS), fault=st.sampled_from(FAULTS), refresh=st.booleans())
+    def commit(self, client: str, fault: str, refresh: bool) -> None:
         if not self.pending[client]:
             return
         log = self.logs[client]
+        if refresh:  # as a Producer's attempt does: the newest version, then the commit
+            self._rebase(client, log.latest(self.bases[client]))
+            if not self.pending[client]:
+                return
         self.fault = fault
         batch = list(self.pending[client])
         result = log.commit(self.bases[client], append=batch)
@@ -153,7 +165,7 @@ class ManifestMachine(RuleBasedStateMachine):
         old = [
             v
             for v in log.versions()
-            if v <= head.version - keep and self.first_seen[v + 1] <= self.now - GRACE
+            if v <= head.version - keep and self.first_seen[v + 1] <= self.now - self.grace
         ]
         self.inner.delete_many(log.key(manifest_key(v)) for v in old)
 
@@ -186,6 +198,6 @@ class ManifestMachine(RuleBasedStateMachine):
 
 
 ManifestMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=50, deadline=None
+    max_examples=200, stateful_step_count=50, deadline=None
 )
 TestManifestMachine = ManifestMachine.TestCase

@@ -49,6 +49,7 @@ __all__ = [
     "MANIFESTS_DIR",
     "NAMESPACE_DIRS",
     "PREPARED_MERGE_MAX_AGE",
+    "LISTED_TRUST_SECONDS",
     "PROBE_TRUST_SECONDS",
     "DEFAULT_MERGE_FANOUT",
     "DEFAULT_TAIL_BYTES_LIMIT",
@@ -73,6 +74,10 @@ PROBE_TRUST_SECONDS = 60.0
 """``latest(known)`` trusts a missing ``known.version + 1`` only for a ``known`` committed this
 recently; older ones are confirmed with a LIST, since the reclaimer may have deleted versions
 superseded more than its grace period (default 600 s, which must stay well above this) ago."""
+
+LISTED_TRUST_SECONDS = 1.0
+"""A commit skips its parent check for a base a LIST showed as the newest this recently (see
+``ManifestLog._listed_newest_lately``): about the time between that check and the PUT it guards."""
 
 PREPARED_MERGE_MAX_AGE = PROBE_TRUST_SECONDS
 """Seconds after :meth:`ManifestLog.prepare_merge` during which a commit may swap its merge in.
@@ -295,8 +300,8 @@ class ManifestLog:
         self._observe_lock = threading.Lock()
         self._reclaimed_below = 0
         """Versions below this were seen reclaimed: ``latest`` must not trust them as current."""
-        self._current: tuple[Manifest, float] | None = None
-        """A version this client saw as the newest, and ``clock()`` when it did (see commit)."""
+        self._listed: tuple[Manifest, float] | None = None
+        """The version the last :meth:`latest` confirmed by a LIST, and ``clock()`` at its call."""
 
     def __repr__(self) -> str:
         return f"ManifestLog({self.store.url!r}, {self.namespace!r})"
@@ -394,11 +399,12 @@ class ManifestLog:
         does a ``known`` that a commit found reclaimed, since its successor may be gone too.
         """
         asked_at = self._clock()
-        newest = self._find_latest(known)
-        self._current = (newest, asked_at)
+        newest, listed = self._find_latest(known)
+        self._listed = (newest, asked_at) if listed else None
         return newest
 
-    def _find_latest(self, known: Manifest | None) -> Manifest:
+    def _find_latest(self, known: Manifest | None) -> tuple[Manifest, bool]:
+        """The newest version, and whether a LIST showed nothing after it (not only a probe)."""
         start_after: str | None = None
         found: Manifest | None = None
         if known is not None and known.version < self._reclaimed_below:
@@ -412,7 +418,7 @@ class ManifestLog:
                 # longer). ``created_at`` is the committer's clock: one far in the future says
                 # nothing about the version's age, so it is not trusted either.
                 if abs(self._clock() - known.created_at) <= PROBE_TRUST_SECONDS:
-                    return known
+                    return known, False
                 # An old ``known`` may have had its successor reclaimed, so a missing
                 # ``known.version + 1`` proves nothing: one LIST after it decides.
                 found = known
@@ -423,9 +429,9 @@ class ManifestLog:
         for version, _ in self._version_keys(start_after):
             newest = version if newest is None else max(newest, version)  # not trusting order
         if newest is not None:
-            return self.read(newest)
+            return self.read(newest), True
         if found is not None:
-            return found
+            return found, True
         raise NamespaceNotFound(
             f"no BatchWeave namespace at {self._where} (no {MANIFESTS_DIR}/ versions); create "
             "it by opening a Producer with mesh=..., or check the namespace name"
@@ -589,7 +595,7 @@ class ManifestLog:
                 f"of {self._where}"
             )
         try:
-            if not self._seen_current_lately(base, now):
+            if not self._listed_newest_lately(base, now):
                 self.store.head(self.key(manifest_key(base.version)))
         except ObjectNotFound:
             _log.info("base version %d of %s was reclaimed; refresh and retry", base.version, key)
@@ -603,26 +609,27 @@ class ManifestLog:
         except (TransientStoreError, AmbiguousWriteError) as exc:
             _log.warning("commit of %s: transient error writing segments: %s", key, exc)
             return Conflict(None)
-        result = self._put(key, manifest)
-        if isinstance(result, Committed):
-            self._current = (result.manifest, now)
-        return result
+        return self._put(key, manifest)
 
-    def _seen_current_lately(self, base: Manifest, now: float) -> bool:
-        """Whether this client saw ``base`` as the newest version less than
-        ``PROBE_TRUST_SECONDS`` ago (:meth:`latest` returned it, or a commit wrote it).
+    def _listed_newest_lately(self, base: Manifest, now: float) -> bool:
+        """Whether the last :meth:`latest` returned ``base`` after a LIST showed no version
+        after it, less than ``LISTED_TRUST_SECONDS`` before ``now``.
 
         A commit checks that its base still exists (a HEAD) because the reclaimer deletes
-        versions oldest first: a surviving base means its successor, the name the commit is
-        about to create, was not reclaimed. A base seen as the newest at ``t`` needs no check:
-        its successor was written after ``t``, and the reclaimer only deletes versions
-        superseded more than its grace (which must exceed ``2 * PROBE_TRUST_SECONDS``) ago. That
-        keeps a request out of every producer commit's fragile window, which follows a
-        ``latest`` probe. A base held longer (a paused process, a caller's stale copy) is
-        still checked.
+        versions oldest first and never the newest: a surviving base means its successor, the
+        name the commit is about to create, was not reclaimed. A LIST that shows no version
+        after ``base`` proves the same for its moment: had the successor been reclaimed, a newer
+        version (the newest, never deleted) would have been listed. Between that LIST and the
+        PUT, the successor could only be written, superseded and reclaimed if the reclaimer's
+        grace were shorter than that interval, which is what the check it replaces allowed too
+        (between the HEAD and the PUT). A base ``latest`` vouched for with a probe alone (a
+        missing ``base.version + 1``), a commit's own result, or an older listing is checked:
+        a missing successor may have been reclaimed when the grace is short (tests, the demo's
+        5 s). Contended producers, the ones whose fragile windows matter, mostly find newer
+        versions and list: their attempts lose a request.
         """
-        current = self._current
-        return current is not None and current[0] is base and now - current[1] < PROBE_TRUST_SECONDS
+        listed = self._listed
+        return listed is not None and listed[0] is base and now - listed[1] < LISTED_TRUST_SECONDS
 
     def _check_append(self, base: Manifest, append: Sequence[TgbDescriptor], version: int) -> None:
         if not append:
