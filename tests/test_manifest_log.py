@@ -39,7 +39,7 @@ from batchweave._manifest import (
     manifest_key,
 )
 from batchweave._manifest._codec import forget_decoded
-from batchweave._manifest._log import LISTED_TRUST_SECONDS
+from batchweave._manifest._log import LISTED_TRUST_SECONDS, PROBE_TRUST_SECONDS
 from batchweave._store._file import FileStore
 
 MESH = Mesh(dp=4, cp=2)
@@ -373,6 +373,20 @@ def test_a_base_listed_before_a_pause_longer_than_a_short_grace_is_checked(
     store.delete_many([log.key(manifest_key(v)) for v in range(head.version)])
     assert log.commit(listed, append=[descriptor("a", 0)]) == Conflict(None)
     assert list(log.versions()) == [head.version]
+
+
+def test_a_base_whose_prefix_was_deleted_is_not_written_after(store: ObjectStore) -> None:
+    # An old base: latest() lists after it and finds nothing, because an operator deleted the
+    # namespace meanwhile. Listing after a version does not show the version itself, so the
+    # commit still HEADs it, and writes nothing into the emptied prefix.
+    now = [1000.0]
+    log = ManifestLog(store, NS, clock=lambda: now[0])
+    held = _commit(log, log.create_or_open(MESH), descriptor("a", 0))
+    store.delete_many([m.key for m in store.list(f"{NS}/")])
+    now[0] += PROBE_TRUST_SECONDS + 1
+    assert log.latest(held) is held
+    assert log.commit(held, append=[descriptor("a", 1)]) == Conflict(None)
+    assert list(store.list(f"{NS}/")) == []
 
 
 def test_reclaimed_parent_is_a_conflict_without_writing(store: ObjectStore) -> None:

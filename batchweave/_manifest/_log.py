@@ -404,7 +404,7 @@ class ManifestLog:
         return newest
 
     def _find_latest(self, known: Manifest | None) -> tuple[Manifest, bool]:
-        """The newest version, and whether a LIST showed nothing after it (not only a probe)."""
+        """The newest version, and whether it was read and a LIST showed nothing after it."""
         start_after: str | None = None
         found: Manifest | None = None
         if known is not None and known.version < self._reclaimed_below:
@@ -431,7 +431,9 @@ class ManifestLog:
         if newest is not None:
             return self.read(newest), True
         if found is not None:
-            return found, True
+            # ``found`` was read a moment ago, unless it is ``known`` itself: nothing listed
+            # after a ``known`` that is gone too (a deleted prefix) proves nothing.
+            return found, found is not known
         raise NamespaceNotFound(
             f"no BatchWeave namespace at {self._where} (no {MANIFESTS_DIR}/ versions); create "
             "it by opening a Producer with mesh=..., or check the namespace name"
@@ -612,7 +614,7 @@ class ManifestLog:
         return self._put(key, manifest)
 
     def _listed_newest_lately(self, base: Manifest, now: float) -> bool:
-        """Whether the last :meth:`latest` returned ``base`` after a LIST showed no version
+        """Whether the last :meth:`latest` read ``base`` and then a LIST showed no version
         after it, less than ``LISTED_TRUST_SECONDS`` before ``now``.
 
         A commit checks that its base still exists (a HEAD) because the reclaimer deletes
