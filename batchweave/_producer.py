@@ -367,6 +367,7 @@ class Producer:
             _AmbiguityCounter(store, self._count_ambiguous),
             namespace,
             clock=wall_clock,
+            monotonic=clock,
             tail_limit=tail_limit,
             tail_bytes_limit=tail_bytes_limit,
             deferred_merges=True,  # level merges are written after a commit, not inside it

@@ -74,7 +74,7 @@ class Writer:
         producer_id: str = "w0",
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.log = ManifestLog(store, namespace, clock=clock)
+        self.log = ManifestLog(store, namespace, clock=clock, monotonic=clock)
         self.store = store
         self.mesh = mesh
         self.producer_id = producer_id

@@ -277,7 +277,7 @@ def test_a_stale_writer_paused_across_a_reclaim_cannot_fork_history(
     writer = Writer(store, NS, MESH)
     writer.publish(2)
     # The paused process's clock moves on with everyone else's.
-    stale_log = ManifestLog(store, NS, clock=clock)
+    stale_log = ManifestLog(store, NS, clock=clock, monotonic=clock)
     stale_base = stale_log.latest()  # read, then the process is paused (GC, preemption, ...)
     stale_desc = Writer(store, NS, MESH, producer_id="stale").upload(0)
     for _ in range(6):

@@ -33,7 +33,9 @@ class Lifecycle(RuleBasedStateMachine):
         self.clock = FakeClock()
         self.store = bw.MemoryStore("state", clock=self.clock)
         self.writer = Writer(self.store, NS, MESH, clock=self.clock)
-        self.writer.log = ManifestLog(self.store, NS, tail_limit=3, clock=self.clock)
+        self.writer.log = ManifestLog(
+            self.store, NS, tail_limit=3, clock=self.clock, monotonic=self.clock
+        )
         self.marks = bw.Watermarks(self.store, NS, clock=self.clock)
         self.reclaimer = bw.Reclaimer(
             self.store, NS, grace=GRACE, clock=self.clock, sleep=lambda _: None

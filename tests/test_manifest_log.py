@@ -235,7 +235,7 @@ def test_recreated_prefix_is_detected(store: ObjectStore) -> None:
 
 def test_commit_appends_dense_steps_and_tracks_producers(store: ObjectStore) -> None:
     now = [100.0]
-    log = ManifestLog(store, NS, clock=lambda: now[0])
+    log = ManifestLog(store, NS, clock=lambda: now[0], monotonic=lambda: now[0])
     m0 = log.create_or_open(MESH)
     now[0] = 101.0
     m1 = _commit(log, m0, descriptor("a", 3), descriptor("b", 7), descriptor("a", 4))
@@ -301,8 +301,8 @@ def test_a_base_listed_as_the_newest_just_now_is_not_checked_again(store: Object
     # (the newest is never deleted), so the commit needs no HEAD in its fragile window.
     now = [1000.0]
     counting = CountingStore(store)
-    mine = ManifestLog(counting, NS, clock=lambda: now[0])
-    other = ManifestLog(store, NS, clock=lambda: now[0])
+    mine = ManifestLog(counting, NS, clock=lambda: now[0], monotonic=lambda: now[0])
+    other = ManifestLog(store, NS, clock=lambda: now[0], monotonic=lambda: now[0])
     base = mine.create_or_open(MESH)
     _commit(other, other.latest(), descriptor("b", 0))
     listed = mine.latest(base)  # behind: probe, then LIST
@@ -314,8 +314,8 @@ def test_a_base_listed_as_the_newest_just_now_is_not_checked_again(store: Object
 def test_a_base_vouched_for_otherwise_is_checked(store: ObjectStore) -> None:
     now = [1000.0]
     counting = CountingStore(store)
-    log = ManifestLog(counting, NS, clock=lambda: now[0])
-    other = ManifestLog(store, NS, clock=lambda: now[0])
+    log = ManifestLog(counting, NS, clock=lambda: now[0], monotonic=lambda: now[0])
+    other = ManifestLog(store, NS, clock=lambda: now[0], monotonic=lambda: now[0])
     mine = _commit(log, log.create_or_open(MESH), descriptor("a", 0))
     # Its own commit, and then a probe that found no successor: with a short reclaimer grace
     # the successor may have been reclaimed along with the base, so the HEAD still decides.
@@ -342,8 +342,8 @@ def test_a_probe_that_missed_a_reclaimed_successor_does_not_skip_the_parent_chec
     # this client held the base: the probe finds no successor, and the base is still young, so
     # latest() returns it. Only the HEAD can tell; skipping it would re-create version 2.
     now = [1000.0]
-    log = ManifestLog(store, NS, clock=lambda: now[0])
-    other = ManifestLog(store, NS, clock=lambda: now[0])
+    log = ManifestLog(store, NS, clock=lambda: now[0], monotonic=lambda: now[0])
+    other = ManifestLog(store, NS, clock=lambda: now[0], monotonic=lambda: now[0])
     held = _commit(log, log.create_or_open(MESH), descriptor("a", 0))
     head = other.latest()
     for offset in range(3):
@@ -362,8 +362,8 @@ def test_a_base_listed_before_a_pause_longer_than_a_short_grace_is_checked(
     # others commit and a reclaimer deletes the base and its successor: the listing no longer
     # vouches for anything, and the HEAD refuses to re-create version 2.
     now = [1000.0]
-    log = ManifestLog(store, NS, clock=lambda: now[0])
-    other = ManifestLog(store, NS, clock=lambda: now[0])
+    log = ManifestLog(store, NS, clock=lambda: now[0], monotonic=lambda: now[0])
+    other = ManifestLog(store, NS, clock=lambda: now[0], monotonic=lambda: now[0])
     _commit(other, log.create_or_open(MESH), descriptor("b", 0))
     listed = log.latest(log.read(0))  # behind: listed
     head = other.latest()
@@ -380,13 +380,33 @@ def test_a_base_whose_prefix_was_deleted_is_not_written_after(store: ObjectStore
     # namespace meanwhile. Listing after a version does not show the version itself, so the
     # commit still HEADs it, and writes nothing into the emptied prefix.
     now = [1000.0]
-    log = ManifestLog(store, NS, clock=lambda: now[0])
+    log = ManifestLog(store, NS, clock=lambda: now[0], monotonic=lambda: now[0])
     held = _commit(log, log.create_or_open(MESH), descriptor("a", 0))
     store.delete_many([m.key for m in store.list(f"{NS}/")])
     now[0] += PROBE_TRUST_SECONDS + 1
     assert log.latest(held) is held
     assert log.commit(held, append=[descriptor("a", 1)]) == Conflict(None)
     assert list(store.list(f"{NS}/")) == []
+
+
+def test_a_wall_clock_stepped_back_does_not_stretch_the_trust_in_a_listing(
+    store: ObjectStore,
+) -> None:
+    # As above, but during the pause NTP stepped the wall clock back: the interval the listing
+    # is trusted for is timed on the monotonic clock, which only moves forward.
+    wall, mono = [1000.0], [50.0]
+    log = ManifestLog(store, NS, clock=lambda: wall[0], monotonic=lambda: mono[0])
+    other = ManifestLog(store, NS, clock=lambda: wall[0])
+    _commit(other, log.create_or_open(MESH), descriptor("b", 0))
+    listed = log.latest(log.read(0))  # behind: listed
+    head = other.latest()
+    for offset in range(1, 3):
+        head = _commit(other, head, descriptor("b", offset))
+    mono[0] += 6
+    wall[0] -= 1
+    store.delete_many([log.key(manifest_key(v)) for v in range(head.version)])
+    assert log.commit(listed, append=[descriptor("a", 0)]) == Conflict(None)
+    assert list(log.versions()) == [head.version]
 
 
 def test_reclaimed_parent_is_a_conflict_without_writing(store: ObjectStore) -> None:

@@ -66,7 +66,9 @@ class ManifestMachine(RuleBasedStateMachine):
         """Manifest version -> the clock when an invariant first saw it (rules add at most one)."""
         self.fault = "ok"
         self.store = FaultyPutStore(self.inner, self._fault)
-        ManifestLog(self.store, NS, clock=self._clock).create_or_open(Mesh(dp=2))
+        ManifestLog(self.store, NS, clock=self._clock, monotonic=self._clock).create_or_open(
+            Mesh(dp=2)
+        )
         # The first client merges segments after its commits (as a Producer does), the others
         # inside them (as the reclaimer and tools do): both kinds interleave on one history.
         # Client b bounds its tail by bytes with a count limit it never reaches, so rolls of
@@ -80,6 +82,7 @@ class ManifestMachine(RuleBasedStateMachine):
                 max_segment_tgbs=12,
                 deferred_merges=c == CLIENTS[0],
                 clock=self._clock,
+                monotonic=self._clock,
             )
             for c in CLIENTS
         }
@@ -154,7 +157,14 @@ class ManifestMachine(RuleBasedStateMachine):
 
     @rule(fraction=st.floats(0, 1), keep=st.integers(1, 3))
     def reclaim(self, fraction: float, keep: int) -> None:
-        log = ManifestLog(self.store, NS, tail_limit=3, max_segment_tgbs=12, clock=self._clock)
+        log = ManifestLog(
+            self.store,
+            NS,
+            tail_limit=3,
+            max_segment_tgbs=12,
+            clock=self._clock,
+            monotonic=self._clock,
+        )
         head = log.latest()
         boundary = head.base_step + int((head.next_step - head.base_step) * fraction)
         result = log.commit(head, base_step=boundary)

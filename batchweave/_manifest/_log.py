@@ -242,6 +242,9 @@ class ManifestLog:
     most ``max_segment_tgbs`` descriptors (default ``64 * tail_limit``).
     ``merge_fanout`` segments of one level merge into one of the next (``docs/protocol.md``).
 
+    ``clock`` (wall-clock seconds) stamps versions and judges their age; ``monotonic`` times
+    the short interval a commit trusts a listing for, which a wall-clock step must not stretch.
+
     With ``deferred_merges`` a commit only ever writes its tail as a segment; the level merges
     that roll calls for are written by :meth:`prepare_merge`, which the caller runs *outside*
     the fragile window (after a commit), and the next commit through this log swaps them in.
@@ -254,6 +257,7 @@ class ManifestLog:
         namespace: str,
         *,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         tail_limit: int = DEFAULT_TAIL_LIMIT,
         tail_bytes_limit: int | None = DEFAULT_TAIL_BYTES_LIMIT,
         segment_cache: int = 64,
@@ -272,6 +276,7 @@ class ManifestLog:
         self.store = store
         self.namespace = namespace
         self._clock = clock
+        self._monotonic = monotonic
         self.tail_limit = tail_limit
         self.tail_bytes_limit = tail_bytes_limit
         self.last_commit_bytes = 0
@@ -301,7 +306,8 @@ class ManifestLog:
         self._reclaimed_below = 0
         """Versions below this were seen reclaimed: ``latest`` must not trust them as current."""
         self._listed: tuple[Manifest, float] | None = None
-        """The version the last :meth:`latest` confirmed by a LIST, and ``clock()`` at its call."""
+        """The version the last :meth:`latest` confirmed by a LIST, and ``monotonic()`` at its
+        call."""
 
     def __repr__(self) -> str:
         return f"ManifestLog({self.store.url!r}, {self.namespace!r})"
@@ -398,7 +404,7 @@ class ManifestLog:
         ``known`` a LIST from the start finds it (old versions are reclaimed, so it is short); so
         does a ``known`` that a commit found reclaimed, since its successor may be gone too.
         """
-        asked_at = self._clock()
+        asked_at = self._monotonic()
         newest, listed = self._find_latest(known)
         self._listed = (newest, asked_at) if listed else None
         return newest
@@ -597,7 +603,7 @@ class ManifestLog:
                 f"of {self._where}"
             )
         try:
-            if not self._listed_newest_lately(base, now):
+            if not self._listed_newest_lately(base):
                 self.store.head(self.key(manifest_key(base.version)))
         except ObjectNotFound:
             _log.info("base version %d of %s was reclaimed; refresh and retry", base.version, key)
@@ -613,9 +619,10 @@ class ManifestLog:
             return Conflict(None)
         return self._put(key, manifest)
 
-    def _listed_newest_lately(self, base: Manifest, now: float) -> bool:
+    def _listed_newest_lately(self, base: Manifest) -> bool:
         """Whether the last :meth:`latest` read ``base`` and then a LIST showed no version
-        after it, less than ``LISTED_TRUST_SECONDS`` before ``now``.
+        after it, less than ``LISTED_TRUST_SECONDS`` ago (on the monotonic clock: a wall clock
+        stepped back would stretch the interval past a short grace).
 
         A commit checks that its base still exists (a HEAD) because the reclaimer deletes
         versions oldest first and never the newest: a surviving base means its successor, the
@@ -631,7 +638,9 @@ class ManifestLog:
         versions and list: their attempts lose a request.
         """
         listed = self._listed
-        return listed is not None and listed[0] is base and now - listed[1] < LISTED_TRUST_SECONDS
+        if listed is None or listed[0] is not base:
+            return False
+        return 0 <= self._monotonic() - listed[1] < LISTED_TRUST_SECONDS
 
     def _check_append(self, base: Manifest, append: Sequence[TgbDescriptor], version: int) -> None:
         if not append:
