@@ -295,14 +295,26 @@ def test_lost_race_reports_the_winner(store: ObjectStore) -> None:
     assert log.latest() == winner
 
 
+class _Clients:
+    """Two clients of one namespace sharing one fake clock (wall and monotonic): ``mine`` reads
+    through ``mine_store`` (a CountingStore, say), ``other`` through the store itself."""
+
+    def __init__(self, store: ObjectStore, mine_store: ObjectStore | None = None) -> None:
+        self.now = 1000.0
+        self.mine = ManifestLog(mine_store or store, NS, clock=self._clock, monotonic=self._clock)
+        self.other = ManifestLog(store, NS, clock=self._clock, monotonic=self._clock)
+
+    def _clock(self) -> float:
+        return self.now
+
+
 def test_a_base_listed_as_the_newest_just_now_is_not_checked_again(store: ObjectStore) -> None:
     # A contended producer's attempt: latest() finds newer versions and lists them, then
     # commit(). A LIST that shows nothing after the base proves its successor was not reclaimed
     # (the newest is never deleted), so the commit needs no HEAD in its fragile window.
-    now = [1000.0]
     counting = CountingStore(store)
-    mine = ManifestLog(counting, NS, clock=lambda: now[0], monotonic=lambda: now[0])
-    other = ManifestLog(store, NS, clock=lambda: now[0], monotonic=lambda: now[0])
+    clients = _Clients(store, counting)
+    mine, other = clients.mine, clients.other
     base = mine.create_or_open(MESH)
     _commit(other, other.latest(), descriptor("b", 0))
     listed = mine.latest(base)  # behind: probe, then LIST
@@ -312,10 +324,9 @@ def test_a_base_listed_as_the_newest_just_now_is_not_checked_again(store: Object
 
 
 def test_a_base_vouched_for_otherwise_is_checked(store: ObjectStore) -> None:
-    now = [1000.0]
     counting = CountingStore(store)
-    log = ManifestLog(counting, NS, clock=lambda: now[0], monotonic=lambda: now[0])
-    other = ManifestLog(store, NS, clock=lambda: now[0], monotonic=lambda: now[0])
+    clients = _Clients(store, counting)
+    log, other = clients.mine, clients.other
     mine = _commit(log, log.create_or_open(MESH), descriptor("a", 0))
     # Its own commit, and then a probe that found no successor: with a short reclaimer grace
     # the successor may have been reclaimed along with the base, so the HEAD still decides.
@@ -329,10 +340,21 @@ def test_a_base_vouched_for_otherwise_is_checked(store: ObjectStore) -> None:
     # Listed as the newest, but longer ago than the check it replaces would have taken.
     _commit(other, other.latest(), descriptor("b", 0))
     listed = log.latest(mine)
-    now[0] += LISTED_TRUST_SECONDS
+    clients.now += LISTED_TRUST_SECONDS
     counting.reset()
     _commit(log, listed, descriptor("a", 9))
     assert counting.calls["head"] == 1
+
+
+def _reclaimed_down_to(store: ObjectStore, log: ManifestLog, head: Manifest) -> None:
+    """What a reclaimer with a short grace leaves after a pause: ``head`` alone."""
+    store.delete_many([log.key(manifest_key(v)) for v in range(head.version)])
+
+
+def _refused_without_writing(log: ManifestLog, base: Manifest, head: Manifest) -> None:
+    """A commit on ``base`` is refused (its parent is gone) and no version name is re-created."""
+    assert log.commit(base, append=[descriptor("a", 1000)]) == Conflict(None)
+    assert list(log.versions()) == [head.version]
 
 
 def test_a_probe_that_missed_a_reclaimed_successor_does_not_skip_the_parent_check(
@@ -341,18 +363,16 @@ def test_a_probe_that_missed_a_reclaimed_successor_does_not_skip_the_parent_chec
     # A reclaimer with a short grace (the demo's 5 s) deleted the base and its successor while
     # this client held the base: the probe finds no successor, and the base is still young, so
     # latest() returns it. Only the HEAD can tell; skipping it would re-create version 2.
-    now = [1000.0]
-    log = ManifestLog(store, NS, clock=lambda: now[0], monotonic=lambda: now[0])
-    other = ManifestLog(store, NS, clock=lambda: now[0], monotonic=lambda: now[0])
+    clients = _Clients(store)
+    log, other = clients.mine, clients.other
     held = _commit(log, log.create_or_open(MESH), descriptor("a", 0))
     head = other.latest()
     for offset in range(3):
         head = _commit(other, head, descriptor("b", offset))
-    now[0] += 6
-    store.delete_many([log.key(manifest_key(v)) for v in range(head.version)])
+    clients.now += 6
+    _reclaimed_down_to(store, log, head)
     assert log.latest(held) is held  # fooled: young, and its successor is gone
-    assert log.commit(held, append=[descriptor("a", 1)]) == Conflict(None)
-    assert list(log.versions()) == [head.version]
+    _refused_without_writing(log, held, head)
 
 
 def test_a_base_listed_before_a_pause_longer_than_a_short_grace_is_checked(
@@ -361,29 +381,27 @@ def test_a_base_listed_before_a_pause_longer_than_a_short_grace_is_checked(
     # Listed as the newest, then the process pauses for longer than the demo's 5 s grace while
     # others commit and a reclaimer deletes the base and its successor: the listing no longer
     # vouches for anything, and the HEAD refuses to re-create version 2.
-    now = [1000.0]
-    log = ManifestLog(store, NS, clock=lambda: now[0], monotonic=lambda: now[0])
-    other = ManifestLog(store, NS, clock=lambda: now[0], monotonic=lambda: now[0])
+    clients = _Clients(store)
+    log, other = clients.mine, clients.other
     _commit(other, log.create_or_open(MESH), descriptor("b", 0))
     listed = log.latest(log.read(0))  # behind: listed
     head = other.latest()
     for offset in range(1, 3):
         head = _commit(other, head, descriptor("b", offset))
-    now[0] += 6
-    store.delete_many([log.key(manifest_key(v)) for v in range(head.version)])
-    assert log.commit(listed, append=[descriptor("a", 0)]) == Conflict(None)
-    assert list(log.versions()) == [head.version]
+    clients.now += 6
+    _reclaimed_down_to(store, log, head)
+    _refused_without_writing(log, listed, head)
 
 
 def test_a_base_whose_prefix_was_deleted_is_not_written_after(store: ObjectStore) -> None:
     # An old base: latest() lists after it and finds nothing, because an operator deleted the
     # namespace meanwhile. Listing after a version does not show the version itself, so the
     # commit still HEADs it, and writes nothing into the emptied prefix.
-    now = [1000.0]
-    log = ManifestLog(store, NS, clock=lambda: now[0], monotonic=lambda: now[0])
+    clients = _Clients(store)
+    log = clients.mine
     held = _commit(log, log.create_or_open(MESH), descriptor("a", 0))
     store.delete_many([m.key for m in store.list(f"{NS}/")])
-    now[0] += PROBE_TRUST_SECONDS + 1
+    clients.now += PROBE_TRUST_SECONDS + 1
     assert log.latest(held) is held
     assert log.commit(held, append=[descriptor("a", 1)]) == Conflict(None)
     assert list(store.list(f"{NS}/")) == []
@@ -404,9 +422,8 @@ def test_a_wall_clock_stepped_back_does_not_stretch_the_trust_in_a_listing(
         head = _commit(other, head, descriptor("b", offset))
     mono[0] += 6
     wall[0] -= 1
-    store.delete_many([log.key(manifest_key(v)) for v in range(head.version)])
-    assert log.commit(listed, append=[descriptor("a", 0)]) == Conflict(None)
-    assert list(log.versions()) == [head.version]
+    _reclaimed_down_to(store, log, head)
+    _refused_without_writing(log, listed, head)
 
 
 def test_reclaimed_parent_is_a_conflict_without_writing(store: ObjectStore) -> None:
