@@ -14,6 +14,7 @@ import threading
 
 import pytest
 from manifest_helpers import KEY, body, decode_outcome, descriptor, envelope
+from test_consumer import in_threads
 
 from batchweave import FormatError, Mesh, UnsupportedFormatVersion
 from batchweave._manifest import (
@@ -270,17 +271,13 @@ def test_concurrent_decodes_with_one_previous_agree() -> None:
     results: list[object] = []
     lock = threading.Lock()
 
-    def decode() -> None:
+    def decode(worker: int) -> None:
         barrier.wait()
         for _ in range(20):
             got = _codec._reuse_tail(body(data), previous.tail)
             with lock:
                 results.append(got)
 
-    threads = [threading.Thread(target=decode) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    assert in_threads(8, decode) == []
     assert len(results) == 160
     assert all(r == expected for r in results)
