@@ -54,6 +54,17 @@ _log = logging.getLogger("batchweave.lifecycle")
 
 DATA_DIR = "data"
 
+METADATA_MIN_GRACE = 2 * PROBE_TRUST_SECONDS
+"""The least time manifest versions and segments are kept after they stop being needed,
+whatever the reclaimer's ``grace``.
+
+Readers rely on it: ``ManifestLog.latest(known)`` trusts a missing ``known.version + 1`` for a
+``known`` younger than ``PROBE_TRUST_SECONDS``, and a producer may swap in a merge prepared up
+to ``PREPARED_MERGE_MAX_AGE`` earlier. Both hold only while such metadata outlives them. It is
+kilobytes, so a short ``grace`` (seconds, to recycle data quickly in tests and demos) applies to
+data objects alone and cannot make readers miss versions.
+"""
+
 _PROGRESS_EVERY = 1000
 """Listed keys between two progress reports (one LIST page of S3)."""
 
@@ -271,18 +282,22 @@ class Reclaimer:
        than ``grace`` seconds ago (uploads of crashed producers, leftovers of a crashed pass);
        objects not named the way BatchWeave names its own (another tool's files) are left alone;
     5. deletes segment objects referenced neither by the latest manifest nor by the version that
-       was latest ``grace`` seconds ago, and older than ``2 * grace``;
-    6. deletes manifest versions, oldest first, that were superseded more than ``grace`` seconds
-       ago and lie below the oldest live watermark's version; never the latest.
+       was latest ``metadata_grace`` seconds ago, and older than ``2 * metadata_grace``;
+    6. deletes manifest versions, oldest first, that were superseded more than
+       ``metadata_grace`` seconds ago and lie below the oldest live watermark's version; never
+       the latest.
 
-    ``grace`` must exceed the longest time a producer may take from uploading a TGB (or segment)
-    to committing it, and be more than twice the producers' ``refresh_age`` (see
-    ``docs/lifecycle.md``). ``clock`` must be comparable with the store's ``last_modified``
-    (wall-clock seconds); ``sleep`` paces commit retries and watermark listings retaken after
-    a release. ``delete_batch`` bounds the keys per delete request (SeaweedFS refuses more than
-    1,000). ``progress``, if given, receives a :class:`ReclaimProgress` as each pass goes (on
-    the pass's thread; an exception it raises stops the pass, which is safe: a pass may stop
-    anywhere and the next one finishes the job).
+    ``grace`` must exceed the longest time a producer may take from uploading a TGB to
+    committing it. Manifest versions and segments (kilobytes) are kept ``metadata_grace``:
+    ``grace``, but at least ``METADATA_MIN_GRACE`` (120 s), which readers and producers rely on,
+    so a short ``grace`` recycles data quickly without making anyone miss versions; it must be
+    more than twice the producers' ``refresh_age`` (see ``docs/lifecycle.md``). ``clock`` must
+    be comparable with the store's ``last_modified`` (wall-clock seconds); ``sleep`` paces
+    commit retries and watermark listings retaken after a release. ``delete_batch`` bounds the
+    keys per delete request (SeaweedFS refuses more than 1,000). ``progress``, if given,
+    receives a :class:`ReclaimProgress` as each pass goes (on the pass's thread; an exception it
+    raises stops the pass, which is safe: a pass may stop anywhere and the next one finishes the
+    job).
     """
 
     def __init__(
@@ -300,18 +315,21 @@ class Reclaimer:
     ) -> None:
         if grace < 0:
             raise ValueError(f"grace must be >= 0 seconds, got {grace}")
-        if grace < 2 * PROBE_TRUST_SECONDS:
+        if grace < METADATA_MIN_GRACE:
             _log.warning(
-                "Reclaimer grace %.0f s is below %.0f s: a reader that holds a manifest version "
-                "longer than that may not see newer versions once it is reclaimed; use a longer "
-                "grace outside tests",
+                "Reclaimer grace %.0f s is below %.0f s: a TGB a producer holds longer than that "
+                "between its upload and its commit (through a store outage, say) is deleted as "
+                "an orphan, and its step cannot be read; use a longer grace outside tests",
                 grace,
-                2 * PROBE_TRUST_SECONDS,
+                METADATA_MIN_GRACE,
             )
         check_at_least(1, max_commit_attempts=max_commit_attempts, delete_batch=delete_batch)
         self.store = store
         self.namespace = namespace
         self.grace = grace
+        self.metadata_grace = max(grace, METADATA_MIN_GRACE)
+        """The grace for manifest versions and segments: ``grace``, but never below
+        ``METADATA_MIN_GRACE``."""
         self._clock = clock
         self._sleep = sleep
         self._max_commit_attempts = max_commit_attempts
@@ -590,8 +608,9 @@ class Reclaimer:
     def _settled_version(
         self, numbered: list[tuple[int, ObjectMeta]], now: float
     ) -> Manifest | None:
-        """The version that was latest ``grace`` seconds ago (newest written before then)."""
-        cutoff = now - self.grace
+        """The version that was latest ``metadata_grace`` seconds ago (newest written before
+        then)."""
+        cutoff = now - self.metadata_grace
         old = [v for v, meta in numbered if meta.last_modified <= cutoff]
         version = max(old) if old else None
         if version is None:
@@ -607,7 +626,7 @@ class Reclaimer:
         if settled is None:
             return  # no version is old enough to tell what readers may still hold
         keep = {ref.key for ref in latest.segments} | {ref.key for ref in settled.segments}
-        cutoff = now - 2 * self.grace
+        cutoff = now - 2 * self.metadata_grace
         doomed = [
             meta
             for meta in self._list(f"{SEGMENTS_DIR}/", tally)

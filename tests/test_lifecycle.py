@@ -51,13 +51,14 @@ from batchweave import (
     StoreWrapper,
     Watermarks,
 )
+from batchweave._lifecycle import METADATA_MIN_GRACE
 from batchweave._manifest import Committed, Conflict, ManifestLog, manifest_key
 from batchweave._store._base import ObjectMeta, PutMode
 from batchweave.cli._app import cli
 from batchweave.cli._reclaim import ProgressLines, describe_progress
 
 NS = "runs/life"
-GRACE = 100.0
+GRACE = 150.0
 MESH = bw.Mesh(dp=2, cp=1)
 
 
@@ -358,6 +359,40 @@ def test_a_consumer_holding_a_reclaimed_manifest_still_finds_new_steps(
         steps = [next(consumer) for _ in range(6)]
     assert [s for s, _ in steps] == list(range(2, 8))
     assert [d for _, d in steps] == [expected_slice("w0", s, 0) for s in range(2, 8)]
+
+
+def test_a_short_grace_reclaims_data_on_time_and_keeps_metadata_for_the_minimum(
+    store: bw.MemoryStore, clock: FakeClock
+) -> None:
+    # A reader holding a young version trusts a missing successor (PROBE_TRUST_SECONDS). Before,
+    # a 5 s grace deleted that version and its successor 5 s after they were superseded, and the
+    # reader saw no new version until its own was a minute old.
+    writer = Writer(store, NS, MESH)
+    writer.log = ManifestLog(store, NS, clock=clock, tail_limit=4)  # segments roll early
+    writer.publish(4)
+    reader = ManifestLog(store, NS, clock=clock)
+    held = reader.latest()
+    for _ in range(12):
+        writer.publish(1)
+        clock.advance(2)
+    newest = ManifestLog(store, NS).latest()
+    bw.Watermarks(store, NS).record("c", 10, version=newest.version)
+    short = bw.Reclaimer(store, NS, grace=5.0, clock=clock, sleep=lambda _: None)
+    assert short.metadata_grace == METADATA_MIN_GRACE
+
+    report = short.run_once()
+    assert report.tgbs_deleted == 10  # data follows the short grace
+    assert (report.manifests_deleted, report.segments_deleted) == (0, 0)
+    cut = reader.latest(held)
+    assert cut.version == newest.version + 1  # committed by the pass
+    unreferenced = keys(store, "_segments") - {f"{NS}/{ref.key}" for ref in cut.segments}
+    assert unreferenced  # segments of the steps below the cut, kept for now
+
+    clock.advance(2 * METADATA_MIN_GRACE + 1)
+    report = short.run_once()
+    assert report.manifests_deleted > 0
+    assert report.segments_deleted == len(unreferenced)
+    assert read_step(store, 10) == expected_slice("w0", 10, 0)
 
 
 # -- orphans of crashed producers ----------------------------------------------------------
