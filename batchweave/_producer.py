@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NoReturn
@@ -398,7 +398,8 @@ class Producer:
         )
         self._last_window = 0.0
         self._lag_blocked_seconds = 0.0
-        self._lag_blocked = False
+        self._lag_blocked = 0
+        """How many ``append`` calls are blocked by ``max_lag`` right now."""
 
         self._start_window = 0.0
         self._policy_started = False
@@ -512,19 +513,42 @@ class Producer:
             self._check_usable_locked()
             # Re-checked: another thread may have appended while this one encoded.
             self._check_offset_locked(offset)
+            previous = self._last_appended
             self._inflight_bytes += entry.size
             self._last_appended = offset
             self._entries.append(entry)
         try:
-            self._uploads.submit(self._upload, entry, encoded, validate=validate)
-        except RuntimeError as exc:  # executor shut down by a concurrent abort
+            future = self._uploads.submit(self._upload, entry, encoded, validate=validate)
+        except BaseException as exc:
+            # Not submitted (executor shut down by a concurrent abort, or Ctrl-C): no upload
+            # will ever run for the entry, so take it back, or close() would wait for it.
+            self._unregister(entry, previous)
+            if isinstance(exc, RuntimeError):
+                raise ProducerError(
+                    f"producer {self._producer_id!r} was stopped while appending offset {offset}"
+                ) from exc
+            raise
+        # abort() cancels uploads not yet started; theirs never run _upload to release bytes.
+        future.add_done_callback(functools.partial(self._release_if_cancelled, entry))
+
+    def _unregister(self, entry: _Entry, previous: int | None) -> None:
+        """Undo registering ``entry`` (appended after ``previous``) whose upload never ran."""
+        with self._cond:
+            self._inflight_bytes -= entry.size
+            for i, queued in enumerate(self._entries):
+                if queued is entry:
+                    del self._entries[i]
+                    break
+            if self._last_appended == entry.offset:
+                self._last_appended = previous
+            self._cond.notify_all()
+
+    def _release_if_cancelled(self, entry: _Entry, future: Future[None]) -> None:
+        """Release the bytes of ``entry`` if its upload was cancelled before it started."""
+        if future.cancelled():
             with self._cond:
                 self._inflight_bytes -= entry.size
-                if self._entries and self._entries[-1] is entry:
-                    self._entries.pop()
-            raise ProducerError(
-                f"producer {self._producer_id!r} was stopped while appending offset {offset}"
-            ) from exc
+                self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every TGB appended so far is committed (visible to consumers).
@@ -575,12 +599,28 @@ class Producer:
         self.flush(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            self._raise_if_failed_locked()
+            if self._aborted:
+                raise ProducerError(f"producer {self._producer_id!r} was aborted")
+            if self._closed or self._closing:
+                # Its commit thread is stopped (or stopping): nothing would commit the flag.
+                raise ProducerError(
+                    f"producer {self._producer_id!r} is closed (or closing), so it cannot seal "
+                    f"namespace {self._namespace!r}: call seal() before close(), or seal with "
+                    "`batchweave seal STORE NAMESPACE`"
+                )
             self._seal_requested = True
             self._cond.notify_all()
             while not self._sealed:
                 self._raise_if_failed_locked()
                 if self._aborted:
                     raise ProducerError(f"producer {self._producer_id!r} was aborted")
+                if not self._committer.is_alive():
+                    raise ProducerError(
+                        f"producer {self._producer_id!r} is closed: its commit thread stopped "
+                        f"before sealing namespace {self._namespace!r}; seal with "
+                        "`batchweave seal STORE NAMESPACE`"
+                    )
                 wait = _EVENT_WAIT
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
@@ -642,7 +682,7 @@ class Producer:
                 last_fragile_window=self._last_window,
                 gap=self._policy.gap,
                 lag_blocked_seconds=self._lag_blocked_seconds,
-                lag_blocked=self._lag_blocked,
+                lag_blocked=self._lag_blocked > 0,
                 committed_offset=self._committed_offset,
             )
 
@@ -920,13 +960,22 @@ class Producer:
         with self._cond:
             self._stats["ambiguous"] += 1
 
-    def _note_transient(self, what: str, exc: BaseException, attempt: int) -> None:
+    def _note_transient(
+        self,
+        what: str,
+        exc: BaseException,
+        attempt: int,
+        *,
+        sleep: Callable[[float], None] | None = None,
+    ) -> None:
+        """Count and log a retried failure, then sleep the backoff (with ``sleep``, if given)."""
         delay = self._backoff(attempt)
+        sleep = self._sleep if sleep is None else sleep
         with self._cond:
             self._stats["transient_errors"] += 1
         if isinstance(exc, StoreUnavailable):
             self._outage.failed(what, exc)  # one line per outage, not one per retry
-            self._sleep(delay)
+            sleep(delay)
             return
         _LOG.warning(
             "producer %r: %s failed (attempt %d, %s: %s); retrying in %.2f s, nothing pending "
@@ -938,7 +987,18 @@ class Producer:
             exc,
             delay,
         )
-        self._sleep(delay)
+        sleep(delay)
+
+    def _pause(self, seconds: float) -> None:
+        """The commit loop's backoff: ``seconds`` slept in pieces, ended early by a failure or
+        ``abort()`` (which joins this thread: a Ctrl-C in ``close()`` must not wait out 5 s)."""
+        remaining = seconds
+        while remaining > 0:
+            if self._error is not None or self._aborted:
+                return
+            chunk = min(remaining, _TIME_WAIT_CHUNK)
+            self._sleep(chunk)
+            remaining -= chunk
 
     def _fail(self, exc: BaseException) -> None:
         with self._cond:
@@ -970,7 +1030,7 @@ class Producer:
                 except _RETRYABLE as exc:
                     transient_attempt += 1
                     self._base_read_at = -math.inf  # re-read the base before retrying
-                    self._note_transient("committing", exc, transient_attempt)
+                    self._note_transient("committing", exc, transient_attempt, sleep=self._pause)
         except BaseException as exc:
             self._fail(exc)
 
@@ -1028,7 +1088,7 @@ class Producer:
                     # after the gap even if a count-paced policy wants more (nobody could read,
                     # checkpoint past and unblock TGBs that are never committed).
                     if n > 0 and (
-                        self._policy.ready(n, since) or (self._lag_blocked and since >= gap)
+                        self._policy.ready(n, since) or (self._lag_blocked > 0 and since >= gap)
                     ):
                         return seal_now
                     remaining = gap - since
@@ -1152,7 +1212,7 @@ class Producer:
                 # A 409, a transient failure or a reclaimed base: back off (jittered) so a
                 # zero-gap policy cannot spin on a struggling store, then rebase on the latest.
                 self._unknown_conflicts += 1
-                self._sleep(self._rng.uniform(0.0, self._backoff(self._unknown_conflicts)))
+                self._pause(self._rng.uniform(0.0, self._backoff(self._unknown_conflicts)))
                 winner = self._log.latest(base)
             else:
                 self._unknown_conflicts = 0
@@ -1315,7 +1375,7 @@ class Producer:
                     if blocked_since is None:
                         blocked_since = now
                         with self._cond:
-                            self._lag_blocked = True
+                            self._lag_blocked += 1
                             self._cond.notify_all()  # the commit loop publishes what blocks us
                     if now - last_log >= self._lag_log_interval:
                         last_log = now
@@ -1362,8 +1422,10 @@ class Producer:
                 refreshed = True
         finally:
             if blocked_since is not None:
+                # A count: another append may still be blocked (and need what it waits on
+                # committed) after this one goes.
                 with self._cond:
-                    self._lag_blocked = False
+                    self._lag_blocked -= 1
 
     # ------------------------------------------------------------------------------------------
     # shutdown

@@ -1169,3 +1169,197 @@ def test_an_append_racing_close_is_committed_or_refused_never_silently_dropped()
         f"append returned normally during close() but committed offsets are {committed}"
     )
     assert committed[0] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# seal after close, several blocked appends, prompt abort, interrupted append, cancelled uploads
+
+
+def _bounded(fn: Any, timeout: float = 10.0) -> tuple[bool, list[BaseException | None]]:
+    """Run ``fn`` in a daemon thread for at most ``timeout`` s: whether it ended, and how."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            fn()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return not thread.is_alive(), outcome
+
+
+def test_seal_after_close_raises_instead_of_waiting_forever(store: MemoryStore) -> None:
+    # close() stops the commit thread; seal() then waited (with no timeout: for ever) for a
+    # commit that nothing would make. The same when another thread's close() ends just before.
+    p = make(store)
+    p.append(payloads(0), offset=0)
+    p.close()
+    q = make(store, "p1")
+    real_flush = q.flush
+
+    def flush_then_closed_elsewhere(timeout: float | None = None) -> None:
+        real_flush(timeout)
+        q.flush = real_flush  # type: ignore[method-assign]
+        closer = threading.Thread(target=q.close)
+        closer.start()
+        closer.join(10)
+
+    q.flush = flush_then_closed_elsewhere  # type: ignore[method-assign]
+    for producer in (p, q):
+        ended, outcome = _bounded(producer.seal)
+        assert ended, "seal() after close() never returned"
+        assert isinstance(outcome[0], ProducerError), outcome
+        assert "is closed" in str(outcome[0])
+        assert "seal() before close()" in str(outcome[0])
+    assert not latest(store)[1].sealed
+
+
+def test_max_lag_keeps_committing_while_a_second_append_is_still_blocked() -> None:
+    # Two appends blocked by max_lag: the first to go cleared the blocked flag for both, so the
+    # count policy held back the TGB it appended, and the other append waited for ever on a
+    # step no consumer could read (and stats() said nothing was blocked).
+    store = _ManifestPuts(MemoryStore())
+    fake = FakeTime(1000.0)
+    boundary = {"step": 0}
+    blocked = {"A": threading.Event(), "B": threading.Event()}
+    a_appended = threading.Event()
+    tick = threading.Event()
+
+    def sleep(seconds: float) -> None:
+        fake.sleep(seconds)
+        name = threading.current_thread().name
+        if name in blocked:  # an appending thread sleeps only while max_lag blocks it
+            blocked[name].set()
+            if name == "B":
+                a_appended.wait(10)  # B re-checks only once A has appended
+        tick.wait(0.005)  # keep the blocked appends from spinning
+
+    p = _fake_time_producer(
+        store, fake, sleep=sleep, policy="fixed10", max_lag=0, boundary=lambda: boundary["step"]
+    )
+    threads = {
+        name: threading.Thread(
+            target=p.append, args=(_payloads(off),), kwargs={"offset": off}, name=name, daemon=True
+        )
+        for name, off in (("A", 1), ("B", 2))
+    }
+    try:
+        p.append(_payloads(0), offset=0)
+        for name in ("A", "B"):
+            threads[name].start()
+            assert blocked[name].wait(10), f"append {name} was not blocked by max_lag"
+        boundary["step"] = 1  # consumers checkpointed past step 0: A goes, B waits one more
+        threads["A"].join(10)
+        assert not threads["A"].is_alive()
+        a_appended.set()
+        assert threads["B"].is_alive()
+        assert p.stats().lag_blocked, "B is blocked by max_lag, stats() says nothing is"
+        log = ManifestLog(store, NS)
+        while True:
+            store.landed.clear()
+            if log.latest().next_step == 2:
+                break
+            assert store.landed.wait(10), "offset 1 never committed although B waits on it"
+        boundary["step"] = 2
+        threads["B"].join(10)
+        assert not threads["B"].is_alive()
+        assert not p.stats().lag_blocked
+    finally:
+        a_appended.set()
+        p.close()
+    assert _committed_offsets(store) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("failure", [bw.StoreUnavailable, TransientStoreError])
+def test_abort_does_not_wait_out_the_commit_backoff(
+    store: MemoryStore, failure: type[Exception]
+) -> None:
+    # While commits keep failing (an outage raises; a transient error is a conflict with no
+    # winner) the commit loop sleeps its backoff, 5 s by default and unbounded with backoff=.
+    # abort() (and a Ctrl-C in close()) join that thread: they waited the whole sleep.
+    class RefusingCommits(StoreWrapper):
+        refused = threading.Event()
+
+        def put(
+            self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE
+        ) -> None:
+            if "/_manifests/" in key and mode is PutMode.CREATE and refusing.is_set():
+                self.refused.set()
+                raise failure(f"injected: commits keep failing ({key})")
+            super().put(key, data, mode=mode)
+
+    fake = FakeTime(1000.0)
+    refusing = threading.Event()
+    never = threading.Event()  # a long sleep lasts until the test ends
+    backing_off = threading.Event()
+    committer_sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        fake.sleep(seconds)
+        if threading.current_thread().name.startswith("bw-commit-"):
+            committer_sleeps.append(seconds)
+            if RefusingCommits.refused.is_set():
+                backing_off.set()
+            if seconds > 1.0:
+                never.wait(30)
+
+    failing = RefusingCommits(store)
+    p = make(failing, fake=fake, sleep=sleep, backoff=lambda attempt: 3600.0)
+    try:
+        refusing.set()
+        p.append(payloads(0), offset=0)
+        assert backing_off.wait(10), "the commit loop never backed off"
+        ended, outcome = _bounded(p.abort)
+        assert ended, "abort() waited out the commit loop's backoff"
+        assert outcome == [None]
+        assert not p._committer.is_alive()
+        assert max(committer_sleeps) <= 0.25, max(committer_sleeps)  # pieces, not 3600 s
+    finally:
+        never.set()
+
+
+def test_an_interrupt_before_the_upload_is_submitted_takes_the_tgb_back(
+    store: MemoryStore,
+) -> None:
+    # A Ctrl-C between registering a TGB and submitting its upload left it pending with its
+    # bytes counted: no upload would ever run for it, so close() waited for ever.
+    p = make(store)
+    real_submit = p._uploads.submit
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        p._uploads.submit = real_submit  # type: ignore[method-assign]
+        raise KeyboardInterrupt
+
+    p._uploads.submit = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        p.append(payloads(0), offset=0)
+    stats = p.stats()
+    assert (stats.pending, stats.inflight_bytes) == (0, 0)
+    p.append(payloads(0), offset=0)  # the offset was not taken: it can be appended again
+    ended, outcome = _bounded(p.close)
+    assert ended, "close() waited for an upload that never runs"
+    assert outcome == [None]
+    assert committed_offsets(store, "p0") == [0]
+
+
+def test_abort_releases_the_bytes_of_uploads_it_cancels(store: MemoryStore) -> None:
+    # abort() cancels the uploads not yet started; they never run the code that releases their
+    # bytes, so inflight_bytes stayed counted for ever.
+    gate = threading.Event()
+    gated = GatedStore(store, gate)
+    p = make(gated, upload_threads=1)
+    try:
+        for off in range(3):
+            p.append(payloads(off), offset=off)
+        assert gated.wait_for_puts(1)  # offset 0 is uploading; 1 and 2 wait for the thread
+        p.abort()
+        assert p.stats().inflight_bytes == p._entries[0].size  # only the upload under way
+    finally:
+        gate.set()
+    p._uploads.shutdown(wait=True)  # the upload under way ends (the gate is open)
+    assert p.stats().inflight_bytes == 0
+    assert gated.data_puts_started == 1
