@@ -680,14 +680,15 @@ class Consumer:
 
     def _next(self) -> tuple[int, Any, int]:
         """Read the next step: ``(step, data, stored bytes)``."""
+        started = self._clock()  # ``timeout`` bounds the whole call: opening, polls and waits
         if self._manifest is None:
-            self._ensure_open(wait=True)
+            self._ensure_open(wait=True, started=started)
         step = self._next_step
         self._check_not_reclaimed(step)
         depth = self._read_ahead() or 1
         self._top_up(depth, inline_head=True)
         if not self._window:
-            if not self._await_step(step):
+            if not self._await_step(step, started):
                 raise StopIteration
             self._top_up(depth, inline_head=True)
         pending = self._window[0]
@@ -784,21 +785,27 @@ class Consumer:
             except _RETRYABLE as exc:
                 self._counters.add(retries=1)
                 _log.debug("%s: manifest refresh failed, will retry: %s", self._where, exc)
+            except Exception as exc:
+                if not self._window:
+                    raise  # the step the caller is about to wait for needs this poll
+                # Steps already in hand are delivered first: the error surfaces again at the
+                # step that needs a newer version (when _await_step polls for it).
+                _log.debug("%s: manifest refresh failed: %s", self._where, exc)
             end = self._projection.end_step(self._manifest.next_step)
         stop = min(limit, end)
         while nxt < stop:
             self._schedule(nxt, submit=not (inline_head and nxt == self._next_step))
             nxt += self.stride
 
-    def _await_step(self, step: int) -> bool:
+    def _await_step(self, step: int, started: float) -> bool:
         """Block until ``step`` is complete (True) or the sealed stream ended before it (False).
 
         Polls the manifest no more often than the current poll delay, which doubles while
         nothing new arrives (up to ``max_poll_interval``) and resets when a version does.
+        ``timeout`` counts from ``started``, when the caller's ``next()`` began.
         """
         assert self._manifest is not None
         assert self._projection is not None
-        started = self._clock()
         failures = 0
         while True:
             self._check_not_closed(f"waiting for step {step}")
@@ -928,10 +935,12 @@ class Consumer:
     def _where(self) -> str:
         return f"namespace {self.namespace!r} in {self._store.url}"
 
-    def _ensure_open(self, *, wait: bool) -> None:
+    def _ensure_open(self, *, wait: bool, started: float | None = None) -> None:
+        """Read the latest version if none is held yet; with ``wait``, wait for the namespace
+        until ``timeout`` after ``started`` (default: now)."""
         if self._manifest is not None:
             return
-        started = self._clock()
+        started = self._clock() if started is None else started
         failures = 0
         while True:
             try:

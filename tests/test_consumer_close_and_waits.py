@@ -76,8 +76,11 @@ def _consumer_threads() -> set[threading.Thread]:
 # -- waiting at the head of the stream ---------------------------------------------------------
 
 
+@pytest.mark.parametrize("seconds", [3.0, 30.0])
 @pytest.mark.parametrize("poll", ["slow", "unreachable"])
-def test_timeout_holds_when_each_poll_takes_longer_than_the_poll_delay(poll: str) -> None:
+def test_timeout_holds_when_each_poll_takes_longer_than_the_poll_delay(
+    poll: str, seconds: float
+) -> None:
     """Before: the timeout was checked only before a poll *sleep*; a poll that itself took at
     least the poll delay (a store that answers slowly, or connection attempts that time out
     during an outage) skipped the sleep, and with it the check: ``timeout`` never fired."""
@@ -94,16 +97,43 @@ def test_timeout_holds_when_each_poll_takes_longer_than_the_poll_delay(poll: str
         nonlocal polls
         polls += 1
         if polls > 100:
-            raise RuntimeError("still polling after 300 s of a 10 s timeout")
-        fake.advance(3.0)  # each request takes longer than max_poll_interval (2 s)
+            raise RuntimeError(f"still polling after {100 * seconds} s of a 10 s timeout")
+        fake.advance(seconds)  # each request takes longer than max_poll_interval (2 s)
         if poll == "unreachable":
             raise StoreUnavailable(f"{key}: connect timeout (injected)")
 
     store.on_manifest = slow_poll
     with pytest.raises(ConsumerTimeout, match=r"step 1 .*within 10.0 s"):
         next(c)
-    # late by at most the poll before the wait began and the one that ran past the timeout
-    assert 10.0 < fake.now <= 10.0 + 2 * 3.0
+    # Late by at most the one poll that ran past the timeout. Before session 15 the poll
+    # next() made before it began to wait did not count, and two could.
+    assert 10.0 < fake.now <= 10.0 + seconds
+    c.close()
+
+
+def test_the_timeout_bounds_the_whole_next_opening_included() -> None:
+    """Before: waiting for the namespace and then for its first step each had the whole
+    ``timeout``; a namespace created at 9 s of a 10 s timeout let ``next()`` wait 19 s."""
+    store = MemoryStore()
+    fake = FakeTime()
+
+    created: list[float] = []
+
+    def create_late() -> None:
+        if fake.now >= 9.0 and not created:
+            created.append(fake.now)
+            Producer(store, "run", producer_id="p0", mesh=MESH, policy="naive").close()
+
+    fake.on_sleep = create_late
+    c = Consumer(
+        store, "run", mesh=MESH, dp_rank=0, timeout=10.0, clock=fake.clock, sleep=fake.sleep
+    )
+    with pytest.raises(ConsumerTimeout, match=r"step 0 .*within 10.0 s"):
+        next(c)
+    assert len(created) == 1
+    assert created[0] < 10.0
+    assert c.manifest_version is not None  # it opened, then waited for step 0
+    assert 10.0 <= fake.now <= 10.0 + c.max_poll_interval
     c.close()
 
 

@@ -172,6 +172,24 @@ def test_an_error_while_reading_ahead_does_not_take_the_step_with_it() -> None:
     c.close()
 
 
+def test_a_poll_failing_before_a_step_in_hand_is_returned_does_not_take_it() -> None:
+    # Before: the poll that next() makes before returning a step already read ahead let any
+    # error but a transient one escape (a damaged version, expired credentials), and step 2,
+    # committed and in hand, was never delivered.
+    store = _ManifestFaults()
+    _publish(store, "run", 3, seal=False)
+    c = _reading_ahead(store)
+    assert [next(c)[0], next(c)[0]] == [0, 1]
+    store.arm(1, FormatError("a damaged manifest version (injected)"))
+    assert next(c)[0] == 2
+    assert store.countdown is None  # the fault was raised, by the poll of that next()
+    assert c.state_dict()["step"] == 3
+    store.arm(1, FormatError("a damaged manifest version (injected)"))
+    with pytest.raises(FormatError, match="damaged"):  # step 3 needs the poll: it surfaces
+        next(c)
+    c.close()
+
+
 class _DataDown(MemoryStore):
     """Every TGB read fails as if the endpoint were unreachable (an outage)."""
 
