@@ -286,6 +286,42 @@ def test_memory_store_urls_are_refused_as_one_process_only(
 
 
 @pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("BATCHWEAVE_ENDPOINT_URL", "http://127.0.0.1:9"),
+        ("BATCHWEAVE_REGION", "us-east-1"),
+        ("BATCHWEAVE_PROFILE", "audit"),
+        ("BATCHWEAVE_PROBE_TIMEOUT", "5"),
+    ],
+)
+def test_s3_settings_exported_in_the_environment_do_not_break_a_local_store(
+    root: Path, variable: str, value: str
+) -> None:
+    # Before: exit 2 "--region apply to s3:// only" for every file:// command of a shell that
+    # exported its S3 settings, although no option was typed.
+    publish(root, steps=4)
+    result = CliRunner().invoke(cli, ["inspect", str(root), NAMESPACE], env={variable: value})
+    assert result.exit_code == 0, result.output
+    assert "s3:// only" not in result.output
+    option = "--" + variable.removeprefix("BATCHWEAVE_").lower().replace("_", "-")
+    result = CliRunner().invoke(cli, ["inspect", str(root), NAMESPACE, option, value])
+    assert result.exit_code == 2, result.output
+    assert f"{option} apply to s3:// only" in result.output
+
+
+@pytest.mark.parametrize("name", ["s3", "file", "memory", "S3"])
+def test_a_directory_named_like_a_scheme_is_a_path(
+    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: "store URL 's3' has no scheme"; only ./s3 worked.
+    publish(tmp_path / name, steps=4)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["inspect", name, NAMESPACE, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["next_step"] == 4
+
+
+@pytest.mark.parametrize(
     ("args", "option"),
     [
         # Before: verify ran --workers 0 or -3 as 1, silently.

@@ -200,9 +200,11 @@ def store_url(location: str) -> str:
     """A store URL from ``location``: URLs pass through, a plain path becomes ``file://``.
 
     A mistyped URL (``file:/abs``, ``s3:bucket``) passes through too, so ``open_store`` explains
-    it instead of it becoming a directory named ``file:``.
+    it instead of it becoming a directory named ``file:``; a bare ``s3`` (no colon) is a
+    directory of that name.
     """
-    if "://" in location or location.partition(":")[0].lower() in SCHEMES:
+    scheme, colon, _ = location.partition(":")
+    if "://" in location or (colon and scheme.lower() in SCHEMES):
         return location
     if not location:
         raise InvalidStoreURL("empty store location; give a URL (s3://bucket/prefix) or a path")
@@ -265,6 +267,10 @@ def open_cli_store(
     if scheme == "memory":
         raise CliFailure(f"cannot use {url}: {MEMORY_STORE_REFUSAL}")
     s3 = {name: options[name] for name in S3_OPTIONS if options.get(name)}
+    if scheme != "s3":
+        # BATCHWEAVE_ENDPOINT_URL and friends exported for S3 work must not break a file://
+        # command; only options typed on this command line are refused.
+        s3 = {name: value for name, value in s3.items() if not _from_environment(name)}
     if s3 and scheme != "s3":
         raise CliFailure(f"{', '.join('--' + k.replace('_', '-') for k in s3)} apply to s3:// only")
     try:
@@ -279,6 +285,13 @@ def open_cli_store(
             what = "it is a file" if path.exists() else "it does not exist"
             raise CliFailure(f"no store directory at {path} ({what}); check the path")
     return open_store(url, verify_conditional_writes=writes, **s3)
+
+
+def _from_environment(name: str) -> bool:
+    """Whether the current command's parameter ``name`` got its value from an env variable."""
+    ctx = click.get_current_context(silent=True)
+    source = ctx.get_parameter_source(name) if ctx is not None else None
+    return source is click.core.ParameterSource.ENVIRONMENT
 
 
 def echo_json(data: Any) -> None:
