@@ -5,18 +5,27 @@ It also takes what ``S3Store`` takes (addressing styles) and is selected by ``op
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import threading
+from collections.abc import Callable, Iterator
+
 import pytest
 from test_store_conformance import MotoServerSuite, SeaweedFSSuite
 
 import batchweave as bw
 from batchweave import (
+    AccessDenied,
     AmbiguousWriteError,
     Consumer,
     InvalidStoreURL,
     Mesh,
+    ObjectNotFound,
     Producer,
     S3Store,
+    StoreError,
     StoreUnavailable,
+    TransientStoreError,
     open_store,
 )
 from batchweave._store._obstore import ObstoreS3Store
@@ -101,3 +110,139 @@ def test_open_store_probes_with_probe_timeout_and_keeps_the_data_path_timeouts(
     assert view._store is not store._store  # a client of its own; the store's keeps 7 s
     assert store._read_timeout == 7.0
     assert list(store.list()) == []  # the probe passed on a real server and deleted its object
+
+
+# -- error translation against canned S3 answers ------------------------------------------------
+
+
+def _s3_error(code: str) -> bytes:
+    """S3's error document as AWS and MinIO send it: the XML declaration on a line of its own."""
+    return (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+        f"<Message>said the server</Message><RequestId>R1</RequestId></Error>"
+    ).encode()
+
+
+def _delete_result(code: str) -> bytes:
+    """A DeleteObjects result in which key ``p/b`` failed with ``code``."""
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n<DeleteResult><Deleted><Key>p/a</Key></Deleted>'
+        f"<Error><Key>p/b</Key><Code>{code}</Code><Message>said the server</Message></Error>"
+        "</DeleteResult>"
+    ).encode()
+
+
+@contextlib.contextmanager
+def _answering(status: int, body: bytes) -> Iterator[ObstoreS3Store]:
+    """An obstore store of ``s3://bucket/p`` on a server answering every request alike."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _answer  # noqa: N815 (http.server names)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
+    thread.start()
+    store = ObstoreS3Store(
+        "bucket",
+        "p",
+        endpoint_url=f"http://127.0.0.1:{server.server_address[1]}",
+        access_key_id="AKIDEXAMPLE",
+        secret_access_key="secret-of-the-test",
+        max_attempts=1,
+    )
+    try:
+        yield store
+    finally:
+        store.close()
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "expected"),
+    [
+        (400, "InvalidArgument", StoreError),
+        (400, "EntityTooLarge", StoreError),
+        (400, "KeyTooLongError", StoreError),
+        (409, "ConditionalRequestConflict", StoreError),  # to a plain put only
+        (400, "RequestTimeout", TransientStoreError),  # S3's "send it again", as on boto3
+    ],
+)
+def test_a_write_refused_with_a_4xx_is_not_ambiguous(
+    status: int, code: str, expected: type[StoreError]
+) -> None:
+    # Before: AmbiguousWriteError ("may have landed, read it back"), which a producer retries;
+    # boto3 reports the same answers as the definite refusals they are.
+    with _answering(status, _s3_error(code)) as store:
+        writes: list[Callable[[], None]] = [lambda: store.put("k", b"x")]
+        if code != "ConditionalRequestConflict":
+            writes.append(lambda: store.put_if_absent("k", b"x"))
+        for write in writes:
+            with pytest.raises(StoreError) as info:
+                write()
+            assert type(info.value) is expected
+            assert code in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "expected"),
+    [
+        (403, "AccessDenied", AccessDenied),
+        (400, "AuthorizationHeaderMalformed", StoreError),
+        (503, "SlowDown", TransientStoreError),
+    ],
+)
+def test_errors_name_the_s3_error_code_and_message(
+    status: int, code: str, expected: type[StoreError]
+) -> None:
+    # Before: the message quoted the reply's first line only, the XML declaration.
+    with _answering(status, _s3_error(code)) as store, pytest.raises(StoreError) as info:
+        store.get("k")
+    assert type(info.value) is expected
+    assert f"get 'k' in s3://bucket/p: {code} said the server" in str(info.value)
+    assert "<?xml" not in str(info.value)
+
+
+@pytest.mark.parametrize("key", ["runs/NoSuchBucket", "x/latest/meta-data/y", "a", "Code"])
+def test_a_key_named_like_an_error_is_only_a_key(key: str) -> None:
+    # Before: the whole message was searched, key included: a missing runs/NoSuchBucket was
+    # "bucket does not exist" (InvalidStoreURL), x/latest/meta-data/y missing credentials.
+    missing = pytest.raises(ObjectNotFound, match="NoSuchKey said the server")
+    with _answering(404, _s3_error("NoSuchKey")) as store, missing:
+        store.get(key)
+    with _answering(503, _s3_error("SlowDown")) as store, pytest.raises(TransientStoreError):
+        list(store.list(key + "/"))
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("InternalError", TransientStoreError),  # object_store retries it, then reports it
+        ("SlowDown", TransientStoreError),  # the same
+        ("ServiceUnavailable", TransientStoreError),
+        ("AccessDenied", AccessDenied),
+    ],
+)
+def test_delete_many_reports_a_keys_error_by_its_code(
+    code: str, expected: type[StoreError]
+) -> None:
+    # As S3Store does: transient codes are transient (the Reclaimer retries them rather than
+    # falling back to one delete per key), and the failed key is named. Before: the first key
+    # of the request was named, and a key's AccessDenied was a plain StoreError.
+    with _answering(200, _delete_result(code)) as store, pytest.raises(StoreError) as info:
+        store.delete_many(["a", "b"])
+    assert type(info.value) is expected
+    assert f"delete 'b' in s3://bucket/p: {code} said the server" in str(info.value)

@@ -101,6 +101,18 @@ _CALLS: dict[str, tuple[str, Call]] = {
         ("list", "NoSuchBucket", 404, InvalidStoreURL),
         ("delete", "AccessDenied", 403, AccessDenied),
         ("delete", "InternalError", 500, TransientStoreError),
+        # A condition is only asked by the conditional PUT: a 412 or 409 to another request
+        # says nothing about the key (before: ObjectExists or ConcurrentWriteConflict).
+        ("put", "PreconditionFailed", 412, StoreError),
+        ("get", "PreconditionFailed", 412, StoreError),
+        ("get_range", "PreconditionFailed", 412, StoreError),
+        ("head", "PreconditionFailed", 412, StoreError),
+        ("list", "PreconditionFailed", 412, StoreError),
+        ("delete", "PreconditionFailed", 412, StoreError),
+        ("put", "ConditionalRequestConflict", 409, StoreError),
+        ("get", "ConditionalRequestConflict", 409, StoreError),
+        ("list", "ConditionalRequestConflict", 409, StoreError),
+        ("delete", "ConditionalRequestConflict", 409, StoreError),
     ],
 )
 def test_client_errors_are_translated(
@@ -308,6 +320,19 @@ def test_delete_many_reports_per_key_errors(stubbed: tuple[S3Store, Stubber]) ->
         },
     )
     with pytest.raises(AccessDenied, match=r"'a'.*1 more"):
+        store.delete_many(["a", "b"])
+
+
+@pytest.mark.parametrize("code", ["InternalError", "ServiceUnavailable"])
+def test_delete_many_reports_a_keys_transient_error_as_transient(
+    stubbed: tuple[S3Store, Stubber], code: str
+) -> None:
+    # Before: a key's InternalError or ServiceUnavailable in a DeleteObjects result (which has
+    # no status of its own) was a plain StoreError: not retried, the key recorded as refused.
+    store, stubber = stubbed
+    error = {"Key": "pre/b", "Code": code, "Message": "Please try again."}
+    stubber.add_response("delete_objects", {"Errors": [error]})
+    with pytest.raises(TransientStoreError, match=rf"'b'.*{code}"):
         store.delete_many(["a", "b"])
 
 

@@ -12,11 +12,13 @@ exactly the :class:`ObjectStore` contract (checked by the shipped conformance su
 
 from __future__ import annotations
 
+import html
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
+from urllib.parse import quote
 
 from batchweave._errors import (
     AccessDenied,
@@ -51,20 +53,47 @@ _TRANSIENT = re.compile(
 )
 _STATUS = re.compile(r"status code: (\d{3})\b")
 """The HTTP status object_store quotes when the server answered with an error."""
-_THROTTLED_CODE = re.compile(
-    r"<Code>(SlowDown|RequestTimeout|Throttling|ThrottlingException|TooManyRequests|"
-    r"RequestLimitExceeded|RequestThrottled)</Code>"
+_THROTTLED_CODES = frozenset(
+    {
+        "RequestLimitExceeded",
+        "RequestThrottled",
+        "RequestTimeout",
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequests",
+    }
 )
 """Error codes that mean "retry later" whatever the status (S3's RequestTimeout is a 400)."""
-_CONFLICT = re.compile(r"status code: 409\b|<Code>ConditionalRequestConflict</Code>")
-_DENIED = re.compile(r"status code: 40[13]\b")
-"""Where object_store reports 401/403 as a generic error (listing does)."""
-_NOT_IMPLEMENTED = re.compile(r"status code: 501\b|<Code>NotImplemented</Code>")
-_PAST_THE_END = re.compile(
-    r"status code: 416\b|<Code>InvalidRange</Code>|out of bounds", re.IGNORECASE
+_TRANSIENT_CODES = _THROTTLED_CODES | {"InternalError", "ServiceUnavailable"}
+"""Codes that are transient without a status: a key's error in a DeleteObjects result."""
+_DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "ExpiredToken",
+        "InvalidAccessKeyId",
+        "InvalidToken",
+        "SignatureDoesNotMatch",
+        "TokenRefreshRequired",
+    }
 )
-"""A range starting at or past the object's end. Matched exactly: a bare "416" also occurs in
-request ids and timings ("in 1.416ms") of unrelated errors, which must not read as b""."""
+"""As :class:`~batchweave.S3Store` reads them (also a key's error in a DeleteObjects result)."""
+_REPLY = re.compile(
+    r"(Server returned (?:non-2xx status code: \d{3}[^:\n]*|error response): )(.*?)"
+    r"(?=\n\nDebug source:|\Z)",
+    re.DOTALL,
+)
+"""object_store's quote of the server's reply: S3's XML error document, or a DeleteObjects
+result with a key's ``InternalError``/``SlowDown`` (which object_store retries, then reports)."""
+_DUMPED_REPLY = re.compile(r'body: (?:Some\(\s*)?"(?:[^"\\]|\\.)*"')
+"""The reply again, quoted in object_store's debug dump."""
+_DELETE_FAILED = re.compile(r"DeleteObjects request failed for key .*\(code: ([^()\s]*)\)$")
+"""object_store's words for a key's error in a DeleteObjects result (other than the above)."""
+_PAST_THE_END = re.compile(r"status code: 416\b|out of bounds", re.IGNORECASE)
+"""A range starting at or past the object's end (or S3's code ``InvalidRange``). Matched
+exactly: a bare "416" also occurs in request ids and timings ("in 1.416ms") of unrelated
+errors, which must not read as b""."""
 _UNREACHABLE = re.compile(
     r"connection refused|dns error|tcp connect|kind: Connect\b|error sending request$", re.I
 )
@@ -93,6 +122,43 @@ _CREDENTIAL_ENV = (
 before it falls back to the EC2 instance metadata service."""
 _ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 """Environment variables object_store takes the S3 endpoint from when none is given."""
+
+
+class _Reply(NamedTuple):
+    """An obstore error, read: what object_store said and what the server answered."""
+
+    text: str
+    """object_store's words (debug dump included) without the reply and without the request's
+    keys: searched for its own phrases, which a key such as ``runs/NoSuchBucket`` must not
+    fake."""
+    status: int | None
+    """The HTTP status of the server's error answer, if it gave one."""
+    code: str | None
+    """S3's error ``<Code>`` (of the first failed key for DeleteObjects), if it gave one."""
+    said: str | None
+    """S3's ``<Code>`` and ``<Message>`` from its XML reply, for messages."""
+    key: str | None
+    """The failed key a DeleteObjects result names (full path), if it names one."""
+
+
+def _xml_field(body: str, name: str) -> str | None:
+    found = re.search(f"<{name}>([^<]*)</{name}>", body)
+    return html.unescape(found.group(1)).strip() if found is not None else None
+
+
+def _without_paths(text: str, paths: Iterable[str]) -> str:
+    """``text`` without ``paths`` where object_store quotes them: as an object's location, in
+    a request's URL (percent-encoded) and in its debug dump (escaped). Only whole occurrences
+    are removed: a short key such as ``a`` or ``Code`` leaves the words around it alone."""
+    forms: set[str] = set()
+    for path in paths:
+        if path:
+            escaped = path.replace("\\", "\\\\").replace('"', '\\"')
+            forms |= {path, quote(path, safe="/~"), quote(path, safe="~"), escaped}
+    if not forms:
+        return text
+    names = "|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True))
+    return re.sub(rf'(?:(?<=[\s/"=,(])|^)(?:{names})(?=[\s"?&,:)]|$)', "", text)
 
 
 class _NoCredentials(Exception):
@@ -158,6 +224,7 @@ class ObstoreS3Store(S3Location):
             access_key_id=access_key_id,
             secret_access_key=secret_access_key,
             session_token=session_token,
+            region=region,
             options={
                 "connect_timeout": connect_timeout,
                 "read_timeout": read_timeout,
@@ -248,18 +315,65 @@ class ObstoreS3Store(S3Location):
 
     # -- error translation -------------------------------------------------------------------
 
-    def _translate(self, exc: Exception, *, op: str, key: str | None) -> StoreError:
-        """Map an obstore exception to the store error tree. The single place that does so."""
+    def _read_error(self, exc: Exception, paths: Sequence[str]) -> _Reply:
+        """``exc`` read apart; ``paths`` are the request's full keys (not searched for words)."""
+        text = _without_paths(str(exc), paths)
+        reply = _REPLY.search(text)
+        body = self._scrub(reply.group(2)) if reply is not None else ""
+        text = self._scrub(_DUMPED_REPLY.sub("body: ...", _REPLY.sub(r"\1", text))).strip()
+        status = _STATUS.search(text)
+        deleting = "<DeleteResult" in body
+        if deleting:  # the first key's error of a DeleteObjects result
+            body = body[body.find("<Error>") :]
+        code, said = _xml_field(body, "Code"), None
+        key = _xml_field(body, "Key") if deleting else None
+        if code:
+            said = f"{code} {_xml_field(body, 'Message') or ''}".rstrip()
+        elif (failed := _DELETE_FAILED.search(text.split("\n", 1)[0])) is not None:
+            code = failed.group(1)
+            line = self._scrub(str(exc)).split("\n", 1)[0]
+            for path in paths:  # "... failed for key {path}: {message} (code: {code})"
+                named = f" for key {path}: "
+                if (start := line.find(named)) >= 0:
+                    words = line[start + len(named) : line.rfind(" (code: ")]
+                    key, said = path, f"{code} {words}".rstrip()
+                    break
+        return _Reply(
+            text=text,
+            status=int(status.group(1)) if status is not None else None,
+            code=code or None,
+            said=said,
+            key=key,
+        )
+
+    def _translate(
+        self, exc: Exception, *, op: str, key: str | None, paths: Sequence[str] | None = None
+    ) -> StoreError:
+        """Map an obstore exception to the store error tree. The single place that does so.
+
+        ``paths``: the full keys the request named (default: ``key``'s), which are no part of
+        what the error says (a missing key ``runs/NoSuchBucket`` is a missing key).
+        """
         what = self._describe(op, key)
         message = self._scrub(str(exc)).strip()
-        # obstore appends a multi-line debug dump; the first line is the useful part
-        detail = f"{what}: {message.splitlines()[0] if message else type(exc).__name__}"
+        if paths is None:
+            paths = [self.prefix + key] if key is not None else []
+        reply = self._read_error(exc, paths)
+        text, status, code = reply.text, reply.status, reply.code
+        if reply.said is not None and reply.key is not None:
+            rel = reply.key.removeprefix(self.prefix)
+            detail = f"delete {rel!r} in {self.url}: {reply.said}"
+        elif reply.said is not None:
+            detail = f"{what}: {reply.said}"
+        else:
+            # obstore appends a multi-line debug dump; the first line is the useful part
+            detail = f"{what}: {message.splitlines()[0] if message else type(exc).__name__}"
         errors = self._errors
         # A delete is idempotent: a failed one is retried, never "ambiguous" (as on boto3).
         write = op in ("put", "put_if_absent")
-        if "NoSuchBucket" in message:
+        if code == "NoSuchBucket":
             return self._missing_bucket(detail)
-        if _INSTANCE_METADATA.search(message) or _NoCredentials.__name__ in message:
+        if _INSTANCE_METADATA.search(text) or _NoCredentials.__name__ in text:
             # No credentials were configured: obstore asked EC2 instance metadata and failed,
             # or was not allowed to ask it.
             return AccessDenied(
@@ -267,19 +381,20 @@ class ObstoreS3Store(S3Location):
                 "instance metadata service failed or is disabled); pass access_key_id and "
                 "secret_access_key or set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
             )
-        if _BARE_REDIRECT in message:
+        if _BARE_REDIRECT in text:
             # A refusal, so nothing was stored; and retrying with the same region cannot help.
             return StoreError(
                 f"cannot {what}: {self._endpoint_shown} answered with a redirect: on AWS S3 the "
                 f"bucket is in another region than region={self._region!r}; set region to the "
                 "bucket's region (elsewhere: endpoint_url is not the S3 API's address)"
             )
-        not_s3 = _NOT_S3.search(message)
+        not_s3 = _NOT_S3.search(text)
         if not_s3 is not None and (op in BUCKET_OPS or "404" not in not_s3.group()):
             # (NoSuchBucket was matched above.) Checked before a failed write is called
             # ambiguous: a reply that is not S3's is no reason to read the object back.
-            return self._not_s3(op, key, message.splitlines()[0])
-        if op == "put_if_absent" and _CONFLICT.search(message):
+            answer = _REPLY.sub(r"\1", message.splitlines()[0]).rstrip(": ")
+            return self._not_s3(op, key, f"{answer}: {reply.said}" if reply.said else answer)
+        if op == "put_if_absent" and (status == 409 or code == "ConditionalRequestConflict"):
             # Before the "exists" check: object_store reports a 409 as AlreadyExistsError, but
             # it means another conditional write is in flight (boto3: the same leaf).
             return ConcurrentWriteConflict(detail)
@@ -289,25 +404,29 @@ class ObstoreS3Store(S3Location):
         if isinstance(exc, (errors.NotFoundError, FileNotFoundError)):
             return ObjectNotFound(detail)
         denied = (errors.PermissionDeniedError, errors.UnauthenticatedError, PermissionError)
-        if isinstance(exc, denied) or _DENIED.search(message):
+        # (object_store reports a 401/403 to a listing, and a key's refusal in a DeleteObjects
+        # result, as a generic error.)
+        if isinstance(exc, denied) or status in (401, 403) or code in _DENIED_CODES:
             return self._denied(detail)
-        if op == "put_if_absent" and _NOT_IMPLEMENTED.search(message):
+        if op == "put_if_absent" and (status == 501 or code == "NotImplemented"):
             return self._no_conditional_writes(detail)
-        status = _STATUS.search(message)
-        unreachable = _UNREACHABLE.search(message) is not None
+        unreachable = _UNREACHABLE.search(text) is not None
         # Connected, then no answer (no status, and not a connect that failed or timed out).
-        silent = status is None and not unreachable and _TIMED_OUT.search(message) is not None
+        silent = status is None and not unreachable and _TIMED_OUT.search(text) is not None
         if silent and self._answer_within is not None:
             return self._silent(op, key)  # the probe: it fails at once, writes included
+        if status is not None and status < 500 and status != 429:
+            # A definite answer, also to a write: refused, nothing was stored (as on boto3).
+            # Classified by status and code only: the words of the reply and of object_store's
+            # dump (request ids, timings "in 503.1ms") say nothing.
+            return TransientStoreError(detail) if code in _THROTTLED_CODES else StoreError(detail)
         if write:
             return AmbiguousWriteError(f"{detail}; the write may have landed, read it back")
-        if status is not None:
-            # The server answered: classify by its status and code only. The keyword patterns
-            # below would also match request ids and timings in its reply ("in 503.1ms").
-            code = int(status.group(1))
-            if code >= 500 or code == 429 or _THROTTLED_CODE.search(message):
-                return TransientStoreError(detail)
-            return StoreError(detail)
+        if status is not None:  # 5xx or 429
+            return TransientStoreError(detail)
+        if code is not None:
+            # S3's answer without an error status: a key's error in a DeleteObjects result.
+            return TransientStoreError(detail) if code in _TRANSIENT_CODES else StoreError(detail)
         if unreachable:
             return StoreUnavailable(
                 f"cannot {what}: {self._endpoint_shown} is unreachable (refused, DNS, TLS "
@@ -321,7 +440,7 @@ class ObstoreS3Store(S3Location):
                 "server, or not an S3 server on that port)"
             )
         # Every RetryError dump names its "retry_timeout" setting, which is no sign of a timeout.
-        if _TRANSIENT.search(message.replace("retry_timeout", "")):
+        if _TRANSIENT.search(text.replace("retry_timeout", "")):
             return TransientStoreError(detail)
         return StoreError(detail)
 
@@ -385,7 +504,7 @@ class ObstoreS3Store(S3Location):
         except Exception as exc:
             if "non-partial response" in str(exc):
                 return self._range_of_whole_object(key, full, rng)
-            if self._past_the_end(exc):
+            if self._past_the_end(exc, full):
                 self.head(key)  # out of range, or missing? only the latter is an error
                 return b""
             raise self._translate(exc, op="get_range", key=key) from exc
@@ -413,10 +532,11 @@ class ObstoreS3Store(S3Location):
             raise self._translate(exc, op="get_range", key=key) from exc
         return bytes(data[start:end])
 
-    def _past_the_end(self, exc: Exception) -> bool:
+    def _past_the_end(self, exc: Exception, full: str) -> bool:
         if isinstance(exc, (self._errors.NotFoundError, FileNotFoundError)):
             return False
-        return _PAST_THE_END.search(str(exc)) is not None
+        reply = self._read_error(exc, [full])
+        return reply.code == "InvalidRange" or _PAST_THE_END.search(reply.text) is not None
 
     def head(self, key: str) -> ObjectMeta:
         full = self._key(key)
@@ -459,7 +579,9 @@ class ObstoreS3Store(S3Location):
         except StoreError:
             raise
         except Exception as exc:
-            raise self._translate(exc, op="list", key=prefix or None) from exc
+            # The request names the directory (with a trailing "/") and the offset, not prefix
+            named = [directory, directory.rstrip("/"), wanted, offset or ""]
+            raise self._translate(exc, op="list", key=prefix or None, paths=named) from exc
 
     def delete_many(self, keys: Iterable[str]) -> None:
         paths = [self._key(k) for k in keys]
@@ -469,6 +591,7 @@ class ObstoreS3Store(S3Location):
             self._obs.delete(self._store, paths)
         except Exception as exc:
             missing = isinstance(exc, (self._errors.NotFoundError, FileNotFoundError))
-            if missing and "NoSuchBucket" not in str(exc):
+            if missing and self._read_error(exc, paths).code != "NoSuchBucket":
                 return
-            raise self._translate(exc, op="delete", key=paths[0][len(self.prefix) :]) from exc
+            rel = paths[0][len(self.prefix) :]
+            raise self._translate(exc, op="delete", key=rel, paths=paths) from exc

@@ -21,13 +21,20 @@ from batchweave._errors import (
     ObjectNotFound,
     StoreError,
     StoreUnavailable,
+    TransientStoreError,
 )
 from batchweave._store._base import ObjectStore
 from batchweave._store._file import FileStore, check_root
 from batchweave._store._memory import MemoryStore
 from batchweave._store._obstore import ObstoreS3Store
 from batchweave._store._s3 import S3Store
-from batchweave._store._s3_location import S3Location, check_s3_arguments, redact_url
+from batchweave._store._s3_location import (
+    S3Location,
+    check_s3_arguments,
+    has_url_credentials,
+    redact_url,
+    refuse_url_credentials,
+)
 
 __all__ = [
     "PROBE_FIRST",
@@ -105,7 +112,7 @@ class _Target:
     location: str
     """The file root, the memory store's name, or the bucket."""
     prefix: str = ""
-    """The S3 prefix (still quoted as in the URL: unquoted where used)."""
+    """The S3 prefix, unquoted (``%20`` is a space)."""
 
 
 def _parse(url: str, options: dict[str, Any], s3_client: str) -> _Target:
@@ -118,8 +125,10 @@ def _parse(url: str, options: dict[str, Any], s3_client: str) -> _Target:
     try:
         parts = urlsplit(url)
     except ValueError as exc:  # e.g. an unclosed IPv6 bracket: s3://[::1/prefix
+        # Some of these errors quote the netloc, which may hold credentials.
+        detail = "" if has_url_credentials(url) else f" ({exc})"
         raise InvalidStoreURL(
-            f"store URL {shown!r} is malformed ({exc}); use file:///absolute/path, "
+            f"store URL {shown!r} is malformed{detail}; use file:///absolute/path, "
             "s3://bucket/prefix or memory://name"
         ) from None
     scheme = parts.scheme.lower()
@@ -128,6 +137,10 @@ def _parse(url: str, options: dict[str, Any], s3_client: str) -> _Target:
             f"store URL {shown!r} has the unsupported scheme {parts.scheme!r}; "
             f"supported: {', '.join(s + '://' for s in SCHEMES)}"
         )
+    if scheme == "s3":
+        # Before anything reads the netloc: a secret holding '/', '?' or '#' ends it early,
+        # leaving the rest of the credentials in the bucket, the prefix or the query.
+        refuse_url_credentials(url, "store URL")
     if parts.query or parts.fragment:
         raise InvalidStoreURL(
             f"store URL {shown!r} has a query or fragment; pass options as keyword arguments"
@@ -156,7 +169,23 @@ def _parse(url: str, options: dict[str, Any], s3_client: str) -> _Target:
         return _Target(kind, path)
     if not parts.netloc:
         raise InvalidStoreURL(f"S3 URL {shown!r} has no bucket; use s3://bucket/prefix")
-    return _Target(kind, parts.netloc, parts.path)
+    return _Target(kind, parts.netloc, _unquote_prefix(parts.path, shown))
+
+
+def _unquote_prefix(path: str, shown: str) -> str:
+    """The S3 prefix ``path`` of a URL unquoted; ``InvalidStoreURL`` for a %-escape not UTF-8.
+
+    S3 keys are UTF-8 text; ``unquote``'s default would silently turn ``%FF`` into U+FFFD, and
+    the store would live under another prefix than the URL says.
+    """
+    try:
+        return unquote(path, errors="strict")
+    except UnicodeDecodeError as exc:  # exc.object: the bytes of the run of escapes
+        bad = "".join(f"%{byte:02X}" for byte in exc.object[exc.start : exc.end])
+        raise InvalidStoreURL(
+            f"S3 URL {shown!r} has a %-escape that is not UTF-8 ({bad}); S3 keys are UTF-8 "
+            "text: escape each character's UTF-8 bytes (%C3%A9 for \u00e9)"
+        ) from None
 
 
 def _construct(url: str, options: dict[str, Any], s3_client: str) -> ObjectStore:
@@ -165,9 +194,11 @@ def _construct(url: str, options: dict[str, Any], s3_client: str) -> ObjectStore
         return MemoryStore.named(target.location)
     if target.kind == "file":
         return FileStore(target.location, **options)
+    # The backends check what they get too, but not the region (neither passes it on).
+    _check_s3(target, options)
     if target.kind == "s3+obstore":
-        return ObstoreS3Store(target.location, unquote(target.prefix), **options)
-    return S3Store(target.location, unquote(target.prefix), **options)
+        return ObstoreS3Store(target.location, target.prefix, **options)
+    return S3Store(target.location, target.prefix, **options)
 
 
 def check_store_url(url: str, *, s3_client: str = "boto3", **options: Any) -> None:
@@ -183,16 +214,20 @@ def check_store_url(url: str, *, s3_client: str = "boto3", **options: Any) -> No
     if target.kind == "file":
         check_root(target.location)
     elif target.kind != "memory":
-        factory = S3Store if target.kind == "s3" else ObstoreS3Store
-        given = inspect.signature(factory).bind(target.location, unquote(target.prefix), **options)
-        given.apply_defaults()
-        value = given.arguments
-        # What S3Location.__init__ checks for both backends, without building a client.
-        check_s3_arguments(
-            value["bucket"],
-            value["prefix"],
-            **{name: value[name] for name in _S3_CHECKED if name in value},
-        )
+        _check_s3(target, options)
+
+
+def _check_s3(target: _Target, options: dict[str, Any]) -> None:
+    """What ``S3Location.__init__`` checks for both backends (and the region), without a client."""
+    factory = S3Store if target.kind == "s3" else ObstoreS3Store
+    given = inspect.signature(factory).bind(target.location, target.prefix, **options)
+    given.apply_defaults()
+    value = given.arguments
+    check_s3_arguments(
+        value["bucket"],
+        value["prefix"],
+        **{name: value[name] for name in _S3_CHECKED if name in value},
+    )
 
 
 _S3_CHECKED = tuple(
@@ -219,16 +254,21 @@ def _missing_slashes(url: object) -> str:
         return f"store URL must be a str, got {type(url).__name__}; {usage}"
     scheme, colon, rest = url.partition(":")
     if colon and scheme.lower() in SCHEMES:
+        # Credentials (s3:key:secret@bucket) are masked as in a URL with its slashes.
+        shown = redact_url(url, authority_at=len(url) - len(rest.lstrip("/")))
         if scheme.lower() == "file":
             if not rest.startswith("/"):
-                return f"file URL {url!r} needs an absolute path: file:///absolute/path"
+                return f"file URL {shown!r} needs an absolute path: file:///absolute/path"
             meant = f"file://{rest}"  # rest is '/abs/path': no '://' got us here
         else:
             meant = f"{scheme}://{rest.lstrip('/')}"
-        return f"store URL {url!r} is missing slashes after '{scheme}:'; did you mean {meant!r}?"
+        return (
+            f"store URL {shown!r} is missing slashes after '{scheme}:'; did you mean "
+            f"{redact_url(meant)!r}?"
+        )
     if url.startswith("/"):
         return f"store URL {url!r} has no scheme; for a local directory use 'file://{url}'"
-    return f"store URL {url!r} has no scheme; {usage}"
+    return f"store URL {redact_url(url, authority_at=0)!r} has no scheme; {usage}"
 
 
 def _read_back_probe(store: ObjectStore, key: str, ambiguous: AmbiguousWriteError) -> None:
@@ -339,19 +379,32 @@ def probe_conditional_writes(store: ObjectStore, key: str, *, delete: bool) -> N
     (``probe_timeout``); a WARNING says so if no answer comes for :data:`SLOW_PROBE_NOTICE`
     seconds. With ``delete``, ``key`` is deleted afterwards, but not after ``StoreUnavailable``:
     an endpoint that is unreachable, or did not answer within the probe's timeout, would only
-    keep the caller waiting as long again.
+    keep the caller waiting as long again. Nor if the store refused the first create (a missing
+    bucket, no permission): then there is no probe object to delete.
     """
     view = store._probe_view() if isinstance(store, S3Location) else None
     target = store if view is None else view
     unavailable = False
+    refused = False
     try:
         with _notice_if_slow(store, key):
-            _create_twice(target, key)
+            try:
+                target.put_if_absent(key, PROBE_FIRST)
+            except ObjectExists:
+                pass  # our own retried first attempt landed: all the probe needs
+            except AmbiguousWriteError as exc:
+                _read_back_probe(target, key, exc)
+            except (TransientStoreError, StoreUnavailable):
+                raise  # the create may have landed (or the store is out of reach: see below)
+            except StoreError:
+                refused = True  # a definite refusal (a missing bucket, AccessDenied)
+                raise
+            _create_second(target, key)
     except StoreUnavailable:
         unavailable = True
         raise
     finally:
-        if delete and not unavailable:
+        if delete and not unavailable and not refused:
             try:
                 target.delete_many([key])
             except StoreError as exc:
@@ -360,13 +413,7 @@ def probe_conditional_writes(store: ObjectStore, key: str, *, delete: bool) -> N
             view.close()
 
 
-def _create_twice(store: ObjectStore, key: str) -> None:
-    # ObjectExists here means our own retried first attempt landed: all the probe needs.
-    with contextlib.suppress(ObjectExists):
-        try:
-            store.put_if_absent(key, PROBE_FIRST)
-        except AmbiguousWriteError as exc:
-            _read_back_probe(store, key, exc)
+def _create_second(store: ObjectStore, key: str) -> None:
     try:
         store.put_if_absent(key, PROBE_SECOND)
     except ObjectExists:

@@ -78,6 +78,8 @@ _THROTTLED = frozenset(
         "TooManyRequests",
     }
 )
+_TRANSIENT_CODES = _THROTTLED | {"InternalError", "ServiceUnavailable"}
+"""Codes that are transient without a status: a key's error in a DeleteObjects result."""
 _WRITE_OPS = frozenset({"put", "put_if_absent"})
 _LISTING_FIELDS = frozenset({"IsTruncated", "Contents", "Name", "Prefix", "KeyCount", "MaxKeys"})
 """Elements of a ListObjectsV2 result. S3 sends all of them (``Contents`` when not empty), some
@@ -210,6 +212,7 @@ class S3Store(S3Location):
             access_key_id=access_key_id,
             secret_access_key=secret_access_key,
             session_token=session_token,
+            region=region,
             options=None
             if client is not None
             else {
@@ -431,9 +434,11 @@ class S3Store(S3Location):
     def _from_code(
         self, code: str, status: int, detail: str, *, op: str, key: str | None
     ) -> StoreError:
-        if code == "PreconditionFailed" or (status == 412 and op == "put_if_absent"):
+        # Only the conditional PUT asks a condition: a 412 or 409 to another request is no
+        # answer about the key (and a plain StoreError below).
+        if op == "put_if_absent" and (code == "PreconditionFailed" or status == 412):
             return ObjectExists(detail)
-        if code == "ConditionalRequestConflict" or (status == 409 and op == "put_if_absent"):
+        if op == "put_if_absent" and (code == "ConditionalRequestConflict" or status == 409):
             return ConcurrentWriteConflict(detail)
         if code == "NoSuchBucket":
             return self._missing_bucket(detail)
@@ -450,6 +455,9 @@ class S3Store(S3Location):
         if op in _WRITE_OPS and status >= 500:
             return AmbiguousWriteError(f"{detail}; the write may have landed, read it back")
         if code in _THROTTLED or status >= 500 or status == 429:
+            return TransientStoreError(detail)
+        if status == 0 and code in _TRANSIENT_CODES:
+            # A key's error in a DeleteObjects result, which has no status of its own.
             return TransientStoreError(detail)
         return StoreError(detail)
 

@@ -45,7 +45,9 @@ retry would add as long again. Throttling, 5xx and connect errors still get thes
 
 _USERINFO = re.compile(r"(?<=://)[^/?#\s\"']*@")
 """The ``user:password@`` of any URL in a text (botocore and obstore quote request URLs), up to
-the authority's last ``@``, as ``urlsplit`` reads it: a password may contain ``@`` itself."""
+the authority's last ``@``, as ``urlsplit`` reads it: a password may contain ``@`` itself. A
+URL given to BatchWeave is masked by :func:`redact_url`, which also finds a password holding
+``/``, ``?`` or ``#`` (a URL with credentials is refused, so none reaches the clients' text)."""
 
 
 _BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
@@ -75,31 +77,79 @@ have 40 characters and MinIO refuses fewer than 8, while test setups use "a", "t
 _UNPRINTABLE = re.compile(r"[\x00-\x20\x7f]")
 """Spaces and control characters: never part of a URL; a pasted one would corrupt every request."""
 
+_NOT_IN_CREDENTIALS = re.compile(r"[\s\x00-\x1f\x7f-\x9f]")
+"""Whitespace and control characters (a trailing newline of a credential read from a file):
+never part of a credential or region. botocore sends them and echoes the value escaped, which
+the scrubbing of messages does not recognize; obstore panics (a ``BaseException``)."""
+
 
 def _redact_userinfo(text: str) -> str:
     return _USERINFO.sub("***@", text)
 
 
-def redact_url(url: str) -> str:
-    """``url`` for an error message: ``user:password@`` masked, query and fragment cut off."""
-    shown = _redact_userinfo(url)
+def _userinfo_end(url: str, start: int) -> int:
+    """Where the ``user:password@`` that would begin at ``url[start]`` ends (past its ``@``), or -1.
+
+    A password may hold ``/``, ``?`` or ``#`` (AWS secret keys often hold ``/``), which end the
+    authority where ``urlsplit`` reads it, and ``@``. So an ``@`` anywhere after ``start`` ends
+    credentials if the authority as ``urlsplit`` reads it holds an ``@``, or a ``:`` that starts
+    no port (``host:9000``) and is not in an IPv6 literal or an access point ARN; they then run
+    to the last ``@``. That may hide more than the credentials (an ``@`` in a key), never less.
+    """
+    last = url.rfind("@", start)
+    if last < 0:
+        return -1
+    authority = re.split(r"[/?#]", url[start:], maxsplit=1)[0]
+    if "@" not in authority:
+        if authority.startswith(("[", "arn:")):
+            return -1
+        colon, port = authority.partition(":")[1:]
+        if not colon or (port.isascii() and port.isdigit()):
+            return -1
+    return last + 1
+
+
+def _redact_credentials(url: str, start: int | None = None) -> str:
+    """``url`` with its ``user:password@`` masked (see :func:`_userinfo_end`).
+
+    ``start``: where the authority begins (the default: after ``://``; none: ``url`` as is).
+    """
+    if start is None:
+        scheme_end = url.find("://")
+        if scheme_end < 0:
+            return url
+        start = scheme_end + 3
+    end = _userinfo_end(url, start)
+    return url if end < 0 else f"{url[:start]}***@{url[end:]}"
+
+
+def redact_url(url: str, *, authority_at: int | None = None) -> str:
+    """``url`` for an error message: ``user:password@`` masked, query and fragment cut off.
+
+    ``authority_at``: where the authority begins, for a URL without ``://`` (``s3:key:secret@b``);
+    by default it follows ``://``.
+    """
+    shown = _redact_credentials(url, authority_at)
     cut = min((i for i in (shown.find("?"), shown.find("#")) if i >= 0), default=-1)
     return shown if cut < 0 else shown[:cut] + "?..."
+
+
+def has_url_credentials(url: str) -> bool:
+    """Whether ``url`` (with ``://``) holds ``user:password@``, as :func:`redact_url` masks it."""
+    scheme_end = url.find("://")
+    return scheme_end >= 0 and _userinfo_end(url, scheme_end + 3) >= 0
 
 
 def refuse_url_credentials(endpoint_url: str, what: str) -> None:
     """``InvalidStoreURL`` (not echoing them) if ``endpoint_url`` has ``user:password@``.
 
     They would be echoed in every error, repr and botocore log line; S3 signs requests with
-    access keys and never uses URL credentials.
+    access keys and never uses URL credentials. A password holding ``/``, ``?``, ``#`` or ``@``
+    counts too (see :func:`_userinfo_end`).
     """
-    try:
-        netloc = urlsplit(endpoint_url).netloc
-    except ValueError:  # malformed (a bad IPv6 literal): look at the authority by hand
-        netloc = endpoint_url.partition("://")[2].partition("/")[0]
-    if "@" in netloc:
+    if has_url_credentials(endpoint_url):
         raise InvalidStoreURL(
-            f"{what} {_redact_userinfo(endpoint_url)!r} carries credentials (user:password@); "
+            f"{what} {redact_url(endpoint_url)!r} carries credentials (user:password@); "
             "S3 does not use them: remove them from the URL and pass access_key_id/"
             "secret_access_key (or set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) instead"
         )
@@ -120,7 +170,7 @@ def check_endpoint(endpoint_url: object, what: str, *, bucket: str) -> None:
     example = "give scheme, host and port, e.g. http://127.0.0.1:9000"
     if not isinstance(endpoint_url, str):
         raise InvalidStoreURL(f"{what} must be a str, got {type(endpoint_url).__name__}; {example}")
-    where = f"{what} {_redact_userinfo(endpoint_url)!r}"
+    where = f"{what} {_redact_credentials(endpoint_url)!r}"
     if _UNPRINTABLE.search(endpoint_url):
         raise InvalidStoreURL(f"{where} contains spaces or control characters; {example}")
     refuse_url_credentials(endpoint_url, what)
@@ -223,6 +273,8 @@ def check_s3_arguments(
     max_attempts: object,
     addressing_style: object,
     max_pool_connections: object = _NO_POOL,
+    session_token: str | None = None,
+    region: str | None = None,
 ) -> CheckedS3:
     """Check an S3 backend's location and client options; ``InvalidStoreURL`` naming what is wrong.
 
@@ -230,11 +282,28 @@ def check_s3_arguments(
     :func:`~batchweave._store._open.check_store_url`, which runs it where no store is opened:
     pure, no request, no credentials resolved. So both backends refuse the same values with the
     same words (the clients' own errors are not ``BatchWeaveError`` and name no option), before
-    a client is built. Credentials are never echoed: only which one is missing.
+    a client is built. Credentials are never echoed: only which one is missing or unusable.
     ``max_pool_connections`` is left out for a backend without that option.
     """
     prefix = check_location(bucket, prefix, endpoint_url)
     url = location_url(bucket, prefix)
+    strings = {
+        "access_key_id": access_key_id,
+        "secret_access_key": secret_access_key,
+        "session_token": session_token,
+        "region": region,
+    }
+    for name, value in strings.items():
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise InvalidStoreURL(f"{url}: {name} must be a str, got {type(value).__name__}")
+        if _NOT_IN_CREDENTIALS.search(value):
+            # The value is not shown: it may be a secret.
+            raise InvalidStoreURL(
+                f"{url}: {name} contains whitespace or control characters (a trailing "
+                "newline, if it was read from a file?); strip them"
+            )
     if (access_key_id is None) != (secret_access_key is None):
         given, missing = (
             ("access_key_id", "secret_access_key")
@@ -319,8 +388,10 @@ class S3Location(ObjectStore):
         secret_access_key: str | None,
         session_token: str | None,
         options: Mapping[str, object] | None,
+        region: str | None = None,
     ) -> None:
-        """Check the location and ``options`` (the client options; ``None``: not used here)."""
+        """Check the location, credentials, ``region`` and ``options`` (the client options;
+        ``None``: an injected client, which uses none of them)."""
         if options is None:  # an injected client: only the location is ours
             prefix = check_location(bucket, prefix, endpoint_url)
             checked = CheckedS3(prefix, location_url(bucket, prefix), None)
@@ -331,6 +402,8 @@ class S3Location(ObjectStore):
                 endpoint_url=endpoint_url,
                 access_key_id=access_key_id,
                 secret_access_key=secret_access_key,
+                session_token=session_token,
+                region=region,
                 **options,
             )
         self.bucket = bucket
