@@ -114,7 +114,9 @@ class LanceSource:
         if self.columns is not None:
             self._check_columns(self.columns)
         wanted = self.dataset.schema.names if self.columns is None else self.columns
-        self._blob_columns = [name for name in wanted if _is_blob(self.dataset.schema.field(name))]
+        self._blob_columns = [
+            path for name in wanted for path in _blob_paths(self.dataset.schema, name)
+        ]
         total = self.dataset.count_rows()
         self._rows_per_epoch = len(range(shard, total, num_shards))
         if self._rows_per_epoch == 0:
@@ -237,12 +239,15 @@ class LanceSource:
                 f"a new source with version={self.version}"
             )
         table = self.dataset.take(rows, columns=self.columns)
-        for name in self._blob_columns:
+        for path in self._blob_columns:
             # take() returns a blob column's descriptors (position, size), not its bytes.
-            blobs = self.dataset.read_blobs(name, indices=rows, preserve_order=True)
+            blobs = self.dataset.read_blobs(".".join(path), indices=rows, preserve_order=True)
             data = pa.array([value for _, value in blobs], pa.large_binary())
-            index = table.schema.get_field_index(name)
-            table = table.set_column(index, pa.field(name, pa.large_binary()), data)
+            index = table.schema.get_field_index(path[0])
+            column = data
+            if len(path) > 1:  # a blob inside a struct column: rebuild the struct around it
+                column = _replace_child(table.column(index).combine_chunks(), path[1:], data)
+            table = table.set_column(index, pa.field(path[0], column.type), column)
         return table
 
     def iter_from(self, offset: int, stop: int | None = None) -> Iterator[tuple[int, pa.Table]]:
@@ -278,6 +283,50 @@ def _batch_offset(offset: object) -> int:
     if offset < 0:
         raise IndexError(f"batch offset must be >= 0, got {offset}")
     return offset
+
+
+def _blob_paths(schema: pa.Schema, name: str) -> list[tuple[str, ...]]:
+    """The paths of the blob columns column ``name`` reads: itself, or blobs nested in it.
+
+    ``name`` is a top-level column or a dotted path into struct columns (``"st.x"``), as
+    Lance's ``columns=`` takes them (already checked to resolve).
+    """
+    if name in schema.names:
+        path: tuple[str, ...] = (name,)
+        field = schema.field(name)
+    else:
+        path = tuple(name.split("."))
+        field = schema.field(path[0]) if path[0] in schema.names else None
+        for part in path[1:]:
+            if field is None or not pa.types.is_struct(field.type):
+                return []
+            index = field.type.get_field_index(part)
+            field = field.type.field(index) if index >= 0 else None
+        if field is None:
+            return []
+    return _blobs_under(field, path)
+
+
+def _blobs_under(field: pa.Field, path: tuple[str, ...]) -> list[tuple[str, ...]]:
+    if _is_blob(field):
+        return [path]
+    if pa.types.is_struct(field.type):
+        return [found for child in field.type for found in _blobs_under(child, (*path, child.name))]
+    return []
+
+
+def _replace_child(column: pa.Array, path: tuple[str, ...], data: pa.Array) -> pa.Array:
+    """``column`` with the child at ``path`` (struct field names; ``()``: itself) ``data``."""
+    if not path:
+        return data
+    struct_type = column.type
+    children = [column.field(i) for i in range(struct_type.num_fields)]
+    fields = list(struct_type)
+    index = struct_type.get_field_index(path[0])
+    children[index] = _replace_child(children[index], path[1:], data)
+    fields[index] = pa.field(path[0], children[index].type)
+    mask = column.is_null() if column.null_count else None
+    return pa.StructArray.from_arrays(children, fields=fields, mask=mask)
 
 
 def _is_blob(field: pa.Field) -> bool:

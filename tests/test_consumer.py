@@ -646,6 +646,53 @@ def test_large_slices_on_files_are_mapped_not_copied(tmp_path: Path) -> None:
     assert isinstance(_buffer_owner(copied[0]["x"]), bytes)
 
 
+@pytest.mark.parametrize("slice_table_limit", [32, 0])
+def test_tensor_slices_after_the_first_decode_aligned_in_one_read_per_object(
+    tmp_path: Path, slice_table_limit: int
+) -> None:
+    # Before: slices were stored back to back, so a float64 array in a slice after an odd-length
+    # one sat at address mod 8 = 3, both for a consumer with a smaller cp reading several
+    # slices with one range read and for a slice mapped from its file. The tensors codec pads
+    # each slice to a multiple of 64 bytes: still back to back, so still one read per object.
+    inner = FileStore(tmp_path, fsync=False)
+    mesh = Mesh(dp=2, cp=2)
+    odd = {"m": np.ones(3, np.bool_)}  # 3 bytes of tensor data: an odd-length slice before
+    with Producer(
+        inner,
+        "run",
+        producer_id="p",
+        mesh=mesh,
+        policy="naive",
+        codec="tensors",
+        slice_table_limit=slice_table_limit,
+    ) as p:
+        for o in range(2):
+            x = {"x": np.arange(3, dtype=np.float64) + o, "c": np.ones(2, np.complex128)}
+            p.append([odd, x, odd, x], offset=o)
+        p.seal()
+    _, footer = _object_of(inner, "run", 0)
+    assert [e.offset % 64 for e in footer.slices] == [0, 0, 0, 0]
+    assert _runs(footer, 0, [0, 1, 2, 3]) == [list(enumerate(footer.slices))]
+
+    def check(x: dict[str, np.ndarray], o: int) -> None:
+        assert x["x"].tolist() == [o, o + 1, o + 2]
+        for arr in x.values():
+            assert arr.flags.aligned, (arr.dtype, arr.ctypes.data % 64)
+
+    store = DataCountingStore(inner)
+    got = consume(store, "run", Mesh(dp=2, cp=1), dp_rank=1, prefetch=0)  # slices 2 and 3
+    for o, (step, (first, second)) in enumerate(got):
+        assert step == o
+        assert first["m"].tolist() == [True] * 3
+        check(second, o)
+    footer_reads = 0 if slice_table_limit else 2
+    assert store.snapshot().range_gets == 2 + footer_reads  # one range read per step
+    mapped = consume(inner, "run", mesh, dp_rank=1, cp_rank=1, map_threshold=1)
+    for o, (_, x) in enumerate(mapped):
+        assert isinstance(_buffer_owner(x["x"]), mmap.mmap)  # a view of the mapped object
+        check(x, o)
+
+
 def _buffer_owner(array: np.ndarray) -> object:
     """The object whose memory ``array`` views (through any chain of views)."""
     base = array.base

@@ -52,7 +52,8 @@ from batchweave._format import (
     _tgb,
     checksum,
 )
-from batchweave._format._tgb import _pack_trailer, decode_entry
+from batchweave._format._codecs import TENSOR_ALIGNMENT
+from batchweave._format._tgb import _pack_trailer, check_encoded, decode_entry
 from batchweave._store._base import ByteRange
 
 KEY = "data/p0/1/7-abc.tgb"
@@ -171,6 +172,9 @@ def test_round_trip_every_codec(codec: str, data: st.DataObject) -> None:
                 codec, decode_slice(enc.data[rng.start : rng.end], footer, i, key=KEY), want
             )
             assert footer.slices[i].sample_count == expected_samples(codec, want)
+            if codec == "tensors" and footer.compression is None:
+                # each slice (so each tensor) starts at a multiple of 64 in the object
+                assert footer.slices[i].offset % TENSOR_ALIGNMENT == 0
 
 
 def test_builder_matches_encode_tgb_and_checks_completeness() -> None:
@@ -231,6 +235,38 @@ def test_an_encoded_tgb_of_one_part_reads_the_same() -> None:
     assert whole.size == enc.size == len(enc.data)
     assert whole.footer_bytes == enc.footer_bytes
     assert whole.data == enc.data
+
+
+def test_a_tgb_split_after_its_payload_keeps_its_footer_bytes() -> None:
+    # Before: footer_bytes returned parts[-2] whenever it was footer_length bytes long, without
+    # checking that parts[-1] is the trailer. Split as (payload, footer + trailer), which
+    # check_encoded accepts, a payload exactly as long as the footer was taken for the footer:
+    # the manifest recorded its checksum as the footer's and every read of the step failed.
+    mesh = Mesh(dp=1)
+    n = encode_tgb([b"x"], mesh).footer_length
+    for _ in range(5):  # the footer grows with the payload's length digits: find a fixed point
+        enc = encode_tgb([b"x" * n], mesh)
+        if enc.footer_length == n:
+            break
+        n = enc.footer_length
+    assert enc.footer_offset == enc.footer_length
+    data = enc.data
+    split = EncodedTgb(
+        parts=(data[: enc.footer_offset], data[enc.footer_offset :]),
+        footer=enc.footer,
+        footer_offset=enc.footer_offset,
+        footer_length=enc.footer_length,
+    )
+    check_encoded(split, what="split TGB")
+    assert bytes(split.footer_bytes) == bytes(enc.footer_bytes) == data[n : 2 * n]
+    store = MemoryStore()
+    with bw.Producer(
+        store, "ns", producer_id="p", mesh=mesh, policy="naive", slice_table_limit=0
+    ) as producer:
+        producer.append(split, offset=0)
+        producer.seal()
+    with bw.Consumer(store, "ns", mesh=mesh, dp_rank=0) as consumer:
+        assert [data for _, data in consumer] == [b"x" * n]
 
 
 def test_encode_validates_its_arguments() -> None:
@@ -653,6 +689,39 @@ def test_inconsistent_footers_are_rejected(mutate: Any, match: str) -> None:
     with pytest.raises(FormatError, match=match) as info:
         parse_footer(craft(doc, payload=enc.data[: enc.footer_offset]), key=KEY)
     assert repr(KEY) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda d: d.update(format_version="1"), "format_version must be a JSON integer"),
+        (lambda d: d.update(format_version=1.0), "format_version must be a JSON integer"),
+        (lambda d: d.update(format_version=True), "format_version must be a JSON integer"),
+        (lambda d: d.update(format_version="3"), "format_version must be a JSON integer"),
+        (lambda d: d.update(format_version=3.0), "format_version must be a JSON integer"),
+        (lambda d: d.update(mesh={"dp": "2", "cp": 1}), r"mesh\.dp"),
+        (lambda d: d.update(mesh={"dp": 2, "cp": 1.0}), r"mesh\.cp"),
+        (lambda d: d.update(payload_length=7.0), "payload_length"),
+        (lambda d: d["slices"][0].update(checksum=str(d["slices"][0]["checksum"])), "checksum"),
+        (lambda d: d["slices"][1].update(sample_count=True), "sample_count"),
+        (lambda d: d["slices"][1].update(offset=3.0), "offset"),
+    ],
+)
+def test_footer_values_of_the_wrong_json_type_are_refused_not_coerced(
+    mutate: Any, match: str
+) -> None:
+    # Before: "3" or 3.0 became format 3 (a footer instead of an error from
+    # parse_footer_exact), mesh dp "2", checksum "123" and sample_count true were accepted:
+    # docs/format.md says integers are JSON integers.
+    enc = encode_tgb([b"abc", b"defg"], Mesh(dp=2))
+    doc = _footer_doc(enc)
+    mutate(doc)
+    with pytest.raises(FormatError, match=match) as info:
+        parse_footer(craft(doc, payload=enc.data[: enc.footer_offset]), key=KEY)
+    assert not isinstance(info.value, UnsupportedFormatVersion)
+    assert repr(KEY) in str(info.value)
+    with pytest.raises(FormatError, match=match):
+        parse_footer_exact(json.dumps(doc).encode(), key=KEY)
 
 
 @pytest.mark.parametrize(

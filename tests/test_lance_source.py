@@ -286,6 +286,29 @@ def test_blob_columns_come_back_as_bytes_not_descriptors(tmp_path: Path) -> None
     assert LanceSource(uri, rows_per_batch=4, columns=["id"]).take(0).column_names == ["id"]
 
 
+def test_nested_columns_are_read_and_nested_blobs_come_back_as_bytes(tmp_path: Path) -> None:
+    # Before: columns=["st.x"] passed the column check (Lance resolves nested paths) and then
+    # raised a raw KeyError from schema.field("st.x") while looking for blob columns.
+    uri = str(tmp_path / "nested.lance")
+    payloads = [bytes([i]) * (i + 1) for i in range(6)]
+    blob = pa.field("b", pa.large_binary(), metadata={"lance-encoding:blob": "true"})
+    struct = pa.struct([pa.field("x", pa.int64()), blob])
+    rows = [{"x": 10 * i, "b": payloads[i]} for i in range(6)]
+    table = pa.table({"id": pa.array(range(6), pa.int64()), "st": pa.array(rows, struct)})
+    lance.write_dataset(table, uri)
+    assert lance.dataset(uri).take([0], columns=["st.x"]).num_rows == 1  # Lance accepts it
+
+    x_only = LanceSource(uri, rows_per_batch=4, columns=["st.x"], shuffle=False).take(0)
+    assert x_only.to_pylist() == [{"st": {"x": 10 * i}} for i in range(4)]
+    # a blob nested in a struct, selected by its path, by its struct or with every column
+    for columns in (["id", "st.b"], ["id", "st"], None):
+        got = LanceSource(uri, rows_per_batch=3, columns=columns, shuffle=False).take(1)
+        assert got.column("id").to_pylist() == [3, 4, 5]
+        assert [row["b"] for row in got.column("st").to_pylist()] == payloads[3:6]
+    with pytest.raises(ValueError, match="columns"):
+        LanceSource(uri, rows_per_batch=4, columns=["st.nope"])
+
+
 def test_huge_offsets_stay_exact(dataset: str) -> None:
     source = LanceSource(dataset, rows_per_batch=7, seed=5)
     offset = 10**15 + 3

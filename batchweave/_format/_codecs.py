@@ -7,8 +7,9 @@ Three codecs, chosen by name and recorded in the TGB footer:
   ``pyarrow.Table`` whose buffers point into the slice bytes (zero-copy).
 - ``"tensors"``: a ``dict[str, numpy.ndarray]`` in a small self-describing layout (see
   ``docs/format.md``); decodes with ``np.frombuffer`` on the slice bytes, so no array data is
-  copied. Arrays decoded from an immutable ``bytes`` buffer are read-only; copy one
-  (``arr.copy()``) to modify it.
+  copied (unless the slice sits at an address that would misalign an array: slices written
+  by this library are padded so that it does not). Arrays decoded from an immutable ``bytes``
+  buffer are read-only; copy one (``arr.copy()``) to modify it.
 
 Compression (``"zstd"``) is applied by the container on top of a codec's bytes; codecs never see
 it. Decoders distrust their input: every length and offset is checked against the buffer before
@@ -192,7 +193,12 @@ def _tensors_encode(value: Any) -> Buffer:
                 f"{name + '_mask'!r}: np.ma.getmaskarray(arr)}}) or fill it (arr.filled(...))"
             )
         dtype_name = _dtype_name(name, raw)
-        arr = np.asarray(raw, dtype=TENSOR_DTYPES[dtype_name], order="C")
+        if dtype_name == "bool":
+            # Stored as 0/1: a bool array viewed from other bytes (uint8 2 or 255) holds
+            # them, and numpy copies them as they are.
+            arr = np.asarray(raw, order="C").view(np.uint8) != 0
+        else:
+            arr = np.asarray(raw, dtype=TENSOR_DTYPES[dtype_name], order="C")
         entries.append({"name": name, "dtype": dtype_name, "shape": list(arr.shape)})
         arrays.append(arr)
 
@@ -211,7 +217,11 @@ def _tensors_encode(value: Any) -> Buffer:
     header = header.ljust(header_len, b" ")
 
     last = entries[-1]["offset"] + arrays[-1].nbytes if arrays else _TENSOR_PREFIX + header_len
-    out = np.zeros(last, dtype=np.uint8)
+    # Zero-padded to a multiple of the alignment: slices are stored back to back, so in an
+    # uncompressed TGB every slice, and with it every tensor, starts at a multiple of 64 bytes
+    # from the object's start (a mapped object or a range read of several slices keeps arrays
+    # aligned).
+    out = np.zeros(_align(last), dtype=np.uint8)
     prefix = header_len.to_bytes(_TENSOR_PREFIX, "little") + header
     out[: len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
     for entry, arr in zip(entries, arrays, strict=True):
@@ -256,13 +266,25 @@ def _tensors_decode(buf: bytes | memoryview) -> dict[str, np.ndarray[Any, Any]]:
             spans.append((offset, offset + nbytes, name))
         count = nbytes // dtype.itemsize
         try:
-            out[name] = np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+            arr = np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
         except ValueError as exc:  # a shape numpy cannot hold: over 64 axes, an axis over 2^63
             raise _bad_tensors(f"tensor {name!r} has a shape numpy cannot hold: {exc}") from exc
+        if not arr.flags.aligned:
+            # A slice stored at an offset that is no multiple of 64 (written before slices
+            # were padded, or by another writer): copied, so no array is misaligned.
+            arr = _aligned_copy(arr)
+        out[name] = arr
     overlap = first_overlap(spans)
     if overlap is not None:
         raise _bad_tensors(f"tensors {overlap[0]!r} and {overlap[1]!r} overlap")
     return out
+
+
+def _aligned_copy(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """An aligned copy of ``arr``, read-only if ``arr`` is."""
+    copy: np.ndarray[Any, Any] = arr.copy()
+    copy.flags.writeable = arr.flags.writeable
+    return copy
 
 
 def first_overlap(spans: list[tuple[int, int, _T]]) -> tuple[_T, _T] | None:

@@ -230,14 +230,30 @@ class EncodedTgb:
     @property
     def footer_bytes(self) -> bytes | memoryview:
         """The footer JSON (``data[footer_offset : footer_offset + footer_length]``)."""
-        if len(self.parts) >= 2 and len(self.parts[-2]) == self.footer_length:
-            return self.parts[-2]  # laid out as built: ..., footer, trailer
+        # Only when the last part is exactly the trailer: a TGB reassembled as (payload,
+        # footer + trailer) may have a payload part as long as the footer.
+        parts = self.parts
+        if _is_footer_then_trailer(parts, self.footer_length):
+            return parts[-2]  # laid out as built: ..., footer, trailer
         return self.data[self.footer_offset : self.footer_offset + self.footer_length]
 
     @functools.cached_property
     def size(self) -> int:
         """Total object size in bytes."""
         return sum(memoryview(part).nbytes for part in self.parts)
+
+
+def _is_footer_then_trailer(parts: Sequence[bytes | memoryview], footer_length: int) -> bool:
+    """Whether ``parts`` end with the footer and the trailer as two separate byte parts."""
+    if len(parts) < 2:
+        return False
+    footer, trailer = memoryview(parts[-2]), memoryview(parts[-1])
+    return (
+        trailer.nbytes == TRAILER_SIZE
+        and trailer.itemsize == 1
+        and footer.nbytes == footer_length
+        and footer.itemsize == 1
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -590,13 +606,23 @@ def _footer_from_json(footer_bytes: bytes, key: str) -> TgbFooter:
         doc = json.loads(footer_bytes)
     except (ValueError, RecursionError) as exc:
         raise FormatError(f"object {key!r}: footer is not valid JSON ({exc})") from exc
-    version = doc.get("format_version") if isinstance(doc, dict) else None
-    if isinstance(version, int):
+    if isinstance(doc, dict) and "format_version" in doc:
+        version = doc["format_version"]
+        if type(version) is not int:
+            # Not coerced: "3" or 3.0 is no version, and must not read as a supported one.
+            raise FormatError(
+                f"object {key!r}: invalid TGB footer: format_version must be a JSON integer, "
+                f"got {version!r:.50}"
+            )
         _check_version(version, key)
     footer = _fast_footer(doc)
     if footer is None:
         try:
-            footer = TgbFooter.model_validate(doc)
+            # Strict: "2", 2.0 or true is no integer in a footer ("Integers are JSON
+            # integers", docs/format.md). Strict mode takes no list for a tuple.
+            if isinstance(doc, dict) and type(doc.get("slices")) is list:
+                doc = {**doc, "slices": tuple(doc["slices"])}
+            footer = TgbFooter.model_validate(doc, strict=True)
         except ValidationError as exc:
             raise FormatError(f"object {key!r}: invalid TGB footer: {exc}") from exc
         _check_footer(footer, key)
@@ -680,7 +706,7 @@ def _fast_footer(doc: Any) -> TgbFooter | None:
             return None
         entries.append(_entry(raw))
     try:
-        footer = TgbFooter.model_validate({**doc, "slices": tuple(entries)})
+        footer = TgbFooter.model_validate({**doc, "slices": tuple(entries)}, strict=True)
     except ValidationError:
         return None
     if (
@@ -793,7 +819,7 @@ def check_encoded(tgb: EncodedTgb, *, what: str) -> None:
     disagreement would commit a step no consumer can read. ``what`` names the TGB in errors.
     """
     parts = tgb.parts
-    if len(parts) >= 2 and len(parts[-1]) == TRAILER_SIZE and len(parts[-2]) == tgb.footer_length:
+    if _is_footer_then_trailer(parts, tgb.footer_length):
         tail: bytes | memoryview = bytes(parts[-2]) + bytes(parts[-1])
     else:
         tail = memoryview(tgb.data)[tgb.footer_offset :]
