@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchweave._errors import ChecksumMismatch, FormatError
+from batchweave._errors import ChecksumMismatch, FormatError, ObjectNotFound, StepReclaimed
 from batchweave._format._checksum import checksum
 from batchweave._format._tgb import TRAILER_SIZE, TgbFooter, parse_footer
 from batchweave._manifest._log import ManifestLog
@@ -136,6 +136,25 @@ def read_object_footer(store: ObjectStore, key: str, ref: TgbObjectRef) -> TgbFo
     return footer
 
 
+def _raise_if_reclaimed(
+    log: ManifestLog, manifest: Manifest, step: int, first: int, last: int
+) -> None:
+    """Raise :class:`StepReclaimed` if ``step``'s object is missing because a reclamation pass
+    moved ``base_step`` past it while the history was being read (reclaimers run at any time)."""
+    try:
+        base = log.latest().base_step
+    except FormatError:
+        return  # the damaged newest version is the problem to report, not this one
+    if step < base:
+        raise StepReclaimed(
+            f"steps {step}..{min(base, last) - 1} were reclaimed while the history was being "
+            f"read (base_step moved from {manifest.base_step} to {base}); the export is "
+            f"incomplete and was not written. Export again: its steps now start at {base} "
+            f"(steps {first}..{base - 1} are gone); to keep steps, hold a watermark at or below "
+            "the first step you need while exporting"
+        )
+
+
 def iter_membership(
     store: ObjectStore,
     namespace: str,
@@ -149,6 +168,8 @@ def iter_membership(
 
     Costs one footer range read per TGB object (slices are not read). ``manifest`` defaults to
     the namespace's newest version. ``progress(done, total)`` is called as steps are read.
+    Raises :class:`StepReclaimed` when a reclamation pass deletes steps not yet read (a
+    partial history would pass for the whole one).
     """
     log = ManifestLog(store, namespace)
     if manifest is None:
@@ -160,7 +181,11 @@ def iter_membership(
     for done, (step, desc) in enumerate(log.descriptors(manifest, first, last), 1):
         for ref in desc.objects:
             key = log.key(ref.key)
-            footer = read_object_footer(store, key, ref)
+            try:
+                footer = read_object_footer(store, key, ref)
+            except ObjectNotFound:
+                _raise_if_reclaimed(log, manifest, step, first, last)
+                raise
             ids = _sample_ids(footer, key)
             for j, entry in enumerate(footer.slices):
                 d, c = divmod(ref.first_slice + j, cp)

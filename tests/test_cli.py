@@ -6,16 +6,23 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import lance
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 import batchweave as bw
+import batchweave._history as history
+import batchweave.cli._app as cli_app
+import batchweave.cli._verify as cli_verify
 from batchweave._history import SAMPLE_IDS_KEY, sample_ids_metadata
 from batchweave.cli._app import cli
+from batchweave.cli._common import CliFailure
+from batchweave.cli._demo import DemoConfig
+from batchweave.cli._demo import _check as _check_demo
 from batchweave.cli._inspect import SOURCE_SHOWN
 
 MESH = bw.Mesh(dp=2, cp=2)
@@ -386,3 +393,174 @@ def test_the_conformance_suite_still_loads_with_pytest_assertion_rewriting() -> 
     assert store_tests is suite.StoreTests
     assert batchweave.testing.expected_range is suite.expected_range
     assert "@pytest_ar" in vars(suite)  # plain asserts in the suite report their values
+
+
+# -- regressions: names holding rich markup, reclaim during verify/export, export edges --------
+
+
+def invoke(*args: str) -> Result:
+    """The CLI in this process (monkeypatches apply), output and exit status captured."""
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_names_with_square_brackets_print_as_written(root: Path) -> None:
+    """A namespace or producer id holding ``[`` was read as rich markup: ``reclaim`` on
+    ``runs/x[/b]`` did its whole pass and then died on MarkupError (status 1, report lost),
+    ``inspect`` died too, producer ``w[x]`` showed as ``w`` and ``[red]pod-7`` in red."""
+    store = bw.open_store(root.as_uri())
+    ns = "runs/x[/b]"
+    for pid in ("w[x]", "[red]pod-7"):
+        with bw.Producer(store, ns, producer_id=pid, mesh=bw.Mesh(dp=1, cp=1)) as producer:
+            producer.append([b"x"], offset=0)
+    bw.Watermarks(store, ns).record("ckpt-0", step=0)
+    reclaimed = invoke("reclaim", str(root), ns, "--grace", "0")
+    assert reclaimed.exit_code == 0, reclaimed.output
+    assert f"reclaim {ns}" in reclaimed.output
+    inspected = invoke("inspect", str(root), ns)
+    assert inspected.exit_code == 0, inspected.output
+    for name in (f"namespace {ns}", "w[x]", "[red]pod-7", "data/[red]pod-7/"):
+        assert name in inspected.output
+    verified = invoke("verify", str(root), ns)
+    assert verified.exit_code == 0, verified.output
+    assert "  w[x]: 1 live steps" in verified.output
+    assert "  [red]pod-7: 1 live steps" in verified.output
+
+
+def reclaim_after(module: Any, monkeypatch: pytest.MonkeyPatch, store: bw.ObjectStore, n: int):
+    """Run one ordinary reclamation pass when ``module`` has read ``n`` object footers (what a
+    rank's reclaimer thread or a cron ``batchweave reclaim`` may do at any time)."""
+    real, calls, passes = module.read_object_footer, [0], []
+
+    def read_object_footer(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == n:
+            passes.append(bw.Reclaimer(store, NAMESPACE, grace=600).run_once())
+        return real(*args)
+
+    monkeypatch.setattr(module, "read_object_footer", read_object_footer)
+    return passes
+
+
+def test_verify_skips_steps_reclaimed_while_it_runs(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A healthy namespace failed ``verify`` (status 1, "the step is lost") when a routine
+    reclamation deleted the TGBs of steps it had not read yet."""
+    store = publish(root)
+    bw.Watermarks(store, NAMESPACE).record("ckpt-8", step=8)
+    passes = reclaim_after(cli_verify, monkeypatch, store, 3)
+    result = invoke("verify", str(root), NAMESPACE, "--workers", "1", "--json")
+    assert passes[0].tgbs_deleted == 8
+    report = json.loads(result.output)
+    assert report["problems"] == []
+    assert result.exit_code == 0
+    assert report["steps_reclaimed"] == 8
+    # a missing object of a step that stays live is still a loss
+    monkeypatch.undo()
+    sorted((root / NAMESPACE / "data" / "prep-1").rglob("*.tgb"))[-1].unlink()
+    assert invoke("verify", str(root), NAMESPACE).exit_code == 1
+
+
+def test_export_says_when_steps_were_reclaimed_while_it_ran(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``export`` failed with a bare ObjectNotFound when a reclamation pass ran meanwhile."""
+    store = publish(root)
+    bw.Watermarks(store, NAMESPACE).record("ckpt-8", step=8)
+    reclaim_after(history, monkeypatch, store, 3)
+    dest = tmp_path / "history.parquet"
+    result = invoke("export", str(root), NAMESPACE, str(dest))
+    assert result.exit_code == 2
+    assert "StepReclaimed: steps 2..7 were reclaimed while the history was being read" in (
+        result.output
+    )
+    assert "now start at 8" in result.output
+    assert not dest.exists()
+    monkeypatch.undo()
+    again = invoke("export", str(root), NAMESPACE, str(dest))
+    assert "exported 16 rows" in again.output
+
+
+def test_verify_finds_sample_ids_that_export_refuses(root: Path, tmp_path: Path) -> None:
+    """Sample ids with the wrong number of entries passed ``verify`` and then failed ``export``
+    with a FormatError whose advice is "run verify"."""
+    store = bw.open_store(root.as_uri())
+    with bw.Producer(store, NAMESPACE, producer_id="p0", mesh=MESH) as producer:
+        producer.append(
+            [b"x"] * MESH.slices,
+            offset=0,
+            metadata={SAMPLE_IDS_KEY: sample_ids_metadata([["a"], ["b"]])},
+        )
+    result = invoke("verify", str(root), NAMESPACE, "--footers-only", "--json")
+    assert result.exit_code == 1
+    [problem] = json.loads(result.output)["problems"]
+    assert f"must list one entry per slice ({MESH.slices})" in problem
+    assert problem.startswith("step 0 (p0 offset 0): ")
+    assert invoke("export", str(root), NAMESPACE, str(tmp_path / "h.parquet")).exit_code == 2
+
+
+@pytest.mark.parametrize(
+    ("window", "needle"),
+    [
+        (("--start", "0", "--stop", "3"), "--start 0 is below base_step 3"),
+        (("--start", "1"), "--start 1 is below base_step 3"),
+        (("--stop", "3"), "nothing to export"),
+        (("--start", "12"), "nothing to export"),
+        (("--start", "20", "--stop", "30"), "nothing to export"),
+    ],
+)
+def test_export_refuses_steps_it_cannot_export(
+    root: Path, tmp_path: Path, window: tuple[str, ...], needle: str
+) -> None:
+    """A window outside ``base_step .. next_step - 1`` wrote 0 rows and exited 0."""
+    store = publish(root)
+    bw.Watermarks(store, NAMESPACE).record("ckpt-3", step=3)
+    bw.Reclaimer(store, NAMESPACE, grace=0).run_once()
+    dest = tmp_path / "history.parquet"
+    result = invoke("export", str(root), NAMESPACE, str(dest), *window)
+    assert result.exit_code == 2
+    assert needle in result.output
+    assert "the namespace holds steps 3..11 (steps 0..2 were reclaimed)" in result.output
+    assert not dest.exists()
+    # --stop past next_step means "to the end"
+    to_the_end = invoke("export", str(root), NAMESPACE, str(dest), "--start", "3", "--stop", "99")
+    assert "exported 36 rows" in to_the_end.output
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt", "needle"),
+    [
+        ("history.lance", "parquet", "is a directory (a Lance dataset?)"),
+        ("history.parquet", "lance", "is a file; a Lance dataset is a directory"),
+        ("history.parquet", "auto", "is a directory (a Lance dataset?)"),
+    ],
+)
+def test_export_overwrite_refuses_the_wrong_kind_before_reading(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, fmt: str, needle: str
+) -> None:
+    """Parquet onto a Lance directory failed at the rename after the whole export (Errno 21);
+    Lance onto a Parquet file failed with a raw LanceError."""
+    dest = tmp_path / name
+    if fmt == "lance":
+        dest.write_bytes(b"PAR1")
+    else:
+        dest.mkdir()
+
+    def no_store(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the store was opened")
+
+    monkeypatch.setattr(cli_app, "_open", no_store)
+    result = invoke("export", str(root), NAMESPACE, str(dest), "--format", fmt, "--overwrite")
+    assert result.exit_code == 2
+    assert needle in result.output
+
+
+@pytest.mark.parametrize(("port", "ok"), [(65528, True), (65529, False), (65535, False)])
+def test_demo_metrics_ports_must_fit_below_65536(port: int, ok: bool) -> None:
+    """``--metrics-port 65535`` passed: the workers' ports after it do not exist."""
+    config = DemoConfig(metrics_port=port)  # 3 producers, 4 ranks: ports port+1..port+7
+    if ok:
+        _check_demo(config)
+    else:
+        with pytest.raises(CliFailure, match=r"past 65535; pick a port at most 65528"):
+            _check_demo(config)

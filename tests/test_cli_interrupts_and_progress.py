@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import select
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -27,7 +30,7 @@ import batchweave.lance as bw_lance
 from batchweave._history import membership_batches
 from batchweave._manifest import ManifestLog, encode_manifest, manifest_key
 from batchweave.cli import _app
-from batchweave.cli._app import EXIT_INTERRUPTED, EXIT_TERMINATED, cli
+from batchweave.cli._app import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_TERMINATED, cli
 from batchweave.cli._verify import verify_namespace
 
 NS = "runs/ops"
@@ -205,6 +208,65 @@ def test_a_real_ctrl_c_during_a_lance_export_exits_cleanly(root: Path, tmp_path:
         assert proc.returncode == EXIT_INTERRUPTED, proc.stderr
         assert proc.stderr == "batchweave: interrupted; the command is safe to run again\n"
         assert not dest.exists()
+
+
+STALL_WHILE_IMPORTING = """
+import importlib.abc, runpy, sys, time
+class Stall(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "batchweave.cli._verify":  # one of the command modules the CLI loads
+            sys.stderr.write("importing\\n")
+            sys.stderr.flush()
+            time.sleep(60)  # Ctrl-C arrives here
+        return None
+sys.meta_path.insert(0, Stall())
+sys.argv = ["batchweave", "inspect", sys.argv[1], sys.argv[2]]
+runpy.run_module("batchweave.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_while_the_command_modules_load_is_one_line(root: Path) -> None:
+    """Ctrl-C during the CLI's imports (a noticeable moment at startup) printed a traceback and
+    ended the process by SIGINT (status -2) instead of the one line and status 130."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STALL_WHILE_IMPORTING, str(root), NS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready, _, _ = select.select([proc.stderr], [], [], 60)
+        assert ready, "the CLI never reached its imports"
+        assert proc.stderr is not None
+        assert proc.stderr.readline() == "importing\n"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    assert err == "batchweave: interrupted; the command is safe to run again\n"
+    assert out == ""
+
+
+@pytest.mark.parametrize("args", [("inspect",), ("inspect", "--json"), ("verify",)])
+def test_a_closed_pipe_exits_141_quietly(root: Path, args: tuple[str, ...]) -> None:
+    """``batchweave inspect ... | head -1`` exited 1 (rich's broken-pipe handler), the status
+    of "a check failed"; ``--json`` printed a one-line OSError and exited 2."""
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader has gone before the first write: every write fails
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "batchweave.cli", args[0], str(root), NS, *args[1:]],
+            stdout=writer,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(writer)
+    assert proc.returncode == EXIT_BROKEN_PIPE == 141, proc.stderr
+    assert proc.stderr == ""
 
 
 def test_sigterm_during_a_lance_export_cleans_up_as_ctrl_c_does(root: Path, tmp_path: Path) -> None:

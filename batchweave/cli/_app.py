@@ -2,7 +2,8 @@
 
 Exit status: 0 success; 1 a check failed (``check``, ``verify``, ``demo``); 2 the command could
 not run (bad URL or option, missing namespace, store unreachable, ...), reported as one line on
-stderr; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM), after the same cleanup as Ctrl-C.
+stderr; 130 interrupted (Ctrl-C); 141 stdout closed by its reader (``| head``); 143 terminated
+(SIGTERM), after the same cleanup as Ctrl-C.
 ``BATCHWEAVE_DEBUG=1`` shows tracebacks instead.
 """
 
@@ -21,6 +22,7 @@ from batchweave._errors import BatchWeaveError
 from batchweave._history import write_parquet
 from batchweave._lifecycle import Reclaimer
 from batchweave._manifest._log import ManifestLog
+from batchweave._manifest._models import Manifest
 from batchweave._retire import retire_producers
 from batchweave._store._base import ObjectStore
 from batchweave.cli._check import DEFAULT_REQUESTS, check_store, render_check
@@ -31,6 +33,7 @@ from batchweave.cli._common import (
     Terminated,
     debug_enabled,
     deferred_interrupt,
+    discard_stdout,
     echo_json,
     one_line,
     open_cli_store,
@@ -59,6 +62,8 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 """Ctrl-C: 128 + SIGINT, as shells report it; never 1, which means a check failed."""
+EXIT_BROKEN_PIPE = 141
+"""stdout closed by its reader (``| head``): 128 + SIGPIPE, as shells report it."""
 EXIT_TERMINATED = 143
 """SIGTERM (``kill``, ``timeout``, a cancelled CI job): 128 + SIGTERM, as shells report it."""
 
@@ -82,6 +87,13 @@ class _Group(click.Group):
                 ctx.exit(EXIT_TERMINATED)
             click.echo("batchweave: interrupted; the command is safe to run again", err=True)
             ctx.exit(EXIT_INTERRUPTED)
+        except BrokenPipeError:
+            # The reader went away (`batchweave inspect ... | head`): not a failure of the
+            # command; exit as a shell reports SIGPIPE, quietly.
+            if debug_enabled():
+                raise
+            discard_stdout()
+            ctx.exit(EXIT_BROKEN_PIPE)
         except (BatchWeaveError, CliFailure, OSError, ValueError) as exc:
             if debug_enabled() or isinstance(exc, click.ClickException):
                 raise
@@ -99,8 +111,11 @@ def cli() -> None:
 
 
 def main() -> None:
-    """Console-script entry point (``batchweave``)."""
-    cli(prog_name="batchweave")
+    """The ``batchweave`` console script (:func:`batchweave.cli.main`, which also turns a
+    Ctrl-C during its imports into exit status 130)."""
+    from batchweave.cli import main as entry_point
+
+    entry_point()
 
 
 def _open(store: str, options: dict[str, Any], *, writes: bool) -> ObjectStore:
@@ -202,11 +217,18 @@ def verify(
         shown, rest = first_rows(sorted(report.producers.items()))
         retired = set(report.retired)
         for pid, count in shown:
-            out.print(f"  {pid}: {count} live steps" + (" (retired id)" if pid in retired else ""))
+            out.print(
+                f"  {escape(pid)}: {count} live steps" + (" (retired id)" if pid in retired else "")
+            )
         if rest:
             out.print(
                 f"  ... {len(rest)} more producers: {sum(c for _, c in rest)} live steps "
                 "(--json lists every producer)"
+            )
+        if report.steps_reclaimed:
+            out.print(
+                f"  {report.steps_reclaimed} steps were reclaimed during the check (a reclaim "
+                "pass raised base_step); their objects were not checked"
             )
         for problem in report.problems[:100]:
             out.print(f"[red]problem[/red]: {escape(problem)}")
@@ -263,7 +285,7 @@ def reclaim(
     if as_json:
         echo_json(data)
         return
-    table = Table(title=f"reclaim {namespace}", show_header=False, box=None)
+    table = Table(title=f"reclaim {escape(namespace)}", show_header=False, box=None)
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_row("boundary", f"{report.boundary} ({report.watermarks} watermarks)")
@@ -399,10 +421,22 @@ def export(
         fmt = "parquet" if destination.suffix == ".parquet" else "lance"
     if destination.exists() and not overwrite:
         raise CliFailure(f"{destination} exists; pass --overwrite to replace it")
+    # --overwrite replaces a file with a file and a dataset with a dataset: refuse the wrong
+    # kind now, not after reading the whole history.
+    if fmt == "parquet" and destination.is_dir():
+        raise CliFailure(
+            f"{destination} is a directory (a Lance dataset?); --format parquet writes a file: "
+            "choose another destination or remove the directory"
+        )
+    if fmt == "lance" and destination.exists() and not destination.is_dir():
+        raise CliFailure(
+            f"{destination} is a file; a Lance dataset is a directory: choose another "
+            "destination, remove the file, or pass --format parquet"
+        )
     if not destination.parent.is_dir():
         raise CliFailure(f"directory {destination.parent} does not exist; create it first")
     st = _open(store, options, writes=False)
-    ManifestLog(st, namespace).latest()
+    _check_export_range(ManifestLog(st, namespace).latest(), start, stop)
     if fmt == "parquet":
         with progress_bar("exporting") as progress:
             rows = write_parquet(
@@ -440,6 +474,28 @@ def export(
                 shutil.rmtree(destination, ignore_errors=True)
             raise
     click.echo(f"exported {rows} rows ({fmt}) to {destination}")
+
+
+def _check_export_range(manifest: Manifest, start: int | None, stop: int | None) -> None:
+    """Refuse ``--start``/``--stop`` asking for steps that cannot be exported: reclaimed ones
+    (below ``base_step``) or none at all. ``--stop`` past ``next_step`` means "to the end"."""
+    base, end = manifest.base_step, manifest.next_step
+    visible = f"the namespace holds steps {base}..{end - 1}" if end > base else "no step is left"
+    reclaimed = f"steps 0..{base - 1} were reclaimed" if base else "none was reclaimed"
+    if start is None and stop is None:
+        return  # everything, perhaps nothing: an empty history
+    hint = f": pass --start {base} or later, or omit --start" if end > base else ""
+    if start is not None and start < base:
+        raise CliFailure(
+            f"--start {start} is below base_step {base}: {visible} ({reclaimed}); their "
+            f"membership is gone{hint}"
+        )
+    first = base if start is None else start
+    last = end if stop is None else min(stop, end)
+    if last <= first:
+        raise CliFailure(
+            f"nothing to export: --start/--stop select no committed step; {visible} ({reclaimed})"
+        )
 
 
 # -- demo ---------------------------------------------------------------------------------------

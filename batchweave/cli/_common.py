@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -32,6 +33,7 @@ __all__ = [
     "Terminated",
     "debug_enabled",
     "deferred_interrupt",
+    "discard_stdout",
     "echo_json",
     "err_console",
     "one_line",
@@ -98,9 +100,28 @@ def parse_duration(ctx: click.Context, param: click.Parameter, value: str) -> fl
     return seconds
 
 
+def discard_stdout() -> None:
+    """Point stdout at ``/dev/null`` after its reader went away (``| head``), so that flushing
+    it at exit does not fail a second time (see the note on SIGPIPE in Python's ``signal``
+    docs)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # rich's default exits with status 1 ("a check failed"); let the command group handle
+        # it like any other broken pipe (exit 141).
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, "stdout was closed by its reader")
+
+
 def out_console() -> Console:
     """The console for results (stdout); plain text when not a terminal."""
-    return Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
+    return _Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
 
 
 def err_console() -> Console:

@@ -124,6 +124,14 @@ def _check(config: DemoConfig) -> None:
     ):
         if value < least:
             problems.append(f"{option} must be >= {least}, got {value}")
+    if config.metrics_port is not None:
+        workers = config.producers + config.dp * config.cp
+        if config.metrics_port + workers > 65535:
+            problems.append(
+                f"--metrics-port {config.metrics_port}: the {workers} workers serve metrics on "
+                f"the ports after it, up to {config.metrics_port + workers}, past 65535; pick "
+                f"a port at most {65535 - workers}"
+            )
     if config.store is not None and store_url(config.store).lower().startswith("memory:"):
         problems.append(f"--store {config.store}: {MEMORY_STORE_REFUSAL}")
     if problems:
@@ -327,14 +335,14 @@ def _run(config: DemoConfig, base: Path, url: str, namespace: str, work: Path) -
         f"[bold]batchweave demo[/bold]: {config.producers} producer processes, mesh dp={config.dp} "
         f"cp={config.cp} ({config.dp * config.cp} consumer ranks), {total_steps} steps"
     )
-    console.print(f"  store      {store.url}")
-    console.print(f"  namespace  {namespace}")
+    console.print(f"  store      {escape(store.url)}")
+    console.print(f"  namespace  {escape(namespace)}")
     started = time.monotonic()
     corpus = work / "corpus.lance"
     tokens = make_corpus(corpus, config.documents, seed=7)
     console.print(
-        f"  corpus     {config.documents} documents, {tokens} tokens (Lance dataset at {corpus}, "
-        f"{time.monotonic() - started:.1f}s)"
+        f"  corpus     {config.documents} documents, {tokens} tokens "
+        f"(Lance dataset at {escape(str(corpus))}, {time.monotonic() - started:.1f}s)"
     )
     worker = WorkerConfig(
         store_url=url,

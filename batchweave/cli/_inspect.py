@@ -209,7 +209,7 @@ IDLE_PRODUCER_DAYS = 7
 
 def render_inspection(data: dict[str, Any], console: Console) -> None:
     """Print ``data`` (from :func:`gather_inspection`) as tables."""
-    summary = Table(title=f"namespace {data['namespace']}", show_header=False, box=None)
+    summary = Table(title=f"namespace {escape(data['namespace'])}", show_header=False, box=None)
     summary.add_column(style="bold")
     summary.add_column()
     mesh = data["mesh"]
@@ -237,7 +237,7 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
         ("stored", f"{human_bytes(data['stored_bytes'])} in {data['stored_objects']} objects"),
     ]
     for name, value in rows:
-        summary.add_row(name, value)
+        summary.add_row(name, escape(value))  # store URL, namespace id: user-controlled
     console.print(summary)
 
     producers = Table(title="producers")
@@ -255,10 +255,10 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
     shown, hidden = first_rows(data["producers"])
     for p in shown:
         if p["retired"]:
-            row = [p["producer_id"], "-", "-", "-", "retired", str(p["live_steps"])]
+            row = [escape(p["producer_id"]), "-", "-", "-", "retired", str(p["live_steps"])]
         else:
             row = [
-                p["producer_id"],
+                escape(p["producer_id"]),
                 str(p["epoch"]),
                 "-" if p["committed_offset"] is None else str(p["committed_offset"]),
                 str(p["last_version"]),
@@ -281,7 +281,8 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
         console.print(
             f"{len(idle)} producer id(s) have not committed for {IDLE_PRODUCER_DAYS} days or "
             "more, and every manifest still carries them; if their streams are over, `batchweave "
-            f"retire {data['store']} {data['namespace']} --dry-run` shows what would go"
+            f"retire {escape(data['store'])} {escape(data['namespace'])} --dry-run` shows what "
+            "would go"
         )
 
     marks = Table(title="watermarks (the lowest step is the boundary; an old one holds it)")
@@ -290,7 +291,7 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
     for m in data["watermarks"]:
         age = m.get("age_seconds")
         marks.add_row(
-            m["checkpoint_id"],
+            escape(m["checkpoint_id"]),
             str(m["step"]),
             str(m["version"]),
             m["recorded_at"] or "-",
@@ -306,7 +307,7 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
     storage.add_column("bytes", justify="right")
     shown, hidden = first_rows(data["storage"])
     for row in shown:
-        storage.add_row(row["prefix"], str(row["objects"]), human_bytes(row["bytes"]))
+        storage.add_row(escape(row["prefix"]), str(row["objects"]), human_bytes(row["bytes"]))
     if hidden:
         storage.add_row(
             f"... {len(hidden)} more prefixes",

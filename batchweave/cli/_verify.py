@@ -8,19 +8,25 @@ Checks, collecting every problem rather than stopping at the first:
 - exactly-once per producer: no ``(producer_id, offset)`` twice, offsets strictly increasing in
   step order, never above the producer's committed offset, epochs never above its committed one;
 - every referenced object exists, its footer matches the manifest (size, checksum, slice count,
-  mesh, and the slice table when the manifest carries one) and, unless ``slices=False``, every
-  slice's bytes match their checksum and decode.
+  mesh, and the slice table when the manifest carries one), its sample ids (when recorded) are
+  what ``export`` can read and, unless ``slices=False``, every slice's bytes match their
+  checksum and decode.
+
+A reclamation pass may run during the check (reclaimers run at any time): an object missing
+because its step fell below the ``base_step`` of a manifest committed since is not a problem;
+those steps are counted in ``steps_reclaimed``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from batchweave._errors import FormatError, NamespaceMismatch, ObjectNotFound
 from batchweave._format._tgb import decode_slice, slice_range
-from batchweave._history import read_object_footer
+from batchweave._history import _sample_ids, read_object_footer
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, SliceTable, TgbDescriptor
 from batchweave._store._base import ObjectStore
@@ -45,6 +51,9 @@ class VerifyReport:
     retired: list[str] = field(default_factory=list)
     """Producers with live steps that the manifest no longer lists (retired ids)."""
     problems: list[str] = field(default_factory=list)
+    steps_reclaimed: int = 0
+    """Steps a reclamation pass moved below ``base_step`` while the check ran, counted when
+    one of their objects had gone missing (then not a problem)."""
 
     @property
     def ok(self) -> bool:
@@ -104,10 +113,12 @@ def _check_tgb(
     step: int,
     desc: TgbDescriptor,
     read_slices: bool,
-) -> tuple[list[str], int, int, int]:
-    """Problems, objects, slices and bytes read for one step."""
+) -> tuple[list[str], int, int, int, bool]:
+    """Problems, objects, slices and bytes read for one step, and whether an object was
+    missing (the caller decides whether a concurrent reclamation explains it)."""
     problems: list[str] = []
     objects = slices = nread = 0
+    missing = False
     for ref in desc.objects:
         key = log.key(ref.key)
         where = f"step {step} ({desc.producer_id} offset {desc.offset})"
@@ -123,6 +134,7 @@ def _check_tgb(
                     f"{where}: the manifest's slice table for object {key!r} disagrees with the "
                     "object's footer; consumers would reject its slices"
                 )
+            _sample_ids(footer, key)  # malformed sample ids: a FormatError, as export raises
             if not read_slices:
                 continue
             for j in range(len(footer.slices)):
@@ -132,6 +144,7 @@ def _check_tgb(
                 decode_slice(raw, footer, j, key=key)
                 slices += 1
         except ObjectNotFound:
+            missing = True
             problems.append(
                 f"{where}: object {key!r} is missing (deleted outside BatchWeave, or reclaimed "
                 "as an orphan because grace was shorter than an upload-to-commit); the step is "
@@ -139,7 +152,7 @@ def _check_tgb(
             )
         except FormatError as exc:
             problems.append(f"{where}: {exc}")
-    return problems, objects, slices, nread
+    return problems, objects, slices, nread, missing
 
 
 def verify_namespace(
@@ -232,16 +245,33 @@ def verify_namespace(
 
     total = len(items)
     done = 0
+    step_problems: list[tuple[int, list[str]]] = []
+    any_missing = False
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         results = pool.map(
             lambda item: _check_tgb(store, log, latest, item[0], item[1], read_slices), items
         )
-        for problems, objects, slices, nread in results:
-            report.problems.extend(problems)
+        for (step, _), (problems, objects, slices, nread, missing) in zip(
+            items, results, strict=True
+        ):
+            if problems:
+                step_problems.append((step, problems))
+            any_missing = any_missing or missing
             report.objects += objects
             report.slices += slices
             report.bytes_read += nread
             done += 1
             if progress is not None:
                 progress(done, total)
+    reclaimed_below = latest.base_step
+    if any_missing:
+        # A reclamation pass that ran meanwhile deletes the TGBs of the steps it moved below
+        # base_step: those steps are no longer live, so their missing objects are no loss (as
+        # _check_versions skips manifest versions reclaimed meanwhile).
+        with contextlib.suppress(FormatError):
+            reclaimed_below = max(latest.base_step, log.latest().base_step)
+    report.steps_reclaimed = sum(1 for step, _ in items if step < reclaimed_below)
+    for step, problems in step_problems:
+        if step >= reclaimed_below:
+            report.problems.extend(problems)
     return report
