@@ -888,6 +888,8 @@ def test_numpy_numbers_are_taken_for_numeric_options(
         (f"http://127.0.0.1:{free_port()}/bucket", "has a path ('/bucket')"),
         ("http://127.0.0.1:99999", "Port out of range"),
         ("http://user:PASSzzz@127.0.0.1:9000", "carries credentials"),
+        # Before (boto3): botocore's bare ValueError "Invalid endpoint", naming no variable.
+        ("127.0.0.1:9000", "e.g. http://127.0.0.1:9000"),
     ],
 )
 def test_an_endpoint_from_the_environment_is_checked_like_an_explicit_one(
@@ -901,6 +903,13 @@ def test_an_endpoint_from_the_environment_is_checked_like_an_explicit_one(
     assert says in str(info.value)
     assert variable in str(info.value)
     assert "PASSzzz" not in _everything_said(info.value)
+
+
+def test_a_missing_profile_from_the_environment_is_named(aws_env: pytest.MonkeyPatch) -> None:
+    # Before: "AWS profile None is not in the AWS config files" for AWS_PROFILE=nope.
+    aws_env.setenv("AWS_PROFILE", "nope-audit")
+    with pytest.raises(bw.InvalidStoreURL, match=r"'nope-audit' \(from AWS_PROFILE\)"):
+        bw.open_store("s3://bucket/p", verify_conditional_writes=False)
 
 
 @pytest.mark.moto_server

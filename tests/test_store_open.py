@@ -203,10 +203,13 @@ def test_probe_deletes_nothing_after_its_create_was_refused(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     counting = CountingStore(RefusesWritesStore())
-    with caplog.at_level(logging.WARNING, "batchweave"), pytest.raises(AccessDenied):
+    with caplog.at_level(logging.WARNING, "batchweave"), pytest.raises(AccessDenied) as info:
         ensure_conditional_writes(counting)
     assert counting.snapshot().deletes == 0
     assert caplog.records == []
+    # Read-only credentials (a consumer rank's) are told how to open the store without writing.
+    assert "verify_conditional_writes=False" in str(info.value)
+    assert "only reads" in str(info.value)
 
 
 def test_probe_of_a_missing_bucket_does_not_warn_about_its_object(

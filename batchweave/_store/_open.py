@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from batchweave._errors import (
+    AccessDenied,
     AmbiguousWriteError,
     ConditionalWritesUnsupported,
     InvalidStoreURL,
@@ -396,8 +397,15 @@ def probe_conditional_writes(store: ObjectStore, key: str, *, delete: bool) -> N
                 _read_back_probe(target, key, exc)
             except (TransientStoreError, StoreUnavailable):
                 raise  # the create may have landed (or the store is out of reach: see below)
+            except AccessDenied as exc:
+                refused = True
+                raise AccessDenied(
+                    f"{exc} (open_store checks that conditional writes are enforced by creating "
+                    f"{key!r}; a process that only reads, such as a consumer rank, may skip "
+                    "that check: open_store(url, verify_conditional_writes=False))"
+                ) from exc
             except StoreError:
-                refused = True  # a definite refusal (a missing bucket, AccessDenied)
+                refused = True  # a definite refusal (a missing bucket)
                 raise
             _create_second(target, key)
     except StoreUnavailable:

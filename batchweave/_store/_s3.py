@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import re
 import threading
 import weakref
@@ -283,8 +284,13 @@ class S3Store(S3Location):
                 profile_name=profile,
             )
         except bex.ProfileNotFound as exc:
+            named = (
+                repr(profile)
+                if profile is not None
+                else f"{os.environ.get('AWS_PROFILE', '')!r} (from AWS_PROFILE)"
+            )
             raise InvalidStoreURL(
-                f"{self.url}: AWS profile {profile!r} is not in the AWS config files"
+                f"{self.url}: AWS profile {named} is not in the AWS config files"
             ) from exc
         style = options.addressing_style or ("path" if self.endpoint_url else None)
         config = Config(
@@ -310,6 +316,14 @@ class S3Store(S3Location):
         except bex.BotoCoreError as exc:
             raise InvalidStoreURL(
                 f"cannot configure boto3 for {self.url}: {self._scrub(str(exc))}"
+            ) from exc
+        except ValueError as exc:
+            # botocore's own check of an endpoint it found itself (an endpoint_url given to us
+            # was checked before): a bare ValueError that names no setting.
+            raise InvalidStoreURL(
+                f"{self.url}: the endpoint botocore found (AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3 "
+                f"or the AWS config file) is unusable: {self._scrub(str(exc))}; give scheme, "
+                "host and port, e.g. http://127.0.0.1:9000"
             ) from exc
 
     def _use_probe_client(self, options: ClientOptions) -> None:
