@@ -55,18 +55,36 @@ PolicyFactory = Callable[[random.Random], CommitPolicy]
 
 def policy_factory(name: str, **options: Any) -> PolicyFactory:
     """A factory for the policy registered as ``name``, passing each producer's ``rng`` to
-    policies that take one (so DAC's jitter differs per producer yet stays reproducible)."""
+    policies that take one (so DAC's jitter differs per producer yet stays reproducible).
+
+    ``options`` go to the policy's constructor; one policy is built here, so a bad option is
+    refused now (``ValueError``, as :func:`~batchweave._policy.make_policy` does) rather than by
+    :func:`simulate`. ``rng`` and ``seed`` are refused: the simulation draws each producer's
+    ``rng`` from its own ``seed``.
+    """
     try:
         cls: Callable[..., CommitPolicy] = _REGISTRY[name]
     except KeyError:
         raise ValueError(
             f"unknown commit policy {name!r}; choose one of {', '.join(sorted(_REGISTRY))}"
         ) from None
+    reserved = sorted({"rng", "seed"} & options.keys())
+    if reserved:
+        raise ValueError(
+            f"policy options {reserved} are not allowed here: the simulation gives each "
+            f"producer's policy its own rng, drawn from simulate(seed=...)"
+        )
     takes_rng = "rng" in inspect.signature(cls).parameters
 
     def build(rng: random.Random) -> CommitPolicy:
         return cls(rng=rng, **options) if takes_rng else cls(**options)
 
+    try:
+        build(random.Random(0))
+    except TypeError as exc:
+        raise ValueError(
+            f"bad options {sorted(options)} for commit policy {name!r}: {exc}"
+        ) from exc
     return build
 
 

@@ -18,6 +18,7 @@ import abc
 import math
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -330,8 +331,8 @@ def _check_window(window: float) -> None:
 
 
 def _check_producers(producers: int) -> None:
-    if producers < 1:
-        raise ValueError(f"active producer count must be >= 1, got {producers!r}")
+    if not (producers >= 1 and math.isfinite(producers) and producers == math.floor(producers)):
+        raise ValueError(f"active producer count must be an integer >= 1, got {producers!r}")
 
 
 def _check_budgets(conflict_budget: float, duty_budget: float) -> None:
@@ -354,7 +355,7 @@ def conflict_probability(window: float, gap: float, producers: int) -> float:
     """
     _check_window(window)
     _check_producers(producers)
-    if gap < 0:
+    if not gap >= 0:
         raise ValueError(f"gap must be >= 0 seconds, got {gap!r}")
     if window == 0:
         return 0.0
@@ -364,7 +365,7 @@ def conflict_probability(window: float, gap: float, producers: int) -> float:
 def duty(window: float, gap: float) -> float:
     """``d(g) = W / (W+g)``: the fraction of a producer's time spent inside fragile windows."""
     _check_window(window)
-    if gap < 0:
+    if not gap >= 0:
         raise ValueError(f"gap must be >= 0 seconds, got {gap!r}")
     if window == 0:
         return 0.0
@@ -390,6 +391,18 @@ def dac_gap(
     conflict_bound = window * ((producers - 1) / k - 1)
     duty_bound = window * (1 / duty_budget - 1)
     return max(0.0, conflict_bound, duty_bound)
+
+
+def _grid_period(base: float, ratio: float, to_int: Callable[[float], int]) -> float:
+    """``base * 2^to_int(log2(ratio))`` for ``ratio >= 1``; ``inf`` where that overflows.
+
+    An absurd (if finite) window, or a ``g*`` that overflows to ``inf``, must not make the slot
+    arithmetic raise ``OverflowError``: callers bound the answer by ``_longest_period``.
+    """
+    if not math.isfinite(ratio):
+        return math.inf
+    exponent = to_int(math.log2(ratio))
+    return base * 2.0**exponent if exponent < 1024 else math.inf
 
 
 def _slot_wait(period: float, n: int, rank: int, now: float, window: float, allowed: bool) -> float:
@@ -465,6 +478,11 @@ class DacPolicy(CommitPolicy):
             _check_window(initial_window)
         if rng is not None and seed is not None:
             raise ValueError("pass either rng or seed to DacPolicy, not both")
+        if rng is not None and not callable(getattr(rng, "uniform", None)):
+            # Refused here, not by the producer's commit thread at its first attempt.
+            raise TypeError(
+                f"rng must have a uniform(a, b) method (e.g. random.Random), got {rng!r:.100}"
+            )
         if not max_gap > 0:
             raise ValueError(f"max_gap must be > 0 seconds (or math.inf), got {max_gap!r}")
         if not 0 <= max_forced_gap <= max_gap:
@@ -626,7 +644,7 @@ class DacPolicy(CommitPolicy):
             return 0.0
         if raw <= base:
             return base
-        return min(self._longest_period, base * 2.0 ** math.ceil(math.log2(raw / base)))
+        return min(self._longest_period, _grid_period(base, raw / base, math.ceil))
 
     @property
     def _longest_period(self) -> float:
@@ -651,7 +669,7 @@ class DacPolicy(CommitPolicy):
         base = self.max_forced_gap
         if gap <= 0 or base <= 0:
             return max(gap, self.slot_period)
-        period = base * 2.0 ** max(0, round(math.log2(gap / base)))
+        period = _grid_period(base, max(1.0, gap / base), round)
         return min(self._longest_period, max(period, self.slot_period))
 
     def regular_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float | None:
@@ -664,11 +682,12 @@ class DacPolicy(CommitPolicy):
         about ``9.5 W`` with the defaults, and ``G / N`` holds a 0.5 s window at 16 producers).
         Where they disagree (different estimates of ``W``, skewed clocks, a producer that has
         not seen a join yet), phases are effectively random, as the formula assumes. ``None``
-        (use :meth:`ready` and :attr:`gap`) for a lone producer or an unknown rank.
+        (use :meth:`ready` and :attr:`gap`) for a lone producer, an unknown rank or an infinite
+        period (``max_gap=math.inf`` with an overflowing ``g*``).
         """
         n = self._producers
         period = self.regular_period
-        if rank is None or n < 2 or not 0 <= rank < n or period <= 0:
+        if rank is None or n < 2 or not 0 <= rank < n or not 0 < period < math.inf:
             return None
         return _slot_wait(
             period, n, rank, now, self._window or 0.0, since_last_attempt >= period / n
@@ -687,7 +706,7 @@ class DacPolicy(CommitPolicy):
         """
         n = self._producers
         period = self.slot_period
-        if rank is None or n < 2 or not 0 <= rank < n or period <= 0:
+        if rank is None or n < 2 or not 0 <= rank < n or not 0 < period < math.inf:
             return super().forced_wait(since_last_attempt, now, rank)
         return _slot_wait(period, n, rank, now, self.slot_window, True)
 
@@ -857,8 +876,8 @@ class IncrPolicy(_IntervalPolicy):
 
     def __init__(self, initial: int = 10, step: int = 1) -> None:
         super().__init__(initial)
-        if step < 0:
-            raise ValueError(f"incr: step must be >= 0 TGBs, got {step!r}")
+        if not (math.isfinite(step) and step >= 0):
+            raise ValueError(f"incr: step must be a finite number of TGBs >= 0, got {step!r}")
         self.step = step
 
     def record(self, outcome: AttemptOutcome) -> None:
@@ -885,8 +904,8 @@ class AimdPolicy(_IntervalPolicy):
         minimum: float = 1.0,
     ) -> None:
         super().__init__(initial)
-        if not addend >= 0:
-            raise ValueError(f"aimd: addend must be >= 0 TGBs, got {addend!r}")
+        if not (math.isfinite(addend) and addend >= 0):
+            raise ValueError(f"aimd: addend must be a finite number of TGBs >= 0, got {addend!r}")
         if not 0 < decrease < 1:
             raise ValueError(f"aimd: decrease must be in (0, 1), got {decrease!r}")
         if not (math.isfinite(minimum) and 1 <= minimum <= initial):

@@ -87,3 +87,21 @@ def test_the_growing_window_test_really_grows_the_window_fivefold() -> None:
     windows = [p.window for p in policies if p.window is not None]
     assert len(windows) == 8
     assert sum(windows) / 8 >= 4.0, windows
+
+
+def test_policy_factory_refuses_bad_options_when_made() -> None:
+    # A misspelt option used to pass here and fail inside simulate() as a raw TypeError.
+    with pytest.raises(ValueError, match="conflict_budjet"):
+        policy_factory("dac", conflict_budjet=0.1)
+    with pytest.raises(ValueError, match="conflict_budget"):
+        policy_factory("dac", conflict_budget=2.0)
+    with pytest.raises(ValueError, match="every"):
+        policy_factory("naive", every=3)
+
+
+@pytest.mark.parametrize("option", ["rng", "seed"])
+def test_policy_factory_refuses_rng_and_seed(option: str) -> None:
+    # The simulation passes each producer's own rng: seed= made every build fail ("either rng
+    # or seed"), rng= would give all producers one shared source.
+    with pytest.raises(ValueError, match=option):
+        policy_factory("dac", **{option: 3})

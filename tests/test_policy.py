@@ -421,6 +421,54 @@ def test_record_rejects_impossible_measurements() -> None:
         policy.record(outcome(window=-0.5))
     with pytest.raises(ValueError, match="producer count"):
         policy.record(outcome(producers=0))
+    for producers in (math.nan, math.inf, 2.5):
+        with pytest.raises(ValueError, match="producer count"):
+            policy.record(outcome(producers=producers))  # type: ignore[arg-type]
+
+
+def test_model_functions_reject_nan() -> None:
+    # NaN passed "gap < 0" and "producers < 1": p and d came out NaN, dac_gap(0.05, nan) 0.45.
+    with pytest.raises(ValueError, match="gap"):
+        conflict_probability(0.05, math.nan, 4)
+    with pytest.raises(ValueError, match="gap"):
+        duty(0.05, math.nan)
+    for producers in (math.nan, math.inf, 1.5):
+        with pytest.raises(ValueError, match="producer count"):
+            dac_gap(0.05, producers)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="producer count"):
+            conflict_probability(0.05, 1.0, producers)  # type: ignore[arg-type]
+    assert conflict_probability(0.05, math.inf, 4) == 0.0  # an endless gap is still a gap
+    assert dac_gap(0.05, 4.0) == dac_gap(0.05, 4)  # type: ignore[arg-type]
+
+
+def test_dac_refuses_an_rng_without_uniform() -> None:
+    # Accepted, it failed later with AttributeError in the producer's commit thread.
+    with pytest.raises(TypeError, match="uniform"):
+        DacPolicy(rng=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="uniform"):
+        make_policy("dac", rng=object())
+    DacPolicy(rng=FixedDraw(0.5))
+
+
+def test_slot_periods_survive_overflowing_windows_and_gaps() -> None:
+    # A finite window of 1e307 s makes N s and g* overflow to inf: log2(inf) raised OverflowError.
+    policy = DacPolicy(seed=1)
+    policy.record(outcome(window=1e307, producers=16))
+    assert policy.gap <= policy.max_gap
+    assert policy.slot_period == policy.regular_period == 8.0  # the longest within max_gap
+    assert policy.forced_wait(1.0, 1000.0, 0) >= 0
+    assert policy.regular_wait(1.0, 1000.0, 0) is not None
+    # g* overflows with a tiny duty budget; with max_gap=inf the period is inf, no grid to use.
+    unbounded = DacPolicy(seed=1, duty_budget=1e-310, max_gap=math.inf)
+    unbounded.start(0.01, 4, 1)
+    assert unbounded.regular_period == math.inf
+    assert unbounded.regular_wait(1.0, 1000.0, 1) is None
+    assert 0 <= unbounded.forced_wait(0.0, 1000.0, 1) <= unbounded.max_forced_gap
+    # N s itself overflows the grid's exponent range (ratio to a tiny base beyond 2^1024).
+    tiny_base = DacPolicy(seed=1, max_gap=math.inf, max_forced_gap=1e-300)
+    tiny_base.record(outcome(window=1e10, producers=16))
+    assert tiny_base.slot_period == math.inf
+    assert tiny_base.forced_wait(0.0, 1000.0, 1) <= 1e-300
 
 
 # --- baselines ---------------------------------------------------------------------------------
@@ -492,7 +540,10 @@ def test_aimd_options() -> None:
         ("aimd", {"addend": -1.0}, "addend"),
         ("aimd", {"minimum": 0.5}, "minimum"),
         ("aimd", {"initial": 0.0}, "interval"),
+        ("aimd", {"addend": math.inf}, "addend"),
         ("incr", {"step": -1}, "step"),
+        ("incr", {"step": math.inf}, "step"),
+        ("incr", {"step": math.nan}, "step"),
         ("incr", {"initial": 0}, "interval"),
         ("fixed10", {"every": 0}, "interval"),
     ],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 
 import pytest
@@ -254,3 +255,28 @@ def test_random_faults_are_reproducible_from_the_seed() -> None:
 def test_rates_are_validated() -> None:
     with pytest.raises(ValueError, match="ambiguous_put_rate"):
         FaultInjectingStore(MemoryStore(), ambiguous_put_rate=1.5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"failed_put_delay": -1.0}, "failed_put_delay"),
+        ({"failed_put_delay": math.nan}, "failed_put_delay"),
+        ({"failed_put_delay": math.inf}, "failed_put_delay"),
+        ({"latency": math.nan}, "latency"),
+        ({"latency": -1.0}, "latency"),
+        ({"latency": math.inf}, "latency"),
+        ({"latency": (-2.0, -1.0)}, "latency"),
+        ({"latency": (0.2, 0.1)}, "latency"),
+        ({"latency": (0.0, math.nan)}, "latency"),
+        ({"latency": (0.0, 0.1, 0.2)}, "latency"),
+    ],
+)
+def test_delays_are_validated_when_the_store_is_made(
+    kwargs: dict[str, object], message: str
+) -> None:
+    # Accepted, they surfaced only when a fault fired: as time.sleep's ValueError, not the
+    # AmbiguousWriteError/TransientStoreError the test meant to inject.
+    with pytest.raises(ValueError, match=message):
+        FaultInjectingStore(MemoryStore(), failed_put_after_delay_rate=1.0, **kwargs)  # type: ignore[arg-type]
+    FaultInjectingStore(MemoryStore(), latency=(0.0, 0.0), failed_put_delay=0.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import random
 import threading
 import time
@@ -213,12 +214,32 @@ class _ScriptedFault:
     key_prefix: str
 
 
+def _check_latency(latency: float | tuple[float, float]) -> None:
+    """Refuse a latency ``time.sleep`` would refuse only when the fault is injected."""
+    if isinstance(latency, tuple):
+        if not (
+            len(latency) == 2
+            and all(math.isfinite(x) for x in latency)
+            and 0 <= latency[0] <= latency[1]
+        ):
+            raise ValueError(
+                "latency must be a (low, high) pair of finite seconds with 0 <= low <= high, "
+                f"got {latency!r}"
+            )
+    elif not (math.isfinite(latency) and latency >= 0):
+        raise ValueError(
+            f"latency must be a finite number of seconds >= 0 or a (low, high) pair, "
+            f"got {latency!r}"
+        )
+
+
 class FaultInjectingStore(StoreWrapper):
     """Injects latency and failures in front of ``inner``, reproducibly from ``seed``.
 
     Random faults, each decided per call with the seeded RNG:
 
-    - ``latency``: seconds slept before every call (a float, or ``(low, high)`` for uniform);
+    - ``latency``: seconds slept before every call (a float, or ``(low, high)`` for uniform;
+      finite, ``0 <= low <= high``);
     - ``transient_error_rate``: the call fails with ``TransientStoreError`` before reaching
       ``inner`` (nothing was written);
     - ``ambiguous_put_rate``: a put reaches ``inner`` (the write lands, or loses the create race)
@@ -250,6 +271,12 @@ class FaultInjectingStore(StoreWrapper):
         ):
             if not 0.0 <= rate <= 1.0:
                 raise ValueError(f"{name} must be within [0, 1], got {rate}")
+        if not (math.isfinite(failed_put_delay) and failed_put_delay >= 0):
+            raise ValueError(
+                "failed_put_delay must be a finite number of seconds >= 0, "
+                f"got {failed_put_delay!r}"
+            )
+        _check_latency(latency)
         super().__init__(inner)
         self._latency = latency
         self._transient = transient_error_rate

@@ -11,15 +11,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import queue
 import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -118,9 +121,64 @@ def free_port(
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Ask Linux to SIGTERM the child if the test process dies, so servers never leak."""
+    """Ask Linux to SIGTERM the child if the test process dies, so servers never leak.
+
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not the process:
+    a server forked by a worker thread would be killed as soon as that thread ends although the
+    test process (and the ``with`` block using the server) lives on. So servers are only ever
+    forked with this hook by a thread that lives as long as the process: the main thread, or
+    for callers on any other thread a daemon thread kept for that purpose (:func:`_popen`).
+    Normally the context managers stop their server by PID on exit; this hook covers a test
+    process that dies without running them (SIGKILL, a crash). The moto child also exits when
+    its stdin reaches EOF, which happens when the test process dies.
+    """
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+_Spawn = tuple[Callable[[], "subprocess.Popen[Any]"], "Future[subprocess.Popen[Any]]"]
+_spawner_lock = threading.Lock()
+_spawner: tuple[int, queue.SimpleQueue[_Spawn]] | None = None
+"""``(pid, requests)`` of this process's spawner thread (a forked child needs its own)."""
+
+
+def _spawn_forever(requests: queue.SimpleQueue[_Spawn]) -> None:
+    while True:
+        start, result = requests.get()
+        try:
+            result.set_result(start())
+        except BaseException as exc:  # handed to the waiting caller
+            result.set_exception(exc)
+
+
+def _popen(args: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+    """``subprocess.Popen(args, **kwargs)`` with :func:`_die_with_parent` on Linux.
+
+    Forked by the calling thread if it is the main thread, else by a daemon spawner thread
+    that never exits before the process does (see :func:`_die_with_parent`).
+    """
+    if sys.platform != "linux":
+        return subprocess.Popen(args, **kwargs)
+
+    def start() -> subprocess.Popen[Any]:
+        return subprocess.Popen(args, preexec_fn=_die_with_parent, **kwargs)
+
+    if threading.current_thread() is threading.main_thread():
+        return start()
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or _spawner[0] != os.getpid():
+            _spawner = (os.getpid(), queue.SimpleQueue())
+            threading.Thread(
+                target=_spawn_forever,
+                args=(_spawner[1],),
+                name="batchweave-server-spawner",
+                daemon=True,
+            ).start()
+        requests = _spawner[1]
+    result: Future[subprocess.Popen[Any]] = Future()
+    requests.put((start, result))
+    return result.result()
 
 
 def _stop(proc: subprocess.Popen[Any]) -> None:
@@ -155,13 +213,12 @@ def moto_server(*, startup_timeout: float = 60.0) -> Iterator[S3Endpoint]:
     moto accepts any credentials; the endpoint carries dummy ones.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    proc = subprocess.Popen(
+    proc = _popen(
         [sys.executable, "-c", _MOTO_CHILD],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env=env,
-        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
     )
     try:
         assert proc.stdout is not None
@@ -246,13 +303,12 @@ def seaweedfs_server(
         ]
         log_path = data_dir / "weed.log"
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
+            proc = _popen(
                 cmd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
         try:
             if _wait_for_http(ports["s3"], proc, time.monotonic() + startup_timeout):
