@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from batchweave._checks import check_at_least
+from batchweave._checks import as_int, check_at_least
 from batchweave._errors import (
     NamespaceNotFound,
     ObjectNotFound,
@@ -101,13 +101,14 @@ def checkpoint_hook(
     """Record the watermark of a checkpoint that was just written successfully.
 
     Call it once per checkpoint on every rank, after the checkpoint is durable; only rank 0
-    (``rank``, else the ``RANK`` environment variable, else 0) writes, the others return
-    ``None``. The watermark's step is the manifest step that resuming from the consumer's state
-    reads first: pass the ``state`` that went into the checkpoint if the loop may have advanced
-    the consumer since (asynchronous checkpointing); by default the consumer's current state is
-    used. ``consumer`` may also be a ``batchweave.torch.WeaveLoader`` (anything with
-    ``resume_tgb_step`` and ``manifest_version``). Returns the recorded :class:`Watermark` on
-    rank 0.
+    (``rank``, an int, else the ``RANK`` environment variable, else 0) writes, the others return
+    ``None``; a ``rank`` that is no integer (``"0"`` read from the environment) is a
+    ``TypeError`` rather than a rank that never writes. The watermark's step is the manifest
+    step that resuming from the consumer's state reads first: pass the ``state`` that went into
+    the checkpoint if the loop may have advanced the consumer since (asynchronous
+    checkpointing); by default the consumer's current state is used. ``consumer`` may also be a
+    ``batchweave.torch.WeaveLoader`` (anything with ``resume_tgb_step`` and
+    ``manifest_version``). Returns the recorded :class:`Watermark` on rank 0.
 
     Call it again right after restoring a checkpoint (``consumer.load_state_dict(state)``, then
     this hook with that ``state``): a process killed between writing the checkpoint and this
@@ -131,6 +132,10 @@ def checkpoint_hook(
             rank = int(raw)
         except ValueError:
             raise ValueError(f"RANK={raw!r} is not an integer; pass rank= explicitly") from None
+    else:
+        # A string (os.environ["RANK"] passed on) is refused: "0" != 0, so rank 0 would
+        # silently record nothing and reclamation would never see this checkpoint.
+        rank = as_int("rank", rank)
     if rank != 0:
         return None
     step = consumer.resume_tgb_step(state)

@@ -714,6 +714,9 @@ class Producer:
     def _start(self) -> tuple[Manifest, int]:
         """Join the namespace and commit ``epoch = old + 1`` for this id, retried until it lands."""
         manifest: Manifest | None = None
+        # The newest manifest read here that lists this id: one that lacks it after that was
+        # retired in between (only retirement removes an id).
+        listed: Manifest | None = None
         conflicts = 0
         failures = attempts = 0
         while True:
@@ -723,6 +726,10 @@ class Producer:
                     manifest = self._log.create_or_open(self._mesh)
                 self._check_not_sealed(manifest)
                 old = manifest.producers.get(self._producer_id)
+                if old is not None:
+                    listed = manifest
+                elif listed is not None:
+                    self._raise_retired_while_starting(listed, manifest)
                 self._check_source(manifest, old)
                 # An id the manifest does not list (new, or retired) takes the version of this
                 # epoch commit: higher than any epoch the id had before a retirement (each was
@@ -763,6 +770,29 @@ class Producer:
             manifest = result.winner
             # Producers starting together collide; spread their retries.
             self._sleep(self._rng.uniform(0.0, self._backoff(min(conflicts, 4))))
+
+    def _raise_retired_while_starting(self, listed: Manifest, manifest: Manifest) -> NoReturn:
+        """The id was retired between our read of ``listed`` and our epoch commit.
+
+        Starting again from ``manifest`` would begin a new stream at offset 0 and publish the
+        committed offsets a second time, so the start stops instead, naming them.
+        """
+        offset = listed.producers[self._producer_id].offset
+        committed = (
+            f"offsets up to {offset} were committed under it, and a producer started under it "
+            f"now begins a new stream with no resume offset (resume_offset 0): resume the "
+            f"source after {offset} yourself (append offsets above {offset}) to publish each "
+            "offset once, or use a new producer_id"
+            if offset is not None
+            else "it had committed nothing, so starting it again begins its stream afresh"
+        )
+        raise ProducerRetired(
+            f"producer {self._producer_id!r} in namespace {self._namespace!r} was retired while "
+            f"it started: manifest version {listed.version} listed it, version "
+            f"{manifest.version} no longer does (retire_producers / `batchweave retire` removes "
+            f"ids idle for long), and this start committed nothing. {committed[0].upper()}"
+            f"{committed[1:]}."
+        )
 
     def _check_source(self, manifest: Manifest, old: ProducerState | None) -> None:
         """Refuse to start under another source than the one committed for this id."""

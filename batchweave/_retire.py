@@ -11,9 +11,11 @@ Retirement is one commit that removes the ids. A process still running under a r
 fenced (:class:`~batchweave.ProducerRetired`) at its next rebase, because a started producer
 finds its own state in every manifest unless it was retired; the conditional PUT orders the
 retirement against that producer's commits, so a producer that commits in between is seen as
-active and kept. A producer started later under a retired id begins a new stream, with no
-resume offset and an epoch above every epoch the id had (an unlisted id's epoch is the version
-of its epoch commit), so an old process that missed the retirement is fenced by that epoch.
+active and kept; a producer whose start (read, then epoch commit) loses to the retirement of its
+id stops with :class:`~batchweave.ProducerRetired` as well, rather than start over at offset 0.
+A producer started later under a retired id begins a new stream, with no resume offset and an
+epoch above every epoch the id had (an unlisted id's epoch is the version of its epoch commit),
+so an old process that missed the retirement is fenced by that epoch.
 """
 
 from __future__ import annotations

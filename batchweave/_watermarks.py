@@ -151,6 +151,10 @@ class Watermarks:
         step = as_int("step", step)  # the step counter of a loop is often a NumPy integer
         if step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if version is not None:
+            version = as_int("version", version)  # True is no version 1, as it is no step
+            if version < 0:
+                raise ValueError(f"version must be a non-negative int, got {version!r}")
         validate_checkpoint_id(checkpoint_id)
         if self.scope is not None and not checkpoint_id.startswith(self.scope):
             raise ValueError(

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _reclaimer_worker import (
     ONE_SLICE,
@@ -131,6 +132,25 @@ def test_only_rank_zero_writes(store: bw.MemoryStore) -> None:
     assert bw.checkpoint_hook(consumer, marks, "c", environ={"RANK": "0"}) is not None
     with pytest.raises(ValueError, match="RANK"):
         bw.checkpoint_hook(consumer, marks, "c", environ={"RANK": "zero"})
+    consumer.close()
+
+
+@pytest.mark.parametrize("rank", ["0", "1", 0.0, True, None])
+def test_a_rank_that_is_no_integer_is_refused_not_taken_for_another_rank(
+    store: bw.MemoryStore, rank: object
+) -> None:
+    # rank=os.environ["RANK"] on rank 0 is "0", which is not 0: the hook returned None and
+    # recorded nothing, and the reclaimer never saw the checkpoint.
+    Writer(store, NS, MESH).publish(1)
+    marks = bw.Watermarks(store, NS)
+    consumer = bw.Consumer(store, NS, mesh=MESH, dp_rank=0, timeout=0)
+    if rank is None:  # unset: RANK from the environment, parsed
+        assert bw.checkpoint_hook(consumer, marks, "c", environ={"RANK": "0"}) is not None
+    else:
+        with pytest.raises(TypeError, match="rank must be an integer"):
+            bw.checkpoint_hook(consumer, marks, "c", rank=rank)  # type: ignore[arg-type]
+        assert marks.live() == []
+    assert bw.checkpoint_hook(consumer, marks, "c", rank=np.int64(0)) is not None
     consumer.close()
 
 

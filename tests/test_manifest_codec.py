@@ -162,6 +162,51 @@ def test_manifests_use_format_4_only_for_producer_sources(manifest: Manifest) ->
 
 
 @settings(max_examples=60, deadline=None)
+@given(manifests(), producer_states, st.sampled_from(["__all__", "__all_", "all", "..."]))
+def test_a_producer_id_pydantic_reads_specially_leaves_other_sources_alone(
+    manifest: Manifest, state: ProducerState, pid: str
+) -> None:
+    # "__all__" as an exclude key means every entry: an id-keyed exclude of the unset sources
+    # dropped every other producer's source when a producer was named "__all__".
+    producers = {**manifest.producers, pid: state}
+    fields = {name: getattr(manifest, name) for name in Manifest.model_fields}
+    del fields["format"]  # the format follows from the producers (3 or 4)
+    manifest = Manifest(**{**fields, "producers": producers})
+    doc = json.loads(body(encode_manifest(manifest)))
+    sourced = {p for p, s in producers.items() if s.source is not None}
+    assert {p for p, s in doc["producers"].items() if "source" in s} == sourced
+    decoded = decode_manifest(encode_manifest(manifest), key=KEY)
+    assert {p: s.source for p, s in decoded.producers.items()} == {
+        p: s.source for p, s in producers.items()
+    }
+
+
+def test_manifest_bytes_are_those_earlier_releases_wrote() -> None:
+    # Pinned bytes (written by the release before the source serializer moved into
+    # ProducerState): manifests already stored must decode, and re-encode, the same.
+    states = {
+        "a": ProducerState(epoch=1, offset=3, last_version=7, last_commit_at=1.25),
+        "b": ProducerState(epoch=2, last_version=6, source="kafka://t"),
+    }
+    fields = dict(namespace_id="ns", mesh=Mesh(dp=2, cp=2), version=7, parent=6, commit_id="c")
+    head = (
+        '"namespace_id":"ns","mesh":{"dp":2,"cp":2},"version":7,"parent":6,"commit_id":"c",'
+        '"created_at":1.5,"base_step":0,"segments":[],"tail":[],"tail_start":0,"producers":'
+        '{"a":{"epoch":1,"offset":3,"last_version":7,"last_commit_at":1.25}'
+    )
+    v3 = Manifest(**fields, created_at=1.5, producers={"a": states["a"]})
+    assert body(encode_manifest(v3)).decode() == '{"format":3,' + head + '},"sealed":false}'
+    v4 = Manifest(**fields, created_at=1.5, producers=states)
+    assert body(encode_manifest(v4)).decode() == (
+        '{"format":4,' + head + ',"b":{"epoch":2,"offset":null,"last_version":6,'
+        '"last_commit_at":0.0,"source":"kafka://t"}},"sealed":false}'
+    )
+    for manifest in (v3, v4):
+        data = encode_manifest(manifest)
+        assert encode_manifest(decode_manifest(data, key=KEY)) == data
+
+
+@settings(max_examples=60, deadline=None)
 @given(segments)
 def test_segment_round_trip(segment: Segment) -> None:
     data = encode_segment(segment)
@@ -409,9 +454,9 @@ def test_the_decoded_cache_is_bounded_in_entries_and_bytes() -> None:
 def test_encoding_from_cached_descriptors_is_pydantics_json_byte_for_byte(
     manifest: Manifest, segment: Segment
 ) -> None:
-    # A producer state's source is written only when set (format 3 has no such field).
-    unset = {pid: {"source"} for pid, state in manifest.producers.items() if state.source is None}
-    expected = manifest.model_dump_json(exclude={"producers": unset}).encode()
+    # A producer state's source is written only when set (format 3 has no such field): the
+    # state's own serializer leaves it out, so pydantic's JSON already does.
+    expected = manifest.model_dump_json().encode()
     for _ in range(2):  # the second time every descriptor comes from the cache
         assert body(encode_manifest(manifest)) == expected
         assert body(encode_segment(segment)) == segment.model_dump_json().encode()

@@ -465,6 +465,26 @@ def test_base_step_cuts_reclaimed_steps(store: ObjectStore) -> None:
         log.commit(cut, base_step=11)
 
 
+@pytest.mark.parametrize("base_step", [0, 3])
+def test_a_negative_step_is_out_of_range_not_reclaimed(store: ObjectStore, base_step: int) -> None:
+    # Step -1 used to be "step -1 was reclaimed (... resume from a later checkpoint)", advice
+    # that only hides the caller's bug; with nothing reclaimed it would have read tail[-1].
+    log = ManifestLog(store, NS, tail_limit=4)
+    head = log.create_or_open(MESH)
+    for i in range(6):
+        head = _commit(log, head, descriptor("a", i))
+    result = log.commit(head, base_step=base_step)
+    assert isinstance(result, Committed)
+    head = result.manifest
+    for step in (-1, -6, -(10**12)):
+        with pytest.raises(IndexError, match=f"step {step} is negative") as info:
+            log.descriptor(head, step)
+        assert not isinstance(info.value, StepReclaimed)
+        with pytest.raises(IndexError, match="is negative"):
+            list(log.descriptors(head, step, 5))
+    assert [s for s, _ in log.descriptors(head, base_step, 6)] == list(range(base_step, 6))
+
+
 def test_active_producers() -> None:
     m = Manifest(
         namespace_id="n",

@@ -190,6 +190,54 @@ def test_a_running_producer_of_a_retired_id_stops_and_says_where_to_resume() -> 
         assert again.resume_offset == 0
 
 
+class _RetireBeforeTheEpochCommit(bw.StoreWrapper):
+    """Retires ``pod-7`` (two days idle) right before the first manifest PUT through it: the
+    retirement lands between a starting producer's read and its epoch commit."""
+
+    def __init__(self, inner: bw.ObjectStore) -> None:
+        super().__init__(inner)
+        self.report: bw.RetireReport | None = None
+
+    def put(self, key: str, data: bytes, *, mode: bw.PutMode = bw.PutMode.OVERWRITE) -> None:
+        if mode is bw.PutMode.CREATE and "/_manifests/" in key and self.report is None:
+            self.report = bw.retire_producers(
+                self.inner, NS, idle_for=DAY, wall_clock=lambda: later(2)
+            )
+        super().put(key, data, mode=mode)
+
+
+@pytest.mark.parametrize("committed", [range(3), range(0)])
+def test_a_restart_that_loses_to_a_retirement_stops_instead_of_starting_over(
+    committed: range,
+) -> None:
+    # The restart read version v (offsets 0..2 committed), the retirement took v + 1, and the
+    # restart rebased on it: it used to start a new stream at resume_offset 0, and the source
+    # republished offsets 0..2.
+    store = bw.MemoryStore()
+    if committed:
+        publish(store, "pod-7", committed)
+    else:
+        bw.Producer(store, NS, producer_id="pod-7", mesh=MESH).close()
+    racing = _RetireBeforeTheEpochCommit(store)
+    with pytest.raises(bw.ProducerRetired) as info:
+        bw.Producer(racing, NS, producer_id="pod-7", mesh=MESH)
+    assert racing.report is not None
+    assert racing.report.retired == ("pod-7",)
+    message = str(info.value)
+    assert f"version {racing.report.version} no longer does" in message
+    assert "this start committed nothing" in message
+    if committed:
+        assert "resume the source after 2" in message
+    else:
+        assert "committed nothing, so starting it again" in message
+    latest = ManifestLog(store, NS).latest()
+    assert "pod-7" not in latest.producers  # the retirement stands; nothing was committed
+    assert steps(store) == [("pod-7", offset) for offset in committed]
+    # Started again, the id begins a new stream, as the message says.
+    with bw.Producer(store, NS, producer_id="pod-7", mesh=MESH) as again:
+        assert again.resume_offset == 0
+
+
 def test_retiring_churned_ids_shrinks_the_manifest_back() -> None:
     """Every id ever started stays in every manifest until it is retired."""
     store = bw.MemoryStore()

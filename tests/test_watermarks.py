@@ -116,6 +116,24 @@ def test_bad_arguments(store: bw.MemoryStore) -> None:
     assert list(store.list(f"{NS}/")) == []
 
 
+@pytest.mark.parametrize(
+    ("version", "error"),
+    [(-1, ValueError), (True, TypeError), (False, TypeError), (2.0, TypeError), ("3", TypeError)],
+)
+def test_a_bad_version_is_refused_as_clearly_as_a_bad_step(
+    store: bw.MemoryStore, version: object, error: type[Exception]
+) -> None:
+    # version=-1 used to escape as a raw pydantic ValidationError, and version=True was stored
+    # as version 1.
+    with pytest.raises(error, match="version must be") as info:
+        bw.Watermarks(store, NS).record("c", 5, version=version)  # type: ignore[arg-type]
+    assert "pydantic" not in type(info.value).__module__
+    assert list(store.list(f"{NS}/")) == []
+    mark = bw.Watermarks(store, NS).record("c", 5, version=np.int64(3))  # type: ignore[arg-type]
+    assert type(mark.version) is int
+    assert mark.version == 3
+
+
 def test_numpy_steps_are_recorded_as_plain_ints(store: bw.MemoryStore) -> None:
     # A training loop's step counter is often a NumPy integer; the watermark must still be
     # plain JSON that every reader decodes.

@@ -27,7 +27,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Final, TypeVar
+from typing import Final, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
@@ -35,7 +35,6 @@ from pydantic_core import ErrorDetails
 from batchweave._errors import ChecksumMismatch, FormatError, UnsupportedFormatVersion
 from batchweave._format._checksum import checksum
 from batchweave._manifest._models import (
-    FORMAT_WITH_SOURCES,
     MANIFEST_FORMAT,
     SEGMENT_FORMAT,
     TAIL_REUSED,
@@ -125,20 +124,17 @@ def descriptors_json_bytes(descriptors: Sequence[TgbDescriptor]) -> int:
     return sum(len(_DESCRIPTOR_JSON.get(d)) for d in descriptors) + commas + 2
 
 
-def _body_with_descriptors(
-    model: BaseModel, field: str, exclude: dict[str, Any] | None = None
-) -> bytes:
+def _body_with_descriptors(model: BaseModel, field: str) -> bytes:
     """``model``'s JSON, byte for byte, with the descriptors of ``field`` from their cache.
 
     The fields before and after ``field`` are serialized by pydantic as usual (with the same
-    separators and order, leaving out ``exclude``), the descriptor array is joined from
-    :class:`_DescriptorJson`.
+    separators and order), the descriptor array is joined from :class:`_DescriptorJson`.
     """
     names = list(type(model).model_fields)
     at = names.index(field)
     to_json = model.__pydantic_serializer__.to_json
-    head = to_json(model, include=set(names[:at]), exclude=exclude)
-    rest = to_json(model, include=set(names[at + 1 :]), exclude=exclude)
+    head = to_json(model, include=set(names[:at]))
+    rest = to_json(model, include=set(names[at + 1 :]))
     array = b",".join(_DESCRIPTOR_JSON.get(d) for d in getattr(model, field))
     parts = [head[:-1], b',"', field.encode(), b'":[', array, b"]"]
     if rest != b"{}":
@@ -151,15 +147,11 @@ def _body_with_descriptors(
 def encode_manifest(manifest: Manifest) -> bytes:
     """Serialize ``manifest`` into the bytes of a ``.manifest`` object.
 
-    A producer state's ``source`` is written only when set: a format-3 manifest (no state has
-    one) is exactly what releases without source identities wrote and read.
+    A producer state's ``source`` is written only when set (``ProducerState`` leaves it out
+    itself): a format-3 manifest (no state has one) is exactly what releases without source
+    identities wrote and read.
     """
-    if manifest.format < FORMAT_WITH_SOURCES:
-        unset: dict[Any, Any] = {"__all__": {"source"}}  # no state has one: one rule for all
-    else:
-        unset = {pid: {"source"} for pid, s in manifest.producers.items() if s.source is None}
-    body = _body_with_descriptors(manifest, "tail", {"producers": unset})
-    return _encode(_MANIFEST_MAGIC, manifest, body)
+    return _encode(_MANIFEST_MAGIC, manifest, _body_with_descriptors(manifest, "tail"))
 
 
 def encode_segment(segment: Segment) -> bytes:

@@ -551,6 +551,12 @@ class ManifestLog:
             step = end
 
     def _check_step(self, manifest: Manifest, step: int) -> None:
+        if step < 0:
+            # Not "reclaimed": no step below 0 ever existed (and tail[-1] would be the newest).
+            raise IndexError(
+                f"step {step} is negative: manifest version {manifest.version} of "
+                f"{self._where} holds steps {manifest.base_step}..{manifest.next_step - 1}"
+            )
         if step < manifest.base_step:
             raise StepReclaimed(
                 f"step {step} was reclaimed (base_step {manifest.base_step} in manifest "
@@ -716,7 +722,6 @@ class ManifestLog:
                 tail,
                 tail_start,
                 base_step=new_base,
-                tail_limit=self.tail_limit,
                 max_segment_tgbs=self.max_segment_tgbs,
                 fanout=self.merge_fanout,
                 merge=not self.deferred_merges,
@@ -770,7 +775,6 @@ class ManifestLog:
             self._rolled = None
         crowded = most_per_level(
             committed.segments[:-1],
-            tail_limit=self.tail_limit,
             max_segment_tgbs=self.max_segment_tgbs,
             fanout=self.merge_fanout,
         )
@@ -784,7 +788,6 @@ class ManifestLog:
             committed.namespace_id,
             committed.segments,
             base_step=committed.base_step,
-            tail_limit=self.tail_limit,
             max_segment_tgbs=self.max_segment_tgbs,
             fanout=self.merge_fanout,
         )

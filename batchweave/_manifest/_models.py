@@ -370,7 +370,21 @@ class ProducerState(BaseModel):
     """Wall-clock time (seconds since the epoch, finite) of that commit; counts active producers."""
     source: Annotated[str, AfterValidator(check_source)] | None = None
     """What the offsets mean (``Producer(source=...)``), opaque; only in manifest format 4,
-    and ``encode_manifest`` writes it only when set."""
+    and written only when set (see :meth:`_drop_unset_source`)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_source(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """This state's fields, without ``source`` when it is unset.
+
+        So a format-3 manifest (no state has a source) is byte for byte what releases without
+        source identities wrote and read, and a format-4 one writes the key only where it is set.
+        Decided per state, not with an ``exclude`` keyed by producer id, which pydantic reads
+        specially for some keys (``"__all__"`` means every entry).
+        """
+        out: dict[str, Any] = handler(self)
+        if self.source is None:
+            out.pop("source", None)
+        return out
 
 
 TAIL_REUSED = "batchweave.tail_reused"

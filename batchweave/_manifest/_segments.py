@@ -5,25 +5,35 @@ reach ``tail_limit`` descriptors, the committer writes the tail as a new segment
 its conditional PUT. So that the number of references stays small, the new run may absorb the
 newest existing segments (size-tiered merging with fanout ``F``, default 8):
 
-* the *level* of a run of ``n`` descriptors is ``floor(log_F(n / tail_limit))`` (0 below that);
-  a segment is *full* once it holds more than ``max_segment_tgbs / 2`` descriptors and is never
-  rewritten again;
+* the *level* of a run of ``n`` descriptors is ``floor(log_F(n))``: what a run holds, whatever
+  made the roll that wrote it (``tail_limit`` descriptors, ``tail_bytes_limit`` bytes of them, or
+  a commit's whole batch); a segment is *full* once it holds more than ``max_segment_tgbs / 2``
+  descriptors and is never rewritten again;
 * the new run absorbs the newest reference if that reference is of a lower level, or, when it
   is of the run's own level, only together with the ``F - 1`` newest references, all of that
-  level (``F`` runs of one level become one of the next); merged runs stay within
-  ``max_segment_tgbs``: a group that would exceed it contributes its newest references that fit
-  (the result is full);
+  level (``F`` runs of level ``k`` hold ``F^(k+1)`` to ``F^(k+2) - 1`` descriptors: one run of
+  level ``k + 1``); merged runs stay within ``max_segment_tgbs``: a group that would exceed it
+  contributes its newest references that fit (the result is full);
 * so, between full segments, levels do not increase from old to new and each level holds at
-  most ``F - 1`` references: at most ``(F - 1)(log_F(max_segment_tgbs / tail_limit) + 1)`` of
-  them, plus about two references per ``max_segment_tgbs`` steps of retained history, which
-  reclamation cuts.
+  most ``F - 1`` references: at most ``(F - 1)`` per level from that of the smallest roll ``r``
+  to that of ``max_segment_tgbs / 2``, plus about two references per ``max_segment_tgbs`` steps
+  of retained history, which reclamation cuts.
 
-A level merge happens once per ``F`` runs of that level, so each descriptor is rewritten at most
-``log_F(max_segment_tgbs / tail_limit)`` times (2 with the defaults; fanout 2 would be 6) and
-the bytes a commit writes for segments, amortized over a run, stay proportional to the
-descriptors it appends. A merge writes one object however many references it absorbs. A
-committer that loses its race leaves its segment unreferenced; the reclaimer deletes such
-orphans after a grace period.
+Every rewrite moves a descriptor into a run of a higher level, or into a full run, so with
+rolls of ``r`` descriptors or more each descriptor is rewritten at most
+``ceil(log_F(max_segment_tgbs / r)) + 1`` times, and at most ``ceil(log_F(max_segment_tgbs /
+r))`` when the rolls are of one size: 2 for count-triggered rolls of 256 with the defaults, 3
+for byte-triggered rolls of 32 (``docs/protocol.md`` has the measurements). Levels used to be
+``floor(log_F(n / tail_limit))``: rolls cut short by the byte bound then all stayed level 0 and
+level-0 runs kept merging up to ``F * tail_limit`` descriptors, up to 10 rewrites. Reference
+lists written that way are read as they are: levels are recomputed from counts and merging
+only ever joins contiguous references (nothing is lost or duplicated). Where an old level
+straddles two new ones, a new level may start with up to ``2(F - 1)`` references; the first
+merges that reach it absorb them (some may stay behind the full segment they fill, a bounded,
+one-off leftover). The bytes a commit writes for segments, amortized over a
+run, stay proportional to the descriptors it appends. A merge writes one object however many
+references it absorbs. A committer that loses its race leaves its segment unreferenced; the
+reclaimer deletes such orphans after a grace period.
 
 Segments are immutable, so readers cache them by key (:class:`SegmentFiles`): looking up any step
 costs at most one segment read.
@@ -66,11 +76,15 @@ def segment_key(first_step: int) -> str:
     return f"{SEGMENTS_DIR}/{first_step:020d}-{uuid.uuid4().hex}.seg"
 
 
-def segment_level(count: int, tail_limit: int, fanout: int = DEFAULT_MERGE_FANOUT) -> int:
-    """``floor(log_fanout(count / tail_limit))``, and 0 for runs shorter than ``tail_limit``."""
-    ratio, level = count // tail_limit, 0
-    while ratio >= fanout:
-        ratio //= fanout
+def segment_level(count: int, fanout: int = DEFAULT_MERGE_FANOUT) -> int:
+    """``floor(log_fanout(count))``: the level of a run of ``count`` (>= 1) descriptors.
+
+    Absolute, not relative to ``tail_limit``: a roll the byte bound cut short starts at its own
+    level, so merging ``fanout`` runs of one level always makes one run of the next level.
+    """
+    level = 0
+    while count >= fanout:
+        count //= fanout
         level += 1
     return level
 
@@ -79,14 +93,13 @@ def merge_run_length(
     segments: Sequence[SegmentRef],
     new_count: int,
     *,
-    tail_limit: int,
     max_segment_tgbs: int,
     fanout: int = DEFAULT_MERGE_FANOUT,
 ) -> int:
     """How many of the newest ``segments`` a new run of ``new_count`` descriptors absorbs."""
 
     def level(count: int) -> int:
-        return segment_level(count, tail_limit, fanout)
+        return segment_level(count, fanout)
 
     absorbed, count, end = 0, new_count, len(segments)
     while end > 0:
@@ -97,11 +110,17 @@ def merge_run_length(
         if level(ref.count) < run_level:
             group = [ref]
         elif level(ref.count) == run_level:
-            group = list(segments[max(0, end - (fanout - 1)) : end])
-            if len(group) < fanout - 1 or any(
-                2 * r.count > max_segment_tgbs or level(r.count) != run_level for r in group
-            ):
-                break  # fewer than F runs of this level yet
+            group = []
+            for r in reversed(segments[max(0, end - (fanout - 1)) : end]):
+                if 2 * r.count > max_segment_tgbs or level(r.count) != run_level:
+                    break
+                group.insert(0, r)
+            # Fewer than F runs of this level yet: wait, except at the top level, where F runs
+            # of this size never fit one segment. There, waiting for them would leave all but
+            # the newest few behind the capped (full) merge for good: merge once it is full.
+            top = fanout * count > max_segment_tgbs
+            if len(group) < fanout - 1 and not (top and _fills(count, group, max_segment_tgbs)):
+                break
         else:
             break
         taken = 0
@@ -117,10 +136,18 @@ def merge_run_length(
     return absorbed
 
 
+def _fills(count: int, group: Sequence[SegmentRef], max_segment_tgbs: int) -> bool:
+    """Whether a run of ``count`` plus the newest of ``group`` that fit the cap is full."""
+    for r in reversed(group):
+        if count + r.count > max_segment_tgbs:
+            break
+        count += r.count
+    return 2 * count > max_segment_tgbs
+
+
 def most_per_level(
     segments: Sequence[SegmentRef],
     *,
-    tail_limit: int,
     max_segment_tgbs: int,
     fanout: int = DEFAULT_MERGE_FANOUT,
 ) -> int:
@@ -133,7 +160,7 @@ def most_per_level(
     for ref in reversed(segments):
         if 2 * ref.count > max_segment_tgbs:
             break  # full
-        level = segment_level(ref.count, tail_limit, fanout)
+        level = segment_level(ref.count, fanout)
         counts[level] = counts.get(level, 0) + 1
     return max(counts.values(), default=0)
 
@@ -260,7 +287,6 @@ class SegmentFiles:
         tail_start: int,
         *,
         base_step: int,
-        tail_limit: int,
         max_segment_tgbs: int,
         fanout: int = DEFAULT_MERGE_FANOUT,
         merge: bool = True,
@@ -275,7 +301,6 @@ class SegmentFiles:
             merge_run_length(
                 segments,
                 len(tail),
-                tail_limit=tail_limit,
                 max_segment_tgbs=max_segment_tgbs,
                 fanout=fanout,
             )
@@ -294,7 +319,6 @@ class SegmentFiles:
         segments: Sequence[SegmentRef],
         *,
         base_step: int,
-        tail_limit: int,
         max_segment_tgbs: int,
         fanout: int = DEFAULT_MERGE_FANOUT,
     ) -> tuple[tuple[SegmentRef, ...], SegmentRef] | None:
@@ -312,7 +336,6 @@ class SegmentFiles:
         absorbed = merge_run_length(
             segments[:-1],
             segments[-1].count,
-            tail_limit=tail_limit,
             max_segment_tgbs=max_segment_tgbs,
             fanout=fanout,
         )
