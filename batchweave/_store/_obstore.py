@@ -39,7 +39,15 @@ from batchweave._store._base import (
     PutMode,
     resolve_range,
 )
-from batchweave._store._s3_location import BUCKET_OPS, ClientOptions, S3Location, check_endpoint
+from batchweave._store._s3_location import (
+    BUCKET_OPS,
+    DENIED_CODES,
+    THROTTLED_CODES,
+    TRANSIENT_CODES,
+    ClientOptions,
+    S3Location,
+    check_endpoint,
+)
 
 __all__ = ["ObstoreS3Store"]
 
@@ -53,32 +61,6 @@ _TRANSIENT = re.compile(
 )
 _STATUS = re.compile(r"status code: (\d{3})\b")
 """The HTTP status object_store quotes when the server answered with an error."""
-_THROTTLED_CODES = frozenset(
-    {
-        "RequestLimitExceeded",
-        "RequestThrottled",
-        "RequestTimeout",
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "TooManyRequests",
-    }
-)
-"""Error codes that mean "retry later" whatever the status (S3's RequestTimeout is a 400)."""
-_TRANSIENT_CODES = _THROTTLED_CODES | {"InternalError", "ServiceUnavailable"}
-"""Codes that are transient without a status: a key's error in a DeleteObjects result."""
-_DENIED_CODES = frozenset(
-    {
-        "AccessDenied",
-        "AllAccessDisabled",
-        "ExpiredToken",
-        "InvalidAccessKeyId",
-        "InvalidToken",
-        "SignatureDoesNotMatch",
-        "TokenRefreshRequired",
-    }
-)
-"""As :class:`~batchweave.S3Store` reads them (also a key's error in a DeleteObjects result)."""
 _REPLY = re.compile(
     r"(Server returned (?:non-2xx status code: \d{3}[^:\n]*|error response): )(.*?)"
     r"(?=\n\nDebug source:|\Z)",
@@ -406,7 +388,7 @@ class ObstoreS3Store(S3Location):
         denied = (errors.PermissionDeniedError, errors.UnauthenticatedError, PermissionError)
         # (object_store reports a 401/403 to a listing, and a key's refusal in a DeleteObjects
         # result, as a generic error.)
-        if isinstance(exc, denied) or status in (401, 403) or code in _DENIED_CODES:
+        if isinstance(exc, denied) or status in (401, 403) or code in DENIED_CODES:
             return self._denied(detail)
         if op == "put_if_absent" and (status == 501 or code == "NotImplemented"):
             return self._no_conditional_writes(detail)
@@ -419,14 +401,14 @@ class ObstoreS3Store(S3Location):
             # A definite answer, also to a write: refused, nothing was stored (as on boto3).
             # Classified by status and code only: the words of the reply and of object_store's
             # dump (request ids, timings "in 503.1ms") say nothing.
-            return TransientStoreError(detail) if code in _THROTTLED_CODES else StoreError(detail)
+            return TransientStoreError(detail) if code in THROTTLED_CODES else StoreError(detail)
         if write:
             return AmbiguousWriteError(f"{detail}; the write may have landed, read it back")
         if status is not None:  # 5xx or 429
             return TransientStoreError(detail)
         if code is not None:
             # S3's answer without an error status: a key's error in a DeleteObjects result.
-            return TransientStoreError(detail) if code in _TRANSIENT_CODES else StoreError(detail)
+            return TransientStoreError(detail) if code in TRANSIENT_CODES else StoreError(detail)
         if unreachable:
             return StoreUnavailable(
                 f"cannot {what}: {self._endpoint_shown} is unreachable (refused, DNS, TLS "

@@ -45,7 +45,15 @@ from batchweave._store._base import (
     Suffix,
     resolve_range,
 )
-from batchweave._store._s3_location import BUCKET_OPS, ClientOptions, S3Location, check_endpoint
+from batchweave._store._s3_location import (
+    BUCKET_OPS,
+    DENIED_CODES,
+    THROTTLED_CODES,
+    TRANSIENT_CODES,
+    ClientOptions,
+    S3Location,
+    check_endpoint,
+)
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -56,31 +64,7 @@ DELETE_BATCH = 1000
 """S3's limit on keys per ``DeleteObjects`` request (SeaweedFS enforces it too)."""
 
 _NOT_FOUND = frozenset({"NoSuchKey", "NotFound", "404"})
-_DENIED = frozenset(
-    {
-        "AccessDenied",
-        "AllAccessDisabled",
-        "ExpiredToken",
-        "InvalidAccessKeyId",
-        "InvalidToken",
-        "SignatureDoesNotMatch",
-        "TokenRefreshRequired",
-        "403",
-    }
-)
-_THROTTLED = frozenset(
-    {
-        "RequestLimitExceeded",
-        "RequestThrottled",
-        "RequestTimeout",
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "TooManyRequests",
-    }
-)
-_TRANSIENT_CODES = _THROTTLED | {"InternalError", "ServiceUnavailable"}
-"""Codes that are transient without a status: a key's error in a DeleteObjects result."""
+_DENIED = DENIED_CODES | {"403"}
 _WRITE_OPS = frozenset({"put", "put_if_absent"})
 _LISTING_FIELDS = frozenset({"IsTruncated", "Contents", "Name", "Prefix", "KeyCount", "MaxKeys"})
 """Elements of a ListObjectsV2 result. S3 sends all of them (``Contents`` when not empty), some
@@ -468,9 +452,9 @@ class S3Store(S3Location):
             return self._no_conditional_writes(detail)
         if op in _WRITE_OPS and status >= 500:
             return AmbiguousWriteError(f"{detail}; the write may have landed, read it back")
-        if code in _THROTTLED or status >= 500 or status == 429:
+        if code in THROTTLED_CODES or status >= 500 or status == 429:
             return TransientStoreError(detail)
-        if status == 0 and code in _TRANSIENT_CODES:
+        if status == 0 and code in TRANSIENT_CODES:
             # A key's error in a DeleteObjects result, which has no status of its own.
             return TransientStoreError(detail)
         return StoreError(detail)

@@ -27,7 +27,10 @@ from batchweave._store._base import ObjectStore, validate_key
 
 __all__ = [
     "BUCKET_OPS",
+    "DENIED_CODES",
     "PROBE_ATTEMPTS",
+    "THROTTLED_CODES",
+    "TRANSIENT_CODES",
     "ClientOptions",
     "S3Location",
     "check_endpoint",
@@ -48,6 +51,34 @@ _USERINFO = re.compile(r"(?<=://)[^/?#\s\"']*@")
 the authority's last ``@``, as ``urlsplit`` reads it: a password may contain ``@`` itself. A
 URL given to BatchWeave is masked by :func:`redact_url`, which also finds a password holding
 ``/``, ``?`` or ``#`` (a URL with credentials is refused, so none reaches the clients' text)."""
+
+
+DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "ExpiredToken",
+        "InvalidAccessKeyId",
+        "InvalidToken",
+        "SignatureDoesNotMatch",
+        "TokenRefreshRequired",
+    }
+)
+"""S3 error codes for credentials that are missing, wrong or not allowed (``AccessDenied``)."""
+THROTTLED_CODES = frozenset(
+    {
+        "RequestLimitExceeded",
+        "RequestThrottled",
+        "RequestTimeout",
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequests",
+    }
+)
+"""S3 error codes that mean "retry later" whatever the status (S3's RequestTimeout is a 400)."""
+TRANSIENT_CODES = THROTTLED_CODES | {"InternalError", "ServiceUnavailable"}
+"""Codes that are transient without a status: a key's error in a DeleteObjects result."""
 
 
 _BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
