@@ -34,6 +34,7 @@ __all__ = [
     "MEMBERSHIP_SCHEMA",
     "SAMPLE_IDS_KEY",
     "MembershipRow",
+    "base_step_now",
     "iter_membership",
     "membership_batches",
     "read_object_footer",
@@ -136,15 +137,21 @@ def read_object_footer(store: ObjectStore, key: str, ref: TgbObjectRef) -> TgbFo
     return footer
 
 
+def base_step_now(log: ManifestLog, default: int) -> int:
+    """The newest version's ``base_step`` (a reclamation pass may have moved it while a reader
+    worked), or ``default`` if that version is damaged: the damage is the problem to report."""
+    try:
+        return log.latest().base_step
+    except FormatError:
+        return default
+
+
 def _raise_if_reclaimed(
     log: ManifestLog, manifest: Manifest, step: int, first: int, last: int
 ) -> None:
     """Raise :class:`StepReclaimed` if ``step``'s object is missing because a reclamation pass
     moved ``base_step`` past it while the history was being read (reclaimers run at any time)."""
-    try:
-        base = log.latest().base_step
-    except FormatError:
-        return  # the damaged newest version is the problem to report, not this one
+    base = base_step_now(log, default=-1)
     if step < base:
         raise StepReclaimed(
             f"steps {step}..{min(base, last) - 1} were reclaimed while the history was being "

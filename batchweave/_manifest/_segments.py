@@ -109,26 +109,23 @@ def merge_run_length(
         run_level = level(count)
         if level(ref.count) < run_level:
             group = [ref]
+            taken, merged = _take(count, group, max_segment_tgbs)
         elif level(ref.count) == run_level:
             group = []
             for r in reversed(segments[max(0, end - (fanout - 1)) : end]):
                 if 2 * r.count > max_segment_tgbs or level(r.count) != run_level:
                     break
                 group.insert(0, r)
+            taken, merged = _take(count, group, max_segment_tgbs)
             # Fewer than F runs of this level yet: wait, except at the top level, where F runs
             # of this size never fit one segment. There, waiting for them would leave all but
             # the newest few behind the capped (full) merge for good: merge once it is full.
             top = fanout * count > max_segment_tgbs
-            if len(group) < fanout - 1 and not (top and _fills(count, group, max_segment_tgbs)):
+            if len(group) < fanout - 1 and not (top and 2 * merged > max_segment_tgbs):
                 break
         else:
             break
-        taken = 0
-        for r in reversed(group):
-            if count + r.count > max_segment_tgbs:
-                break
-            count += r.count
-            taken += 1
+        count = merged
         absorbed += taken
         end -= taken
         if taken < len(group):
@@ -136,13 +133,16 @@ def merge_run_length(
     return absorbed
 
 
-def _fills(count: int, group: Sequence[SegmentRef], max_segment_tgbs: int) -> bool:
-    """Whether a run of ``count`` plus the newest of ``group`` that fit the cap is full."""
+def _take(count: int, group: Sequence[SegmentRef], max_segment_tgbs: int) -> tuple[int, int]:
+    """How many of ``group``'s newest runs a run of ``count`` absorbs within the cap, and the
+    merged run's count."""
+    taken = 0
     for r in reversed(group):
         if count + r.count > max_segment_tgbs:
             break
         count += r.count
-    return 2 * count > max_segment_tgbs
+        taken += 1
+    return taken, count
 
 
 def most_per_level(

@@ -195,7 +195,8 @@ def _construct(url: str, options: dict[str, Any], s3_client: str) -> ObjectStore
         return MemoryStore.named(target.location)
     if target.kind == "file":
         return FileStore(target.location, **options)
-    # The backends check what they get too, but not the region (neither passes it on).
+    # The backends check what they get too, but skip credentials and region for an injected
+    # client (which ignores them); an unusable value is refused here all the same.
     _check_s3(target, options)
     if target.kind == "s3+obstore":
         return ObstoreS3Store(target.location, target.prefix, **options)

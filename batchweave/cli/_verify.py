@@ -19,14 +19,13 @@ those steps are counted in ``steps_reclaimed``.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from batchweave._errors import FormatError, NamespaceMismatch, ObjectNotFound
 from batchweave._format._tgb import decode_slice, slice_range
-from batchweave._history import _sample_ids, read_object_footer
+from batchweave._history import _sample_ids, base_step_now, read_object_footer
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, SliceTable, TgbDescriptor
 from batchweave._store._base import ObjectStore
@@ -268,8 +267,7 @@ def verify_namespace(
         # A reclamation pass that ran meanwhile deletes the TGBs of the steps it moved below
         # base_step: those steps are no longer live, so their missing objects are no loss (as
         # _check_versions skips manifest versions reclaimed meanwhile).
-        with contextlib.suppress(FormatError):
-            reclaimed_below = max(latest.base_step, log.latest().base_step)
+        reclaimed_below = max(latest.base_step, base_step_now(log, default=latest.base_step))
     report.steps_reclaimed = sum(1 for step, _ in items if step < reclaimed_below)
     for step, problems in step_problems:
         if step >= reclaimed_below:
