@@ -225,6 +225,10 @@ runpy.run_module("batchweave.cli", run_name="__main__", alter_sys=True)
 """
 
 
+def _sigint_as_on_a_terminal() -> None:  # runs in the child, between fork and exec
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_while_the_command_modules_load_is_one_line(root: Path) -> None:
     """Ctrl-C during the CLI's imports (a noticeable moment at startup) printed a traceback and
     ended the process by SIGINT (status -2) instead of the one line and status 130."""
@@ -233,6 +237,9 @@ def test_ctrl_c_while_the_command_modules_load_is_one_line(root: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As from a terminal: a test run started in the background (a CI job) has SIGINT
+        # ignored, which children inherit, and Python then installs no Ctrl-C handler.
+        preexec_fn=_sigint_as_on_a_terminal,
     )
     try:
         ready, _, _ = select.select([proc.stderr], [], [], 60)
