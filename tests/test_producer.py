@@ -1071,6 +1071,16 @@ class _ManifestPuts(StoreWrapper):
         if "/_manifests/" in key:
             self.landed.set()
 
+    def wait_for_next_step(self, next_step: int, why: str) -> None:
+        """Return once the newest version holds ``next_step`` steps; fail with ``why`` if no
+        manifest version lands for 10 s before that."""
+        log = ManifestLog(self.inner, NS)
+        while True:
+            self.landed.clear()
+            if log.latest().next_step == next_step:
+                return
+            assert self.landed.wait(10), why
+
 
 def _payloads(offset: int) -> list[bytes]:
     return [f"{offset}/{i}".encode() for i in range(Mesh(dp=2, cp=1).slices)]
@@ -1121,12 +1131,7 @@ def test_max_lag_commits_what_it_counts_when_a_count_policy_holds_it_back() -> N
         blocked.start()
         # Blocked by its own pending TGBs, the producer must publish them so consumers can
         # reach a checkpoint: a manifest with the four steps appears.
-        log = ManifestLog(store, NS)
-        while True:
-            store.landed.clear()
-            if log.latest().next_step == 4:
-                break
-            assert store.landed.wait(10), "pending TGBs never committed while append was blocked"
+        store.wait_for_next_step(4, "pending TGBs never committed while append was blocked")
         assert blocked.is_alive()
         boundary["step"] = 4  # the consumers checkpointed past them
         blocked.join(10)
@@ -1258,12 +1263,7 @@ def test_max_lag_keeps_committing_while_a_second_append_is_still_blocked() -> No
         a_appended.set()
         assert threads["B"].is_alive()
         assert p.stats().lag_blocked, "B is blocked by max_lag, stats() says nothing is"
-        log = ManifestLog(store, NS)
-        while True:
-            store.landed.clear()
-            if log.latest().next_step == 2:
-                break
-            assert store.landed.wait(10), "offset 1 never committed although B waits on it"
+        store.wait_for_next_step(2, "offset 1 never committed although B waits on it")
         boundary["step"] = 2
         threads["B"].join(10)
         assert not threads["B"].is_alive()
