@@ -8,16 +8,17 @@ Lance dataset or a Parquet file for auditing ("which documents trained step 1234
 
 Sample ids are a producer convention, not part of the TGB format: a producer that puts
 ``{SAMPLE_IDS_KEY: sample_ids_metadata(ids)}`` into a TGB's metadata (``ids`` holds one list per
-slice, in ``(d, c)`` order) gets them exported.
+slice, in ``(d, c)`` order) gets them exported. The key, the helper and the validator live in
+:mod:`batchweave._format._sample_ids`, so the encoder refuses a malformed value before upload
+with the same rules this module reads it back with.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -25,6 +26,7 @@ import pyarrow.parquet as pq
 
 from batchweave._errors import ChecksumMismatch, FormatError, ObjectNotFound, StepReclaimed
 from batchweave._format._checksum import checksum
+from batchweave._format._sample_ids import SAMPLE_IDS_KEY, parse_sample_ids, sample_ids_metadata
 from batchweave._format._tgb import TRAILER_SIZE, TgbFooter, parse_footer
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, TgbObjectRef
@@ -41,9 +43,6 @@ __all__ = [
     "sample_ids_metadata",
     "write_parquet",
 ]
-
-SAMPLE_IDS_KEY = "batchweave.sample_ids"
-"""TGB metadata key holding a JSON list (one entry per slice) of lists of sample ids."""
 
 
 @dataclass(frozen=True)
@@ -65,35 +64,14 @@ class MembershipRow:
     """The slice's sample ids when the producer recorded them, else ``None``."""
 
 
-def sample_ids_metadata(ids: Sequence[Sequence[int | str]]) -> str:
-    """Encode per-slice sample ids (one sequence per slice, ``(d, c)`` order) for TGB metadata."""
-    return json.dumps([[str(i) for i in slice_ids] for slice_ids in ids], separators=(",", ":"))
-
-
 def _sample_ids(footer: TgbFooter, key: str) -> list[tuple[str, ...]] | None:
     raw = footer.metadata.get(SAMPLE_IDS_KEY)
     if raw is None:
         return None
     try:
-        parsed = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise FormatError(f"object {key!r}: metadata {SAMPLE_IDS_KEY!r} is not JSON") from exc
-    if not isinstance(parsed, list) or len(parsed) != len(footer.slices):
-        raise FormatError(
-            f"object {key!r}: metadata {SAMPLE_IDS_KEY!r} must list one entry per slice "
-            f"({len(footer.slices)})"
-        )
-    # A string entry would be split into characters and a number fail with a TypeError: only a
-    # list of ids (strings or numbers, as sample_ids_metadata writes them) is one slice's ids.
-    for j, entry in enumerate(parsed):
-        if not isinstance(entry, list) or not all(
-            isinstance(i, str | int | float) and not isinstance(i, bool) for i in entry
-        ):
-            raise FormatError(
-                f"object {key!r}: metadata {SAMPLE_IDS_KEY!r} entry {j} must be a list of sample "
-                f"ids (strings or numbers), got {entry!r:.100}"
-            )
-    return [tuple(str(i) for i in entry) for entry in parsed]
+        return parse_sample_ids(raw, len(footer.slices))
+    except ValueError as exc:
+        raise FormatError(f"object {key!r}: {exc}") from exc
 
 
 def read_object_footer(store: ObjectStore, key: str, ref: TgbObjectRef) -> TgbFooter:

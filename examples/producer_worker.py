@@ -3,11 +3,11 @@
 Run one per producer id (``--producer-id prep-0``, ``prep-1``, ... with matching ``--shard``); kill
 and restart it at will: it resumes at its committed offset under a new epoch, so every source batch
 is published exactly once. The producer commits the source's identity (dataset, version, shard,
-...): a restart that would read another dataset version stops with ``SourceMismatch`` before
-publishing anything; pass the ``--dataset-version`` it names. SIGTERM (or Ctrl-C) stops it cleanly
-after committing what it has appended, also while ``append`` is blocked by ``--max-lag`` (no
-checkpoints are advancing the watermarks, e.g. no trainer is running). With ``--metrics-port`` it
-serves Prometheus metrics on 127.0.0.1.
+...): a restart that would read another dataset version (``SourceMismatch``) stops before
+publishing anything, naming the ``--dataset-version`` the worker was started on: pass that.
+SIGTERM (or Ctrl-C) stops it cleanly after committing what it has appended, also while ``append``
+is blocked by ``--max-lag`` (no checkpoints are advancing the watermarks, e.g. no trainer is
+running). With ``--metrics-port`` it serves Prometheus metrics on 127.0.0.1.
 
     python examples/producer_worker.py --store /tmp/weave --namespace runs/demo \\
         --producer-id prep-0 --shard 0 --shards 2 --batches 100 &
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import threading
@@ -85,6 +86,20 @@ def close_on(stop: threading.Event, producer: bw.Producer) -> None:
     producer.close()
 
 
+def mismatch_advice(producer_id: str, source: LanceSource, exc: bw.SourceMismatch) -> str:
+    """What to do when ``producer_id`` committed another source (another dataset version)."""
+    # The error quotes the committed source identity first: its version is the one needed.
+    committed = re.search(r"committed source .*?\bversion=(\d+)\b", str(exc))
+    if committed is None or int(committed[1]) == source.version:
+        return f"{producer_id}: {exc}"  # not (only) the version: shard, seed, rows... differ
+    return (
+        f"{producer_id}: this producer id was started on version {committed[1]} of "
+        f"{source.dataset.uri}, not version {source.version}: its offsets map to the rows of "
+        f"version {committed[1]}. Restart with --dataset-version {committed[1]}, or use a new "
+        "--producer-id for the new data. Nothing was committed."
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True, help="store URL or directory")
@@ -129,12 +144,6 @@ def main() -> None:
         num_shards=args.shards,
         version=args.dataset_version,
     )
-    # Offsets map to rows of one dataset version: a restart reading a newer one would publish
-    # other rows under the offsets it resumes at.
-    print(
-        f"{args.producer_id}: reading {source.dataset.uri} version {source.version} "
-        f"(restart with --dataset-version {source.version})"
-    )
     mesh = bw.Mesh(dp=args.dp, cp=args.cp)
     if args.metrics_port is not None:
         metrics = bw.start_metrics_server(args.metrics_port)
@@ -148,16 +157,26 @@ def main() -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    with bw.Producer(
-        store,
-        args.namespace,
-        producer_id=args.producer_id,
-        mesh=mesh,
-        source=source.source_id,  # a restart on another dataset version is refused
-        codec="tensors",
-        policy=bw.instrument_policy("dac"),
-        max_lag=args.max_lag,
-    ) as producer:
+    try:
+        producer = bw.Producer(
+            store,
+            args.namespace,
+            producer_id=args.producer_id,
+            mesh=mesh,
+            source=source.source_id,  # a restart on another dataset version is refused
+            codec="tensors",
+            policy=bw.instrument_policy("dac"),
+            max_lag=args.max_lag,
+        )
+    except bw.SourceMismatch as exc:
+        raise SystemExit(mismatch_advice(args.producer_id, source, exc)) from None
+    with producer:
+        # Offsets map to rows of one dataset version: a restart reading a newer one would publish
+        # other rows under the offsets it resumes at. Printed once the producer accepted it.
+        print(
+            f"{args.producer_id}: reading {source.dataset.uri} version {source.version} "
+            f"(restart with --dataset-version {source.version})"
+        )
         bw.track_metrics(producer)
         # An append blocked by max_lag waits for checkpoints that may never come, so the signal
         # alone cannot end it. Closing the producer from another thread commits everything

@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 import batchweave as bw
+import batchweave._format._tgb as tgb
 import batchweave._history as history
 import batchweave.cli._app as cli_app
 import batchweave.cli._verify as cli_verify
@@ -23,7 +24,7 @@ from batchweave.cli._app import cli
 from batchweave.cli._common import CliFailure
 from batchweave.cli._demo import DemoConfig
 from batchweave.cli._demo import _check as _check_demo
-from batchweave.cli._inspect import SOURCE_SHOWN
+from batchweave.cli._inspect import MAX_TABLE_ROWS, SOURCE_SHOWN
 
 MESH = bw.Mesh(dp=2, cp=2)
 NAMESPACE = "runs/cli"
@@ -80,6 +81,26 @@ def test_inspect_json_reports_steps_producers_watermarks_and_storage(root: Path)
     assert prefixes["data/prep-1/"] == 6
     assert prefixes["_watermarks/"] == 1
     assert data["latest_version"] >= 1
+
+
+def test_inspect_caps_the_watermarks_table_like_the_others(root: Path) -> None:
+    """The docs say tables show 30 rows; 33 watermarks printed 33 rows (and no "more" line)."""
+    store = publish(root)
+    marks = bw.Watermarks(store, NAMESPACE)
+    count = MAX_TABLE_ROWS + 3
+    for i in range(count):
+        marks.record(f"ck-{i:02d}", step=1 + i % 11)
+    data = json.loads(invoke("inspect", str(root), NAMESPACE, "--json").output)
+    assert len(data["watermarks"]) == count  # --json lists every row
+    result = invoke("inspect", str(root), NAMESPACE)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert sum(" ck-" in line for line in lines) == MAX_TABLE_ROWS - 1
+    hidden = [m["step"] for m in data["watermarks"][MAX_TABLE_ROWS - 1 :]]
+    more = f"... {len(hidden)} more"
+    assert any(more in line and f"{min(hidden)}..{max(hidden)}" in line for line in lines), lines
+    assert " ck-00 " in result.output  # the boundary's watermark (lowest step) is shown
+    assert "--json lists every row" in result.output
 
 
 def test_inspect_tables_accept_a_file_url(root: Path) -> None:
@@ -481,9 +502,13 @@ def test_export_says_when_steps_were_reclaimed_while_it_ran(
     assert "exported 16 rows" in again.output
 
 
-def test_verify_finds_sample_ids_that_export_refuses(root: Path, tmp_path: Path) -> None:
+def test_verify_finds_sample_ids_that_export_refuses(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Sample ids with the wrong number of entries passed ``verify`` and then failed ``export``
-    with a FormatError whose advice is "run verify"."""
+    with a FormatError whose advice is "run verify". The encoder now refuses them; an object
+    written without that check (an older BatchWeave) is still found."""
+    monkeypatch.setattr(tgb, "_check_sample_ids", lambda metadata, mesh: None)
     store = bw.open_store(root.as_uri())
     with bw.Producer(store, NAMESPACE, producer_id="p0", mesh=MESH) as producer:
         producer.append(

@@ -45,6 +45,7 @@ from batchweave._format._codecs import (
     first_overlap,
     get_codec,
 )
+from batchweave._format._sample_ids import SAMPLE_IDS_KEY, parse_sample_ids
 from batchweave._mesh import Mesh
 from batchweave._store._base import Bounded, ObjectStore, Suffix
 from batchweave._unchecked import unchecked
@@ -165,7 +166,8 @@ class TgbFooter(BaseModel):
     slices: tuple[SliceEntry, ...]
     """One entry per slice in ``(d, c)`` order: index ``d * mesh.cp + c``."""
     metadata: dict[str, str] = Field(default_factory=dict)
-    """Producer-supplied metadata; BatchWeave does not interpret it."""
+    """Producer-supplied metadata; BatchWeave interprets only ``batchweave.sample_ids``
+    (:mod:`batchweave._format._sample_ids`), which the builder checks against the slice count."""
 
     def index(self, index: SliceIndex) -> int:
         """Return the flat index of ``index``, checking it against the mesh."""
@@ -302,6 +304,9 @@ class TgbBuilder:
                     "UTF-8 JSON, so remove lone surrogates (e.g. decode bytes with errors="
                     "'replace')"
                 ) from None
+        _check_sample_ids(meta, mesh)
+        # What build() re-checks only if it changed (the metadata attribute is mutable).
+        self._checked_ids = meta.get(SAMPLE_IDS_KEY)
         self.mesh = mesh
         self.codec = codec
         self.compression = compression
@@ -355,6 +360,8 @@ class TgbBuilder:
             raise ValueError(
                 f"cannot build a TGB for mesh {self.mesh}: slices {shown}{more} were never set"
             )
+        if self.metadata.get(SAMPLE_IDS_KEY) is not self._checked_ids:
+            _check_sample_ids(self.metadata, self.mesh)
         stored = [s for s in self._slices if s is not None]
         entries: list[SliceEntry] = []
         offset = 0
@@ -383,6 +390,21 @@ class TgbBuilder:
         return EncodedTgb(
             parts=parts, footer=footer, footer_offset=offset, footer_length=len(footer_bytes)
         )
+
+
+def _check_sample_ids(metadata: Mapping[str, str], mesh: Mesh) -> None:
+    """Raise ``ValueError`` unless ``metadata``'s sample ids (if any) fit ``mesh``: refused
+    before the object exists, as a malformed value would make its step unexportable forever."""
+    raw = metadata.get(SAMPLE_IDS_KEY)
+    if raw is None:
+        return
+    try:
+        parse_sample_ids(raw, mesh.slices)
+    except ValueError as exc:
+        raise ValueError(
+            f"TGB for mesh {mesh}: {exc}; build the value with sample_ids_metadata(ids), one "
+            "list of ids per slice in (d, c) order"
+        ) from None
 
 
 def _built_entry(offset: int, stored: _StoredSlice) -> SliceEntry:
@@ -817,6 +839,7 @@ def check_encoded(tgb: EncodedTgb, *, what: str) -> None:
     For a TGB built elsewhere and passed on (possibly reassembled by hand): the manifest
     records the ``footer`` object (slice table, checksums), readers verify the bytes, and a
     disagreement would commit a step no consumer can read. ``what`` names the TGB in errors.
+    Also raises ``ValueError`` if its sample ids do not fit its mesh (a hand-assembled TGB).
     """
     parts = tgb.parts
     if _is_footer_then_trailer(parts, tgb.footer_length):
@@ -830,6 +853,7 @@ def check_encoded(tgb: EncodedTgb, *, what: str) -> None:
             "or one changed after encoding); pass the EncodedTgb that encode_tgb / "
             "TgbBuilder.build returned, unchanged"
         )
+    _check_sample_ids(parsed.metadata, parsed.mesh)
 
 
 # --------------------------------------------------------------------------------------------

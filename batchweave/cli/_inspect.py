@@ -288,7 +288,9 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
     marks = Table(title="watermarks (the lowest step is the boundary; an old one holds it)")
     for col in ("checkpoint", "step", "version", "recorded", "age"):
         marks.add_column(col, justify="right" if col in ("step", "version", "age") else "left")
-    for m in data["watermarks"]:
+    # Lowest step first: the rows shown include the boundary's; the rest are newer readers.
+    shown_marks, hidden_marks = first_rows(data["watermarks"])
+    for m in shown_marks:
         age = m.get("age_seconds")
         marks.add_row(
             escape(m["checkpoint_id"]),
@@ -297,6 +299,9 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
             m["recorded_at"] or "-",
             "-" if age is None else human_duration(age) + _skew_note(age),
         )
+    if hidden_marks:
+        steps = [m["step"] for m in hidden_marks]
+        marks.add_row(f"... {len(hidden_marks)} more", f"{min(steps)}..{max(steps)}", "", "", "")
     console.print(marks)
     if data.get("watermark_error"):
         console.print(f"[red]problem[/red]: {escape(data['watermark_error'])}")
@@ -315,5 +320,5 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
             human_bytes(sum(row["bytes"] for row in hidden)),
         )
     console.print(storage)
-    if hidden or len(data["producers"]) > MAX_TABLE_ROWS:
+    if hidden or hidden_marks or len(data["producers"]) > MAX_TABLE_ROWS:
         console.print(f"(tables show {MAX_TABLE_ROWS} rows; --json lists every row)")

@@ -1,0 +1,80 @@
+"""Per-slice sample ids in TGB metadata: the one metadata key BatchWeave reads back.
+
+Sample ids are a producer convention, not part of the container: a producer that puts
+``{SAMPLE_IDS_KEY: sample_ids_metadata(ids)}`` into a TGB's metadata (``ids`` holds one sequence
+of ids per slice, in ``(d, c)`` order) gets them into the membership history
+(``batchweave export``). A committed object is immutable, so the value is checked where it is
+written, not only where it is read: :class:`~batchweave._format._tgb.TgbBuilder` (and so
+``encode_tgb`` and ``Producer.append``) refuses a malformed one before anything is uploaded, and
+the history reader refuses one already stored, both with :func:`parse_sample_ids`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+__all__ = ["SAMPLE_IDS_KEY", "parse_sample_ids", "sample_ids_metadata"]
+
+SAMPLE_IDS_KEY: Final = "batchweave.sample_ids"
+"""TGB metadata key holding a JSON list (one entry per slice) of lists of sample ids."""
+
+_NOT_A_SEQUENCE = (str, bytes, bytearray, memoryview)
+
+
+def sample_ids_metadata(ids: Sequence[Sequence[int | str]]) -> str:
+    """Encode per-slice sample ids (one sequence per slice, ``(d, c)`` order) for TGB metadata.
+
+    Raises ``ValueError`` naming the slice when an entry is not a sequence of ids: a string
+    (``"doc-17"``) would otherwise be split into characters. For one id per slice, pass
+    ``[[i] for i in ids]``.
+    """
+    if isinstance(ids, _NOT_A_SEQUENCE) or not isinstance(ids, Iterable):
+        raise ValueError(
+            f"sample_ids_metadata takes one sequence of sample ids per slice, got {ids!r:.100}"
+        )
+    encoded: list[list[str]] = []
+    for j, slice_ids in enumerate(ids):
+        if isinstance(slice_ids, _NOT_A_SEQUENCE) or not isinstance(slice_ids, Iterable):
+            raise ValueError(
+                f"sample_ids_metadata: slice {j} must be a sequence of sample ids, got "
+                f"{slice_ids!r:.100} (a string would be split into characters); give one list "
+                "per slice in (d, c) order, e.g. [[i] for i in ids] for one id per slice"
+            )
+        encoded.append([str(i) for i in slice_ids])
+    return json.dumps(encoded, separators=(",", ":"))
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, str | int | float) and not isinstance(value, bool)
+
+
+def parse_sample_ids(raw: str, slices: int) -> list[tuple[str, ...]]:
+    """The per-slice ids ``raw`` (a :data:`SAMPLE_IDS_KEY` value) holds for ``slices`` slices.
+
+    Raises ``ValueError`` unless ``raw`` is a JSON list of exactly ``slices`` lists of ids
+    (strings or numbers, as :func:`sample_ids_metadata` writes them); the message starts with
+    ``metadata 'batchweave.sample_ids'`` for the caller to prefix with the object or append.
+    """
+    what = f"metadata {SAMPLE_IDS_KEY!r}"
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{what} is not JSON") from exc
+    if not isinstance(parsed, list) or len(parsed) != slices:
+        got = (
+            f"{len(parsed)} entr{'y' if len(parsed) == 1 else 'ies'}"
+            if isinstance(parsed, list)
+            else f"a JSON {type(parsed).__name__}"
+        )
+        raise ValueError(f"{what} must list one entry per slice ({slices}), got {got}")
+    # A string entry would be split into characters and a number fail with a TypeError: only a
+    # list of ids (strings or numbers, as sample_ids_metadata writes them) is one slice's ids.
+    for j, entry in enumerate(parsed):
+        if not isinstance(entry, list) or not all(_is_id(i) for i in entry):
+            raise ValueError(
+                f"{what} entry {j} must be a list of sample ids (strings or numbers), got "
+                f"{entry!r:.100}"
+            )
+    return [tuple(str(i) for i in entry) for entry in parsed]

@@ -1,0 +1,118 @@
+"""Sample ids are checked where they are written, not only where they are read back.
+
+Before: ``sample_ids_metadata(["doc-17", "doc-42"])`` (one id string per slice) split each string
+into characters, and ``Producer.append`` published sample ids with the wrong slice count; a
+committed object is immutable, so ``verify`` then failed and ``export`` of any window holding
+that step exited 2 forever. Now the helper refuses a string where a slice's ids belong, and the
+encoder (``TgbBuilder``, so ``encode_tgb`` and ``Producer.append``) refuses a malformed value
+with the validator the history reader uses, before anything is uploaded.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import batchweave as bw
+import batchweave._format._tgb as tgb
+import batchweave._history as history
+from batchweave import SAMPLE_IDS_KEY, sample_ids_metadata
+from batchweave._history import iter_membership
+
+
+@pytest.mark.parametrize(
+    ("ids", "slice_"),
+    [
+        (["doc-17", "doc-42"], 0),
+        ([["doc-17"], "doc-42"], 1),
+        ([b"doc-17", b"doc-42"], 0),
+        ([["a"], 7], 1),
+    ],
+)
+def test_a_string_where_a_slice_of_ids_belongs_is_refused(ids: list, slice_: int) -> None:
+    with pytest.raises(ValueError, match=rf"slice {slice_} must be a sequence of sample ids"):
+        sample_ids_metadata(ids)
+
+
+@pytest.mark.parametrize("ids", ["doc-17", b"doc-17", 17])
+def test_ids_that_are_not_a_sequence_of_slices_are_refused(ids: object) -> None:
+    with pytest.raises(ValueError, match="one sequence of sample ids per slice"):
+        sample_ids_metadata(ids)  # type: ignore[arg-type]
+
+
+def test_valid_ids_are_encoded_as_strings() -> None:
+    ids = [("doc-1", 2), np.array([3, 4]), []]
+    assert sample_ids_metadata(ids) == '[["doc-1","2"],["3","4"],[]]'
+
+
+def _data_objects(store: bw.ObjectStore) -> list[str]:
+    return [meta.key for meta in store.list("ids/data/")]
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        (sample_ids_metadata([["doc-1", "doc-2"]]), r"one entry per slice \(2\), got 1 entry"),
+        (sample_ids_metadata([["a"], ["b"], ["c"]]), r"one entry per slice \(2\), got 3 entries"),
+        ('{"0": ["a"], "1": ["b"]}', r"one entry per slice \(2\), got a JSON dict"),
+        ('["ab", "cd"]', "entry 0 must be a list of sample ids"),
+        ('[["a"], [null]]', "entry 1 must be a list of sample ids"),
+        ("[[", "is not JSON"),
+        ("[" * 5_000 + "]" * 5_000, "is not JSON"),
+    ],
+)
+def test_append_refuses_malformed_sample_ids_before_uploading(value: str, needle: str) -> None:
+    store = bw.MemoryStore()
+    with bw.Producer(store, "ids", producer_id="p", mesh=bw.Mesh(dp=2)) as producer:
+        with pytest.raises(ValueError, match=needle) as info:
+            producer.append([b"a", b"b"], offset=0, metadata={SAMPLE_IDS_KEY: value})
+        assert not isinstance(info.value, bw.FormatError)
+        assert "sample_ids_metadata(ids)" in str(info.value)
+        assert _data_objects(store) == []
+        # The producer is still usable, at the same offset.
+        producer.append(
+            [b"a", b"b"], offset=0, metadata={SAMPLE_IDS_KEY: sample_ids_metadata([["x"], [1]])}
+        )
+    assert [row.sample_ids for row in iter_membership(store, "ids")] == [("x",), ("1",)]
+
+
+def test_encode_tgb_and_a_builder_refuse_them_too() -> None:
+    mesh = bw.Mesh(dp=1, cp=2)
+    bad = {SAMPLE_IDS_KEY: sample_ids_metadata([["a"]])}
+    with pytest.raises(ValueError, match=r"one entry per slice \(2\)"):
+        bw.encode_tgb([b"a", b"b"], mesh, metadata=bad)
+    with pytest.raises(ValueError, match=r"one entry per slice \(2\)"):
+        bw.TgbBuilder(mesh, metadata=bad)
+    # The builder's metadata is a plain attribute: changed after construction, build() checks it.
+    builder = bw.TgbBuilder(mesh)
+    builder.set_slice(0, 0, b"a")
+    builder.set_slice(0, 1, b"b")
+    builder.metadata[SAMPLE_IDS_KEY] = '["a", "b"]'
+    with pytest.raises(ValueError, match="entry 0 must be a list of sample ids"):
+        builder.build()
+
+
+def test_a_hand_assembled_tgb_with_bad_sample_ids_is_refused_at_append(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mesh = bw.Mesh(dp=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(tgb, "_check_sample_ids", lambda metadata, mesh: None)
+        encoded = bw.encode_tgb([b"a", b"b"], mesh, metadata={SAMPLE_IDS_KEY: '[["a"]]'})
+    store = bw.MemoryStore()
+    with bw.Producer(store, "ids", producer_id="p", mesh=mesh) as producer:
+        with pytest.raises(ValueError, match=r"one entry per slice \(2\)"):
+            producer.append(encoded, offset=0)
+        assert _data_objects(store) == []
+
+
+def test_reader_and_writer_share_one_validator() -> None:
+    assert history.SAMPLE_IDS_KEY is bw.SAMPLE_IDS_KEY
+    assert history.sample_ids_metadata is bw.sample_ids_metadata
+    footer = bw.encode_tgb([b"a", b"b"], bw.Mesh(dp=2)).footer
+    stored = footer.model_copy(update={"metadata": {SAMPLE_IDS_KEY: '[["a"]]'}})
+    with pytest.raises(bw.FormatError, match=r"object 'k': .* one entry per slice \(2\), got 1"):
+        history._sample_ids(stored, "k")
+    deep = footer.model_copy(update={"metadata": {SAMPLE_IDS_KEY: "[" * 5_000 + "]" * 5_000}})
+    with pytest.raises(bw.FormatError, match="is not JSON"):
+        history._sample_ids(deep, "k")
