@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lance
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -80,6 +81,32 @@ def test_producer_worker_resumes_where_it_stopped(tmp_path: Path) -> None:
     assert second.returncode == 0, second.stderr
     assert "epoch 2, resuming at offset 3 of 5" in second.stdout
     assert "committed offset 4" in second.stdout
+
+
+def test_producer_worker_restart_names_the_version_it_was_started_on(tmp_path: Path) -> None:
+    """After the dataset gained a version, a restart printed "restart with --dataset-version 2"
+    (the newest version, the very one refused) and then died with a SourceMismatch traceback."""
+    script = [sys.executable, str(EXAMPLES / "producer_worker.py"), "--store", str(tmp_path / "s")]
+    small = ["--seq-len", "32", "--rows", "4"]
+
+    def worker(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*script, *small, *args], capture_output=True, text=True, timeout=120)
+
+    first = worker("--batches", "2")
+    assert first.returncode == 0, first.stderr
+    assert "version 1 (restart with --dataset-version 1)" in first.stdout
+    corpus = str(tmp_path / "s-corpus.lance")
+    lance.write_dataset(lance.dataset(corpus).to_table(limit=4), corpus, mode="append")
+    refused = worker("--batches", "4")
+    assert refused.returncode != 0
+    assert "Traceback" not in refused.stderr, refused.stderr
+    assert "started on version 1" in refused.stderr
+    assert "Restart with --dataset-version 1," in refused.stderr
+    assert "--dataset-version 2" not in refused.stdout + refused.stderr
+    again = worker("--batches", "4", "--dataset-version", "1")
+    assert again.returncode == 0, again.stderr
+    assert "version 1 (restart with --dataset-version 1)" in again.stdout
+    assert "epoch 2, resuming at offset 2 of 4" in again.stdout
 
 
 @pytest.mark.slow
