@@ -91,6 +91,10 @@ producer says so once at WARNING (its periodic lines are INFO)."""
 LAG_WARN_LONG = 600.0
 """Seconds after which any one ``max_lag`` wait is said once at WARNING: a watermark that
 stopped advancing (a trainer that never calls ``checkpoint_hook`` after its first mark)."""
+LAG_WARN_STUCK = 30.0
+"""Seconds a ``max_lag`` wait whose watermarks show that training cannot reach its next
+checkpoint (``max_lag`` below about keep_last x the checkpoint interval) lasts, with those
+watermarks unchanged, before the producer says so once at WARNING."""
 
 _RETRYABLE = (TransientStoreError, AmbiguousWriteError, StoreUnavailable)
 """Store failures after which retrying later may succeed; nothing pending is dropped."""
@@ -1359,28 +1363,55 @@ class Producer:
     # ------------------------------------------------------------------------------------------
     # max_lag
 
-    def _boundary_holder(self) -> tuple[str, bool]:
+    def _boundary_holder(self, visible: int) -> tuple[str, bool, str | None]:
         """Who holds the reclamation boundary back, for the max_lag log line (one LIST).
 
         Also whether no watermark is recorded at all: the wait that ends only once a trainer
-        calls ``checkpoint_hook``, which a misconfigured job never does.
+        calls ``checkpoint_hook``, which a misconfigured job never does. And, when the
+        watermarks show it, why this wait cannot end (else ``None``): the boundary is the
+        *oldest* live watermark, which a keep-last-K trainer releases only after its next
+        checkpoint, about one interval past its newest; if the producers stop
+        (``boundary + max_lag``) before that step, the trainer never gets there.
         """
         if self._watermarks is None:
-            return "the boundary comes from the boundary= callable", False
+            return "the boundary comes from the boundary= callable", False, None
         try:
             marks = self._watermarks.live()
         except (*_RETRYABLE, FormatError) as exc:
-            return f"the watermarks cannot be read ({exc})", False
+            return f"the watermarks cannot be read ({exc})", False, None
         if not marks:
-            return (
+            none_yet = (
                 "no watermark is recorded yet: the boundary stays 0 until rank 0 of the "
                 "trainer calls checkpoint_hook after a checkpoint"
-            ), True
+            )
+            return none_yet, True, None
         oldest = marks[0]
-        return (
+        holder = (
             f"the oldest is {oldest.checkpoint_id!r} at step {oldest.step}, recorded "
             f"{self._wall_clock() - oldest.recorded_at:.0f} s ago"
-        ), False
+        )
+        steps = sorted({m.step for m in marks})
+        if len(steps) < 2 or self._max_lag is None:
+            return holder, False, None  # one checkpoint step: no interval to estimate
+        newest = max(marks, key=lambda m: (m.step, m.recorded_at))
+        interval = steps[-1] - steps[-2]  # the two newest checkpoints' distance
+        target = newest.step + interval  # the step after the newest's next checkpoint
+        if oldest.step + self._max_lag >= target or visible >= target:
+            return holder, False, None
+        need = target - oldest.step
+        return (
+            holder,
+            False,
+            f"This job cannot progress: the trainer must read to step {target - 1} and "
+            f"checkpoint there (the newest watermark {newest.checkpoint_id!r} at step "
+            f"{newest.step} plus a checkpoint interval of about {interval} steps, the distance "
+            f"of the two newest watermarks) before the oldest watermark "
+            f"{oldest.checkpoint_id!r} at step {oldest.step} is released, but producers "
+            f"publish at most max_lag {self._max_lag} steps past that one ({visible} visible "
+            f"now), unless another reader holds it. Raise max_lag to at least {need} (about "
+            f"keep_last x checkpoint interval, in TGB steps), keep fewer checkpoints "
+            f"(Watermarks keep_last), or checkpoint more often",
+        )
 
     def _wait_for_lag(self) -> None:
         if self._max_lag is None:
@@ -1390,6 +1421,9 @@ class Producer:
         blocked_since: float | None = None
         last_log = -math.inf
         warned = False
+        # The last diagnosis that this wait cannot end (the same text: the same watermarks).
+        stalled: str | None = None
+        stalled_since = -math.inf
         attempt = 0
         try:
             while True:
@@ -1409,26 +1443,33 @@ class Producer:
                             self._cond.notify_all()  # the commit loop publishes what blocks us
                     if now - last_log >= self._lag_log_interval:
                         last_log = now
-                        holder, unmarked = self._boundary_holder()
+                        holder, unmarked, stall = self._boundary_holder(visible)
+                        if stall != stalled:  # a new diagnosis, or the watermarks moved
+                            stalled, stalled_since = stall, now
                         # Blocking is normal back-pressure (INFO); a minute with no watermark at
                         # all, or ten with one that does not move, looks like a job that does not
-                        # checkpoint, so say it once where default logging shows it.
+                        # checkpoint, so say it once where default logging shows it; so is half
+                        # a minute on watermarks that show training cannot reach its next
+                        # checkpoint (max_lag below about keep_last x the checkpoint interval).
                         waited = now - blocked_since
                         loud = not warned and (
-                            waited >= LAG_WARN_LONG or (unmarked and waited >= LAG_WARN_AFTER)
+                            waited >= LAG_WARN_LONG
+                            or (unmarked and waited >= LAG_WARN_AFTER)
+                            or (stall is not None and now - stalled_since >= LAG_WARN_STUCK)
                         )
                         warned = warned or loud
                         _LOG.log(
                             logging.WARNING if loud else logging.INFO,
                             "producer %r blocked by max_lag: %d visible steps, reclamation "
                             "boundary %d, max_lag %d (waiting %.0f s so far; checkpoints must "
-                            "advance the watermarks: %s)",
+                            "advance the watermarks: %s)%s",
                             self._producer_id,
                             visible,
                             self._boundary_value,
                             max_lag,
                             now - blocked_since,
                             holder,
+                            "" if stall is None else f". {stall}",
                         )
                     attempt += 1
                     self._sleep(min(self._backoff(attempt), 1.0))

@@ -10,7 +10,9 @@ What happens (about 10-20 s on a laptop CPU):
    SIGKILLed by this driver after a few checkpoints, then restarted. Each checkpoints every
    ``--every`` steps with ``torch.save`` (model, optimizer and ``consumer.state_dict()``), then
    calls ``batchweave.checkpoint_hook``; it keeps its two newest checkpoints and releases the
-   watermark of every checkpoint it deletes.
+   watermark of every checkpoint it deletes. The reclamation boundary (the oldest live watermark)
+   therefore trails a trainer's next checkpoint by two intervals, so ``--max-lag`` must be at
+   least ``2 x --every`` or the producers stop before any trainer can checkpoint again.
 4. The driver checks that ``main`` resumed at its last checkpoint's step, that every step saw the
    same batch in both runs, that the final weights are bitwise identical, and prints the peak
    stored bytes next to the bytes that were produced. Exit status 0 means all checks passed.
@@ -40,6 +42,8 @@ NAMESPACE = "runs/train-resume"
 MESH = bw.Mesh(dp=1, cp=1)
 PRODUCERS = 2
 BATCH, FEATURES, CLASSES = 256, 16, 4
+KEEP_LAST = 2
+"""Checkpoints (and watermarks) each trainer keeps: max_lag must be at least this x --every."""
 
 
 # -- producers -------------------------------------------------------------------------------
@@ -125,7 +129,7 @@ def train(root: str, run: str, every: int, pause_after: int | None) -> None:
             os.replace(path.with_suffix(".tmp"), path)  # durable and complete: now the hook
             bw.checkpoint_hook(consumer, marks, f"{run}-{step + 1:06d}", rank=0)
             marks.release(f"{run}-000000")  # the job's start: no longer needed
-            for old in sorted(ckpt_dir.glob("step-*.pt"))[:-2]:  # keep the newest two
+            for old in sorted(ckpt_dir.glob("step-*.pt"))[:-KEEP_LAST]:  # keep the newest two
                 old.unlink()
                 marks.release(f"{run}-{old.stem.removeprefix('step-')}")
         if pause_after is not None and step >= pause_after:
@@ -308,6 +312,19 @@ def main() -> int:
         return 0
     if args.steps % PRODUCERS or args.kill_after < args.every:
         parser.error(f"--steps must be a multiple of {PRODUCERS}, --kill-after >= --every")
+    if args.every < 1:
+        parser.error("--every must be at least 1")
+    if args.max_lag < KEEP_LAST * args.every:
+        # The boundary is the oldest of the KEEP_LAST watermarks a trainer keeps; it moves only
+        # once the trainer checkpoints again, KEEP_LAST x --every steps past it, and producers
+        # publish at most --max-lag steps past it: below that, both trainers wait for ever.
+        parser.error(
+            f"--max-lag {args.max_lag} must be at least {KEEP_LAST} x --every "
+            f"({KEEP_LAST * args.every}): each trainer keeps its {KEEP_LAST} newest "
+            "checkpoints, so producers held --max-lag steps past the oldest one stop before "
+            "the trainer reaches its next checkpoint (max_lag >= keep_last x checkpoint "
+            "interval); raise --max-lag or lower --every"
+        )
     return drive(args)
 
 

@@ -124,6 +124,7 @@ def _check(config: DemoConfig) -> None:
     ):
         if value < least:
             problems.append(f"{option} must be >= {least}, got {value}")
+    problems.extend(_lag_problems(config))
     if config.metrics_port is not None:
         workers = config.producers + config.dp * config.cp
         if config.metrics_port + workers > 65535:
@@ -141,6 +142,39 @@ def _check(config: DemoConfig) -> None:
             "the demo generates its corpus as a Lance dataset and needs pylance: "
             "pip install 'batchweave[lance]'"
         )
+
+
+def _lag_problems(config: DemoConfig) -> list[str]:
+    """``--max-lag`` too small for any rank to reach its next checkpoint: a certain stall.
+
+    Each rank keeps one watermark (its last checkpoint's; keep_last 1), so the reclamation
+    boundary is the slowest rank's last checkpoint and producers publish at most ``--max-lag``
+    steps past it. A rank must read ``--checkpoint-every`` steps past it to checkpoint again and
+    move the boundary: max_lag must be at least keep_last x checkpoint interval. Consumers use
+    the producers' mesh, so TGB steps are the ranks' steps.
+    """
+    if config.producers < 1 or config.checkpoint_every < 1:
+        return []  # reported on their own
+    total = -(-config.steps // config.producers) * config.producers
+    if config.checkpoint_every >= total:
+        if config.max_lag + 1 >= total:
+            return []
+        return [
+            f"--max-lag {config.max_lag} is too small for --checkpoint-every "
+            f"{config.checkpoint_every}: no rank checkpoints within the {total} steps, so the "
+            f"reclamation boundary stays 0 and producers would stop after step {config.max_lag}; "
+            f"use --max-lag {total - 1} or more, or a --checkpoint-every below {total}"
+        ]
+    if config.max_lag >= config.checkpoint_every:
+        return []
+    return [
+        f"--max-lag {config.max_lag} is below --checkpoint-every {config.checkpoint_every}: "
+        "each rank keeps only its last checkpoint's watermark, producers stop --max-lag steps "
+        "past the slowest rank's, and no rank could read the steps to its next checkpoint, so "
+        f"the demo would stall (max_lag must be at least keep_last x checkpoint interval); "
+        f"use --max-lag {config.checkpoint_every} or more"
+        + (f", or a --checkpoint-every of at most {config.max_lag}" if config.max_lag else "")
+    ]
 
 
 class _Procs:
@@ -636,11 +670,19 @@ def _summary(
     delivered = sum(c.get("bytes_delivered", 0) for c in consumers)
     stall = [c.get("stall_seconds", 0.0) for c in consumers]
     ranks = len(logs)
+    # What every rank got: a failed run (a stall, a crashed worker) may have delivered far less
+    # than it set out to, and its summary must not claim the whole stream.
+    done = min((r.delivered for r in logs), default=0) if not report_ok else total
     table = Table(title="batchweave demo summary", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
-    table.add_row("steps", f"{total} x {ranks} ranks in {wall:.1f}s")
-    table.add_row("throughput", f"{total / wall:.1f} steps/s")
+    if report_ok:
+        table.add_row("steps", f"{total} x {ranks} ranks in {wall:.1f}s")
+    else:
+        table.add_row(
+            "steps", f"{done} of {total} delivered to all {ranks} ranks in {wall:.1f}s (failed)"
+        )
+    table.add_row("throughput", f"{done / wall:.1f} steps/s")
     rate = f"{commits / attempts:.1%} ({commits}/{attempts})" if attempts else "n/a"
     table.add_row("commit success rate", rate)
     table.add_row("read amplification", f"{read / delivered:.3f}" if delivered else "n/a")
