@@ -346,6 +346,9 @@ class Reclaimer:
         self._rng = random.Random()
         self._swept_below: int | None = None
         """A base_step whose lower steps this instance already deleted (skip finding them)."""
+        self._known: Manifest | None = None
+        """The latest manifest of the previous pass: the next pass lists only the versions after
+        it (``_find_latest``) instead of every retained version twice."""
         self._refused: list[StoreError] = []
         """Deletions the store refused during the current pass (raised at its end)."""
         self._thread: threading.Thread | None = None
@@ -417,24 +420,22 @@ class Reclaimer:
         marks = self._watermarks.live()
         boundary = marks[0].step if marks else 0
         try:
-            latest = self._log.latest()
+            latest = self._find_latest()
         except NamespaceNotFound:
-            self.last_report = ReclaimReport(
-                boundary=boundary,
-                watermarks=len(marks),
-                base_step_before=0,
-                base_step_after=0,
-                latest_version=-1,
-                seconds=tally.seconds(),
-            )
-            tally.begin("done")
-            return self.last_report
+            return self._no_namespace(boundary, marks, tally)
         before = latest.base_step
         tally.begin("committing base_step")
         latest, cut_from, conflicts = self._commit_boundary(latest, boundary)
+        self._known = latest
         now = self._clock()
         versions = self._list(f"{MANIFESTS_DIR}/", tally)
         numbered = sorted((v, meta) for meta in versions if (v := _version_of(meta)) is not None)
+        if not numbered:
+            # The latest version is never deleted, so a namespace has at least one: the prefix
+            # was deleted under the previous pass's version (``_find_latest`` cannot tell), as
+            # a cold lookup would have found. Nothing is deleted on such a view.
+            self._known = None
+            return self._no_namespace(boundary, marks, tally)
         self._delete_data(latest, cut_from, numbered, now, tally)
         settled = self._settled_version(numbered, now)
         self._delete_segments(latest, settled, now, tally)
@@ -498,6 +499,46 @@ class Reclaimer:
             report.bytes_deleted,
         )
         return report
+
+    def _find_latest(self) -> Manifest:
+        """The newest manifest version, for the cut.
+
+        The first pass finds it with a LIST of ``_manifests/``; later ones list only the
+        versions after the previous pass's latest and read the newest of them (if any), so a
+        pass lists every retained version once (after the cut, below), not twice. A LIST after
+        the known version rather than a probe of its successor: it finds the newest version
+        (which is never deleted) even when the known version and its successor were reclaimed
+        meanwhile, without trusting any clock.
+        """
+        known = self._known
+        if known is None:
+            return self._log.latest()
+        newest: int | None = None
+        after = self._log.key(manifest_key(known.version))
+        for meta in self.store.list(f"{self.namespace}/{MANIFESTS_DIR}/", start_after=after):
+            version = _version_of(meta)
+            if version is not None and version > known.version:
+                newest = version if newest is None else max(newest, version)
+        if newest is None:
+            return known  # still the newest (a prefix deleted meanwhile: caught by the pass)
+        try:
+            return self._log.read(newest)
+        except ObjectNotFound:
+            return self._log.latest()  # deleted between LIST and GET: a prefix deleted?
+
+    def _no_namespace(self, boundary: int, marks: list[Watermark], tally: _Pass) -> ReclaimReport:
+        """End a pass that found no manifest version (the namespace does not exist)."""
+        self.last_report = ReclaimReport(
+            boundary=boundary,
+            watermarks=len(marks),
+            base_step_before=0,
+            base_step_after=0,
+            latest_version=-1,
+            seconds=tally.seconds(),
+            keys_listed=tally.listed,
+        )
+        tally.begin("done")
+        return self.last_report
 
     def _commit_boundary(
         self, latest: Manifest, boundary: int

@@ -26,12 +26,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from batchweave._checks import as_int, check_key_name, check_store
 from batchweave._errors import (
     FormatError,
+    NamespaceMismatch,
     NamespaceNotFound,
     ObjectNotFound,
     TransientStoreError,
 )
 from batchweave._manifest._codec import decode_object, encode_object
 from batchweave._manifest._log import ManifestLog
+from batchweave._manifest._models import Manifest
 from batchweave._store._base import ObjectStore
 
 __all__ = [
@@ -129,6 +131,15 @@ class Watermarks:
         self._clock = clock
         self._sleep = sleep
         self._prefix = f"{namespace}/{WATERMARKS_DIR}/"
+        self._manifests: ManifestLog | None = None
+        """The manifest log :meth:`record` finds the latest version in (made on first use)."""
+        self._known: Manifest | None = None
+        """The newest manifest :meth:`record` found: the next lookup starts from it."""
+
+    def __getstate__(self) -> dict[str, object]:
+        # Pickled as before (a spawned process gets the store, namespace and policy): the
+        # cached log holds locks, and a copy looks the latest version up afresh.
+        return {**self.__dict__, "_manifests": None, "_known": None}
 
     def __repr__(self) -> str:
         scope = "" if self.scope is None else f", scope={self.scope!r}"
@@ -285,7 +296,39 @@ class Watermarks:
         return mark
 
     def _latest_version(self) -> int:
+        """The namespace's latest manifest version (0 before it exists).
+
+        The first lookup lists ``_manifests/``; later ones start from the newest manifest found
+        before (``ManifestLog.latest(known)``): one GET of its successor while it is current, a
+        LIST after it when it is not. A checkpoint hook recording every few minutes thus costs
+        O(1) requests however many versions the namespace retains. A ``known`` the reclaimer
+        deleted meanwhile is handled there: its missing successor is trusted only for a version
+        committed less than a minute ago, which cannot have been reclaimed, else a LIST after it
+        finds the newest (which is never deleted), so the version found never goes back.
+        """
+        # No lock: threads racing here at worst start a later lookup from an older version
+        # (or make a second log), which costs a request, never a wrong answer.
+        log, known = self._manifests, self._known
+        if log is None:
+            log = self._manifests = ManifestLog(self.store, self.namespace, clock=self._clock)
         try:
-            return ManifestLog(self.store, self.namespace).latest().version
+            latest = log.latest(known)
         except NamespaceNotFound:
             return 0
+        except (NamespaceMismatch, FormatError) as exc:
+            if known is None:
+                raise
+            # The history changed under the cached log (the prefix deleted and re-created, an
+            # older copy restored): look it up afresh, as if this were the first lookup.
+            _log.warning(
+                "%s/%s: manifest history changed since version %d (%s); looking it up afresh",
+                self.store.url,
+                self.namespace,
+                known.version,
+                exc,
+            )
+            self._manifests, self._known = None, None
+            return self._latest_version()
+        if self._manifests is log and (self._known is None or latest.version > self._known.version):
+            self._known = latest
+        return latest.version

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -531,6 +532,58 @@ def test_list_matches_a_sorted_reference(
             k for k in stored if k.startswith(prefix) and (start_after is None or k > start_after)
         ]
         assert [m.key for m in store.list(prefix, start_after=start_after)] == expected
+
+
+class _TypedEntries:
+    """``os.scandir`` whose entries count how often the walk asks their type or stat."""
+
+    def __init__(self) -> None:
+        self.typed: list[str] = []
+        self._scandir = os.scandir
+
+    def __call__(self, path: str) -> contextlib.AbstractContextManager[Iterator[Any]]:
+        @contextlib.contextmanager
+        def entries() -> Iterator[Iterator[Any]]:
+            with self._scandir(path) as it:
+                yield (self._entry(entry) for entry in it)
+
+        return entries()
+
+    def _entry(self, entry: os.DirEntry[str]) -> Any:
+        typed = self.typed
+
+        class Entry:
+            name, path = entry.name, entry.path
+
+            def is_dir(self, *, follow_symlinks: bool = True) -> bool:
+                typed.append(entry.name)
+                return entry.is_dir(follow_symlinks=follow_symlinks)
+
+            def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+                return entry.stat(follow_symlinks=follow_symlinks)
+
+        return Entry()
+
+
+def test_a_listing_after_a_key_types_and_sorts_only_the_names_after_it(
+    store: FileStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ManifestLog.latest(known) lists a directory of thousands of versions after the known one:
+    # the walk must not stat and sort every name to return the few after it.
+    keys = [f"ns/_manifests/{v:020d}.manifest" for v in range(300)]
+    for key in keys:
+        store.put(key, b"m")
+    store.put("ns/data/p/0/x.tgb", b"d")
+    scandir = _TypedEntries()
+    monkeypatch.setattr(os, "scandir", scandir)
+    listed = [m.key for m in store.list("ns/_manifests/", start_after=keys[-3])]
+    assert listed == keys[-2:]
+    # the root's "ns", then "_manifests" (not "data"), then the names from the key on (the
+    # key's own name could be a directory of keys after it)
+    assert sorted(scandir.typed) == sorted(["ns", "_manifests", *(k[-29:] for k in keys[-3:])])
+    scandir.typed.clear()
+    assert [m.key for m in store.list("ns/", start_after="ns/_n")] == ["ns/data/p/0/x.tgb"]
+    assert "_manifests" not in scandir.typed  # a directory entirely before start_after
 
 
 @pytest.mark.parametrize("replaced", ["file", "directory"])

@@ -26,7 +26,7 @@ from batchweave import (
     Watermarks,
     _watermarks,
 )
-from batchweave._manifest import ManifestLog
+from batchweave._manifest import Committed, Manifest, ManifestLog, manifest_key
 from batchweave._manifest._codec import encode_object
 from batchweave._store._base import ObjectMeta
 
@@ -324,3 +324,89 @@ def test_a_scoped_reader_refuses_checkpoint_ids_outside_its_scope() -> None:
     with pytest.raises(ValueError, match="safe key segment"):
         bw.Watermarks(store, NS, scope="a/b")
     assert "scope='train-'" in repr(train)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _commit_empty(log: ManifestLog, head: Manifest, count: int) -> Manifest:
+    for _ in range(count):
+        result = log.commit(head)
+        assert isinstance(result, Committed)
+        head = result.manifest
+    return head
+
+
+@pytest.mark.parametrize("versions", [10, 300])
+def test_recording_without_a_version_costs_the_same_however_many_versions_are_kept(
+    versions: int,
+) -> None:
+    # The checkpoint hook of a WeaveLoader passes no version: each record then looks up the
+    # latest one. Only the first lookup may list the versions; later ones start from the last
+    # version found, so a long run's checkpoints do not list the whole retained history.
+    clock = _Clock()
+    inner = bw.MemoryStore("watermarks", clock=clock)
+    log = ManifestLog(inner, NS, clock=clock)
+    head = _commit_empty(log, log.create_or_open(bw.Mesh(dp=1, cp=1)), versions)
+    store = bw.CountingStore(inner)
+    marks = bw.Watermarks(store, NS, clock=clock)
+    assert marks.record("ckpt-0", 0).version == head.version
+    for i, new in enumerate((1, 1, 5, 0), start=1):
+        head = _commit_empty(log, head, new)
+        clock.now += 30.0
+        before = store.snapshot()
+        assert marks.record(f"ckpt-{i}", i).version == head.version
+        used = store.snapshot() - before
+        assert used.listed <= new, (used, new)
+        assert used.requests <= 4, used  # probe, LIST after it, read the newest, the PUT
+
+
+def test_recording_finds_the_newest_version_after_the_known_one_was_reclaimed() -> None:
+    clock = _Clock()
+    store = bw.MemoryStore("watermarks", clock=clock)
+    log = ManifestLog(store, NS, clock=clock)
+    head = _commit_empty(log, log.create_or_open(bw.Mesh(dp=1, cp=1)), 5)
+    marks = bw.Watermarks(store, NS, clock=clock)
+    assert marks.record("a", 0).version == 5
+    head = _commit_empty(log, head, 3)  # versions 6..8
+    clock.now += 600.0
+    # The reclaimer deletes versions oldest first and never the newest: 5 and its successor go.
+    store.delete_many([f"{NS}/{manifest_key(v)}" for v in range(8)])
+    assert marks.record("b", 0).version == 8
+    head = _commit_empty(log, head, 2)  # versions 9..10, then every older one reclaimed
+    clock.now += 600.0
+    store.delete_many([f"{NS}/{manifest_key(v)}" for v in range(10)])
+    assert marks.record("c", 0).version == 10
+    assert marks.record("d", 0).version == 10  # current: no going back
+
+
+def test_recording_after_the_namespace_was_re_created_looks_it_up_afresh() -> None:
+    clock = _Clock()
+    store = bw.MemoryStore("watermarks", clock=clock)
+    log = ManifestLog(store, NS, clock=clock)
+    _commit_empty(log, log.create_or_open(bw.Mesh(dp=1, cp=1)), 1)
+    marks = bw.Watermarks(store, NS, clock=clock)
+    assert marks.record("a", 0).version == 1
+    store.delete_many([m.key for m in store.list(f"{NS}/")])
+    again = ManifestLog(store, NS, clock=clock)
+    _commit_empty(again, again.create_or_open(bw.Mesh(dp=1, cp=1)), 2)  # another namespace id
+    assert marks.record("b", 0).version == 2
+
+
+def test_watermarks_pickle_after_recording(tmp_path: object) -> None:
+    import pickle
+    from pathlib import Path
+
+    store = bw.FileStore(Path(str(tmp_path)) / "root", fsync=False)
+    log = ManifestLog(store, NS)
+    _commit_empty(log, log.create_or_open(bw.Mesh(dp=1, cp=1)), 2)
+    marks = bw.Watermarks(store, NS, keep_last=3)
+    assert marks.record("a", 0).version == 2
+    copy = pickle.loads(pickle.dumps(marks))  # a spawned process gets its own lookup
+    assert copy.record("b", 1).version == 2
+    assert copy.keep_last == 3

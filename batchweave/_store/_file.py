@@ -585,16 +585,25 @@ class FileStore(ObjectStore):
     def _walk(
         self, directory: str, rel: str, prefix: str, start_after: str | None
     ) -> Iterator[ObjectMeta]:
+        # Only names that can be or hold a wanted key are kept, then typed and sorted: a listing
+        # after a key (``ManifestLog.latest`` in a directory of thousands of versions) sorts the
+        # few names after it, not the whole directory.
+        entries: list[tuple[str, os.DirEntry[str]]] = []
         try:
             with os.scandir(directory) as it:
-                entries = [e for e in it if not (rel == "" and e.name == TEMP_DIR_NAME)]
+                for entry in it:
+                    path = rel + entry.name
+                    if _may_hold(path, prefix, start_after) and not (
+                        rel == "" and entry.name == TEMP_DIR_NAME
+                    ):
+                        entries.append((path, entry))
         except (FileNotFoundError, NotADirectoryError):
             return  # pruned by a concurrent delete
         # A directory sorts as "name/" among its siblings, which puts its keys in key order.
         sortable = []
-        for entry in entries:
+        for path, entry in entries:
             is_dir = entry.is_dir(follow_symlinks=False)
-            sortable.append((rel + entry.name + ("/" if is_dir else ""), is_dir, entry))
+            sortable.append((path + ("/" if is_dir else ""), is_dir, entry))
         sortable.sort(key=lambda t: t[0])
         for name, is_dir, entry in sortable:
             if is_dir:
@@ -675,6 +684,22 @@ class FileStore(ObjectStore):
             except OSError:
                 return  # not empty, already gone, or not ours to remove: best effort
             directory = os.path.dirname(directory)
+
+
+def _may_hold(name: str, prefix: str, start_after: str | None) -> bool:
+    """Whether ``name`` (a file's key, or a directory's path without its ``/``) can be or hold
+    a key listed for ``prefix`` and ``start_after``, decided without knowing which it is.
+
+    A file's key is ``name``; a directory's keys all begin with ``name + "/"``. Either can match
+    ``prefix`` only if one of ``name`` and ``prefix`` begins with the other, and can lie after
+    ``start_after`` only if ``name`` sorts after it or begins it: otherwise they differ at a
+    position inside ``name`` where ``name`` is lower, so the file and every key under the
+    directory sort before ``start_after`` too. This keeps a superset of the names the walk lists
+    or descends into; it checks each kept name exactly.
+    """
+    if not (name.startswith(prefix) or prefix.startswith(name)):
+        return False
+    return start_after is None or name > start_after or start_after.startswith(name)
 
 
 def check_root(root: str | os.PathLike[str]) -> Path:
