@@ -250,15 +250,31 @@ class _RecentlyDecoded:
     ones, so a process that runs several consumers (a host driving several devices, ranks as
     threads) would otherwise validate the same JSON once per consumer: about 10 us per
     descriptor. An entry is reused only when the key and every byte match (one ``memcmp``);
-    anything else is decoded and verified afresh. Thread-safe; bounded in entries and bytes.
+    anything else is decoded and verified afresh. Thread-safe; bounded in entries, encoded bytes
+    and descriptors (a segment's, a manifest's tail): decoded, a descriptor takes about ten
+    times its JSON (4 KB at ``dp=2``, 10 KB at ``dp=64``), so bytes alone would let a few
+    full segments hold gigabytes. An object of more than a quarter of the byte bound, or more
+    descriptors than their bound, is not kept.
     """
 
-    def __init__(self, entries: int, max_bytes: int) -> None:
+    def __init__(self, entries: int, max_bytes: int, max_tgbs: int = 64 * 256) -> None:
+        # max_tgbs: one full segment of the default size (max_segment_tgbs = 64 * tail_limit),
+        # about 65 MB decoded at dp=2. Ranks of one process read the same steps: each keeps the
+        # segments it reads in its own ManifestLog, and the first to reach the next segment
+        # decodes it here for the others.
         self._entries = entries
         self._max_bytes = max_bytes
+        self._max_tgbs = max_tgbs
         self._bytes = 0
-        self._items: OrderedDict[str, tuple[bytes, object]] = OrderedDict()
+        self._tgbs = 0
+        self._items: OrderedDict[str, tuple[bytes, object, int]] = OrderedDict()
         self._lock = threading.Lock()
+
+    @property
+    def cached_tgbs(self) -> int:
+        """Descriptors the cached objects hold."""
+        with self._lock:
+            return self._tgbs
 
     def get(self, key: str, data: bytes) -> object | None:
         with self._lock:
@@ -272,19 +288,28 @@ class _RecentlyDecoded:
         with self._lock:
             self._items.clear()
             self._bytes = 0
+            self._tgbs = 0
 
-    def put(self, key: str, data: bytes, decoded: object) -> None:
-        if len(data) > self._max_bytes // 4:
+    def put(self, key: str, data: bytes, decoded: object, tgbs: int = 0) -> None:
+        """Keep ``decoded`` (the object ``key`` holding ``data``, with ``tgbs`` descriptors)."""
+        if len(data) > self._max_bytes // 4 or tgbs > self._max_tgbs:
             return
         with self._lock:
             old = self._items.pop(key, None)
             if old is not None:
                 self._bytes -= len(old[0])
-            self._items[key] = (data, decoded)
+                self._tgbs -= old[2]
+            self._items[key] = (data, decoded, tgbs)
             self._bytes += len(data)
-            while len(self._items) > self._entries or self._bytes > self._max_bytes:
-                _, (evicted, _) = self._items.popitem(last=False)
+            self._tgbs += tgbs
+            while (
+                len(self._items) > self._entries
+                or self._bytes > self._max_bytes
+                or self._tgbs > self._max_tgbs
+            ):
+                _, (evicted, _, count) = self._items.popitem(last=False)
                 self._bytes -= len(evicted)
+                self._tgbs -= count
 
 
 _DECODED: Final = _RecentlyDecoded(entries=64, max_bytes=64 << 20)
@@ -314,7 +339,7 @@ def decode_manifest(data: bytes, *, key: str, previous: Manifest | None = None) 
     manifest = None if previous is None else _reuse_tail(body, previous.tail)
     if manifest is None:
         manifest = _validate(body, Manifest, key=key, what="manifest", supported=MANIFEST_FORMAT)
-    _DECODED.put(key, data, manifest)
+    _DECODED.put(key, data, manifest, len(manifest.tail))
     return manifest
 
 
@@ -393,7 +418,7 @@ def decode_segment(data: bytes, *, key: str) -> tuple[Segment, int]:
         return cached  # only decode_segment stores tuples
     stored, body = _split_envelope(data, key=key, magic=_SEGMENT_MAGIC, limit=MAX_SEGMENT_BYTES)
     segment = _validate(body, Segment, key=key, what="segment", supported=SEGMENT_FORMAT)
-    _DECODED.put(key, data, (segment, stored))
+    _DECODED.put(key, data, (segment, stored), len(segment.tgbs))
     return segment, stored
 
 

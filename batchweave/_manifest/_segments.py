@@ -36,7 +36,9 @@ references it absorbs. A committer that loses its race leaves its segment unrefe
 reclaimer deletes such orphans after a grace period.
 
 Segments are immutable, so readers cache them by key (:class:`SegmentFiles`): looking up any step
-costs at most one segment read.
+costs at most one segment read. The cache is bounded in descriptors (by default one full
+segment's worth, beyond the two most recently used segments), since one full segment decodes to
+tens or hundreds of megabytes.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import bisect
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from batchweave._errors import ChecksumMismatch, FormatError
 from batchweave._manifest._codec import body_checksum, decode_segment, encode_segment
@@ -202,25 +204,70 @@ def _first_step(ref: SegmentRef) -> int:
 class SegmentFiles:
     """Reads (with an LRU cache of decoded segments) and writes segment objects of one namespace.
 
-    Thread-safe. ``key`` maps a namespace-relative key to a store key.
+    The cache holds at most ``cache`` segments and, beyond its two most recently used ones, at
+    most ``cache_tgbs`` descriptors (``None``: no descriptor bound). Descriptors, not segments, are
+    what costs memory: a full segment holds up to ``max_segment_tgbs`` of them (16,384 by
+    default) and a decoded descriptor takes about 4 KB at ``dp=2``, 10 KB at ``dp=64``, about
+    ten times its JSON. Thread-safe. ``key`` maps a namespace-relative key to a store key.
     """
 
-    def __init__(self, store: ObjectStore, key: Callable[[str], str], *, cache: int) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        key: Callable[[str], str],
+        *,
+        cache: int,
+        cache_tgbs: int | None = None,
+    ) -> None:
         self._store = store
         self._key = key
         self._capacity = max(cache, 0)
+        self._max_tgbs = None if cache_tgbs is None else max(cache_tgbs, 0)
         self._cache: OrderedDict[str, tuple[SegmentRef, Segment]] = OrderedDict()
         """Decoded segments by key, with the reference they were verified against."""
+        self._tgbs = 0
+        """Descriptors the cached segments hold."""
         self._lock = threading.Lock()
+
+    @property
+    def cached_tgbs(self) -> int:
+        """Descriptors the cached segments hold (what the cache's memory is proportional to)."""
+        with self._lock:
+            return self._tgbs
 
     def _remember(self, ref: SegmentRef, segment: Segment) -> None:
         if self._capacity == 0:
             return
         with self._lock:
+            old = self._cache.pop(ref.key, None)
+            if old is not None:
+                self._tgbs -= len(old[1].tgbs)
             self._cache[ref.key] = (ref, segment)
-            self._cache.move_to_end(ref.key)
-            while len(self._cache) > self._capacity:
-                self._cache.popitem(last=False)
+            self._tgbs += len(segment.tgbs)
+            # The two newest entries stay whatever they hold (segments written with a larger
+            # max_segment_tgbs than this reader's): a reader's step and, at a boundary, the
+            # next one, read by prefetch threads in either order. Evicting either would make
+            # them read the segments again in turns.
+            while len(self._cache) > self._capacity or (
+                self._max_tgbs is not None and self._tgbs > self._max_tgbs and len(self._cache) > 2
+            ):
+                _, (_, evicted) = self._cache.popitem(last=False)
+                self._tgbs -= len(evicted.tgbs)
+
+    def _drop_where(self, gone: Callable[[str, SegmentRef], bool]) -> None:
+        with self._lock:
+            for key, (ref, segment) in list(self._cache.items()):
+                if gone(key, ref):
+                    del self._cache[key]
+                    self._tgbs -= len(segment.tgbs)
+
+    def drop_below(self, base_step: int) -> None:
+        """Forget the segments whose steps all lie below ``base_step`` (reclaimed)."""
+        self._drop_where(lambda _, ref: ref.end_step <= base_step)
+
+    def retain(self, keys: Collection[str]) -> None:
+        """Forget every cached segment whose key is not in ``keys``."""
+        self._drop_where(lambda key, _: key not in keys)
 
     def read(self, ref: SegmentRef, namespace_id: str) -> Segment:
         """The segment ``ref`` points to, verified against the reference and namespace."""
