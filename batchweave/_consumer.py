@@ -45,8 +45,9 @@ from batchweave._format._tgb import (
 )
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, SliceTable, TgbDescriptor, TgbObjectRef
+from batchweave._manifest._segments import find_segment
 from batchweave._mesh import Mesh
-from batchweave._outage import OutageLog
+from batchweave._outage import OutageLog, no_answer
 from batchweave._prefetch import Job, SingleFlightCache, Workers, gather
 from batchweave._projection import (
     DEFAULT_RANK_ORDER,
@@ -106,10 +107,13 @@ _LATENCY_WEIGHT: Final = 0.2
 _U64: Final = struct.Struct("<Q")
 
 _UNREACHABLE: Final = (
-    "The object store was unreachable at the last attempt (see the warnings logged): check its "
-    "endpoint and the network."
+    "The object store was unreachable or did not answer at the last attempt (see the warnings "
+    "logged): check its endpoint and the network."
 )
 """Why a wait timed out when the store, not the producers, was the problem."""
+
+_OVERRUN: Final = 1.0
+"""Seconds past ``timeout`` from which a timeout error says how long the wait really took."""
 
 _RESTORE: Final = "restore it, or resume past this step"
 """What to do about a committed object that is no longer what the manifest recorded."""
@@ -818,25 +822,27 @@ class Consumer:
             since = now - self._last_refresh
             if since < self._poll_delay:
                 self._sleep_or_time_out(
-                    started, self._poll_delay - since, lambda: self._timeout_error(step)
+                    started, self._poll_delay - since, lambda: self._timeout_error(step, started)
                 )
             elif self.timeout is not None and now - started > self.timeout:
                 # No sleep is due when a poll itself took the poll delay (a slow store, or
                 # connection attempts timing out in an outage): the timeout holds all the same.
-                raise self._timeout_error(step)
+                raise self._timeout_error(step, started)
             try:
                 self._refresh()
                 failures = 0
                 self._outage.recovered()
-            except StoreUnavailable as exc:
-                # An outage is waited out (bounded only by ``timeout``), polling ever slower.
-                self._counters.add(retries=1)
-                self._outage.failed(f"waiting for step {step}", exc)
-                self._poll_delay = min(2 * self._poll_delay, self.max_poll_interval)
             except _RETRYABLE as exc:
-                failures = self._manifest_read_failed(
-                    failures, exc, f" while waiting for step {step}"
-                )
+                if isinstance(exc, StoreUnavailable) or no_answer(exc):
+                    # An outage (also a store that stopped answering) is waited out, bounded
+                    # only by ``timeout``, polling ever slower.
+                    self._counters.add(retries=1)
+                    self._outage.failed(f"waiting for step {step}", exc)
+                    self._poll_delay = min(2 * self._poll_delay, self.max_poll_interval)
+                else:
+                    failures = self._manifest_read_failed(
+                        failures, exc, f" while waiting for step {step}"
+                    )
 
     def _log_sealed_end(self, step: int) -> None:
         """Say where the sealed stream ended, warning (once) about a trailing partial step."""
@@ -891,15 +897,26 @@ class Consumer:
             delay = min(delay, remaining)
         self._sleep(delay)
 
-    def _timeout_error(self, step: int) -> ConsumerTimeout:
+    def _overran(self, started: float) -> str:
+        """How long a wait that timed out really took, if a request outlasted ``timeout``."""
+        assert self.timeout is not None
+        took = self._clock() - started
+        if took < self.timeout + _OVERRUN:
+            return ""
+        return (
+            f" (after {took:.1f} s: timeout cannot cut a store request short, and one that "
+            "gets no answer lasts up to the store's read_timeout times its attempts)"
+        )
+
+    def _timeout_error(self, step: int, started: float) -> ConsumerTimeout:
         assert self._manifest is not None
         assert self._projection is not None
         first, end = self._projection.tgb_span(step)
         m = self._manifest
         return ConsumerTimeout(
             f"{self._where}: step {step} (TGB steps {first}..{end - 1}) did not become visible "
-            f"within {self.timeout} s; manifest version {m.version} holds TGB steps "
-            f"{m.base_step}..{m.next_step - 1}. "
+            f"within {self.timeout} s{self._overran(started)}; manifest version {m.version} "
+            f"holds TGB steps {m.base_step}..{m.next_step - 1}. "
             + (
                 _UNREACHABLE
                 if self._outage.down
@@ -913,10 +930,18 @@ class Consumer:
             )
         )
 
-    def _open_timeout_error(self) -> ConsumerTimeout:
-        waiting = f"within {self.timeout} s while waiting for step {self._next_step}"
+    def _open_timeout_error(self, started: float, failed: Exception | None) -> ConsumerTimeout:
+        """``failed``: the last attempt's store error (``None``: it found no namespace)."""
+        waiting = (
+            f"within {self.timeout} s{self._overran(started)} while waiting for step "
+            f"{self._next_step}"
+        )
         if self._outage.down:
             return ConsumerTimeout(f"{self._where} could not be opened {waiting}. {_UNREACHABLE}")
+        if failed is not None:  # the store answered, but with errors: nothing says "no namespace"
+            return ConsumerTimeout(
+                f"{self._where} could not be opened {waiting}: the store failed, last: {failed}"
+            )
         return ConsumerTimeout(
             f"{self._where} was not created {waiting}; start a producer or check the namespace name"
         )
@@ -947,23 +972,27 @@ class Consumer:
         started = self._clock() if started is None else started
         failures = 0
         while True:
+            failed: Exception | None = None
             try:
                 manifest = self._log.latest()
                 self._outage.recovered()
                 break
             except NamespaceNotFound:
+                self._outage.recovered()  # an answer: the store is up, the namespace is not
                 if not wait:
                     raise
-            except StoreUnavailable as exc:
-                self._counters.add(retries=1)
-                self._outage.failed(f"opening {self._where}", exc)
             except _RETRYABLE as exc:
-                failures = self._manifest_read_failed(failures, exc, "")
+                failed = exc
+                if isinstance(exc, StoreUnavailable) or no_answer(exc):
+                    self._counters.add(retries=1)
+                    self._outage.failed(f"opening {self._where}", exc)
+                else:
+                    failures = self._manifest_read_failed(failures, exc, "")
             self._check_not_closed(f"waiting to open {self._where}")
             self._sleep_or_time_out(
                 started,
                 self._poll_delay,
-                self._open_timeout_error,
+                functools.partial(self._open_timeout_error, started, failed),
             )
             self._poll_delay = min(2 * self._poll_delay, self.max_poll_interval)
         self._poll_delay = self.poll_interval
@@ -1038,7 +1067,7 @@ class Consumer:
         budget = _Budget(self.retry_budget)
         what = f"step {step} (TGB step {loc.tgb_step})"
         try:
-            desc = self._retrying(budget, what, self._log.descriptor, manifest, loc.tgb_step)
+            desc = self._retrying(budget, what, self._descriptor, what, manifest, loc.tgb_step)
         except StepReclaimed as exc:
             raise StepReclaimed(f"step {step}: {exc}") from exc
         data: Any
@@ -1068,6 +1097,32 @@ class Consumer:
         else:
             self._counters.read_took(took, self._cpu_clock() - cpu_started)
         return data, nbytes
+
+    def _descriptor(self, what: str, manifest: Manifest, tgb_step: int) -> TgbDescriptor:
+        """The TGB at ``tgb_step``: from ``manifest``, or from the latest version if the segment
+        ``manifest`` lists it in is gone because a merge replaced it (a consumer reading far
+        behind the head holds an old version). A segment the latest version lists is missing:
+        the namespace is damaged, and the error names the segment."""
+        try:
+            return self._log.descriptor(manifest, tgb_step)
+        except ObjectNotFound as exc:
+            missing = exc
+        ref = find_segment(manifest.segments, tgb_step)
+        latest = self._log.latest(manifest)
+        if ref not in latest.segments:
+            try:
+                return self._log.descriptor(latest, tgb_step)  # StepReclaimed if reclaimed
+            except ObjectNotFound as exc:
+                missing = exc
+            ref = find_segment(latest.segments, tgb_step)
+        raise ConsumerError(
+            f"{what}: segment {self._log.key(ref.key)!r}, which manifest version "
+            f"{latest.version} (the latest) lists for TGB steps {ref.first_step}.."
+            f"{ref.end_step - 1}, is missing: the namespace is damaged (a segment is never "
+            "deleted while the latest version lists it; was it deleted by hand?), and these "
+            "steps are unreadable for every consumer. Run `batchweave verify` on the "
+            "namespace; restore the segment object from a backup, or continue in a new namespace"
+        ) from missing
 
     def _cpu_started(self) -> float | None:
         """This thread's CPU time now if this step's CPU share is to be measured, else None.
@@ -1260,6 +1315,8 @@ class Consumer:
                 # store is back (``docs/guarantees.md``, "Outages").
                 self._outage.failed(f"reading {what}", exc)
             except _RETRYABLE as exc:
+                if no_answer(exc):  # a hung store: warn (once per outage), as when unreachable
+                    self._outage.failed(f"reading {what}", exc)
                 used = budget.spend()
                 if used is None:
                     raise ConsumerError(

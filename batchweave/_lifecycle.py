@@ -37,7 +37,7 @@ from batchweave._manifest._log import (
     manifest_key,
 )
 from batchweave._manifest._models import Manifest
-from batchweave._manifest._segments import SEGMENTS_DIR
+from batchweave._manifest._segments import SEGMENTS_DIR, find_segment
 from batchweave._store._base import ObjectMeta, ObjectStore
 from batchweave._watermarks import Watermark, Watermarks
 
@@ -583,11 +583,7 @@ class Reclaimer:
         tally: _Pass,
     ) -> None:
         tally.begin("reading manifests")
-        live = {
-            ref.key
-            for _, desc in self._log.descriptors(latest, latest.base_step, latest.next_step)
-            for ref in desc.objects
-        }
+        live = self._live_keys(latest)
         below: set[str] = set()
         if self._swept_below != latest.base_step:
             source = cut_from or self._newest_below(numbered, latest)
@@ -613,6 +609,28 @@ class Reclaimer:
             _log.info("deleted orphan %r (%d bytes, unreferenced)", meta.key, meta.size)
         if len(self._refused) == refused:
             self._swept_below = latest.base_step
+
+    def _live_keys(self, latest: Manifest) -> set[str]:
+        """Data keys of ``latest``'s steps; a segment it lists that is missing stops the pass
+        (nothing is deleted without knowing what is live) with an error naming it."""
+        live: set[str] = set()
+        unread = latest.base_step
+        try:
+            for step, desc in self._log.descriptors(latest, latest.base_step, latest.next_step):
+                live.update(ref.key for ref in desc.objects)
+                unread = step + 1
+        except ObjectNotFound as exc:
+            ref = find_segment(latest.segments, unread)
+            raise ObjectNotFound(
+                f"namespace {self.namespace!r} in {self.store.url}: segment "
+                f"{self._log.key(ref.key)!r}, which manifest version {latest.version} (the "
+                f"latest) lists for TGB steps {ref.first_step}..{ref.end_step - 1}, is missing: "
+                "the namespace is damaged (a segment is never deleted while the latest version "
+                "lists it; was it deleted by hand?), and those steps are unreadable for every "
+                "consumer. This pass deletes nothing. Run `batchweave verify` on the namespace; "
+                "restore the segment object from a backup, or continue in a new namespace"
+            ) from exc
+        return live
 
     def _newest_below(
         self, numbered: list[tuple[int, ObjectMeta]], latest: Manifest

@@ -4,7 +4,9 @@ An unreachable object store is waited out, never a reason to drop data: producer
 pending TGBs, consumers keep their position. What the operator needs is to *see* it, without a
 line per retry: :class:`OutageLog` logs a warning when the first failure of an outage is seen,
 a reminder every ``interval`` seconds while it lasts, and an info line when a request succeeds
-again.
+again. :func:`no_answer` tells a request that got no answer in time (a hung or overloaded
+endpoint, a wrong port) from a store that answered with an error: for a client that waits for
+the store, the first is an outage like a refused connection.
 """
 
 from __future__ import annotations
@@ -12,8 +14,36 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Final
 
-__all__ = ["OutageLog"]
+__all__ = ["OutageLog", "no_answer"]
+
+
+_NO_ANSWER: Final = "did not answer within"
+"""How the obstore backend words a read timeout (``TransientStoreError``, no cause to test)."""
+
+
+def no_answer(exc: BaseException) -> bool:
+    """Whether the store error ``exc`` says its request got no answer in time (a read timeout).
+
+    The stores raise :class:`~batchweave.TransientStoreError` for it, not ``StoreUnavailable``:
+    the request may have reached a server, so a write is ambiguous and a single slow answer is
+    retried. But an endpoint that accepts connections and never answers is as unreachable as
+    one that refuses them: a client waiting for the store counts it as an outage, and must not
+    blame what it was waiting for. Recognized by the client's timeout in the cause chain (boto3,
+    urllib3, ``socket``: a ``TimeoutError`` or a class named ``...Timeout...``) or by obstore's
+    wording.
+    """
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, TimeoutError) or any(
+            "Timeout" in cls.__name__ for cls in type(error).__mro__
+        ):
+            return True
+        error = error.__cause__
+    return _NO_ANSWER in str(exc)
 
 
 class OutageLog:

@@ -27,6 +27,7 @@ from batchweave import (
     MemoryStore,
     Mesh,
     NamespaceMismatch,
+    ObjectNotFound,
     ObjectStore,
     Producer,
     read_footer,
@@ -412,6 +413,56 @@ def test_transient_errors_are_retried_with_backoff() -> None:
     assert [parse(d) for _, d in c] == [(0, 0, 1, 0), (0, 1, 1, 0)]
     assert c.stats.retries == 3
     assert fake.sleeps == [0.05, 0.1, 0.2]
+
+
+def _segmented(store: ObjectStore, tgbs: int, then: Callable[[int], object] = id) -> None:
+    """One producer appends ``tgbs`` TGBs (dp=1) with a tail of 2, committing each before the
+    next (``then(offset)`` runs after each commit): segments roll and merge, deterministically."""
+    with Producer(
+        store, "run", producer_id="p0", mesh=Mesh(dp=1), policy="naive", tail_limit=2
+    ) as p:
+        for offset in range(tgbs):
+            p.append([payload(0, offset, 0, 0)], offset=offset)
+            p.flush()
+            then(offset)
+
+
+def test_a_deleted_segment_is_named_and_called_damage() -> None:
+    """Before: "step 0 (TGB step 0): the object is gone ... resume from a later checkpoint": no
+    key, and the wrong advice, since no consumer can read any step the segment lists."""
+    store = MemoryStore()
+    _segmented(store, 12)
+    log = ManifestLog(store, "run")
+    ref = log.latest().segments[0]
+    store.delete_many([log.key(ref.key)])
+    with pytest.raises(ConsumerError) as info:
+        consume(store, "run", Mesh(dp=1), dp_rank=0)
+    message = str(info.value)
+    assert message.startswith("step 0 (TGB step 0): segment ")
+    assert repr(log.key(ref.key)) in message
+    assert f"TGB steps {ref.first_step}..{ref.end_step - 1}" in message
+    assert "batchweave verify" in message
+    assert "later checkpoint" not in message
+    assert isinstance(info.value.__cause__, ObjectNotFound)
+
+
+def test_a_segment_merged_away_under_a_consumer_far_behind_is_read_from_the_latest_version() -> (
+    None
+):
+    """A consumer reading a backlog holds the manifest version it opened; a merge replaces its
+    segments and the reclaimer deletes them once they are old. Before, such a step failed with
+    "the object is gone"; now the consumer reads the step through the latest version."""
+    store = MemoryStore()
+    c = Consumer(store, "run", mesh=Mesh(dp=1), dp_rank=0, prefetch=0)
+    log = ManifestLog(store, "run")
+    # opened on a version with segments of 2 TGBs, which later ones merge into one of 16
+    _segmented(store, 24, then=lambda offset: c.open() if offset == 5 else None)
+    old = {ref.key for ref in log.read(c.manifest_version or 0).segments}
+    merged_away = old - {ref.key for ref in log.latest().segments}
+    assert merged_away  # a merge replaced them
+    store.delete_many([log.key(key) for key in merged_away])  # what the reclaimer does later
+    assert [parse(d)[1] for _, d in take(c, 24)] == list(range(24))
+    c.close()
 
 
 def test_exhausted_retry_budget_names_step_object_and_slice() -> None:

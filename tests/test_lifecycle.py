@@ -289,6 +289,27 @@ def test_background_thread_runs_passes_until_stopped(
         rec.start(0)
 
 
+def test_a_deleted_segment_stops_the_pass_naming_it(
+    store: bw.MemoryStore, clock: FakeClock
+) -> None:
+    """Before: a bare ``ObjectNotFound`` with no word of what the object is or what to do."""
+    with bw.Producer(store, NS, producer_id="p0", mesh=MESH, policy="naive", tail_limit=2) as p:
+        for offset in range(8):
+            p.append([b"a", b"b"], offset=offset)
+    log = ManifestLog(store, NS)
+    ref = log.latest().segments[0]
+    store.delete_many([log.key(ref.key)])
+    before = {m.key for m in store.list(f"{NS}/")}
+    clock.advance(10 * GRACE)
+    with pytest.raises(bw.ObjectNotFound) as info:
+        reclaimer(store, clock).run_once()
+    message = str(info.value)
+    assert repr(log.key(ref.key)) in message
+    assert f"TGB steps {ref.first_step}..{ref.end_step - 1}" in message
+    assert "batchweave verify" in message
+    assert {m.key for m in store.list(f"{NS}/")} == before  # nothing deleted blindly
+
+
 # -- stale writers ---------------------------------------------------------------------------
 
 
