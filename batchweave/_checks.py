@@ -8,7 +8,29 @@ import os
 from batchweave._errors import InvalidKey
 from batchweave._store._base import validate_key
 
-__all__ = ["as_int", "check_at_least", "check_key_name", "check_store"]
+__all__ = [
+    "MAX_NAMESPACE_BYTES",
+    "MAX_NAME_SEGMENT_BYTES",
+    "MAX_PRODUCER_ID_BYTES",
+    "as_int",
+    "check_at_least",
+    "check_key_name",
+    "check_store",
+]
+
+MAX_PRODUCER_ID_BYTES = 200
+"""Longest ``producer_id`` (UTF-8 bytes), as long as the longest ``checkpoint_id``."""
+MAX_NAMESPACE_BYTES = 512
+"""Longest ``namespace`` (UTF-8 bytes, slashes included).
+
+The longest key a producer writes, ``{namespace}/data/{producer_id}/{epoch}/{offset:020d}-
+{uuid}.tgb``, is then at most 512 + 285 = 797 bytes (epoch up to 20 digits), leaving 227 bytes
+of S3's 1024-byte key limit for a store's prefix."""
+MAX_NAME_SEGMENT_BYTES = 255
+"""Longest ``/``-separated part of a namespace: one directory name in a ``file://`` store."""
+
+_MAX_NAME_BYTES = {"namespace": MAX_NAMESPACE_BYTES, "producer_id": MAX_PRODUCER_ID_BYTES}
+_SHOWN_CHARS = 40
 
 
 def check_at_least(minimum: int, **values: int) -> None:
@@ -35,11 +57,37 @@ def check_key_name(name: str, value: str) -> None:
 
     :class:`InvalidKey` naming the parameter: the store's own message names only the key, which
     a caller never wrote (``object key 'a\\tb' contains ...`` for ``namespace="a\\tb"``).
+    Also refused, before anything is written: a name longer than its limit
+    (:data:`MAX_NAMESPACE_BYTES`, :data:`MAX_PRODUCER_ID_BYTES`) or a part of it longer than
+    :data:`MAX_NAME_SEGMENT_BYTES`, whose keys S3 (1024 bytes) or a file system (255 bytes per
+    name) would refuse only at the first write, after the producer's epoch was committed.
     """
     try:
         validate_key(value)
     except InvalidKey as exc:
-        raise InvalidKey(f"{name} {value!r} cannot be used in object keys: {exc}") from exc
+        raise InvalidKey(f"{name} {_shown(value)} cannot be used in object keys: {exc}") from exc
+    limit = _MAX_NAME_BYTES.get(name)
+    size = len(value.encode())
+    if limit is not None and size > limit:
+        raise InvalidKey(
+            f"{name} {_shown(value)} is {size} bytes long; at most {limit} bytes (UTF-8) are "
+            "allowed, so that the object keys built from it fit S3's 1024-byte key limit and a "
+            "file system's 255-byte names"
+        )
+    longest = max(value.split("/"), key=lambda part: len(part.encode()))
+    if len(longest.encode()) > MAX_NAME_SEGMENT_BYTES:
+        raise InvalidKey(
+            f"{name} {_shown(value)} has a {len(longest.encode())}-byte part {_shown(longest)}; "
+            f"each '/'-separated part may be at most {MAX_NAME_SEGMENT_BYTES} bytes (UTF-8), the "
+            "longest file name a file:// store can create"
+        )
+
+
+def _shown(value: str) -> str:
+    """``repr(value)``, cut to its first characters if it is long (a 1000-byte id is no help)."""
+    if not isinstance(value, str) or len(value) <= _SHOWN_CHARS:
+        return repr(value)
+    return f"{value[:_SHOWN_CHARS]!r}..."
 
 
 def as_int(name: str, value: object) -> int:

@@ -8,6 +8,9 @@ from batchweave._checks import as_int
 
 __all__ = ["Mesh"]
 
+MAX_DEGREE = 1 << 20
+"""Largest ``dp`` or ``cp`` (stored manifests and footers with a larger one fail to decode)."""
+
 
 class Mesh(BaseModel):
     """Data-parallel (``dp``) and context-parallel (``cp``) degrees of a training run.
@@ -19,8 +22,19 @@ class Mesh(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    dp: int = Field(ge=1, le=1 << 20)
-    cp: int = Field(default=1, ge=1, le=1 << 20)
+    dp: int = Field(ge=1, le=MAX_DEGREE)
+    cp: int = Field(default=1, ge=1, le=MAX_DEGREE)
+
+    def __init__(self, *, dp: int, cp: int = 1) -> None:
+        # Checked here, not by pydantic, so a mistake is one line naming the degree (pydantic's
+        # message is a multi-line ValidationError, and its lax mode takes True, "4" and 1.0).
+        super().__init__(dp=_degree("dp", dp), cp=_degree("cp", cp))
+
+    # Marks the override as pydantic's own __init__ (as pydantic's RootModel does), so that
+    # validating a stored mesh (a manifest or footer being decoded) does not call it: there the
+    # field constraints refuse a bad value with a ValidationError naming ``mesh.dp``, which the
+    # decoders report as a FormatError, not a bare TypeError.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
 
     @property
     def slices(self) -> int:
@@ -45,3 +59,12 @@ class Mesh(BaseModel):
 
     def __str__(self) -> str:
         return f"dp={self.dp}, cp={self.cp}"
+
+
+def _degree(name: str, value: object) -> int:
+    """``value`` as a plain ``int`` in ``[1, MAX_DEGREE]``; ``TypeError`` or ``ValueError``."""
+    degree = as_int(name, value)  # True, "4" and 4.0 are mistakes, as for ranks
+    if not 1 <= degree <= MAX_DEGREE:
+        bound = ">= 1" if degree < 1 else f"<= {MAX_DEGREE}"
+        raise ValueError(f"Mesh {name} must be {bound}, got {degree}")
+    return degree

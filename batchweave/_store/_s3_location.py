@@ -345,6 +345,15 @@ def check_s3_arguments(
             f"{url}: {given} was given without {missing}: give both, or neither (to use the AWS "
             "credential chain: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, ...)"
         )
+    if session_token is not None and access_key_id is None:
+        # A session token only signs together with the temporary key pair it was issued with;
+        # alone, boto3 fails to sign ("sequence item 0: expected str instance, NoneType found").
+        raise InvalidStoreURL(
+            f"{url}: session_token was given without access_key_id and secret_access_key: a "
+            "session token is used with the temporary key pair issued with it, so give all "
+            "three, or none (to use the AWS credential chain: AWS_ACCESS_KEY_ID/"
+            "AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN, a profile, ...)"
+        )
     options = ClientOptions(
         connect_timeout=_positive_number(url, "connect_timeout", connect_timeout),
         read_timeout=_positive_number(url, "read_timeout", read_timeout),

@@ -1,0 +1,199 @@
+"""Bad constructor arguments are refused up front, in one line naming the argument.
+
+An over-long ``producer_id`` or ``namespace`` (before: the producer's epoch was committed, then
+every upload failed with ``File name too long`` or ``KeyTooLongError``), a ``session_token``
+without its key pair (before: a raw botocore ``TypeError`` in a ``StoreError``), and a ``Mesh``
+degree that is not a positive int (before: a multi-line pydantic ``ValidationError``, or
+``True``, ``"4"`` and ``1.0`` silently accepted).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from manifest_helpers import KEY, body, envelope
+
+import batchweave as bw
+from batchweave._format._tgb import _pack_trailer
+from batchweave._manifest import Manifest
+from batchweave._manifest._codec import decode_manifest, encode_manifest
+from batchweave._manifest._log import ManifestLog
+from batchweave._store._open import check_store_url
+from batchweave.testing import free_port
+
+MESH = bw.Mesh(dp=2)
+NAMESPACE = "runs/s16"
+TOKEN = "IQoJb3JpZ2luX2VjEXAMPLETOKEN-s16"
+
+# The longest names allowed: a 200-byte producer id (3-byte characters count as 3) and a
+# 512-byte namespace whose longest part is 255 bytes.
+LONGEST_PRODUCER_ID = "€" * 66 + "xx"
+LONGEST_NAMESPACE = "a" * 255 + "/" + "b" * 254 + "/c"
+
+
+def _producer(store: bw.ObjectStore, namespace: str, producer_id: str) -> bw.Producer:
+    return bw.Producer(store, namespace, producer_id=producer_id, mesh=MESH, policy="naive")
+
+
+# -- long producer ids and namespaces ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("producer_id", "size"),
+    [("x" * 201, 201), ("x" * 1100, 1100), (LONGEST_PRODUCER_ID + "y", 201), ("é" * 101, 202)],
+    ids=["ascii-201", "ascii-1100", "euro-201", "e-acute-202"],
+)
+def test_an_over_long_producer_id_is_refused_before_its_epoch_is_committed(
+    producer_id: str, size: int
+) -> None:
+    # Before: accepted, its epoch committed to the manifest, then every append failed with a
+    # 1.5-3.5 KB ProducerError wrapping "[Errno 36] File name too long" / KeyTooLongError.
+    store = bw.MemoryStore()
+    with pytest.raises(bw.InvalidKey) as info:
+        _producer(store, NAMESPACE, producer_id)
+    message = str(info.value)
+    assert message.startswith("producer_id ")
+    assert f"is {size} bytes long; at most 200 bytes" in message
+    assert "\n" not in message
+    assert len(message) < 300  # the id is cut, not repeated in full
+    assert list(store.list("")) == []  # nothing written: no namespace, no epoch
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda s: _producer(s, LONGEST_NAMESPACE + "d", "p0"), "is 513 bytes long"),
+        (lambda s: ManifestLog(s, "n" * 600), "is 600 bytes long"),
+        (lambda s: bw.Watermarks(s, "w" * 513), "is 513 bytes long"),
+        (lambda s: _producer(s, "runs/" + "q" * 256, "p0"), "has a 256-byte part 'qqqq"),
+        (lambda s: _producer(s, "é" * 128 + "/x", "p0"), "has a 256-byte part 'éééé"),
+    ],
+    ids=["producer-513", "log-600", "watermarks-513", "part-256", "e-acute-part-256"],
+)
+def test_an_over_long_namespace_or_namespace_part_is_refused(
+    make: Callable[[bw.ObjectStore], object], needle: str
+) -> None:
+    # A namespace is the prefix of every key: over 512 bytes, a producer's data keys no longer
+    # fit S3's 1024-byte limit; a part over 255 bytes is no file name in a file:// store.
+    store = bw.MemoryStore()
+    with pytest.raises(bw.InvalidKey, match=r"^namespace ") as info:
+        make(store)
+    assert needle in str(info.value)
+    assert "\n" not in str(info.value)
+    assert list(store.list("")) == []
+
+
+def test_the_longest_names_allowed_work_on_a_file_store(tmp_path: Path) -> None:
+    # The limits refuse nothing that works: the longest names publish and read back through a
+    # file:// store (255-byte directory names), and one byte more is refused.
+    store = bw.open_store(tmp_path.as_uri())
+    with _producer(store, LONGEST_NAMESPACE, LONGEST_PRODUCER_ID) as producer:
+        for offset in range(3):
+            producer.append([b"a" * 8, b"b" * 8], offset=offset)
+        producer.seal()
+    consumer = bw.Consumer(store, LONGEST_NAMESPACE, mesh=MESH, dp_rank=1, timeout=10)
+    try:
+        assert [step for step, _ in consumer] == [0, 1, 2]
+    finally:
+        consumer.close()
+    with pytest.raises(bw.InvalidKey, match=r"^producer_id "):
+        _producer(store, LONGEST_NAMESPACE, LONGEST_PRODUCER_ID + "z")
+
+
+# -- a session token without its key pair ------------------------------------------------------
+
+
+@pytest.mark.parametrize("s3_client", ["boto3", "obstore"])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_session_token_without_keys_is_an_invalid_store_url(s3_client: str, verify: bool) -> None:
+    # Before: boto3 raised StoreError "put_if_absent ... failed: TypeError: sequence item 0:
+    # expected str instance, NoneType found" (at the first request with the probe off), and
+    # obstore AccessDenied "no usable AWS credentials (none were given ...)".
+    options: dict[str, Any] = {
+        "s3_client": s3_client,
+        "endpoint_url": f"http://127.0.0.1:{free_port()}",  # nothing is sent
+        "session_token": TOKEN,
+    }
+    with pytest.raises(bw.InvalidStoreURL, match="session_token was given without") as info:
+        bw.open_store("s3://bkt/p", verify_conditional_writes=verify, **options)
+    assert "access_key_id and secret_access_key" in str(info.value)
+    assert TOKEN not in str(info.value)
+    with pytest.raises(bw.InvalidStoreURL, match="session_token was given without"):
+        check_store_url("s3://bkt/p", **options)
+    # With its key pair the token is fine (no request is made without the probe).
+    store = bw.open_store(
+        "s3://bkt/p",
+        verify_conditional_writes=False,
+        access_key_id="AKIDS16",
+        secret_access_key="s16-secret",
+        **options,
+    )
+    store.close()
+
+
+# -- mesh degrees ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("degrees", "message"),
+    [
+        ({"dp": 0}, "Mesh dp must be >= 1, got 0"),
+        ({"dp": -2}, "Mesh dp must be >= 1, got -2"),
+        ({"dp": 4, "cp": 0}, "Mesh cp must be >= 1, got 0"),
+        ({"dp": 1 << 21}, "Mesh dp must be <= 1048576, got 2097152"),
+    ],
+)
+def test_a_mesh_degree_below_one_is_a_one_line_value_error(
+    degrees: dict[str, int], message: str
+) -> None:
+    # Before: a multi-line pydantic ValidationError with a pydantic.dev URL.
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        bw.Mesh(**degrees)
+
+
+@pytest.mark.parametrize(
+    ("degrees", "shown"),
+    [
+        ({"dp": True}, "the bool True"),
+        ({"dp": "4"}, "the str '4'"),
+        ({"dp": 1.0}, "the float 1.0"),
+        ({"dp": 2, "cp": 2.0}, "the float 2.0"),
+        ({"dp": None}, "the NoneType None"),
+    ],
+)
+def test_a_mesh_degree_that_is_no_int_is_a_type_error(degrees: dict[str, Any], shown: str) -> None:
+    # Before: True, "4" and 1.0 were silently converted (dp_rank=True was a TypeError already).
+    with pytest.raises(TypeError, match="must be an integer, got " + shown) as info:
+        bw.Mesh(**degrees)
+    assert "\n" not in str(info.value)
+
+
+def test_numpy_degrees_are_accepted_and_stored_meshes_still_decode_as_before() -> None:
+    mesh = bw.Mesh(dp=np.int64(4), cp=np.int32(2))
+    assert (type(mesh.dp), type(mesh.cp), mesh.slices) == (int, int, 8)
+    assert bw.Mesh.model_validate_json(mesh.model_dump_json()) == mesh
+    # Decoding a stored mesh does not go through Mesh.__init__: a bad stored degree stays a
+    # FormatError naming the field (a TypeError from the constructor would escape the decoder).
+    manifest = Manifest(namespace_id="ns", mesh=MESH, version=7, parent=6, commit_id="c")
+    for bad in (0, -1, "4", 1.5, 1 << 21):
+        doc = json.loads(body(encode_manifest(manifest)))
+        doc["mesh"]["dp"] = bad
+        with pytest.raises(bw.FormatError, match=r"invalid manifest: mesh\.dp"):
+            decode_manifest(envelope(json.dumps(doc).encode()), key=KEY)
+    tgb = bw.encode_tgb([b"abc", b"defg"], MESH)
+    doc = json.loads(tgb.footer.model_dump_json())
+    for bad in (0, "2", True):
+        doc["mesh"]["dp"] = bad
+        raw = json.dumps(doc).encode()
+        crafted = tgb.data[: tgb.footer_offset] + raw + _pack_trailer(raw, 1, "crc32c")
+        with pytest.raises(bw.FormatError, match="invalid TGB footer"):
+            bw.parse_footer(crafted, key="data/p0/1/x.tgb")
+    # The constructor is stricter than the decoder: True is no degree (before: Mesh(dp=1)).
+    with pytest.raises(TypeError, match="dp must be an integer, got the bool True"):
+        bw.Mesh(dp=True)
