@@ -112,6 +112,22 @@ def test_open_store_probes_with_probe_timeout_and_keeps_the_data_path_timeouts(
     assert list(store.list()) == []  # the probe passed on a real server and deleted its object
 
 
+@pytest.mark.moto_server
+def test_an_empty_listing_is_confirmed_with_one_head_per_store(
+    moto_endpoint: S3Endpoint, s3_bucket: str, s3_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # object_store parses a web page as an empty listing; a real S3 server's empty listing is
+    # confirmed once by a HEAD it answers 404 (and stays an empty listing), then never again.
+    store = ObstoreS3Store(s3_bucket, s3_prefix, **moto_endpoint.store_options())
+    heads: list[str] = []
+    head = store.head
+    monkeypatch.setattr(store, "head", lambda key: heads.append(key) or head(key))
+    assert list(store.list("runs/none/")) == []
+    assert list(store.list("runs/none/", start_after="runs/none/x")) == []
+    assert heads == ["_batchweave/listing-check"]
+    store.close()
+
+
 # -- error translation against canned S3 answers ------------------------------------------------
 
 

@@ -88,6 +88,8 @@ _NOT_S3 = re.compile(
 )
 """The endpoint answered, but not as S3 does (a web page without ETag, a 404 page, a listing
 that is not XML)."""
+_LISTING_CHECK_KEY = "_batchweave/listing-check"
+"""A key :meth:`ObstoreS3Store._check_empty_listing` asks about (a HEAD; it is never written)."""
 _INSTANCE_METADATA = re.compile(r"169\.254\.169\.254|/latest/api/token|/latest/meta-data/")
 """A request to the EC2 instance metadata service (at its default or a configured address)."""
 _BARE_REDIRECT = "Received redirect without LOCATION"
@@ -255,12 +257,24 @@ class ObstoreS3Store(S3Location):
         self._allow_http = any(e.startswith("http://") for e in endpoints)
         self._config, self._extra = config, extra
         self._read_timeout = options.read_timeout
+        self._listing_checked = False
+        """Whether a listing was seen to be S3's (see :meth:`_check_empty_listing`)."""
         self._store = self._make_store(
             options.connect_timeout, options.read_timeout, options.max_attempts
         )
 
-    def _make_store(self, connect_timeout: float, read_timeout: float, max_attempts: int) -> Any:
-        """An obstore ``S3Store`` for this location with these timeouts and attempts."""
+    def _make_store(
+        self,
+        connect_timeout: float,
+        read_timeout: float,
+        max_attempts: int,
+        retry_timeout: float | None = None,
+    ) -> Any:
+        """An obstore ``S3Store`` for this location with these timeouts and attempts.
+
+        ``retry_timeout``: seconds after a request's start past which object_store retries it
+        no more (default: enough for every attempt to wait ``read_timeout``).
+        """
         client: dict[str, Any] = {
             "connect_timeout": timedelta(seconds=connect_timeout),
             "timeout": timedelta(seconds=read_timeout),
@@ -268,7 +282,11 @@ class ObstoreS3Store(S3Location):
         }
         retry: dict[str, Any] = {
             "max_retries": max_attempts - 1,
-            "retry_timeout": timedelta(seconds=max(read_timeout, 1.0) * max_attempts),
+            "retry_timeout": timedelta(
+                seconds=max(read_timeout, 1.0) * max_attempts
+                if retry_timeout is None
+                else retry_timeout
+            ),
             "backoff": {
                 "init_backoff": timedelta(milliseconds=50),
                 "max_backoff": timedelta(seconds=5),
@@ -290,9 +308,15 @@ class ObstoreS3Store(S3Location):
 
     def _use_probe_client(self, options: ClientOptions) -> None:
         # object_store does not retry a PUT that timed out (it is not idempotent), and the probe
-        # stops at its first timeout: no request of the probe waits twice.
+        # stops at its first timeout: no request of the probe waits twice. object_store would
+        # retry a HEAD or GET that timed out; it retries nothing once retry_timeout has passed
+        # since the request began, which a first attempt that waited probe_read_timeout has
+        # (failures that come at once, a refused connection, are still retried).
         self._store = self._make_store(
-            options.probe_connect_timeout, options.probe_read_timeout, options.probe_attempts
+            options.probe_connect_timeout,
+            options.probe_read_timeout,
+            options.probe_attempts,
+            retry_timeout=0.9 * options.probe_read_timeout,
         )
 
     # -- error translation -------------------------------------------------------------------
@@ -552,6 +576,8 @@ class ObstoreS3Store(S3Location):
                 chunk_size=_LIST_CHUNK,
             )
             for chunk in stream:
+                if chunk:
+                    self._listing_checked = True  # a web page never parses as an object
                 for meta in chunk:
                     path = str(meta["path"])
                     if path.startswith(wanted):
@@ -564,6 +590,33 @@ class ObstoreS3Store(S3Location):
             # The request names the directory (with a trailing "/") and the offset, not prefix
             named = [directory, directory.rstrip("/"), wanted, offset or ""]
             raise self._translate(exc, op="list", key=prefix or None, paths=named) from exc
+        if not self._listing_checked:
+            self._check_empty_listing(prefix)
+
+    def _check_empty_listing(self, prefix: str) -> None:
+        """``StoreError`` if the endpoint that gave an empty listing does not answer like S3.
+
+        object_store parses any ``200`` body as a ListObjectsV2 result: a web page on the
+        endpoint's port lists as "no objects" (a namespace that does not exist, a reclaimer pass
+        over nothing). The first empty listing of this store is therefore confirmed with a HEAD
+        of a key that need not exist, which S3 answers with 404 (403 without ``s3:ListBucket``)
+        and a web page with a 200 lacking ETag and Last-Modified, or another refusal (plain
+        ``StoreError``). Later empty listings (a consumer polling for news) cost nothing more.
+        """
+        try:
+            self.head(_LISTING_CHECK_KEY)
+        except (ObjectNotFound, AccessDenied):
+            pass  # S3's answer for a key that is not there
+        except StoreError as exc:
+            if type(exc) is not StoreError:
+                raise  # transient, unreachable, ...: no verdict on the listing
+            raise self._not_s3(
+                "list",
+                prefix or None,
+                "not a ListObjectsV2 result: an empty listing, and a HEAD that S3 would answer "
+                "with 404 was answered otherwise",
+            ) from exc
+        self._listing_checked = True
 
     def delete_many(self, keys: Iterable[str]) -> None:
         paths = [self._key(k) for k in keys]

@@ -20,9 +20,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from batchweave._checks import check_key_name
-from batchweave._errors import BatchWeaveError, InvalidStoreURL
+from batchweave._errors import BatchWeaveError, InvalidStoreURL, StoreError, StoreUnavailable
 from batchweave._store._base import ObjectStore
 from batchweave._store._open import SCHEMES, open_store, store_url_scheme
+from batchweave._store._s3_location import S3Location
 
 __all__ = [
     "DEBUG_ENV",
@@ -264,8 +265,9 @@ def store_options(func: F) -> F:
             "--probe-timeout",
             envvar="BATCHWEAVE_PROBE_TIMEOUT",
             type=FiniteFloat(min=0, min_open=True),
-            help="Seconds the conditional-write probe waits for each S3 answer (default 10; "
-            "larger for a slow server); env BATCHWEAVE_PROBE_TIMEOUT.",
+            help="Seconds the conditional-write probe (read-only commands: a reachability "
+            "check) waits for each S3 answer (default 10; larger for a slow server); env "
+            "BATCHWEAVE_PROBE_TIMEOUT.",
         ),
     ]
     for decorator in reversed(decorators):
@@ -280,8 +282,9 @@ def open_cli_store(
 
     ``writes``: the command will commit or delete, so the store is probed for enforced
     conditional writes first; read-only commands skip the probe (they may run with read-only
-    credentials). A ``file://`` store directory must exist unless ``create`` (only ``demo``
-    makes new stores): a mistyped path is reported, not created.
+    credentials) and an S3 store gets a read-only reachability check instead (see
+    :func:`_check_reachable`). A ``file://`` store directory must exist unless ``create`` (only
+    ``demo`` makes new stores): a mistyped path is reported, not created.
     """
     url = store_url(location)
     scheme = store_url_scheme(url)  # as open_store reads it (case, leading spaces)
@@ -305,7 +308,41 @@ def open_cli_store(
         if not path.is_dir():
             what = "it is a file" if path.exists() else "it does not exist"
             raise CliFailure(f"no store directory at {path} ({what}); check the path")
-    return open_store(url, verify_conditional_writes=writes, **s3)
+    store = open_store(url, verify_conditional_writes=writes, **s3)
+    if not writes:
+        try:
+            _check_reachable(store)
+        except BaseException:
+            store.close()
+            raise
+    return store
+
+
+REACHABILITY_KEY = "_batchweave/reachability-check"
+"""The key a read-only command's :func:`_check_reachable` asks about (a HEAD; never written)."""
+
+
+def _check_reachable(store: ObjectStore) -> None:
+    """``StoreUnavailable`` if ``store`` is an S3 store whose endpoint does not answer in time.
+
+    Read-only commands skip the conditional-write probe, whose client waits at most
+    ``--probe-timeout`` for an answer; their own requests wait ``read_timeout`` (60 s) on each
+    of ``max_attempts`` (5) attempts, so a port that accepts and never answers kept them
+    silent for minutes. One HEAD of a key that need not exist, through the probe's client,
+    fails within about ``--probe-timeout`` instead. Any answer (404, 403, even a web page)
+    passes: what it means is for the command's own requests to report, with their context.
+    """
+    view = store._probe_view() if isinstance(store, S3Location) else None
+    if view is None:
+        return
+    try:
+        view.head(REACHABILITY_KEY)
+    except StoreUnavailable:
+        raise
+    except StoreError:
+        pass
+    finally:
+        view.close()
 
 
 def _from_environment(name: str) -> bool:
