@@ -15,7 +15,9 @@ __all__ = [
     "as_int",
     "check_at_least",
     "check_key_name",
+    "check_new_name",
     "check_store",
+    "new_name_problem",
 ]
 
 MAX_PRODUCER_ID_BYTES = 200
@@ -57,30 +59,51 @@ def check_key_name(name: str, value: str) -> None:
 
     :class:`InvalidKey` naming the parameter: the store's own message names only the key, which
     a caller never wrote (``object key 'a\\tb' contains ...`` for ``namespace="a\\tb"``).
-    Also refused, before anything is written: a name longer than its limit
-    (:data:`MAX_NAMESPACE_BYTES`, :data:`MAX_PRODUCER_ID_BYTES`) or a part of it longer than
-    :data:`MAX_NAME_SEGMENT_BYTES`, whose keys S3 (1024 bytes) or a file system (255 bytes per
-    name) would refuse only at the first write, after the producer's epoch was committed.
+    This is every path's check (reads, restarts, joining a namespace): it accepts any name the
+    store accepts. The length limits apply only where a name is first created
+    (:func:`check_new_name`), so a namespace or id created before them stays usable.
     """
     try:
         validate_key(value)
     except InvalidKey as exc:
         raise InvalidKey(f"{name} {_shown(value)} cannot be used in object keys: {exc}") from exc
+
+
+def new_name_problem(name: str, value: str) -> str | None:
+    """Why ``value`` may not be created as a ``namespace`` or ``producer_id``, or ``None``.
+
+    A name longer than its limit (:data:`MAX_NAMESPACE_BYTES`, :data:`MAX_PRODUCER_ID_BYTES`)
+    or with a ``/``-separated part longer than :data:`MAX_NAME_SEGMENT_BYTES` makes keys that
+    S3 (1024 bytes) or a file system (255 bytes per name) refuses only at the first upload,
+    after the producer's epoch was committed.
+    """
     limit = _MAX_NAME_BYTES.get(name)
     size = len(value.encode())
     if limit is not None and size > limit:
-        raise InvalidKey(
+        return (
             f"{name} {_shown(value)} is {size} bytes long; at most {limit} bytes (UTF-8) are "
             "allowed, so that the object keys built from it fit S3's 1024-byte key limit and a "
             "file system's 255-byte names"
         )
     longest = max(value.split("/"), key=lambda part: len(part.encode()))
     if len(longest.encode()) > MAX_NAME_SEGMENT_BYTES:
-        raise InvalidKey(
+        return (
             f"{name} {_shown(value)} has a {len(longest.encode())}-byte part {_shown(longest)}; "
             f"each '/'-separated part may be at most {MAX_NAME_SEGMENT_BYTES} bytes (UTF-8), the "
             "longest file name a file:// store can create"
         )
+    return None
+
+
+def check_new_name(name: str, value: str) -> None:
+    """:class:`InvalidKey` if ``value`` may not be created (see :func:`new_name_problem`).
+
+    Called only where the name is first created: a producer creating its namespace, or an id
+    the namespace's producer table does not list yet.
+    """
+    problem = new_name_problem(name, value)
+    if problem is not None:
+        raise InvalidKey(problem)
 
 
 def _shown(value: str) -> str:

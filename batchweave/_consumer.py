@@ -1101,14 +1101,30 @@ class Consumer:
     def _descriptor(self, what: str, manifest: Manifest, tgb_step: int) -> TgbDescriptor:
         """The TGB at ``tgb_step``: from ``manifest``, or from the latest version if the segment
         ``manifest`` lists it in is gone because a merge replaced it (a consumer reading far
-        behind the head holds an old version). A segment the latest version lists is missing:
-        the namespace is damaged, and the error names the segment."""
+        behind the head holds an old version). The latest version read then is adopted, as a
+        refresh would, so the steps scheduled after it read through it; a step scheduled before
+        (read ahead) first tries the version adopted since, which costs no manifest request. A
+        segment the latest version lists is missing: the namespace is damaged, and the error
+        names the segment."""
         try:
             return self._log.descriptor(manifest, tgb_step)
         except ObjectNotFound as exc:
             missing = exc
         ref = find_segment(manifest.segments, tgb_step)
+        held = self._manifest  # newer than ``manifest`` if adopted since this step was scheduled
+        if held is not None and held.version > manifest.version and ref not in held.segments:
+            try:
+                return self._log.descriptor(held, tgb_step)  # StepReclaimed if reclaimed
+            except ObjectNotFound as exc:
+                missing = exc  # merged away under ``held`` too: ask for the latest after it
+            manifest, ref = held, find_segment(held.segments, tgb_step)
+        self._counters.add(manifest_refreshes=1)
+        self._last_refresh = self._clock()
         latest = self._log.latest(manifest)
+        held = self._manifest
+        if held is not None and latest.version > held.version:  # never step back (pool threads)
+            self._manifest = latest
+            self._poll_delay = self.poll_interval
         if ref not in latest.segments:
             try:
                 return self._log.descriptor(latest, tgb_step)  # StepReclaimed if reclaimed

@@ -31,10 +31,18 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NoReturn
 
-from batchweave._checks import as_int, check_at_least, check_key_name
+from batchweave._checks import (
+    as_int,
+    check_at_least,
+    check_key_name,
+    check_new_name,
+    new_name_problem,
+)
 from batchweave._errors import (
     AmbiguousWriteError,
     FormatError,
+    InvalidKey,
+    NamespaceNotFound,
     NamespaceSealed,
     OffsetOrderError,
     ProducerError,
@@ -290,7 +298,8 @@ class Producer:
         tail_bytes_limit: int | None = DEFAULT_TAIL_BYTES_LIMIT,
         slice_table_limit: int = DEFAULT_SLICE_TABLE_LIMIT,
     ) -> None:
-        # Every argument is checked before the namespace is created or the epoch committed.
+        # Every argument is checked before the namespace is created or the epoch committed
+        # (the length limits of a new namespace or id in _open_namespace and _start).
         for name, value in (("namespace", namespace), ("producer_id", producer_id)):
             if not isinstance(value, str):
                 raise TypeError(f"{name} must be a str, got the {type(value).__name__} {value!r}")
@@ -727,9 +736,12 @@ class Producer:
             try:
                 if manifest is None:
                     # Raises NamespaceMismatch for another mesh or a foreign prefix.
-                    manifest = self._log.create_or_open(self._mesh)
-                self._check_not_sealed(manifest)
+                    manifest = self._open_namespace()
                 old = manifest.producers.get(self._producer_id)
+                if old is None and listed is None:
+                    # The id's first commit creates it: an id over the limits is refused.
+                    check_new_name("producer_id", self._producer_id)
+                self._check_not_sealed(manifest)
                 if old is not None:
                     listed = manifest
                 elif listed is not None:
@@ -774,6 +786,24 @@ class Producer:
             manifest = result.winner
             # Producers starting together collide; spread their retries.
             self._sleep(self._rng.uniform(0.0, self._backoff(min(conflicts, 4))))
+
+    def _open_namespace(self) -> Manifest:
+        """``create_or_open(mesh)``, refusing names over the length limits only where created.
+
+        A namespace or ``producer_id`` longer than the limits (``new_name_problem``) may join a
+        namespace that exists (created before the limits, or by an older version), but creates
+        nothing: a missing namespace is then :class:`InvalidKey`, before version 0 is written.
+        Names within the limits pay no extra request.
+        """
+        problem = new_name_problem("namespace", self._namespace) or new_name_problem(
+            "producer_id", self._producer_id
+        )
+        if problem is not None:
+            try:
+                self._log.create_or_open()  # opens only: NamespaceNotFound if nothing is there
+            except NamespaceNotFound:
+                raise InvalidKey(problem) from None
+        return self._log.create_or_open(self._mesh)
 
     def _raise_retired_while_starting(self, listed: Manifest, manifest: Manifest) -> NoReturn:
         """The id was retired between our read of ``listed`` and our epoch commit.

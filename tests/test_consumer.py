@@ -465,6 +465,32 @@ def test_a_segment_merged_away_under_a_consumer_far_behind_is_read_from_the_late
     c.close()
 
 
+@pytest.mark.parametrize("prefetch", [0, 4])
+def test_a_consumer_adopts_the_latest_version_its_merged_away_fallback_read(prefetch: int) -> None:
+    """The fallback above reads the latest version; the consumer keeps it, as a refresh would,
+    so the steps after the first merged-away one read through it. Before, every such step paid
+    a 404 GET of its segment and a latest() (GET and LIST) and the old version was kept: a
+    consumer catching up thousands of steps paid that on each. Read-ahead steps scheduled with
+    the old version use the adopted one without asking for the latest again."""
+    inner = MemoryStore()
+    store = CountingStore(inner)
+    c = Consumer(store, "run", mesh=Mesh(dp=1), dp_rank=0, prefetch=prefetch)
+    log = ManifestLog(inner, "run")
+    _segmented(inner, 24, then=lambda offset: c.open() if offset == 5 else None)
+    opened = log.read(c.manifest_version or 0)
+    latest = log.latest()
+    merged_away = {ref.key for ref in opened.segments} - {ref.key for ref in latest.segments}
+    steps = sum(r.count for r in opened.segments if r.key in merged_away)
+    assert steps >= 4  # several steps are read through merged-away segments
+    inner.delete_many([log.key(key) for key in merged_away])
+    before, refreshes = store.snapshot(), c.stats.manifest_refreshes
+    assert [parse(d)[1] for _, d in take(c, 24)] == list(range(24))
+    assert c.manifest_version == latest.version  # adopted
+    assert store.snapshot().lists - before.lists == 1  # one latest() for all these steps
+    assert c.stats.manifest_refreshes - refreshes == 1
+    c.close()
+
+
 def test_exhausted_retry_budget_names_step_object_and_slice() -> None:
     # DP halved: step 1 reads TGB 0 again, so its footer is cached and the failing read is the
     # slice itself

@@ -1,10 +1,11 @@
 """Bad constructor arguments are refused up front, in one line naming the argument.
 
-An over-long ``producer_id`` or ``namespace`` (before: the producer's epoch was committed, then
-every upload failed with ``File name too long`` or ``KeyTooLongError``), a ``session_token``
-without its key pair (before: a raw botocore ``TypeError`` in a ``StoreError``), and a ``Mesh``
-degree that is not a positive int (before: a multi-line pydantic ``ValidationError``, or
-``True``, ``"4"`` and ``1.0`` silently accepted).
+An over-long ``producer_id`` or ``namespace`` where a producer would create it (before: the
+producer's epoch was committed, then every upload failed with ``File name too long`` or
+``KeyTooLongError``; a namespace or id that exists stays usable by every client), a
+``session_token`` without its key pair (before: a raw botocore ``TypeError`` in a
+``StoreError``), and a ``Mesh`` degree that is not a positive int (before: a multi-line
+pydantic ``ValidationError``, or ``True``, ``"4"`` and ``1.0`` silently accepted).
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from manifest_helpers import KEY, body, envelope
 
 import batchweave as bw
+import batchweave._checks as checks
 from batchweave._format._tgb import _pack_trailer
 from batchweave._manifest import Manifest
 from batchweave._manifest._codec import decode_manifest, encode_manifest
 from batchweave._manifest._log import ManifestLog
 from batchweave._store._open import check_store_url
+from batchweave.cli._app import cli
 from batchweave.testing import free_port
 
 MESH = bw.Mesh(dp=2)
@@ -35,6 +39,11 @@ TOKEN = "IQoJb3JpZ2luX2VjEXAMPLETOKEN-s16"
 # 512-byte namespace whose longest part is 255 bytes.
 LONGEST_PRODUCER_ID = "€" * 66 + "xx"
 LONGEST_NAMESPACE = "a" * 255 + "/" + "b" * 254 + "/c"
+
+# Over the limits, yet fine for a file:// store (parts under 255 bytes): names a namespace and a
+# producer could have been created with before the limits.
+OLD_NAMESPACE = "/".join(c * 200 for c in "abc")  # 602 bytes
+OLD_PRODUCER_ID = "p" * 230
 
 
 def _producer(store: bw.ObjectStore, namespace: str, producer_id: str) -> bw.Producer:
@@ -63,20 +72,25 @@ def test_an_over_long_producer_id_is_refused_before_its_epoch_is_committed(
     assert "\n" not in message
     assert len(message) < 300  # the id is cut, not repeated in full
     assert list(store.list("")) == []  # nothing written: no namespace, no epoch
+    # Joining an existing namespace as a new id is its first commit too: refused, nothing added.
+    _producer(store, NAMESPACE, "p0").close()
+    keys = sorted(meta.key for meta in store.list(""))
+    with pytest.raises(bw.InvalidKey, match=f"is {size} bytes long; at most 200 bytes"):
+        _producer(store, NAMESPACE, producer_id)
+    assert sorted(meta.key for meta in store.list("")) == keys
 
 
 @pytest.mark.parametrize(
     ("make", "needle"),
     [
         (lambda s: _producer(s, LONGEST_NAMESPACE + "d", "p0"), "is 513 bytes long"),
-        (lambda s: ManifestLog(s, "n" * 600), "is 600 bytes long"),
-        (lambda s: bw.Watermarks(s, "w" * 513), "is 513 bytes long"),
+        (lambda s: _producer(s, "n" * 600, "p0"), "is 600 bytes long"),
         (lambda s: _producer(s, "runs/" + "q" * 256, "p0"), "has a 256-byte part 'qqqq"),
         (lambda s: _producer(s, "é" * 128 + "/x", "p0"), "has a 256-byte part 'éééé"),
     ],
-    ids=["producer-513", "log-600", "watermarks-513", "part-256", "e-acute-part-256"],
+    ids=["producer-513", "producer-600", "part-256", "e-acute-part-256"],
 )
-def test_an_over_long_namespace_or_namespace_part_is_refused(
+def test_an_over_long_namespace_or_namespace_part_is_refused_before_it_is_created(
     make: Callable[[bw.ObjectStore], object], needle: str
 ) -> None:
     # A namespace is the prefix of every key: over 512 bytes, a producer's data keys no longer
@@ -86,7 +100,60 @@ def test_an_over_long_namespace_or_namespace_part_is_refused(
         make(store)
     assert needle in str(info.value)
     assert "\n" not in str(info.value)
-    assert list(store.list("")) == []
+    assert list(store.list("")) == []  # no version 0
+
+
+@pytest.fixture
+def old_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> bw.ObjectStore:
+    """A file store holding OLD_NAMESPACE, offsets 0-1 committed by OLD_PRODUCER_ID."""
+    store = bw.open_store(tmp_path.as_uri())
+    with monkeypatch.context() as patch:  # as a version before the limits wrote it
+        patch.setattr(checks, "_MAX_NAME_BYTES", {})
+        patch.setattr(checks, "MAX_NAME_SEGMENT_BYTES", 1 << 20)
+        with _producer(store, OLD_NAMESPACE, OLD_PRODUCER_ID) as producer:
+            for offset in range(2):
+                producer.append([b"a" * 8, b"b" * 8], offset=offset)
+    return store
+
+
+def test_a_namespace_created_before_the_limits_can_still_be_read(old_store: bw.ObjectStore) -> None:
+    # The limits are for names being created: a consumer, reclaimer, watermarks, the manifest
+    # log and the CLI open an existing over-long namespace (before: InvalidKey, so its data
+    # could not be read at all after an upgrade).
+    consumer = bw.Consumer(old_store, OLD_NAMESPACE, mesh=MESH, dp_rank=0, timeout=10)
+    try:
+        assert [next(consumer)[0], next(consumer)[0]] == [0, 1]
+    finally:
+        consumer.close()
+    assert bw.Reclaimer(old_store, OLD_NAMESPACE).run_once().latest_version >= 1
+    assert bw.Watermarks(old_store, OLD_NAMESPACE).boundary() == 0
+    assert ManifestLog(old_store, OLD_NAMESPACE).create_or_open().producers[OLD_PRODUCER_ID]
+    result = CliRunner().invoke(cli, ["inspect", old_store.url, OLD_NAMESPACE, "--json"])
+    assert result.exit_code == 0, result.output
+    assert OLD_PRODUCER_ID in result.output
+
+
+def test_an_existing_over_long_producer_id_restarts_and_others_join(
+    old_store: bw.ObjectStore,
+) -> None:
+    # Restarting an id the producer table lists is no creation: it resumes where it stopped
+    # (before: InvalidKey, so the producer could not restart under its own id).
+    with _producer(old_store, OLD_NAMESPACE, OLD_PRODUCER_ID) as producer:
+        assert (producer.epoch, producer.resume_offset) == (2, 2)
+        producer.append([b"c" * 8, b"d" * 8], offset=2)
+    # A new id within the limits joins the over-long namespace.
+    with _producer(old_store, OLD_NAMESPACE, "p1") as producer:
+        producer.append([b"e" * 8, b"f" * 8], offset=0)
+    consumer = bw.Consumer(old_store, OLD_NAMESPACE, mesh=MESH, dp_rank=1, timeout=10)
+    try:
+        assert [next(consumer)[0] for _ in range(4)] == [0, 1, 2, 3]
+    finally:
+        consumer.close()
+    # A new id over the limits is still refused there, before its first commit.
+    versions = ManifestLog(old_store, OLD_NAMESPACE).create_or_open().version
+    with pytest.raises(bw.InvalidKey, match=r"^producer_id 'qqq.* is 230 bytes long"):
+        _producer(old_store, OLD_NAMESPACE, "q" * 230)
+    assert ManifestLog(old_store, OLD_NAMESPACE).create_or_open().version == versions
 
 
 def test_the_longest_names_allowed_work_on_a_file_store(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from manifest_helpers import CountingStore, descriptor, grow
 
 from batchweave import Consumer, MemoryStore, Mesh, Producer
 from batchweave._manifest import Committed, ManifestLog, _codec
+from batchweave._manifest._log import DEFAULT_TAIL_LIMIT
 from batchweave._manifest._models import Manifest, Segment
 
 MESH = Mesh(dp=8, cp=1)
@@ -117,7 +118,39 @@ def test_the_process_wide_decoded_cache_is_bounded_in_descriptors() -> None:
             decoded = item[1]
             if isinstance(decoded, tuple):
                 held += len(decoded[0].tgbs)
-        assert 0 < held <= 64 * 256  # one full segment of the default size
+        assert 0 < held <= 2 * 64 * 256  # two full segments of the default size
+        assert _codec._DECODED.cached_tgbs == held
+    finally:
+        _codec.forget_decoded()
+
+
+def test_the_process_wide_decoded_cache_keeps_a_full_segment_beside_manifests() -> None:
+    # Ranks run as threads of one process share a full segment (max_segment_tgbs = 64 x 256 by
+    # default) through this cache, and decode manifests with tails in between. Before, the bound
+    # was exactly one full segment: the first manifest decoded after it evicted it, and every
+    # rank reaching the segment later decoded it again (about 10 us per descriptor).
+    _codec.forget_decoded()
+    one = descriptor("p", 0)
+    full = 64 * DEFAULT_TAIL_LIMIT
+    try:
+        tgbs = tuple(one.model_copy(update={"offset": j}) for j in range(full))
+        segment = _codec.encode_segment(Segment(namespace_id="ns", first_step=0, tgbs=tgbs))
+        key = f"{NS}/_segments/full"
+        decoded, _ = _codec.decode_segment(segment, key=key)
+        tail = tuple(one.model_copy(update={"offset": full + j}) for j in range(DEFAULT_TAIL_LIMIT))
+        for version in range(1, 4):  # manifests read by the ranks while they read the segment
+            manifest = Manifest(
+                namespace_id="ns",
+                mesh=MESH,
+                version=version,
+                parent=version - 1,
+                commit_id=f"c{version}",
+                tail=tail,
+                base_step=full,
+                tail_start=full,
+            )
+            _codec.decode_manifest(_codec.encode_manifest(manifest), key=f"{NS}/m/{version}")
+        assert _codec.decode_segment(segment, key=key)[0] is decoded  # not decoded again
     finally:
         _codec.forget_decoded()
 

@@ -27,11 +27,19 @@ import pytest
 from fake_time import FakeTime
 from rich.console import Console
 
-from batchweave import Consumer, ConsumerTimeout, Mesh, Producer, Watermarks
+from batchweave import Consumer, ConsumerTimeout, Mesh, Producer, ProducerError, Watermarks
 from batchweave._producer import LAG_WARN_AFTER, LAG_WARN_STUCK
 from batchweave._store._memory import MemoryStore
 from batchweave.cli._common import CliFailure
-from batchweave.cli._demo import DemoConfig, _check, _RankLog, _Reclaiming, _Sampler, _summary
+from batchweave.cli._demo import (
+    DemoConfig,
+    _check,
+    _lag_problems,
+    _RankLog,
+    _Reclaiming,
+    _Sampler,
+    _summary,
+)
 
 NS = "run"
 MESH = Mesh(dp=1, cp=1)
@@ -219,15 +227,25 @@ def test_the_consumer_timeout_names_max_lag_against_the_retained_checkpoints() -
     [
         (
             {"checkpoint_every": 100},
-            "--max-lag 60 is below --checkpoint-every 100: each rank keeps only its last "
+            "--max-lag 60 is below --checkpoint-every 100 minus 1: each rank keeps only its last "
             "checkpoint's watermark",
         ),
-        ({"checkpoint_every": 100}, "use --max-lag 100 or more, or a --checkpoint-every of at"),
-        ({"max_lag": 0}, "use --max-lag 10 or more"),
+        (
+            {"checkpoint_every": 100},
+            "use --max-lag 99 or more, or a --checkpoint-every of at most 61",
+        ),
+        ({"checkpoint_every": 62}, "use --max-lag 61 or more"),  # max_lag = checkpoint_every - 2
+        ({"max_lag": 8}, "use --max-lag 9 or more, or a --checkpoint-every of at most 9"),
+        ({"max_lag": 0}, "use --max-lag 9 or more, or a --checkpoint-every of at most 1"),
         (
             {"steps": 8, "producers": 1, "max_lag": 1, "checkpoint_every": 100},
             "no rank checkpoints within the 8 steps",
         ),
+        (  # max_lag = total - 2
+            {"steps": 8, "producers": 1, "max_lag": 6, "checkpoint_every": 100},
+            "use --max-lag 7 or more, or a --checkpoint-every below 8",
+        ),
+        ({"steps": 8, "producers": 1, "max_lag": 6, "checkpoint_every": 8}, "use --max-lag 7 "),
     ],
 )
 def test_demo_refuses_a_max_lag_no_rank_could_checkpoint_past(
@@ -242,12 +260,81 @@ def test_demo_refuses_a_max_lag_no_rank_could_checkpoint_past(
     [
         {},
         {"checkpoint_every": 60},
-        {"checkpoint_every": 100, "max_lag": 100},
-        {"steps": 8, "producers": 1, "max_lag": 7, "checkpoint_every": 100},
+        {"checkpoint_every": 61},  # max_lag 60 = checkpoint_every - 1
+        {"max_lag": 9},
+        {"checkpoint_every": 1, "max_lag": 0},
+        {"checkpoint_every": 100, "max_lag": 99},
+        {"steps": 8, "producers": 1, "max_lag": 7, "checkpoint_every": 100},  # total - 1
+        {"steps": 8, "producers": 1, "max_lag": 7, "checkpoint_every": 8},
     ],
 )
-def test_demo_accepts_a_max_lag_of_a_checkpoint_interval(options: dict[str, Any]) -> None:
+def test_demo_accepts_a_max_lag_of_a_checkpoint_interval_minus_one(options: dict[str, Any]) -> None:
+    # Before: max_lag = checkpoint_every - 1 was refused, though producers publish every step
+    # up to boundary + max_lag (they block while visible - boundary > max_lag), which includes
+    # the step before a rank's next checkpoint.
     _check(DemoConfig(**options))
+
+
+def _steps_read(*, total: int, checkpoint_every: int, max_lag: int) -> int:
+    """Steps a rank of the demo reads (one producer, one rank, keep_last 1) before it ends or
+    stalls: it records its watermark at every ``checkpoint_every`` steps, as the demo does."""
+    store = MemoryStore()
+    marks = Watermarks(store, NS)
+    marks.record("rank-0", 0)
+    producer = Producer(
+        store,
+        NS,
+        producer_id="p",
+        mesh=MESH,
+        policy="naive",
+        max_lag=max_lag,
+        backoff=lambda attempt: 0.005,  # re-reads the boundary promptly while blocked
+    )
+
+    def produce() -> None:
+        try:
+            for offset in range(total):
+                producer.append([b"x" * 8], offset=offset)
+            producer.flush()
+        except ProducerError:  # aborted while blocked: the stall case
+            pass
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    consumer = Consumer(
+        store, NS, mesh=MESH, dp_rank=0, timeout=3.0, poll_interval=0.005, max_poll_interval=0.02
+    )
+    read = 0
+    try:
+        for step, _ in consumer:
+            read = step + 1
+            if read % checkpoint_every == 0:
+                marks.record("rank-0", read)
+            if read == total:
+                break
+    except ConsumerTimeout:
+        pass
+    finally:
+        producer.abort()
+        thread.join(30)
+        consumer.close()
+    return read
+
+
+@pytest.mark.parametrize(
+    ("total", "checkpoint_every", "max_lag"),
+    [(12, 4, 3), (12, 4, 2), (12, 12, 11), (12, 20, 11), (12, 20, 10)],
+)
+def test_the_demo_refuses_exactly_the_max_lags_that_stall_a_producer(
+    total: int, checkpoint_every: int, max_lag: int
+) -> None:
+    # The demo's rule against the producer's real blocking, at the boundary values.
+    config = DemoConfig(
+        steps=total, producers=1, max_lag=max_lag, checkpoint_every=checkpoint_every
+    )
+    refused = bool(_lag_problems(config))
+    read = _steps_read(total=total, checkpoint_every=checkpoint_every, max_lag=max_lag)
+    assert (read < total) == refused, (read, refused)
 
 
 def test_demo_cli_refuses_it_as_a_usage_error_before_starting(tmp_path: Path) -> None:

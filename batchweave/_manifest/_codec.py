@@ -312,7 +312,11 @@ class _RecentlyDecoded:
                 self._tgbs -= count
 
 
-_DECODED: Final = _RecentlyDecoded(entries=64, max_bytes=64 << 20)
+# Two full segments of the default size (2 x max_segment_tgbs = 2 x 64 x 256 descriptors): a
+# full segment the ranks of a process share stays cached next to the manifests (tails of up to
+# tail_limit descriptors) and the next segment they decode; with one segment's worth, any
+# manifest evicted the full segment and each rank decoded it again.
+_DECODED: Final = _RecentlyDecoded(entries=64, max_bytes=64 << 20, max_tgbs=2 * 64 * 256)
 
 
 def forget_decoded() -> None:

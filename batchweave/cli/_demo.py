@@ -148,16 +148,20 @@ def _lag_problems(config: DemoConfig) -> list[str]:
     """``--max-lag`` too small for any rank to reach its next checkpoint: a certain stall.
 
     Each rank keeps one watermark (its last checkpoint's; keep_last 1), so the reclamation
-    boundary is the slowest rank's last checkpoint and producers publish at most ``--max-lag``
-    steps past it. A rank must read ``--checkpoint-every`` steps past it to checkpoint again and
-    move the boundary: max_lag must be at least keep_last x checkpoint interval. Consumers use
-    the producers' mesh, so TGB steps are the ranks' steps.
+    boundary ``b`` is the slowest rank's last checkpoint. A producer's append blocks while
+    ``visible - b > max_lag`` (``Producer._wait_for_lag``), so steps up to ``b + max_lag`` are
+    published and no further. A rank checkpoints after reading the step before its next
+    checkpoint, ``b + checkpoint_every - 1``, so max_lag must be at least
+    ``checkpoint_every - 1``; with no checkpoint within the run (``checkpoint_every >= total``)
+    the boundary stays 0 and the last step, ``total - 1``, must be published. Consumers use the
+    producers' mesh, so TGB steps are the ranks' steps.
     """
     if config.producers < 1 or config.checkpoint_every < 1:
         return []  # reported on their own
     total = -(-config.steps // config.producers) * config.producers
+    # The highest step producers publish with the boundary at b is b + max_lag.
     if config.checkpoint_every >= total:
-        if config.max_lag + 1 >= total:
+        if config.max_lag >= total - 1:  # b = 0: the last step, total - 1, is published
             return []
         return [
             f"--max-lag {config.max_lag} is too small for --checkpoint-every "
@@ -165,15 +169,15 @@ def _lag_problems(config: DemoConfig) -> list[str]:
             f"reclamation boundary stays 0 and producers would stop after step {config.max_lag}; "
             f"use --max-lag {total - 1} or more, or a --checkpoint-every below {total}"
         ]
-    if config.max_lag >= config.checkpoint_every:
+    if config.max_lag >= config.checkpoint_every - 1:  # step b + checkpoint_every - 1 is published
         return []
     return [
-        f"--max-lag {config.max_lag} is below --checkpoint-every {config.checkpoint_every}: "
-        "each rank keeps only its last checkpoint's watermark, producers stop --max-lag steps "
-        "past the slowest rank's, and no rank could read the steps to its next checkpoint, so "
-        f"the demo would stall (max_lag must be at least keep_last x checkpoint interval); "
-        f"use --max-lag {config.checkpoint_every} or more"
-        + (f", or a --checkpoint-every of at most {config.max_lag}" if config.max_lag else "")
+        f"--max-lag {config.max_lag} is below --checkpoint-every {config.checkpoint_every} "
+        "minus 1: each rank keeps only its last checkpoint's watermark, producers publish no step "
+        "more than --max-lag past the slowest rank's, and no rank could read the steps to its "
+        "next checkpoint, so the demo would stall (max_lag must be at least keep_last x "
+        f"checkpoint interval, minus 1); use --max-lag {config.checkpoint_every - 1} or more, "
+        f"or a --checkpoint-every of at most {config.max_lag + 1}"
     ]
 
 
