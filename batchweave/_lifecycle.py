@@ -16,7 +16,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,7 +36,7 @@ from batchweave._manifest._log import (
     commit_until,
     manifest_key,
 )
-from batchweave._manifest._models import Manifest
+from batchweave._manifest._models import Manifest, SegmentRef
 from batchweave._manifest._segments import SEGMENTS_DIR, find_segment
 from batchweave._store._base import ObjectMeta, ObjectStore
 from batchweave._watermarks import Watermark, Watermarks
@@ -349,6 +349,13 @@ class Reclaimer:
         self._known: Manifest | None = None
         """The latest manifest of the previous pass: the next pass lists only the versions after
         it (``_find_latest``) instead of every retained version twice."""
+        self._segment_keys: dict[str, tuple[SegmentRef, int, tuple[tuple[str, ...], ...]]] = {}
+        """The data keys of each step of the segments the latest manifest lists, by segment key:
+        (the reference they were read through, the first step kept, each step's keys from it).
+        A segment is immutable, so a pass reads only the segments added since the previous one
+        (the log's cache of decoded segments is bounded, and a long retained window exceeds
+        it). Keys are a few short strings per step, a small part of a decoded descriptor
+        (about 4 KB at ``dp=2``); segments the latest no longer lists are forgotten."""
         self._refused: list[StoreError] = []
         """Deletions the store refused during the current pass (raised at its end)."""
         self._thread: threading.Thread | None = None
@@ -432,8 +439,8 @@ class Reclaimer:
         numbered = sorted((v, meta) for meta in versions if (v := _version_of(meta)) is not None)
         if not numbered:
             # The latest version is never deleted, so a namespace has at least one: the prefix
-            # was deleted under the previous pass's version (``_find_latest`` cannot tell), as
-            # a cold lookup would have found. Nothing is deleted on such a view.
+            # was deleted since ``_find_latest`` found the latest. Nothing is deleted on such a
+            # view.
             self._known = None
             return self._no_namespace(boundary, marks, tally)
         self._delete_data(latest, cut_from, numbered, now, tally)
@@ -503,28 +510,19 @@ class Reclaimer:
     def _find_latest(self) -> Manifest:
         """The newest manifest version, for the cut.
 
-        The first pass finds it with a LIST of ``_manifests/``; later ones list only the
-        versions after the previous pass's latest and read the newest of them (if any), so a
-        pass lists every retained version once (after the cut, below), not twice. A LIST after
-        the known version rather than a probe of its successor: it finds the newest version
-        (which is never deleted) even when the known version and its successor were reclaimed
-        meanwhile, without trusting any clock.
+        The first pass finds it with a LIST of ``_manifests/``; later ones start from the
+        previous pass's latest (``ManifestLog.latest_from``): a LIST of the versions after it and
+        one GET, of the newest listed or, when none is, of that version itself to confirm it is
+        still there as the same commit. So a pass lists every retained version once (after the
+        cut, below), not twice, trusts no clock, and never goes on with a manifest that is gone:
+        a prefix deleted and re-created meanwhile is ``NamespaceMismatch`` (re-created) or
+        ``NamespaceNotFound`` (deleted) before anything is committed or deleted.
         """
-        known = self._known
-        if known is None:
-            return self._log.latest()
-        newest: int | None = None
-        after = self._log.key(manifest_key(known.version))
-        for meta in self.store.list(f"{self.namespace}/{MANIFESTS_DIR}/", start_after=after):
-            version = _version_of(meta)
-            if version is not None and version > known.version:
-                newest = version if newest is None else max(newest, version)
-        if newest is None:
-            return known  # still the newest (a prefix deleted meanwhile: caught by the pass)
         try:
-            return self._log.read(newest)
-        except ObjectNotFound:
-            return self._log.latest()  # deleted between LIST and GET: a prefix deleted?
+            return self._log.latest_from(self._known)
+        except NamespaceNotFound:
+            self._known = None
+            raise
 
     def _no_namespace(self, boundary: int, marks: list[Watermark], tally: _Pass) -> ReclaimReport:
         """End a pass that found no manifest version (the namespace does not exist)."""
@@ -589,6 +587,8 @@ class Reclaimer:
             source = cut_from or self._newest_below(numbered, latest)
             if source is not None:
                 below = self._keys_below(source, latest.base_step)
+        listed = {ref.key for ref in latest.segments if ref.end_step > latest.base_step}
+        self._segment_keys = {k: v for k, v in self._segment_keys.items() if k in listed}
         reclaimed: list[ObjectMeta] = []
         orphans: list[ObjectMeta] = []
         cutoff = now - self.grace
@@ -616,8 +616,8 @@ class Reclaimer:
         live: set[str] = set()
         unread = latest.base_step
         try:
-            for step, desc in self._log.descriptors(latest, latest.base_step, latest.next_step):
-                live.update(ref.key for ref in desc.objects)
+            for step, keys in self._step_keys(latest, latest.base_step, latest.next_step):
+                live.update(keys)
                 unread = step + 1
         except ObjectNotFound as exc:
             ref = find_segment(latest.segments, unread)
@@ -631,6 +631,33 @@ class Reclaimer:
                 "restore the segment object from a backup, or continue in a new namespace"
             ) from exc
         return live
+
+    def _step_keys(
+        self, manifest: Manifest, start: int, stop: int
+    ) -> Iterator[tuple[int, tuple[str, ...]]]:
+        """``(step, data keys of its TGB)`` for steps ``start .. stop-1`` of ``manifest``; a
+        segment whose keys ``_segment_keys`` holds (read through an equal reference) is not
+        read again."""
+        step = start
+        while step < stop:
+            if step >= manifest.tail_start:
+                for s, desc in self._log.descriptors(manifest, step, stop):
+                    yield s, tuple(ref.key for ref in desc.objects)
+                return
+            ref = find_segment(manifest.segments, step)
+            cached = self._segment_keys.get(ref.key)
+            if cached is None or cached[0] != ref or cached[1] > step:
+                # The whole segment is downloaded either way: keep the keys of all its steps.
+                keys = tuple(
+                    tuple(obj.key for obj in desc.objects)
+                    for _, desc in self._log.descriptors(manifest, step, ref.end_step)
+                )
+                cached = self._segment_keys[ref.key] = (ref, step, keys)
+            _, first, keys = cached
+            end = min(stop, ref.end_step)
+            for s in range(step, end):
+                yield s, keys[s - first]
+            step = end
 
     def _newest_below(
         self, numbered: list[tuple[int, ObjectMeta]], latest: Manifest
@@ -659,8 +686,8 @@ class Reclaimer:
         keys: set[str] = set()
         stop = min(base_step, source.next_step)
         try:
-            for _, desc in self._log.descriptors(source, source.base_step, stop):
-                keys.update(ref.key for ref in desc.objects)
+            for _, step_keys in self._step_keys(source, source.base_step, stop):
+                keys.update(step_keys)
         except ObjectNotFound as exc:
             _log.info(
                 "cannot list steps below %d in version %d: %s", base_step, source.version, exc

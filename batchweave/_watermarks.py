@@ -299,12 +299,13 @@ class Watermarks:
         """The namespace's latest manifest version (0 before it exists).
 
         The first lookup lists ``_manifests/``; later ones start from the newest manifest found
-        before (``ManifestLog.latest(known)``): one GET of its successor while it is current, a
-        LIST after it when it is not. A checkpoint hook recording every few minutes thus costs
-        O(1) requests however many versions the namespace retains. A ``known`` the reclaimer
-        deleted meanwhile is handled there: its missing successor is trusted only for a version
-        committed less than a minute ago, which cannot have been reclaimed, else a LIST after it
-        finds the newest (which is never deleted), so the version found never goes back.
+        before (``ManifestLog.latest_from``): a LIST of the versions after it, then one GET, of
+        the newest listed or, when none is, of that manifest itself, confirming it is still
+        there as the same commit. A checkpoint hook recording every few minutes thus costs O(1)
+        requests however many versions the namespace retains, and trusts no clock: a ``known``
+        the reclaimer deleted meanwhile has a newer version listed (the newest is never
+        deleted), and one that is gone or different with nothing after it (the prefix deleted,
+        or re-created with fewer versions) makes the lookup start afresh.
         """
         # No lock: threads racing here at worst start a later lookup from an older version
         # (or make a second log), which costs a request, never a wrong answer.
@@ -312,8 +313,11 @@ class Watermarks:
         if log is None:
             log = self._manifests = ManifestLog(self.store, self.namespace, clock=self._clock)
         try:
-            latest = log.latest(known)
+            latest = log.latest_from(known)
         except NamespaceNotFound:
+            # Gone (deleted, or not created yet): a namespace created there later is looked up
+            # afresh, whatever its id.
+            self._manifests, self._known = None, None
             return 0
         except (NamespaceMismatch, FormatError) as exc:
             if known is None:

@@ -418,6 +418,42 @@ class ManifestLog:
         self._listed = (newest, asked_at) if listed else None
         return newest
 
+    def latest_from(self, known: Manifest | None) -> Manifest:
+        """The newest version, found from ``known`` (the newest version an earlier lookup
+        returned) with one LIST and one GET, trusting no clock; for callers that look up
+        seldom (a checkpoint's watermark, a reclaimer pass), when ``known`` is likely old.
+
+        The LIST shows the versions after ``known``; the newest of them is read. It finds the
+        newest even when ``known`` and its successor were reclaimed meanwhile (the newest is
+        never deleted). When none is listed, ``known`` is read back and must be the same commit
+        (``namespace_id`` and ``commit_id``): nothing listed after a version that is gone proves
+        nothing. Its prefix may have been deleted, or re-created with fewer versions, and the
+        caller would otherwise go on with another namespace's manifest. A ``known`` that is gone
+        or different leads to a lookup without it, as :meth:`latest` does:
+        :class:`NamespaceNotFound` when nothing is left, :class:`NamespaceMismatch` for a
+        re-created namespace (another ``namespace_id``; reading it back already refuses it). A
+        confirmed ``known`` was the newest when listed: the reclaimer deletes versions oldest
+        first and never the newest, so had a newer version been written before the LIST, it
+        would still exist, and have been listed.
+        """
+        if known is None:
+            return self.latest()
+        asked_at = self._monotonic()
+        newest: int | None = None
+        for version, _ in self._version_keys(self.key(manifest_key(known.version))):
+            if version > known.version:
+                newest = version if newest is None else max(newest, version)
+        try:
+            found = self.read(known.version if newest is None else newest)
+        except ObjectNotFound:
+            return self.latest()  # deleted since the LIST, or ``known`` gone: a prefix deleted?
+        if newest is None:
+            if (found.namespace_id, found.commit_id) != (known.namespace_id, known.commit_id):
+                return self.latest()
+            found = known
+        self._listed = (found, asked_at)
+        return found
+
     def _find_latest(self, known: Manifest | None) -> tuple[Manifest, bool]:
         """The newest version, and whether it was read and a LIST showed nothing after it."""
         start_after: str | None = None
