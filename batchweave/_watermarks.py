@@ -77,6 +77,11 @@ class Watermark(BaseModel):
     """Wall-clock seconds when the watermark was written (for operators; not used for safety)."""
 
 
+_SCOPE_ENDS = "-_.=+"
+"""The characters a scope must end with (the separators a checkpoint id may hold): ``rank-1``
+would also cover ``rank-10-...``, ``rank-1-`` cannot."""
+
+
 def validate_checkpoint_id(checkpoint_id: str) -> str:
     """Return ``checkpoint_id`` if it is usable as one key segment, else raise ``ValueError``.
 
@@ -124,6 +129,13 @@ class Watermarks:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if scope is not None:
             validate_checkpoint_id(scope)
+            if scope[-1] not in _SCOPE_ENDS:
+                raise ValueError(
+                    f"scope {scope!r} must end with one of {' '.join(_SCOPE_ENDS)}: a scope is a "
+                    f"prefix of checkpoint ids, and {scope!r} would also cover another reader's "
+                    f"(e.g. {scope + '0-step-5'!r}), whose live watermarks keep_last would then "
+                    f"release; use scope={scope + '-'!r}"
+                )
         self.store = store
         self.namespace = namespace
         self.keep_last = keep_last

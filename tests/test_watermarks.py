@@ -326,6 +326,26 @@ def test_a_scoped_reader_refuses_checkpoint_ids_outside_its_scope() -> None:
     assert "scope='train-'" in repr(train)
 
 
+def test_a_scope_that_could_cover_another_readers_ids_is_refused() -> None:
+    """``scope="rank-1"`` is a prefix of ``rank-10-...``: its keep_last released the live
+    watermark of the reader with scope ``rank-10``, and the reclaimer deleted the steps that
+    reader's checkpoint resumes at."""
+    store = bw.MemoryStore("scope-prefix")
+    with pytest.raises(ValueError, match=r"scope 'rank-1' must end with one of .*scope='rank-1-'"):
+        bw.Watermarks(store, NS, keep_last=1, scope="rank-1")
+    ten = bw.Watermarks(store, NS, keep_last=1, scope="rank-10-")
+    one = bw.Watermarks(store, NS, keep_last=1, scope="rank-1-")
+    ten.record("rank-10-step-5", 5, version=0)
+    for step in (10, 20, 30):
+        one.record(f"rank-1-step-{step}", step, version=0)
+    with pytest.raises(ValueError, match="outside this reader's scope 'rank-1-'"):
+        one.record("rank-10-step-40", 40, version=0)
+    live = [(m.checkpoint_id, m.step) for m in bw.Watermarks(store, NS).live()]
+    assert live == [("rank-10-step-5", 5), ("rank-1-step-30", 30)]
+    for end in "-_.=+":
+        bw.Watermarks(store, NS, scope=f"job{end}")
+
+
 class _Clock:
     def __init__(self) -> None:
         self.now = 1_000_000.0
