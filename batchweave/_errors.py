@@ -11,7 +11,8 @@ working for callers that do not know BatchWeave.
     │   ├── ObjectNotFound             (FileNotFoundError) no object under that key
     │   ├── ObjectExists               (FileExistsError) create-if-absent found the key taken
     │   ├── TransientStoreError        retrying later may succeed (5xx, throttling, resets)
-    │   │   └── ConcurrentWriteConflict  409: another conditional write to the key is in flight
+    │   │   ├── ConcurrentWriteConflict  409: another conditional write to the key is in flight
+    │   │   └── StoreTimeout           (TimeoutError) a read got no answer in time
     │   ├── AmbiguousWriteError        a write whose outcome is unknown: read back to decide
     │   ├── StoreUnavailable           (ConnectionError) endpoint unreachable after retries
     │   ├── AccessDenied               (PermissionError) credentials missing, wrong or unauthorized
@@ -62,6 +63,7 @@ __all__ = [
     "SourceMismatch",
     "StepReclaimed",
     "StoreError",
+    "StoreTimeout",
     "StoreUnavailable",
     "TransientStoreError",
     "UnsupportedFormatVersion",
@@ -96,11 +98,27 @@ class ConcurrentWriteConflict(TransientStoreError):
     """HTTP 409 ConditionalRequestConflict: another conditional write to the key is in flight."""
 
 
+class StoreTimeout(TransientStoreError, TimeoutError):
+    """A read, listing or delete reached the store but got no answer in time (a read timeout).
+
+    The store accepted the connection (and the request) and did not answer within
+    ``read_timeout``: an overloaded or hung server, or not an S3 server on that port. Retrying
+    later may succeed; a client that waits for the store counts it as an outage, like
+    :class:`StoreUnavailable`. A write that timed out is an :class:`AmbiguousWriteError` with
+    ``timed_out`` set instead: it may have landed.
+    """
+
+
 class AmbiguousWriteError(StoreError):
     """A write whose outcome is unknown (timeout or reset after the body was sent).
 
     The object may or may not exist now. Read it back to decide; never assume either way.
     """
+
+    timed_out: bool = False
+    """Whether the write's last attempt got no answer in time (a read timeout), as opposed to
+    a reset, a 5xx or a refusal after an earlier attempt that may have landed. Set by the S3
+    backends on the instance they raise."""
 
 
 class StoreUnavailable(StoreError, ConnectionError):

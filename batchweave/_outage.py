@@ -14,36 +14,26 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Final
+
+from batchweave._errors import AmbiguousWriteError, StoreTimeout
 
 __all__ = ["OutageLog", "no_answer"]
-
-
-_NO_ANSWER: Final = "did not answer within"
-"""How the obstore backend words a read timeout (``TransientStoreError``, no cause to test)."""
 
 
 def no_answer(exc: BaseException) -> bool:
     """Whether the store error ``exc`` says its request got no answer in time (a read timeout).
 
-    The stores raise :class:`~batchweave.TransientStoreError` for it, not ``StoreUnavailable``:
-    the request may have reached a server, so a write is ambiguous and a single slow answer is
-    retried. But an endpoint that accepts connections and never answers is as unreachable as
-    one that refuses them: a client waiting for the store counts it as an outage, and must not
-    blame what it was waiting for. Recognized by the client's timeout in the cause chain (boto3,
-    urllib3, ``socket``: a ``TimeoutError`` or a class named ``...Timeout...``) or by obstore's
-    wording.
+    Both S3 backends raise :class:`~batchweave.StoreTimeout` (a ``TransientStoreError``, not
+    ``StoreUnavailable``) for a read, listing or delete that timed out, and an
+    :class:`~batchweave.AmbiguousWriteError` with ``timed_out`` set for a write: the request may
+    have reached a server, so a write is ambiguous and a single slow answer is retried. But an
+    endpoint that accepts connections and never answers is as unreachable as one that refuses
+    them: a client waiting for the store counts it as an outage, and must not blame what it was
+    waiting for.
     """
-    seen: set[int] = set()
-    error: BaseException | None = exc
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, TimeoutError) or any(
-            "Timeout" in cls.__name__ for cls in type(error).__mro__
-        ):
-            return True
-        error = error.__cause__
-    return _NO_ANSWER in str(exc)
+    if isinstance(exc, StoreTimeout):
+        return True
+    return isinstance(exc, AmbiguousWriteError) and exc.timed_out
 
 
 class OutageLog:

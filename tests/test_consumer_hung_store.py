@@ -1,7 +1,7 @@
 """A consumer on a store that accepts connections but never answers (a hung server, a wrong port).
 
-Its requests fail with read timeouts, which the stores raise as ``TransientStoreError`` (boto3:
-caused by botocore's ``ReadTimeoutError``; obstore: "did not answer within read_timeout"). For a
+Its requests fail with read timeouts, which both S3 stores raise as ``StoreTimeout`` (a
+``TransientStoreError``; boto3's caused by botocore's ``ReadTimeoutError``). For a
 consumer waiting for the store that is an outage like a refused connection: it logs a WARNING,
 waits it out (bounded by ``timeout`` only), and a timeout blames the store, never the namespace
 or the producers. Each request "takes" ``REQUEST`` seconds of fake time.
@@ -18,10 +18,12 @@ from fake_time import FakeTime
 from test_consumer import produce
 
 from batchweave import (
+    AmbiguousWriteError,
     Consumer,
     ConsumerTimeout,
     MemoryStore,
     Mesh,
+    StoreTimeout,
     StoreUnavailable,
     TransientStoreError,
 )
@@ -33,20 +35,29 @@ REQUEST = 3.0
 """Seconds a request to the hung store takes to fail (its read_timeout)."""
 
 
-def boto3_timeout(key: str) -> TransientStoreError:
+def boto3_timeout(key: str) -> StoreTimeout:
     """What the boto3 backend raises for a read timeout."""
     cause = botocore.exceptions.ReadTimeoutError(endpoint_url="http://127.0.0.1:9/bkt")
-    error = TransientStoreError(f"get {key!r} failed transiently: {cause}")
+    error = StoreTimeout(
+        f"get {key!r}: http://127.0.0.1:9 accepted the connection but did not answer within "
+        "read_timeout=3 s (an overloaded or hung server, or not an S3 server on that port)"
+    )
     error.__cause__ = cause
     return error
 
 
-def obstore_timeout(key: str) -> TransientStoreError:
+def obstore_timeout(key: str) -> StoreTimeout:
     """What the obstore backend raises for a read timeout (no cause to look at)."""
-    return TransientStoreError(
+    return StoreTimeout(
         f"get {key!r}: http://127.0.0.1:9 accepted the connection but did not answer within "
         "read_timeout=3 s (an overloaded or hung server, or not an S3 server on that port)"
     )
+
+
+def _timed_out_write() -> AmbiguousWriteError:
+    error = AmbiguousWriteError("put 'k': did not answer within read_timeout=3 s")
+    error.timed_out = True
+    return error
 
 
 def _caused_by(cause: BaseException) -> TransientStoreError:
@@ -112,11 +123,24 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     [
         (boto3_timeout("k"), True),
         (obstore_timeout("k"), True),
-        (_caused_by(TimeoutError("timed out")), True),
+        (_timed_out_write(), True),
+        (AmbiguousWriteError("put 'k': 503 SlowDown; the write may have landed"), False),
+        # Typed, not guessed: an untyped error is no "no answer", whatever its cause or words.
+        (_caused_by(TimeoutError("timed out")), False),
+        (TransientStoreError("get 'k': http://h did not answer within read_timeout=3 s"), False),
         (TransientStoreError("get 'k': 503 SlowDown"), False),
         (TransientStoreError("injected transient failure: get_range 'k'"), False),
     ],
-    ids=["boto3", "obstore", "socket-timeout", "5xx", "injected"],
+    ids=[
+        "boto3",
+        "obstore",
+        "write",
+        "write-5xx",
+        "untyped-timeout",
+        "untyped-words",
+        "5xx",
+        "injected",
+    ],
 )
 def test_no_answer_tells_read_timeouts_from_answered_errors(
     error: Exception, expected: bool

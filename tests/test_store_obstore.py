@@ -16,7 +16,6 @@ from test_store_conformance import MotoServerSuite, SeaweedFSSuite
 import batchweave as bw
 from batchweave import (
     AccessDenied,
-    AmbiguousWriteError,
     Consumer,
     InvalidStoreURL,
     Mesh,
@@ -52,9 +51,9 @@ def test_unreachable_endpoint_and_missing_bucket_are_clear_errors(
     dead = ObstoreS3Store("bucket", endpoint_url=f"http://127.0.0.1:{port}", **options)
     with pytest.raises(StoreUnavailable) as unreachable:
         dead.get("k")
-    with pytest.raises(AmbiguousWriteError) as ambiguous:
-        dead.put_if_absent("k", b"x")  # a write whose outcome is unknown is never assumed
-    for text in (str(unreachable.value), str(ambiguous.value), repr(dead)):
+    with pytest.raises(StoreUnavailable) as refused:
+        dead.put_if_absent("k", b"x")  # refused before a byte was sent: nothing can have landed
+    for text in (str(unreachable.value), str(refused.value), repr(dead)):
         assert secret not in text
     missing = ObstoreS3Store("no-such-bucket-here", **moto_endpoint.store_options())
     with pytest.raises(InvalidStoreURL, match="no-such-bucket-here"):
@@ -108,6 +107,8 @@ def test_open_store_probes_with_probe_timeout_and_keeps_the_data_path_timeouts(
     view = store._probe_view()
     assert (view._answer_within, store._answer_within) == (0.5, None)
     assert view._store is not store._store  # a client of its own; the store's keeps 7 s
+    assert view._writer is not store._writer  # and one for PUTs (which put() retries)
+    assert (view._write_attempts, store._write_attempts) == (3, options.get("max_attempts", 5))
     assert store._read_timeout == 7.0
     assert list(store.list()) == []  # the probe passed on a real server and deleted its object
 

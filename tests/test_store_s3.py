@@ -10,6 +10,7 @@ from typing import Any
 import boto3
 import botocore.exceptions as bex
 import pytest
+from botocore.awsrequest import AWSResponse
 from botocore.config import Config
 from botocore.stub import Stubber
 
@@ -27,11 +28,13 @@ from batchweave import (
     PutMode,
     S3Store,
     StoreError,
+    StoreTimeout,
     StoreUnavailable,
     Suffix,
     TransientStoreError,
     open_store,
 )
+from batchweave._outage import no_answer
 from batchweave.testing import S3Endpoint, free_port
 
 BUCKET = "unit-bucket"
@@ -221,6 +224,76 @@ def test_put_retried_after_timeout_then_unreachable_is_ambiguous() -> None:
     with pytest.raises(StoreUnavailable):
         store.put_if_absent("k", b"x")
     assert len(attempts) == 2
+
+
+class _Raw:
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    def stream(self, **_: Any) -> Iterator[bytes]:
+        yield self.body
+
+
+def _answer_or_raise(store: S3Store, operation: str, outcomes: list[Any]) -> list[int]:
+    """Like ``_raise_on_send``, but an ``int`` outcome is an S3 error answer with that status."""
+    attempts: list[int] = []
+
+    def handler(**_: Any) -> Any:
+        attempts.append(1)
+        outcome = outcomes[min(len(attempts), len(outcomes)) - 1]
+        if isinstance(outcome, Exception):
+            raise outcome
+        code = "SlowDown" if outcome in (429, 503) else "RequestTimeout"
+        body = f"<Error><Code>{code}</Code><Message>m</Message></Error>".encode()
+        return AWSResponse("http://127.0.0.1:1/b/k", outcome, {}, _Raw(body))
+
+    store.client.meta.events.register(f"before-send.s3.{operation}", handler)
+    return attempts
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "expected"),
+    [
+        # A 4xx refuses only the attempt it answers; an attempt that got a 5xx or no answer
+        # may have landed. Before: any answer (429 too) made a later connect error ambiguous,
+        # and a 4xx after a timed-out attempt was transient.
+        ([429, "refused"], StoreUnavailable),
+        ([503, "refused"], AmbiguousWriteError),
+        (["timeout", 429], AmbiguousWriteError),
+        (["timeout", 400], AmbiguousWriteError),
+        ([429, 400], TransientStoreError),
+        (["refused", 429], TransientStoreError),
+    ],
+)
+def test_a_put_is_ambiguous_exactly_when_an_attempt_may_have_landed(
+    outcomes: list[Any], expected: type
+) -> None:
+    url = "http://127.0.0.1:1"
+    errors = {
+        "refused": bex.EndpointConnectionError(endpoint_url=url),
+        "timeout": bex.ReadTimeoutError(endpoint_url=url),
+    }
+    store = _store_with_attempts(2)
+    attempts = _answer_or_raise(store, "PutObject", [errors.get(o, o) for o in outcomes])
+    with pytest.raises(StoreError) as info:
+        store.put("k", b"x")
+    assert type(info.value) is expected
+    assert len(attempts) == 2
+
+
+def test_a_read_timeout_is_a_store_timeout_and_a_timed_out_write_says_so() -> None:
+    url = "http://127.0.0.1:1"
+    store = _store_with_attempts(1)
+    _raise_on_send(store, "GetObject", [bex.ReadTimeoutError(endpoint_url=url)])
+    with pytest.raises(StoreTimeout, match=r"did not answer within read_timeout=0\.5 s") as read:
+        store.get("k")
+    assert no_answer(read.value)
+    store = _store_with_attempts(1)
+    _raise_on_send(store, "PutObject", [bex.ReadTimeoutError(endpoint_url=url)])
+    with pytest.raises(AmbiguousWriteError) as write:
+        store.put("k", b"x")
+    assert write.value.timed_out
+    assert no_answer(write.value)
 
 
 def test_unreachable_endpoint_fails_fast() -> None:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import html
 import os
+import random
 import re
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -28,6 +30,7 @@ from batchweave._errors import (
     ObjectExists,
     ObjectNotFound,
     StoreError,
+    StoreTimeout,
     StoreUnavailable,
     TransientStoreError,
 )
@@ -56,9 +59,12 @@ _STREAM_CHUNK = 1 << 20
 """Bytes per chunk when a body is streamed (a range read on a server that ignores Range)."""
 _TRANSIENT = re.compile(
     r"\b(5\d\d|429)\b|SlowDown|ServiceUnavailable|InternalError|RequestTimeout|timed out|"
-    r"timeout|connection|reset|broken pipe|error sending request|dns",
+    r"timeout|connection|reset|broken pipe|error sending request|dns|"
+    r"response body error|kind: Interrupted\b",
     re.IGNORECASE,
 )
+"""Transient failures without a status; a body cut short (reqwest's "request or response body
+error", object_store's ``Interrupted``) is one, as boto3's ``IncompleteRead`` is."""
 _STATUS = re.compile(r"status code: (\d{3})\b")
 """The HTTP status object_store quotes when the server answered with an error."""
 _REPLY = re.compile(
@@ -83,6 +89,12 @@ _UNREACHABLE = re.compile(
 "error sending request" is only the first line: the debug dump after it names the kind, and a
 request that did connect (then timed out or got garbage) is not an outage of the endpoint."""
 _TIMED_OUT = re.compile(r"kind: Timeout\b|TimedOut|timed out", re.I)
+_RETRIES = re.compile(r"\bretries: (\d+)")
+"""How many times object_store retried the request (its debug dump; absent: none). It does not
+say why: after a 5xx or a timeout (which it retries for an overwrite) a write may have landed."""
+_HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
+"""object_store's kind of a transport failure: ``Connect`` (nothing sent), ``Request``,
+``Timeout``, ``Interrupted``, ``Decode``, ``Unknown``."""
 _NOT_S3 = re.compile(
     r"Unable to extract metadata from headers|Got invalid \w+ response|non-2xx status code: 404\b"
 )
@@ -179,9 +191,11 @@ class ObstoreS3Store(S3Location):
 
     Options mirror :class:`~batchweave.S3Store`: ``endpoint_url`` (MinIO, SeaweedFS, RGW, ...),
     ``region``, explicit credentials (else the ``AWS_*`` environment), timeouts in seconds,
-    ``max_attempts`` (1 + retries of transient failures inside obstore), ``addressing_style``
-    (``"path"`` or ``"virtual"``; ``"auto"`` or ``None``, the default, is path style, as
-    :class:`~batchweave.S3Store` uses with an endpoint, so one option value works for both),
+    ``max_attempts`` (1 + retries of transient failures: inside obstore for reads, by
+    :meth:`put` itself for writes, which so knows whether an earlier attempt may have landed),
+    ``addressing_style`` (``"path"`` or ``"virtual"``; ``"auto"`` or ``None``, the default, is
+    path style, as :class:`~batchweave.S3Store` uses with an endpoint, so one option value works
+    for both),
     ``probe_timeout`` (how long :func:`~batchweave.open_store`'s probe waits for each answer).
     """
 
@@ -262,6 +276,11 @@ class ObstoreS3Store(S3Location):
         self._store = self._make_store(
             options.connect_timeout, options.read_timeout, options.max_attempts
         )
+        self._writer = self._make_store(options.connect_timeout, options.read_timeout, 1)
+        """Sends each PUT attempt once: :meth:`put` retries, knowing what every attempt got."""
+        self._write_attempts = options.max_attempts
+        self._write_retry_timeout = max(options.read_timeout, 1.0) * options.max_attempts
+        """Seconds after a PUT's start past which it is retried no more (as object_store)."""
 
     def _make_store(
         self,
@@ -318,6 +337,11 @@ class ObstoreS3Store(S3Location):
             options.probe_attempts,
             retry_timeout=0.9 * options.probe_read_timeout,
         )
+        self._writer = self._make_store(
+            options.probe_connect_timeout, options.probe_read_timeout, 1
+        )
+        self._write_attempts = options.probe_attempts
+        self._write_retry_timeout = 0.9 * options.probe_read_timeout
 
     # -- error translation -------------------------------------------------------------------
 
@@ -353,12 +377,20 @@ class ObstoreS3Store(S3Location):
         )
 
     def _translate(
-        self, exc: Exception, *, op: str, key: str | None, paths: Sequence[str] | None = None
+        self,
+        exc: Exception,
+        *,
+        op: str,
+        key: str | None,
+        paths: Sequence[str] | None = None,
+        landed: bool | None = None,
     ) -> StoreError:
         """Map an obstore exception to the store error tree. The single place that does so.
 
         ``paths``: the full keys the request named (default: ``key``'s), which are no part of
-        what the error says (a missing key ``runs/NoSuchBucket`` is a missing key).
+        what the error says (a missing key ``runs/NoSuchBucket`` is a missing key). ``landed``
+        (a write): whether an earlier attempt may have landed (``None``: unknown, then any
+        retry object_store made counts as such an attempt).
         """
         what = self._describe(op, key)
         message = self._scrub(str(exc)).strip()
@@ -421,30 +453,49 @@ class ObstoreS3Store(S3Location):
         silent = status is None and not unreachable and _TIMED_OUT.search(text) is not None
         if silent and self._answer_within is not None:
             return self._silent(op, key)  # the probe: it fails at once, writes included
-        if status is not None and status < 500 and status != 429:
+        within = f"did not answer within read_timeout={self._read_timeout:g} s"
+        if silent and not write:
+            # Connected, then no answer: transient, and typed so a waiting client sees an outage.
+            return StoreTimeout(
+                f"{what}: {self._endpoint_shown} accepted the connection but {within} (an "
+                "overloaded or hung server, or not an S3 server on that port)"
+            )
+        # A write's last attempt tells about that attempt only: an earlier one may have landed.
+        # put() knows (it makes the attempts); if object_store retried, it does not say why (a
+        # 5xx or a timeout as well as a 429 or a refused connection): assume one may have.
+        retried = (found := _RETRIES.search(text)) is not None and int(found.group(1)) > 0
+        retried = retried if landed is None else landed or retried
+        if status is not None and status < 500 and not (write and retried):
             # A definite answer, also to a write: refused, nothing was stored (as on boto3).
             # Classified by status and code only: the words of the reply and of object_store's
             # dump (request ids, timings "in 503.1ms") say nothing.
-            return TransientStoreError(detail) if code in THROTTLED_CODES else StoreError(detail)
-        if write:
-            return AmbiguousWriteError(f"{detail}; the write may have landed, read it back")
-        if status is not None:  # 5xx or 429
-            return TransientStoreError(detail)
-        if code is not None:
-            # S3's answer without an error status: a key's error in a DeleteObjects result.
-            return TransientStoreError(detail) if code in TRANSIENT_CODES else StoreError(detail)
-        if unreachable:
+            throttled = status == 429 or code in THROTTLED_CODES
+            return TransientStoreError(detail) if throttled else StoreError(detail)
+        if unreachable and not (write and retried):
+            # Nothing could have been sent, on the only attempt (of a write) or on the last.
             return StoreUnavailable(
                 f"cannot {what}: {self._endpoint_shown} is unreachable (refused, DNS, TLS "
                 "or proxy failure: check the endpoint's scheme, host and port, and HTTPS_PROXY)"
             )
-        if silent:
-            # Connected, then no answer: boto3 reports a read timeout as transient too.
-            return TransientStoreError(
-                f"{what}: {self._endpoint_shown} accepted the connection but did not "
-                f"answer within read_timeout={self._read_timeout:g} s (an overloaded or hung "
-                "server, or not an S3 server on that port)"
-            )
+        if write:
+            if silent:
+                ambiguous = AmbiguousWriteError(
+                    f"{what}: {self._endpoint_shown} {within}; the object may or may not exist "
+                    "now, read it back to decide"
+                )
+                ambiguous.timed_out = True
+                return ambiguous
+            if (status is not None and status < 500) or unreachable:
+                return AmbiguousWriteError(
+                    f"{detail}; an earlier attempt may have landed (it got no answer, or a 5xx), "
+                    "read the object back to decide"
+                )
+            return AmbiguousWriteError(f"{detail}; the write may have landed, read it back")
+        if status is not None:  # 5xx
+            return TransientStoreError(detail)
+        if code is not None:
+            # S3's answer without an error status: a key's error in a DeleteObjects result.
+            return TransientStoreError(detail) if code in TRANSIENT_CODES else StoreError(detail)
         # Every RetryError dump names its "retry_timeout" setting, which is no sign of a timeout.
         if _TRANSIENT.search(text.replace("retry_timeout", "")):
             return TransientStoreError(detail)
@@ -453,19 +504,57 @@ class ObstoreS3Store(S3Location):
     # -- operations --------------------------------------------------------------------------
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        """Send the PUT, retrying as object_store would, but attempt by attempt.
+
+        object_store's own retries would hide what the earlier attempts got, and with it
+        whether one may have landed; knowing it, a write refused (4xx) or unreachable on its
+        last attempt is ambiguous exactly when an earlier attempt may have landed, as on boto3.
+        """
         full = self._key(key)
         body = data if isinstance(data, bytes) else bytes(data)
         create = mode is PutMode.CREATE
-        try:
-            self._obs.put(
-                self._store,
-                full,
-                body,
-                mode="create" if create else "overwrite",
-                use_multipart=False,
-            )
-        except Exception as exc:
-            raise self._translate(exc, op="put_if_absent" if create else "put", key=key) from exc
+        op = "put_if_absent" if create else "put"
+        started = time.monotonic()
+        landed = False  # whether an earlier attempt may have landed
+        for attempt in range(1, self._write_attempts + 1):
+            try:
+                self._obs.put(
+                    self._writer,
+                    full,
+                    body,
+                    mode="create" if create else "overwrite",
+                    use_multipart=False,
+                )
+                return
+            except Exception as exc:
+                retry, maybe_landed = self._put_attempt_failed(exc, full, create=create)
+                last = (
+                    not retry
+                    or attempt >= self._write_attempts
+                    or time.monotonic() - started >= self._write_retry_timeout
+                )
+                if last:
+                    raise self._translate(exc, op=op, key=key, landed=landed) from exc
+                landed = landed or maybe_landed
+            # object_store's backoff: from 50 ms, doubling, at most 5 s, jittered.
+            time.sleep(random.uniform(0.05, min(0.05 * 2**attempt, 5.0)))
+
+    def _put_attempt_failed(self, exc: Exception, full: str, *, create: bool) -> tuple[bool, bool]:
+        """``(retry, may_have_landed)`` for a failed PUT attempt, retried as object_store does:
+        a 5xx, a 429, a transport failure before the request was sent, and a timeout or an
+        interrupted exchange only for an overwrite (a create is not idempotent)."""
+        reply = self._read_error(exc, [full])
+        if reply.status is not None:
+            return reply.status >= 500 or reply.status == 429, reply.status >= 500
+        found = _HTTP_KIND.search(reply.text)
+        kind = found.group(1) if found is not None else None
+        if kind == "Connect":
+            return True, False  # nothing was sent
+        if kind == "Request":
+            return True, True  # sending failed: how much arrived is unknown
+        if kind in ("Timeout", "Interrupted"):
+            return not create, True
+        return False, True
 
     def get(self, key: str) -> bytes:
         full = self._key(key)
@@ -551,6 +640,10 @@ class ObstoreS3Store(S3Location):
         except Exception as exc:
             raise self._translate(exc, op="head", key=key) from exc
         self._check_meta(meta, op="head", key=key)
+        if meta["last_modified"].timestamp() == 0:
+            # object_store reports a missing Last-Modified as the epoch; every S3 HEAD has one
+            # (and boto3's S3Store refuses a HEAD without it the same way).
+            raise self._not_s3("head", key, "no Last-Modified in a 200 reply")
         return self._meta(meta)
 
     def _meta(self, meta: Any) -> ObjectMeta:

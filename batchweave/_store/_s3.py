@@ -33,6 +33,7 @@ from batchweave._errors import (
     ObjectExists,
     ObjectNotFound,
     StoreError,
+    StoreTimeout,
     StoreUnavailable,
     TransientStoreError,
 )
@@ -242,8 +243,8 @@ class S3Store(S3Location):
 
     def _register(self, client: S3Client) -> None:
         """Install this store's botocore event handlers on ``client``."""
-        # Note PutObject attempts that may have reached the server, so a final connect error
-        # after an earlier timed-out attempt is reported as ambiguous, not as "never sent".
+        # Note PutObject attempts that may have landed, so a final connect error or 4xx after
+        # an earlier timed-out (or 5xx) attempt is reported as ambiguous, not as "never sent".
         client.meta.events.register("needs-retry.s3.PutObject", self._on_put_attempt)
         # On "needs-retry.s3.*": runs before botocore's retry handler (on "needs-retry.s3"),
         # whose answer a False from here overrides.
@@ -336,9 +337,23 @@ class S3Store(S3Location):
 
     # -- error translation -------------------------------------------------------------------
 
-    def _on_put_attempt(self, caught_exception: Exception | None = None, **_: Any) -> None:
-        if not isinstance(caught_exception, bex.ConnectionError):
-            self._local.put_maybe_sent = True
+    def _on_put_attempt(
+        self, response: Any = None, caught_exception: Exception | None = None, **_: Any
+    ) -> None:
+        """Note a PutObject attempt that may have landed (``put_maybe_landed``).
+
+        Every attempt may have, except one that could not connect (``ConnectionError``: nothing
+        was sent) and one answered below 500: a 4xx is a definite refusal of that attempt (429
+        included), a redirect stores nothing. A read timeout, a reset after sending, a 5xx may
+        all come after the object was stored.
+        """
+        if caught_exception is not None:
+            landed = not isinstance(caught_exception, bex.ConnectionError)
+        else:
+            status = getattr(response[0], "status_code", None) if response else None
+            landed = not (isinstance(status, int) and status < 500)
+        if landed:
+            self._local.put_maybe_landed = True
 
     def _on_response(self, response: Any = None, **_: Any) -> Any:
         """Mark a web page botocore took for a cut S3 error, and do not retry it (``False``).
@@ -367,6 +382,8 @@ class S3Store(S3Location):
         """Map a botocore exception to the store error tree. The single place that does so."""
         what = self._describe(op, key)
         write = op in _WRITE_OPS
+        # Whether an attempt of this write may have landed (see _on_put_attempt).
+        landed = write and getattr(self._local, "put_maybe_landed", False)
         if isinstance(exc, bex.ClientError):
             not_s3 = exc.response.get("ResponseMetadata", {}).get(_NOT_S3_REPLY)
             if not_s3:
@@ -385,7 +402,7 @@ class S3Store(S3Location):
                     f"{detail}: the bucket is {where}; set region to it and, for AWS S3, leave "
                     "endpoint_url unset (or use that region's endpoint)"
                 )
-            return self._from_code(code, status, detail, op=op, key=key)
+            return self._from_code(code, status, detail, op=op, key=key, landed=landed)
         if isinstance(exc, _CREDENTIAL_ERRORS):
             return self._no_credentials(what, exc)
         if isinstance(exc, RecursionError) or _RECURSION in str(exc):
@@ -403,8 +420,22 @@ class S3Store(S3Location):
         if self._answer_within is not None and isinstance(exc, bex.ReadTimeoutError):
             return self._silent(op, key)  # the probe: connected, then no answer in time
         endpoint = self._endpoint_shown
+        if isinstance(exc, bex.ReadTimeoutError):
+            config: Any = self._client.meta.config
+            within = f"read_timeout={config.read_timeout:g} s"
+            if write:
+                ambiguous = AmbiguousWriteError(
+                    f"{what}: {endpoint} did not answer within {within}; the object may or may "
+                    "not exist now, read it back to decide"
+                )
+                ambiguous.timed_out = True
+                return ambiguous
+            return StoreTimeout(
+                f"{what}: {endpoint} accepted the connection but did not answer within {within} "
+                "(an overloaded or hung server, or not an S3 server on that port)"
+            )
         if isinstance(exc, bex.ConnectionError):
-            if write and getattr(self._local, "put_maybe_sent", False):
+            if landed:
                 return AmbiguousWriteError(
                     f"{what}: an earlier attempt may have landed before {endpoint} became "
                     "unreachable; read the object back to decide"
@@ -430,8 +461,10 @@ class S3Store(S3Location):
         )
 
     def _from_code(
-        self, code: str, status: int, detail: str, *, op: str, key: str | None
+        self, code: str, status: int, detail: str, *, op: str, key: str | None, landed: bool = False
     ) -> StoreError:
+        """The error for S3's answer ``code``/``status``; ``landed``: an earlier attempt of this
+        write may have landed (a 4xx refuses only the last attempt)."""
         # Only the conditional PUT asks a condition: a 412 or 409 to another request is no
         # answer about the key (and a plain StoreError below).
         if op == "put_if_absent" and (code == "PreconditionFailed" or status == 412):
@@ -452,6 +485,11 @@ class S3Store(S3Location):
             return self._no_conditional_writes(detail)
         if op in _WRITE_OPS and status >= 500:
             return AmbiguousWriteError(f"{detail}; the write may have landed, read it back")
+        if op in _WRITE_OPS and landed:
+            return AmbiguousWriteError(
+                f"{detail}; an earlier attempt may have landed (it got no answer, or a 5xx), "
+                "read the object back to decide"
+            )
         if code in THROTTLED_CODES or status >= 500 or status == 429:
             return TransientStoreError(detail)
         if status == 0 and code in TRANSIENT_CODES:
@@ -464,7 +502,7 @@ class S3Store(S3Location):
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
         full = self._key(key)
         body = data if isinstance(data, bytes) else bytes(data)
-        self._local.put_maybe_sent = False
+        self._local.put_maybe_landed = False
         try:
             if mode is PutMode.CREATE:
                 self._client.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*")
@@ -538,6 +576,12 @@ class S3Store(S3Location):
                 # An empty listing, as botocore parses a web page, would read as "nothing here".
                 raise self._not_s3("list", prefix or None, "not a ListObjectsV2 result")
             for obj in resp.get("Contents", []):
+                if not {"Key", "Size", "LastModified"} <= obj.keys():
+                    # S3 sends all three for every object: a listing that lacks one is not S3's.
+                    missing = sorted({"Key", "Size", "LastModified"} - obj.keys())
+                    raise self._not_s3(
+                        "list", prefix or None, f"a listed object without {', '.join(missing)}"
+                    )
                 yield ObjectMeta(
                     key=obj["Key"][strip:],
                     size=int(obj["Size"]),
