@@ -164,6 +164,15 @@ def grow(log: ManifestLog, head: Manifest, count: int, sizes: list[int] | None =
     return head
 
 
+def commit_empty(log: ManifestLog, head: Manifest, count: int) -> Manifest:
+    """Commit ``count`` versions on ``head`` that publish nothing (only the version count grows)."""
+    for _ in range(count):
+        result = log.commit(head)
+        assert isinstance(result, Committed)
+        head = result.manifest
+    return head
+
+
 def landed_then(error: type[Exception]) -> tuple[bool, Exception]:
     """The write lands, then the caller sees ``error`` (an SDK retry's 412, or a timeout)."""
     message = "simulated: conditional PUT landed, then the client saw an error"

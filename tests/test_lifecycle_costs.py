@@ -17,10 +17,11 @@ from collections.abc import Iterator
 
 import pytest
 from _reclaimer_worker import FakeClock, Writer
+from manifest_helpers import commit_empty
 
 import batchweave as bw
 from batchweave import MemoryStore, StoreWrapper
-from batchweave._manifest import Committed, Manifest, ManifestLog, manifest_key
+from batchweave._manifest import ManifestLog, manifest_key
 from batchweave._store._base import ObjectMeta
 
 NS = "runs/costs"
@@ -40,14 +41,6 @@ class ManifestListings(StoreWrapper):
             if "/_manifests/" in meta.key:
                 self.listed += 1
             yield meta
-
-
-def commit_empty(log: ManifestLog, head: Manifest, count: int) -> Manifest:
-    for _ in range(count):
-        result = log.commit(head)
-        assert isinstance(result, Committed)
-        head = result.manifest
-    return head
 
 
 def test_a_pass_lists_the_retained_versions_once_not_twice() -> None:

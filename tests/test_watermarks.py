@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from fake_time import FakeTime
+from manifest_helpers import commit_empty
 from pydantic import BaseModel
 
 import batchweave as bw
@@ -26,7 +27,7 @@ from batchweave import (
     Watermarks,
     _watermarks,
 )
-from batchweave._manifest import Committed, Manifest, ManifestLog, manifest_key
+from batchweave._manifest import ManifestLog, manifest_key
 from batchweave._manifest._codec import encode_object
 from batchweave._store._base import ObjectMeta
 
@@ -354,14 +355,6 @@ class _Clock:
         return self.now
 
 
-def _commit_empty(log: ManifestLog, head: Manifest, count: int) -> Manifest:
-    for _ in range(count):
-        result = log.commit(head)
-        assert isinstance(result, Committed)
-        head = result.manifest
-    return head
-
-
 @pytest.mark.parametrize("versions", [10, 300])
 def test_recording_without_a_version_costs_the_same_however_many_versions_are_kept(
     versions: int,
@@ -372,12 +365,12 @@ def test_recording_without_a_version_costs_the_same_however_many_versions_are_ke
     clock = _Clock()
     inner = bw.MemoryStore("watermarks", clock=clock)
     log = ManifestLog(inner, NS, clock=clock)
-    head = _commit_empty(log, log.create_or_open(bw.Mesh(dp=1, cp=1)), versions)
+    head = commit_empty(log, log.create_or_open(bw.Mesh(dp=1, cp=1)), versions)
     store = bw.CountingStore(inner)
     marks = bw.Watermarks(store, NS, clock=clock)
     assert marks.record("ckpt-0", 0).version == head.version
     for i, new in enumerate((1, 1, 5, 0), start=1):
-        head = _commit_empty(log, head, new)
+        head = commit_empty(log, head, new)
         clock.now += 30.0
         before = store.snapshot()
         assert marks.record(f"ckpt-{i}", i).version == head.version
@@ -392,15 +385,15 @@ def test_recording_finds_the_newest_version_after_the_known_one_was_reclaimed() 
     clock = _Clock()
     store = bw.MemoryStore("watermarks", clock=clock)
     log = ManifestLog(store, NS, clock=clock)
-    head = _commit_empty(log, log.create_or_open(bw.Mesh(dp=1, cp=1)), 5)
+    head = commit_empty(log, log.create_or_open(bw.Mesh(dp=1, cp=1)), 5)
     marks = bw.Watermarks(store, NS, clock=clock)
     assert marks.record("a", 0).version == 5
-    head = _commit_empty(log, head, 3)  # versions 6..8
+    head = commit_empty(log, head, 3)  # versions 6..8
     clock.now += 600.0
     # The reclaimer deletes versions oldest first and never the newest: 5 and its successor go.
     store.delete_many([f"{NS}/{manifest_key(v)}" for v in range(8)])
     assert marks.record("b", 0).version == 8
-    head = _commit_empty(log, head, 2)  # versions 9..10, then every older one reclaimed
+    head = commit_empty(log, head, 2)  # versions 9..10, then every older one reclaimed
     clock.now += 600.0
     store.delete_many([f"{NS}/{manifest_key(v)}" for v in range(10)])
     assert marks.record("c", 0).version == 10
@@ -411,12 +404,12 @@ def test_recording_after_the_namespace_was_re_created_looks_it_up_afresh() -> No
     clock = _Clock()
     store = bw.MemoryStore("watermarks", clock=clock)
     log = ManifestLog(store, NS, clock=clock)
-    _commit_empty(log, log.create_or_open(bw.Mesh(dp=1, cp=1)), 1)
+    commit_empty(log, log.create_or_open(bw.Mesh(dp=1, cp=1)), 1)
     marks = bw.Watermarks(store, NS, clock=clock)
     assert marks.record("a", 0).version == 1
     store.delete_many([m.key for m in store.list(f"{NS}/")])
     again = ManifestLog(store, NS, clock=clock)
-    _commit_empty(again, again.create_or_open(bw.Mesh(dp=1, cp=1)), 2)  # another namespace id
+    commit_empty(again, again.create_or_open(bw.Mesh(dp=1, cp=1)), 2)  # another namespace id
     assert marks.record("b", 0).version == 2
 
 
@@ -429,16 +422,16 @@ def test_recording_after_the_namespace_was_re_created_with_fewer_versions_finds_
     clock = _Clock()
     store = bw.MemoryStore("watermarks", clock=clock)
     log = ManifestLog(store, NS, clock=clock)
-    _commit_empty(log, log.create_or_open(bw.Mesh(dp=1, cp=1)), 10)
+    commit_empty(log, log.create_or_open(bw.Mesh(dp=1, cp=1)), 10)
     marks = bw.Watermarks(store, NS, clock=clock)
     assert marks.record("a", 5).version == 10
     store.delete_many([m.key for m in store.list(f"{NS}/")])
     again = ManifestLog(store, NS, clock=clock)
-    _commit_empty(again, again.create_or_open(bw.Mesh(dp=1, cp=1)), 3)  # another namespace id
+    commit_empty(again, again.create_or_open(bw.Mesh(dp=1, cp=1)), 3)  # another namespace id
     clock.now += age
     assert marks.record("b", 2).version == 3
     assert marks.record("c", 2).version == 3
-    _commit_empty(again, again.latest(), 1)
+    commit_empty(again, again.latest(), 1)
     assert marks.record("d", 2).version == 4
 
 
@@ -446,13 +439,13 @@ def test_recording_after_the_namespace_was_deleted_and_created_again_later() -> 
     clock = _Clock()
     store = bw.MemoryStore("watermarks", clock=clock)
     log = ManifestLog(store, NS, clock=clock)
-    _commit_empty(log, log.create_or_open(bw.Mesh(dp=1, cp=1)), 4)
+    commit_empty(log, log.create_or_open(bw.Mesh(dp=1, cp=1)), 4)
     marks = bw.Watermarks(store, NS, clock=clock)
     assert marks.record("a", 0).version == 4
     store.delete_many([m.key for m in store.list(f"{NS}/")])
     assert marks.record("b", 0).version == 0  # no namespace: version 0, as before it exists
     again = ManifestLog(store, NS, clock=clock)
-    _commit_empty(again, again.create_or_open(bw.Mesh(dp=1, cp=1)), 2)
+    commit_empty(again, again.create_or_open(bw.Mesh(dp=1, cp=1)), 2)
     assert marks.record("c", 0).version == 2
 
 
@@ -462,7 +455,7 @@ def test_watermarks_pickle_after_recording(tmp_path: object) -> None:
 
     store = bw.FileStore(Path(str(tmp_path)) / "root", fsync=False)
     log = ManifestLog(store, NS)
-    _commit_empty(log, log.create_or_open(bw.Mesh(dp=1, cp=1)), 2)
+    commit_empty(log, log.create_or_open(bw.Mesh(dp=1, cp=1)), 2)
     marks = bw.Watermarks(store, NS, keep_last=3)
     assert marks.record("a", 0).version == 2
     copy = pickle.loads(pickle.dumps(marks))  # a spawned process gets its own lookup
