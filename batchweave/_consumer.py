@@ -923,7 +923,7 @@ class Consumer:
                 else "Are the producers running? Producers with max_lag also wait for "
                 "checkpoints to release the oldest live watermark, and log why they are blocked "
                 "(logger batchweave.producer). max_lag must be at least the TGB steps from the "
-                "oldest retained checkpoint to the next checkpoint (keep_last x checkpoint "
+                "oldest retained checkpoint to the next checkpoint (about keep_last x checkpoint "
                 "interval), or training never reaches that checkpoint; and rank 0 must call "
                 "checkpoint_hook after each checkpoint (batchweave inspect lists the watermarks "
                 "that hold them)."

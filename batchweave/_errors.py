@@ -12,7 +12,7 @@ working for callers that do not know BatchWeave.
     │   ├── ObjectExists               (FileExistsError) create-if-absent found the key taken
     │   ├── TransientStoreError        retrying later may succeed (5xx, throttling, resets)
     │   │   ├── ConcurrentWriteConflict  409: another conditional write to the key is in flight
-    │   │   └── StoreTimeout           (TimeoutError) a read got no answer in time
+    │   │   └── StoreTimeout           (TimeoutError) a read, listing or delete got no answer
     │   ├── AmbiguousWriteError        a write whose outcome is unknown: read back to decide
     │   ├── StoreUnavailable           (ConnectionError) endpoint unreachable after retries
     │   ├── AccessDenied               (PermissionError) credentials missing, wrong or unauthorized

@@ -12,7 +12,8 @@ What happens (about 10-20 s on a laptop CPU):
    calls ``batchweave.checkpoint_hook``; it keeps its two newest checkpoints and releases the
    watermark of every checkpoint it deletes. The reclamation boundary (the oldest live watermark)
    therefore trails a trainer's next checkpoint by two intervals, so ``--max-lag`` must be at
-   least ``2 x --every`` or the producers stop before any trainer can checkpoint again.
+   least ``2 x --every - 1`` or the producers stop before any trainer can checkpoint again; the
+   example asks for ``2 x --every``, leaving a step of margin.
 4. The driver checks that ``main`` resumed at its last checkpoint's step, that every step saw the
    same batch in both runs, that the final weights are bitwise identical, and prints the peak
    stored bytes next to the bytes that were produced. Exit status 0 means all checks passed.
@@ -322,8 +323,8 @@ def main() -> int:
             f"--max-lag {args.max_lag} must be at least {KEEP_LAST} x --every "
             f"({KEEP_LAST * args.every}): each trainer keeps its {KEEP_LAST} newest "
             "checkpoints, so producers held --max-lag steps past the oldest one stop before "
-            "the trainer reaches its next checkpoint (max_lag >= keep_last x checkpoint "
-            "interval); raise --max-lag or lower --every"
+            "the trainer reaches its next checkpoint below keep_last x checkpoint interval - 1 "
+            "(this example asks for a step of margin); raise --max-lag or lower --every"
         )
     return drive(args)
 
