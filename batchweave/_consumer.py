@@ -1131,14 +1131,7 @@ class Consumer:
             except ObjectNotFound as exc:
                 missing = exc
             ref = find_segment(latest.segments, tgb_step)
-        raise ConsumerError(
-            f"{what}: segment {self._log.key(ref.key)!r}, which manifest version "
-            f"{latest.version} (the latest) lists for TGB steps {ref.first_step}.."
-            f"{ref.end_step - 1}, is missing: the namespace is damaged (a segment is never "
-            "deleted while the latest version lists it; was it deleted by hand?), and these "
-            "steps are unreadable for every consumer. Run `batchweave verify` on the "
-            "namespace; restore the segment object from a backup, or continue in a new namespace"
-        ) from missing
+        raise ConsumerError(f"{what}: {self._log.missing_segment(latest, ref)}") from missing
 
     def _cpu_started(self) -> float | None:
         """This thread's CPU time now if this step's CPU share is to be measured, else None.

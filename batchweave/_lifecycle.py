@@ -622,13 +622,8 @@ class Reclaimer:
         except ObjectNotFound as exc:
             ref = find_segment(latest.segments, unread)
             raise ObjectNotFound(
-                f"namespace {self.namespace!r} in {self.store.url}: segment "
-                f"{self._log.key(ref.key)!r}, which manifest version {latest.version} (the "
-                f"latest) lists for TGB steps {ref.first_step}..{ref.end_step - 1}, is missing: "
-                "the namespace is damaged (a segment is never deleted while the latest version "
-                "lists it; was it deleted by hand?), and those steps are unreadable for every "
-                "consumer. This pass deletes nothing. Run `batchweave verify` on the namespace; "
-                "restore the segment object from a backup, or continue in a new namespace"
+                f"namespace {self.namespace!r} in {self.store.url}: "
+                f"{self._log.missing_segment(latest, ref)}. This pass deletes nothing"
             ) from exc
         return live
 

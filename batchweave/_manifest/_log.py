@@ -329,6 +329,18 @@ class ManifestLog:
     def _where(self) -> str:
         return f"{self.store.url}/{self.namespace}"
 
+    def missing_segment(self, latest: Manifest, ref: SegmentRef) -> str:
+        """What to tell of segment ``ref``, which ``latest`` (the newest version) lists but the
+        store no longer holds: damage no reader can work around, and what to do about it."""
+        return (
+            f"segment {self.key(ref.key)!r}, which manifest version {latest.version} (the "
+            f"latest) lists for TGB steps {ref.first_step}..{ref.end_step - 1}, is missing: the "
+            "namespace is damaged (a segment is never deleted while the latest version lists "
+            "it; was it deleted by hand?), and those steps are unreadable for every consumer. "
+            "Run `batchweave verify` on the namespace; restore the segment object from a "
+            "backup, or continue in a new namespace"
+        )
+
     # -- discovery ---------------------------------------------------------------------------
 
     def create_or_open(self, mesh: Mesh | None = None) -> Manifest:
