@@ -258,10 +258,8 @@ class _RecentlyDecoded:
     """
 
     def __init__(self, entries: int, max_bytes: int, max_tgbs: int = 64 * 256) -> None:
-        # max_tgbs: one full segment of the default size (max_segment_tgbs = 64 * tail_limit),
-        # about 65 MB decoded at dp=2. Ranks of one process read the same steps: each keeps the
-        # segments it reads in its own ManifestLog, and the first to reach the next segment
-        # decodes it here for the others.
+        # max_tgbs defaults to one full segment of the default size (max_segment_tgbs = 64 *
+        # tail_limit), about 65 MB decoded at dp=2; the process-wide _DECODED below holds two.
         self._entries = entries
         self._max_bytes = max_bytes
         self._max_tgbs = max_tgbs
