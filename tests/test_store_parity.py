@@ -281,6 +281,35 @@ def test_a_write_answered_5xx_once_is_retried_and_succeeds(
             assert server.requests == 2
 
 
+def test_obstore_backs_off_between_put_attempts_through_its_sleep(
+    aws_env: pytest.MonkeyPatch,
+) -> None:
+    # object_store's backoff (from 50 ms, doubling, jittered) goes through the injected sleep,
+    # so retries are tested without waiting. Before: a real time.sleep.
+    def handler(request: Request) -> Action:
+        if request.attempt < 3:
+            return s3_error("503 Slow Down", "SlowDown")
+        return reply("200 OK", b"", {"ETag": '"abc"'})
+
+    naps: list[float] = []
+    with scripted(handler) as server:
+        store = bw.ObstoreS3Store(
+            "bucket",
+            "p",
+            endpoint_url=server.url,
+            max_attempts=3,
+            sleep=naps.append,
+            **CREDENTIALS,
+            **FAST,
+        )
+        with store:
+            store.put("k", b"hello")
+        assert server.requests == 3
+    first, second = naps
+    assert 0.05 <= first <= 0.1, naps
+    assert 0.05 <= second <= 0.2, naps
+
+
 # -- answers that are cut short or not S3's ----------------------------------------------------
 
 

@@ -17,7 +17,7 @@ import os
 import random
 import re
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 from urllib.parse import quote
@@ -197,6 +197,7 @@ class ObstoreS3Store(S3Location):
     path style, as :class:`~batchweave.S3Store` uses with an endpoint, so one option value works
     for both),
     ``probe_timeout`` (how long :func:`~batchweave.open_store`'s probe waits for each answer).
+    ``sleep`` waits between a PUT's attempts (tests pass a recorder, so no test waits).
     """
 
     def __init__(
@@ -214,6 +215,7 @@ class ObstoreS3Store(S3Location):
         max_attempts: int = 5,
         addressing_style: str | None = None,
         probe_timeout: float = 10.0,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         super().__init__(
             bucket,
@@ -279,6 +281,7 @@ class ObstoreS3Store(S3Location):
         self._writer = self._make_store(options.connect_timeout, options.read_timeout, 1)
         """Sends each PUT attempt once: :meth:`put` retries, knowing what every attempt got."""
         self._write_attempts = options.max_attempts
+        self._sleep = sleep
         self._write_retry_timeout = max(options.read_timeout, 1.0) * options.max_attempts
         """Seconds after a PUT's start past which it is retried no more (as object_store)."""
 
@@ -537,7 +540,7 @@ class ObstoreS3Store(S3Location):
                     raise self._translate(exc, op=op, key=key, landed=landed) from exc
                 landed = landed or maybe_landed
             # object_store's backoff: from 50 ms, doubling, at most 5 s, jittered.
-            time.sleep(random.uniform(0.05, min(0.05 * 2**attempt, 5.0)))
+            self._sleep(random.uniform(0.05, min(0.05 * 2**attempt, 5.0)))
 
     def _put_attempt_failed(self, exc: Exception, full: str, *, create: bool) -> tuple[bool, bool]:
         """``(retry, may_have_landed)`` for a failed PUT attempt, retried as object_store does:
