@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 
@@ -12,7 +13,9 @@ __all__ = [
     "MAX_NAMESPACE_BYTES",
     "MAX_NAME_SEGMENT_BYTES",
     "MAX_PRODUCER_ID_BYTES",
+    "as_count",
     "as_int",
+    "as_seconds",
     "check_at_least",
     "check_key_name",
     "check_new_name",
@@ -63,6 +66,11 @@ def check_key_name(name: str, value: str) -> None:
     store accepts. The length limits apply only where a name is first created
     (:func:`check_new_name`), so a namespace or id created before them stays usable.
     """
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{name} must be a str, got the {type(value).__name__} {value!r}; names are strings "
+            f"such as {name}='job-1'"
+        )
     try:
         validate_key(value)
     except InvalidKey as exc:
@@ -128,3 +136,36 @@ def as_int(name: str, value: object) -> int:
         f"{name} must be an integer, got the {type(value).__name__} {value!r}; convert it first "
         f"(e.g. {name}=int(...))"
     )
+
+
+def as_count(name: str, value: object, minimum: int) -> int:
+    """``value`` as a plain ``int`` of at least ``minimum``: ``TypeError`` or ``ValueError``.
+
+    For sizes, counts and limits: ``16e6`` or ``"4"`` would otherwise be accepted here and fail
+    later, deep inside, with Python's own ``'float' object cannot be interpreted as an integer``.
+    """
+    number = as_int(name, value)
+    check_at_least(minimum, **{name: number})
+    return number
+
+
+def as_seconds(name: str, value: object, *, minimum: float = 0.0) -> float:
+    """``value`` as a finite number of seconds of at least ``minimum``, else a clear error.
+
+    ``TypeError`` for a string or bool (``timeout="5"`` would otherwise fail at its first use
+    with ``'<' not supported between instances of 'str' and 'int'``), ``ValueError`` for NaN,
+    infinity or a value below ``minimum``.
+    """
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        try:
+            seconds = float(as_int(name, value))  # NumPy integers
+        except TypeError:
+            raise TypeError(
+                f"{name} must be a number of seconds, got the {type(value).__name__} "
+                f"{value!r}; pass e.g. {name}=5.0"
+            ) from None
+    if not math.isfinite(seconds) or seconds < minimum:
+        raise ValueError(f"{name} must be a finite number of seconds >= {minimum}, got {value!r}")
+    return seconds
