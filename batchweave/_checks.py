@@ -18,6 +18,7 @@ __all__ = [
     "as_seconds",
     "check_at_least",
     "check_key_name",
+    "check_namespace",
     "check_new_name",
     "check_store",
     "new_name_problem",
@@ -75,6 +76,15 @@ def check_key_name(name: str, value: str) -> None:
         validate_key(value)
     except InvalidKey as exc:
         raise InvalidKey(f"{name} {_shown(value)} cannot be used in object keys: {exc}") from exc
+
+
+def check_namespace(namespace: str) -> None:
+    """Refuse a ``namespace`` no client can use, before any request: ``TypeError`` for a
+    non-``str`` (``namespace=123``), ``ValueError`` for a trailing ``/``,
+    :class:`~batchweave.InvalidKey` for a name no object key can hold."""
+    if isinstance(namespace, str) and namespace.endswith("/"):
+        raise ValueError(f"namespace {namespace!r} must not end with '/'")
+    check_key_name("namespace", namespace)
 
 
 def new_name_problem(name: str, value: str) -> str | None:

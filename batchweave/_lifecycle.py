@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from batchweave._checks import as_int, check_at_least
+from batchweave._checks import as_count, as_int, as_seconds, check_namespace, check_store
 from batchweave._errors import (
     NamespaceNotFound,
     ObjectNotFound,
@@ -39,7 +39,11 @@ from batchweave._manifest._log import (
 from batchweave._manifest._models import Manifest, SegmentRef
 from batchweave._manifest._segments import SEGMENTS_DIR, find_segment
 from batchweave._store._base import ObjectMeta, ObjectStore
-from batchweave._watermarks import Watermark, Watermarks
+from batchweave._watermarks import (
+    Watermark,
+    Watermarks,
+    validate_checkpoint_id,
+)
 
 __all__ = [
     "DATA_DIR",
@@ -118,7 +122,11 @@ def checkpoint_hook(
 
     A consumer of another namespace than ``watermarks`` is a ``ValueError`` on every rank: its
     step and version mean nothing there, and such a watermark would hold (or free) the wrong data.
+    So is a ``checkpoint_id`` that is no safe key segment (a ``TypeError`` if it is no ``str``).
     """
+    # On every rank, like the checks below: rank 0 alone raising would leave the others waiting
+    # for it at the next collective.
+    validate_checkpoint_id(checkpoint_id)
     namespace = getattr(consumer, "namespace", None)
     if namespace is not None and namespace != watermarks.namespace:
         raise ValueError(
@@ -318,8 +326,18 @@ class Reclaimer:
         log: ManifestLog | None = None,
         progress: Callable[[ReclaimProgress], None] | None = None,
     ) -> None:
-        if grace < 0:
-            raise ValueError(f"grace must be >= 0 seconds, got {grace}")
+        # Every argument is checked here, before any request: delete_batch=2.5 failed only at
+        # the pass's first delete, after the pass had committed its cut.
+        check_store(store)
+        check_namespace(namespace)
+        grace = as_seconds("grace", grace)
+        max_commit_attempts = as_count("max_commit_attempts", max_commit_attempts, 1)
+        delete_batch = as_count("delete_batch", delete_batch, 1)
+        if progress is not None and not callable(progress):
+            raise TypeError(
+                f"progress must be a callable taking a ReclaimProgress, or None, got the "
+                f"{type(progress).__name__} {progress!r}"
+            )
         if grace < METADATA_MIN_GRACE:
             _log.warning(
                 "Reclaimer grace %.0f s is below %.0f s: a TGB a producer holds longer than that "
@@ -328,7 +346,6 @@ class Reclaimer:
                 grace,
                 METADATA_MIN_GRACE,
             )
-        check_at_least(1, max_commit_attempts=max_commit_attempts, delete_batch=delete_batch)
         self.store = store
         self.namespace = namespace
         self.grace = grace
@@ -375,7 +392,10 @@ class Reclaimer:
         A failing pass is logged and kept in ``last_error``; the next pass retries (reclamation
         is off the critical path: a failure delays it, never affects training).
         """
-        if not 0 < interval <= threading.TIMEOUT_MAX:  # NaN would loop without pausing
+        # A string, NaN (a loop without pauses) or inf (OverflowError in the thread) is refused
+        # here, not found by the thread after its first pass.
+        interval = as_seconds("interval", interval)
+        if not 0 < interval <= threading.TIMEOUT_MAX:
             raise ValueError(
                 f"interval must be > 0 and at most {threading.TIMEOUT_MAX:.0f} seconds, "
                 f"got {interval}"
@@ -391,7 +411,13 @@ class Reclaimer:
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop the background thread after its current pass. Idempotent."""
+        """Stop the background thread after its current pass. Idempotent.
+
+        ``timeout``: seconds to wait for that pass to end (``None``: until it ends).
+        """
+        if timeout is not None:
+            # Checked before the thread is told to stop: join() would refuse it only after.
+            timeout = as_seconds("timeout", timeout)
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None:

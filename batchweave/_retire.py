@@ -21,11 +21,13 @@ so an old process that missed the retirement is fenced by that epoch.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from batchweave._checks import as_count, as_seconds, check_namespace, check_store
 from batchweave._manifest._log import CommitResult, ManifestLog, commit_until
 from batchweave._manifest._models import Manifest
 from batchweave._store._base import ObjectStore
@@ -73,10 +75,24 @@ def retire_producers(
     ``None`` considers every id. ``idle_for`` is measured with ``wall_clock`` against each id's
     ``last_commit_at``, so keep it well above the producers' clock skew and their longest
     pause between commits (a day or more). ``dry_run`` reports without committing. Lost races
-    are retried on the winner, re-checking idleness there, up to ``attempts`` times.
+    are retried on the winner, re-checking idleness there, up to ``attempts`` times. Every
+    argument is checked before the first request (``idle_for`` a positive number of seconds,
+    ``attempts`` an integer >= 1, ``namespace`` a ``str``): ``TypeError`` or ``ValueError``.
     """
-    if not idle_for > 0:
-        raise ValueError(f"idle_for must be a positive number of seconds, got {idle_for!r}")
+    # Every argument is checked before the first request.
+    check_store(store)
+    check_namespace(namespace)
+    try:
+        seconds = as_seconds("idle_for", idle_for)  # a TypeError for "7d" or True
+    except ValueError:
+        seconds = math.nan  # NaN, inf or negative: refused below, with what to pass
+    if not seconds > 0:
+        raise ValueError(
+            f"idle_for must be a positive number of seconds, got {idle_for!r}; ids idle that "
+            "long are retired, so use a day or more (idle_for=86400)"
+        )
+    idle_for = seconds
+    attempts = as_count("attempts", attempts, 1)
     named = None if producer_ids is None else _as_ids(producer_ids)
     log = ManifestLog(store, namespace)
     decisions: list[_Decision] = []  # one per attempt; the last one is what happened

@@ -23,7 +23,7 @@ from typing import Final
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from batchweave._checks import as_int, check_key_name, check_store
+from batchweave._checks import as_count, as_int, check_namespace, check_store
 from batchweave._errors import (
     FormatError,
     NamespaceMismatch,
@@ -82,15 +82,21 @@ _SCOPE_ENDS = "-_.=+"
 would also cover ``rank-10-...``, ``rank-1-`` cannot."""
 
 
-def validate_checkpoint_id(checkpoint_id: str) -> str:
-    """Return ``checkpoint_id`` if it is usable as one key segment, else raise ``ValueError``.
+def validate_checkpoint_id(checkpoint_id: str, name: str = "checkpoint_id") -> str:
+    """Return ``checkpoint_id`` if it is usable as one key segment, else raise ``ValueError``
+    (``TypeError`` if it is no ``str``); ``name`` is the parameter the errors name.
 
     Allowed: 1-200 characters of letters, digits and ``_ . = + -``, not starting with ``.`` or
     ``-`` (so no ``..``, no ``/``, nothing a shell or a store would treat specially).
     """
-    if not isinstance(checkpoint_id, str) or _ID_RE.fullmatch(checkpoint_id) is None:
+    if not isinstance(checkpoint_id, str):
+        raise TypeError(
+            f"{name} must be a str, got the {type(checkpoint_id).__name__} {checkpoint_id!r}; "
+            "checkpoint ids are strings such as 'step-000100'"
+        )
+    if _ID_RE.fullmatch(checkpoint_id) is None:
         raise ValueError(
-            f"checkpoint_id {checkpoint_id!r} is not a safe key segment: use 1-200 letters, "
+            f"{name} {checkpoint_id!r} is not a safe key segment: use 1-200 letters, "
             "digits and '_.=+-', starting with a letter, digit or '_' (e.g. 'step-000100')"
         )
     return checkpoint_id
@@ -121,14 +127,14 @@ class Watermarks:
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        # Every argument is checked before the first request: a keep_last=1.5 found only by
+        # record() failed after its PUT, leaving the old watermarks unreleased.
         check_store(store)
-        if namespace.endswith("/"):
-            raise ValueError(f"namespace {namespace!r} must not end with '/'")
-        check_key_name("namespace", namespace)
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        check_namespace(namespace)
+        if keep_last is not None:
+            keep_last = as_count("keep_last", keep_last, 1)  # None: release only explicitly
         if scope is not None:
-            validate_checkpoint_id(scope)
+            validate_checkpoint_id(scope, "scope")
             if scope[-1] not in _SCOPE_ENDS:
                 raise ValueError(
                     f"scope {scope!r} must end with one of {' '.join(_SCOPE_ENDS)}: a scope is a "

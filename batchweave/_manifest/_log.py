@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from batchweave._checks import check_key_name, check_store
+from batchweave._checks import check_namespace, check_store
 from batchweave._errors import (
     AmbiguousWriteError,
     FormatError,
@@ -270,9 +270,7 @@ class ManifestLog:
         deferred_merges: bool = False,
     ) -> None:
         check_store(store)  # every reader and writer of a namespace starts here
-        if namespace.endswith("/"):
-            raise ValueError(f"namespace {namespace!r} must not end with '/'")
-        check_key_name("namespace", namespace)
+        check_namespace(namespace)
         if tail_limit < 1:
             raise ValueError(f"tail_limit must be >= 1, got {tail_limit}")
         if tail_bytes_limit is not None and tail_bytes_limit < 1:
