@@ -17,13 +17,17 @@ caller's thread at the next ``append``, ``flush``, ``seal`` or ``close``.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import math
+import os
 import random
 import secrets
 import threading
 import time
+import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,8 +36,9 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 from batchweave._checks import (
+    as_count,
     as_int,
-    check_at_least,
+    as_seconds,
     check_key_name,
     check_new_name,
     new_name_problem,
@@ -120,6 +125,25 @@ _EVENT_WAIT = 0.5
 _FORCED_POLL = 0.02
 """Longest sleep of a regular wait while this producer's forced slot is open (see _next_work)."""
 
+EXIT_CLOSE_TIMEOUT = 30.0
+"""Seconds the interpreter's exit spends, for all producers together, committing what producers
+that were neither closed nor aborted had appended (read when the interpreter exits). Whatever is
+not committed by then is named in an ERROR line, and the producers are aborted."""
+
+_UNCLOSED: weakref.WeakSet[Producer] = weakref.WeakSet()
+"""The producers of this process not yet closed or aborted (weak: dropping one still frees it)."""
+_BUSY: set[Producer] = set()
+"""The open producers holding TGBs not known to be committed: kept alive while they do, so one
+dropped without ``close()`` commits them first (and its threads end after that); the exit hook
+names what such a producer could not commit. A commit turn removes its producer once idle."""
+
+
+class _Idle:
+    """What ``_next_work`` returns when there is nothing to do (holding the producer's lock)."""
+
+
+_IDLE = _Idle()
+
 
 @dataclass(frozen=True)
 class ProducerStats:
@@ -199,6 +223,24 @@ def _as_offset(value: object) -> int:
     if offset < 0:
         raise OffsetOrderError(f"offset must be a non-negative int, got {offset}")
     return offset
+
+
+def _as_seconds(name: str, value: object) -> float:
+    """``as_seconds`` (a finite number >= 0), its ``ValueError`` worded as ``name must be >= 0``."""
+    try:
+        return as_seconds(name, value)
+    except ValueError:
+        raise ValueError(f"{name} must be >= 0 seconds (a finite number), got {value!r}") from None
+
+
+_CALLABLE_EXAMPLES = {
+    "clock": "clock=time.monotonic",
+    "wall_clock": "wall_clock=time.time",
+    "sleep": "sleep=time.sleep",
+    "backoff": "backoff=lambda attempt: min(5.0, 0.1 * 2**attempt)",
+    "boundary": "boundary=lambda: 0, or None for the namespace's watermarks",
+}
+"""What each function argument of :class:`Producer` looks like, for the error naming it."""
 
 
 def _default_backoff(attempt: int) -> float:
@@ -321,17 +363,31 @@ class Producer:
                 check_source(source)
             except ValueError as exc:
                 raise ValueError(f"producer {producer_id!r}: {exc}") from None
-        if max_lag is not None and max_lag < 0:
-            raise ValueError(f"max_lag must be >= 0 or None, got {max_lag}")
-        check_at_least(1, upload_threads=upload_threads, max_inflight_bytes=max_inflight_bytes)
-        check_at_least(0, max_retries=max_retries, slice_table_limit=slice_table_limit)
-        for name, seconds in (
-            ("refresh_age", refresh_age),
-            ("active_horizon", active_horizon),
-            ("lag_log_interval", lag_log_interval),
+        # Counts and seconds as plain numbers here: "4" or 2.5 would otherwise be taken and fail
+        # later, deep inside (a str in a comparison, a float where a count is needed).
+        max_lag = None if max_lag is None else as_count("max_lag", max_lag, 0)
+        upload_threads = as_count("upload_threads", upload_threads, 1)
+        max_inflight_bytes = as_count("max_inflight_bytes", max_inflight_bytes, 1)
+        max_retries = as_count("max_retries", max_retries, 0)
+        slice_table_limit = as_count("slice_table_limit", slice_table_limit, 0)
+        tail_limit = as_count("tail_limit", tail_limit, 1)
+        if tail_bytes_limit is not None:
+            tail_bytes_limit = as_count("tail_bytes_limit", tail_bytes_limit, 1)
+        refresh_age = _as_seconds("refresh_age", refresh_age)
+        active_horizon = _as_seconds("active_horizon", active_horizon)
+        lag_log_interval = _as_seconds("lag_log_interval", lag_log_interval)
+        for name, function in (
+            ("clock", clock),
+            ("wall_clock", wall_clock),
+            ("sleep", sleep),
+            ("backoff", backoff),
+            ("boundary", boundary),
         ):
-            if not seconds >= 0:
-                raise ValueError(f"{name} must be >= 0 seconds, got {seconds!r}")
+            if not callable(function) and not (name == "boundary" and function is None):
+                raise TypeError(
+                    f"{name} must be a function, got the {type(function).__name__} "
+                    f"{function!r}; e.g. {_CALLABLE_EXAMPLES[name]}"
+                )
         resolved_policy = resolve_policy(policy)
         if checksum_algo not in CHECKSUM_ALGOS:
             raise ValueError(
@@ -344,6 +400,8 @@ class Producer:
             check_compression(compression)
         except ValueError as exc:
             raise ValueError(f"producer {producer_id!r}: {exc}") from None
+        self._pid = os.getpid()
+        """The process that created this producer: the only one its threads run in."""
         self._store = store
         self._namespace = namespace
         self._producer_id = producer_id
@@ -389,6 +447,10 @@ class Producer:
         self._inflight_bytes = 0
         self._last_appended: int | None = None
         self._error: BaseException | None = None
+        self._error_tb: TracebackType | None = None
+        """``_error``'s traceback when it was stored: each re-raise starts from it again."""
+        self._transient_attempt = 0
+        """Consecutive commit turns that failed transiently (the commit loop's backoff)."""
         self._aborted = False
         self._closing = False
         self._closed = False
@@ -434,10 +496,17 @@ class Producer:
         self._uploads = ThreadPoolExecutor(
             max_workers=upload_threads, thread_name_prefix=f"bw-upload-{producer_id}"
         )
+        # The thread holds this producer only during its turns (see _commit_thread), and _BUSY
+        # while it has TGBs to commit: one dropped without close() commits them, then is freed.
         self._committer = threading.Thread(
-            target=self._commit_loop, name=f"bw-commit-{producer_id}", daemon=True
+            target=_commit_thread,
+            args=(weakref.ref(self),),
+            name=f"bw-commit-{producer_id}",
+            daemon=True,
         )
         self._committer.start()
+        self._started = True
+        _UNCLOSED.add(self)
 
     # ------------------------------------------------------------------------------------------
     # public surface
@@ -485,6 +554,7 @@ class Producer:
     @property
     def committed_offset(self) -> int | None:
         """Highest offset of this producer id known to be committed (``None``: none yet)."""
+        self._check_process()
         with self._cond:
             return self._committed_offset
 
@@ -506,6 +576,7 @@ class Producer:
         exceeded. Raises :class:`OffsetOrderError` if ``offset`` is not greater than both the
         last appended and the committed offset, and re-raises any background failure.
         """
+        self._check_process()
         offset = _as_offset(offset)
         with self._cond:
             self._check_usable_locked()
@@ -530,6 +601,7 @@ class Producer:
             self._inflight_bytes += entry.size
             self._last_appended = offset
             self._entries.append(entry)
+            _BUSY.add(self)
         try:
             future = self._uploads.submit(self._upload, entry, encoded, validate=validate)
         except BaseException as exc:
@@ -572,6 +644,9 @@ class Producer:
         in seconds of real time; raises ``TimeoutError`` when it passes. Re-raises any
         background failure.
         """
+        self._check_process()
+        if timeout is not None:
+            timeout = as_seconds("timeout", timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._raise_if_failed_locked()
@@ -594,7 +669,7 @@ class Producer:
                         if remaining <= 0:
                             raise TimeoutError(
                                 f"producer {self._producer_id!r}: flush timed out after "
-                                f"{timeout} s with {len(self._entries)} TGBs not committed "
+                                f"{timeout:g} s with {len(self._entries)} TGBs not committed "
                                 f"(offsets {self._entries[0].offset}..{self._entries[-1].offset})"
                             )
                         wait = min(wait, remaining)
@@ -609,6 +684,9 @@ class Producer:
         No producer can append to a sealed namespace. ``timeout`` applies to the flush and to the
         seal commit each.
         """
+        self._check_process()
+        if timeout is not None:
+            timeout = as_seconds("timeout", timeout)
         self.flush(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -639,7 +717,7 @@ class Producer:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise TimeoutError(
-                            f"producer {self._producer_id!r}: sealing timed out after {timeout} s"
+                            f"producer {self._producer_id!r}: sealing timed out after {timeout:g} s"
                         )
                     wait = min(wait, remaining)
                 self._cond.wait(wait)
@@ -649,8 +727,10 @@ class Producer:
 
         Idempotent. If a background failure happened, threads are stopped and it is raised.
         An ``append`` from another thread once ``close()`` began raises :class:`ProducerError`
-        (nothing it was given is published).
+        (nothing it was given is published). A producer never closed is closed as the
+        interpreter exits, for at most ``EXIT_CLOSE_TIMEOUT`` seconds (``docs/producer.md``).
         """
+        self._check_process()
         if self._closed:
             return
         try:
@@ -672,6 +752,7 @@ class Producer:
         reclaimer); a restarted producer re-produces them from ``resume_offset``. An attempt
         already in flight completes or fails on its own.
         """
+        self._check_process()
         with self._cond:
             self._aborted = True
             self._cond.notify_all()
@@ -679,6 +760,7 @@ class Producer:
 
     def stats(self) -> ProducerStats:
         """A consistent snapshot of this producer's counters."""
+        self._check_process()
         with self._cond:
             return ProducerStats(
                 producer_id=self._producer_id,
@@ -720,6 +802,97 @@ class Producer:
             f"Producer(namespace={self._namespace!r}, producer_id={self._producer_id!r}, "
             f"epoch={self._epoch}, store={self._store.url!r})"
         )
+
+    def __del__(self) -> None:
+        # Freed without close() or abort(): only once it had nothing left to commit (_BUSY holds
+        # it until then), so this stops idle threads.
+        try:
+            if not self.__dict__.get("_started") or self._closed or self._pid != os.getpid():
+                return
+            self._aborted = True  # the commit thread also ends on its own: it sees no producer
+            _UNCLOSED.discard(self)
+            self._uploads.shutdown(wait=False, cancel_futures=True)
+            left = f"; offsets {self._pending_locked()} were not committed" if self._entries else ""
+            warnings.warn(
+                f"unclosed producer {self._producer_id!r} of namespace {self._namespace!r}: call "
+                f"close(), or use `with bw.Producer(...) as p:`, to commit what it appended and "
+                f"stop its threads{left}",
+                ResourceWarning,
+                stacklevel=2,
+                source=self,
+            )
+        except Exception:
+            pass  # interpreter teardown (modules half gone): never raise from __del__
+
+    def _check_process(self) -> None:
+        """Refuse use in a fork()ed child: the threads that upload and commit are the parent's."""
+        if os.getpid() != self._pid:
+            raise ProducerError(
+                f"producer {self._producer_id!r} was created in process {self._pid} and cannot be "
+                f"used in process {os.getpid()}, a fork()ed child: its upload and commit threads "
+                "run only in the parent, so nothing appended here would ever be committed. Create "
+                "the Producer in the child process, after forking (or start workers with the "
+                "'spawn' or 'forkserver' method)"
+            )
+
+    def _close_at_exit(self, deadline: float) -> BaseException | None:
+        """Close this unclosed producer as the interpreter exits, by ``deadline`` (monotonic).
+
+        Says at WARNING what it commits, and at ERROR what stays uncommitted if that fails or
+        times out (the producer is then aborted). Returns the failure, if any.
+        """
+        if self._pid != os.getpid():
+            return None  # a fork()ed copy: the parent's exit closes the producer
+        with self._cond:
+            if self._closed:
+                return None
+            pending = len(self._entries)
+            offsets = self._pending_locked()
+            failed = self._error is not None  # what it holds cannot be committed: said below
+        if pending and not failed:
+            _LOG.warning(
+                "producer %r of namespace %r was not closed: committing its %d appended but "
+                "uncommitted TGBs (%s) as the interpreter exits, for at most %g s "
+                "(EXIT_CLOSE_TIMEOUT); call close(), or use `with bw.Producer(...) as p:`, to "
+                "commit them before exiting",
+                self._producer_id,
+                self._namespace,
+                pending,
+                offsets,
+                EXIT_CLOSE_TIMEOUT,
+            )
+        try:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            self.flush(max(0.0, deadline - time.monotonic()))
+        except BaseException as exc:
+            # Not waited for: a commit in flight lands or not, exactly once either way.
+            self._shutdown(abort=True, join_timeout=0.0)
+            with self._cond:
+                left = len(self._entries)
+                offsets = self._pending_locked()
+                committed = self._committed_offset
+            if left:
+                _LOG.error(
+                    "producer %r of namespace %r was not closed, and committing what it had "
+                    "appended failed as the interpreter exited (%s: %s): %d TGBs (%s) are NOT "
+                    "committed. A producer restarted with producer_id %r resumes from its "
+                    "resume_offset (%d) and publishes them",
+                    self._producer_id,
+                    self._namespace,
+                    type(exc).__name__,
+                    exc,
+                    left,
+                    offsets,
+                    self._producer_id,
+                    0 if committed is None else committed + 1,
+                )
+            return exc
+        self._shutdown(
+            abort=self._error is not None, join_timeout=max(0.0, deadline - time.monotonic())
+        )
+        return None
 
     # ------------------------------------------------------------------------------------------
     # start: join the namespace and bump the epoch
@@ -884,7 +1057,15 @@ class Producer:
 
     def _raise_if_failed_locked(self) -> None:
         if self._error is not None:
-            raise self._error
+            # From its stored traceback each time: re-raising the object as it is would add
+            # this call's frames to those of every earlier one.
+            raise self._error.with_traceback(self._error_tb)
+
+    def _store_error_locked(self, exc: BaseException) -> None:
+        """Keep the first background failure (and its traceback) for the caller's next call."""
+        if self._error is None:
+            self._error = exc
+            self._error_tb = exc.__traceback__
 
     def _encode(
         self,
@@ -1066,8 +1247,9 @@ class Producer:
 
     def _fail(self, exc: BaseException) -> None:
         with self._cond:
-            if self._error is None:
-                self._error = exc
+            self._store_error_locked(exc)
+            if not self._entries:
+                _BUSY.discard(self)  # else kept: the exit hook names what was not committed
             self._cond.notify_all()
         if isinstance(exc, ProducerFenced):
             _LOG.error("%s", exc)
@@ -1077,26 +1259,30 @@ class Producer:
     # ------------------------------------------------------------------------------------------
     # commit loop (one thread)
 
-    def _commit_loop(self) -> None:
-        transient_attempt = 0
+    def _commit_turn(self) -> bool | None:
+        """One turn of the commit loop (see ``_commit_thread``): ``False`` once it must stop,
+        ``None`` when there is nothing to do, returned holding ``self._cond``."""
         try:
-            while True:
-                seal = self._next_work()
-                if seal is None:
-                    return
-                try:
-                    if not self._policy_started:
-                        self._begin()
-                        continue
-                    self._attempt(seal)
-                    transient_attempt = 0
-                    self._outage.recovered()
-                except _RETRYABLE as exc:
-                    transient_attempt += 1
-                    self._base_read_at = -math.inf  # re-read the base before retrying
-                    self._note_transient("committing", exc, transient_attempt, sleep=self._pause)
+            seal = self._next_work()
+            if isinstance(seal, _Idle):
+                return None
+            if seal is None:
+                return False
+            try:
+                if not self._policy_started:
+                    self._begin()
+                    return True
+                self._attempt(seal)
+                self._transient_attempt = 0
+                self._outage.recovered()
+            except _RETRYABLE as exc:
+                self._transient_attempt += 1
+                self._base_read_at = -math.inf  # re-read the base before retrying
+                self._note_transient("committing", exc, self._transient_attempt, sleep=self._pause)
+            return True
         except BaseException as exc:
             self._fail(exc)
+            return False
 
     def _committable_locked(self) -> list[_Entry]:
         batch: list[_Entry] = []
@@ -1106,74 +1292,87 @@ class Producer:
             batch.append(entry)
         return batch
 
-    def _next_work(self) -> bool | None:
-        """Block until an attempt should start; return whether it seals, or None to stop."""
+    def _next_work(self) -> bool | _Idle | None:
+        """Block until an attempt should start; return whether it seals, or None to stop.
+
+        With nothing to do, return ``_IDLE`` still holding ``self._cond``, for the caller to
+        wait on it (without a missed wake-up) after dropping its reference to this producer.
+        """
+        self._cond.acquire()
+        try:
+            work = self._next_work_locked()
+        except BaseException:
+            self._cond.release()
+            raise
+        if not isinstance(work, _Idle):
+            self._cond.release()
+        return work
+
+    def _next_work_locked(self) -> bool | _Idle | None:
         # Set once the whole remaining gap was slept: a clock too coarse to show it (or a fake one
         # advancing by less than float resolution) must not keep the loop waiting forever.
         gap_waited = forced_waited = regular_waited = False
-        with self._cond:
-            while True:
-                if self._error is not None or self._aborted:
+        while True:
+            if self._error is not None or self._aborted:
+                return None
+            n = len(self._committable_locked())
+            seal_now = self._seal_requested and not self._sealed and not self._entries
+            if n == 0 and not seal_now:
+                if self._closing and not self._entries:
                     return None
-                n = len(self._committable_locked())
-                seal_now = self._seal_requested and not self._sealed and not self._entries
-                if n == 0 and not seal_now:
-                    if self._closing and not self._entries:
-                        return None
-                    self._cond.wait(_EVENT_WAIT)
-                    continue
-                if not self._policy_started:
-                    return seal_now  # the first work: _begin() starts the policy's pacing
-                forced = seal_now or self._flush_waiters > 0 or self._closing
-                gap = self._policy.gap
-                since = self._clock() - self._last_attempt_end
-                if gap_waited:
-                    since = max(since, gap)
-                # flush()/close() end a stream: they wait only the policy's forced wait (for
-                # DAC, this producer's slot, which a regular attempt would not respect).
-                until_forced = self._policy.forced_wait(since, self._wall_clock(), self._rank)
-                self._forced_attempt = forced
-                until_regular = (
-                    None
-                    if forced
-                    else self._policy.regular_wait(since, self._wall_clock(), self._rank)
-                )
-                if forced:
-                    if until_forced <= 0 or forced_waited:
-                        return seal_now
-                    remaining = until_forced
-                elif until_regular is not None:
-                    # The policy paces regular attempts itself (DAC's slots), not with ready().
-                    if until_regular <= 0 or regular_waited:
-                        return seal_now
-                    remaining = until_regular
-                else:
-                    # An append blocked by max_lag counts these TGBs as visible: publish them
-                    # after the gap even if a count-paced policy wants more (nobody could read,
-                    # checkpoint past and unblock TGBs that are never committed).
-                    if n > 0 and (
-                        self._policy.ready(n, since) or (self._lag_blocked > 0 and since >= gap)
-                    ):
-                        return seal_now
-                    remaining = gap - since
-                if remaining > 0:
-                    chunk = min(remaining, _TIME_WAIT_CHUNK)
-                    if not forced:
-                        # A flush()/close() arriving during this sleep (which it cannot cut
-                        # short) must not miss this producer's next forced slot: wake for every
-                        # one and re-check, and poll while inside one. A closer that slept
-                        # through its slot waited up to a whole regular chunk more.
-                        chunk = min(chunk, until_forced if until_forced > 0 else _FORCED_POLL)
-                    self._cond.release()
-                    try:
-                        self._sleep(chunk)
-                    finally:
-                        self._cond.acquire()
-                    gap_waited = chunk == gap - since
-                    forced_waited = forced and chunk == until_forced
-                    regular_waited = until_regular is not None and chunk == until_regular
-                else:
-                    self._cond.wait(_EVENT_WAIT)
+                if not self._entries:
+                    _BUSY.discard(self)  # nothing of it left to commit: it may be freed
+                return _IDLE
+            if not self._policy_started:
+                return seal_now  # the first work: _begin() starts the policy's pacing
+            forced = seal_now or self._flush_waiters > 0 or self._closing
+            gap = self._policy.gap
+            since = self._clock() - self._last_attempt_end
+            if gap_waited:
+                since = max(since, gap)
+            # flush()/close() end a stream: they wait only the policy's forced wait (for
+            # DAC, this producer's slot, which a regular attempt would not respect).
+            until_forced = self._policy.forced_wait(since, self._wall_clock(), self._rank)
+            self._forced_attempt = forced
+            until_regular = (
+                None if forced else self._policy.regular_wait(since, self._wall_clock(), self._rank)
+            )
+            if forced:
+                if until_forced <= 0 or forced_waited:
+                    return seal_now
+                remaining = until_forced
+            elif until_regular is not None:
+                # The policy paces regular attempts itself (DAC's slots), not with ready().
+                if until_regular <= 0 or regular_waited:
+                    return seal_now
+                remaining = until_regular
+            else:
+                # An append blocked by max_lag counts these TGBs as visible: publish them
+                # after the gap even if a count-paced policy wants more (nobody could read,
+                # checkpoint past and unblock TGBs that are never committed).
+                if n > 0 and (
+                    self._policy.ready(n, since) or (self._lag_blocked > 0 and since >= gap)
+                ):
+                    return seal_now
+                remaining = gap - since
+            if remaining > 0:
+                chunk = min(remaining, _TIME_WAIT_CHUNK)
+                if not forced:
+                    # A flush()/close() arriving during this sleep (which it cannot cut
+                    # short) must not miss this producer's next forced slot: wake for every
+                    # one and re-check, and poll while inside one. A closer that slept
+                    # through its slot waited up to a whole regular chunk more.
+                    chunk = min(chunk, until_forced if until_forced > 0 else _FORCED_POLL)
+                self._cond.release()
+                try:
+                    self._sleep(chunk)
+                finally:
+                    self._cond.acquire()
+                gap_waited = chunk == gap - since
+                forced_waited = forced and chunk == until_forced
+                regular_waited = until_regular is not None and chunk == until_regular
+            else:
+                self._cond.wait(_EVENT_WAIT)
 
     def _begin(self) -> None:
         """Start the policy's pacing when there is first something to commit.
@@ -1517,8 +1716,7 @@ class Producer:
                     try:
                         self._adopt_locked(latest)
                     except ProducerError as exc:
-                        if self._error is None:
-                            self._error = exc
+                        self._store_error_locked(exc)
                         raise
                 refreshed = True
         finally:
@@ -1531,7 +1729,8 @@ class Producer:
     # ------------------------------------------------------------------------------------------
     # shutdown
 
-    def _shutdown(self, *, abort: bool) -> None:
+    def _shutdown(self, *, abort: bool, join_timeout: float | None = None) -> None:
+        """Stop the threads; ``join_timeout`` (at exit): wait at most that long for them."""
         with self._cond:
             if self._closed:
                 return
@@ -1540,6 +1739,59 @@ class Producer:
                 self._aborted = True
             self._closing = True
             self._cond.notify_all()
+        _UNCLOSED.discard(self)
+        _BUSY.discard(self)
         if threading.current_thread() is not self._committer:
-            self._committer.join()
-        self._uploads.shutdown(wait=not abort, cancel_futures=abort)
+            self._committer.join(join_timeout)
+        self._uploads.shutdown(wait=not abort and join_timeout is None, cancel_futures=abort)
+
+
+def _commit_thread(ref: weakref.ReferenceType[Producer]) -> None:
+    """The commit loop: a producer's turns, holding it only during a turn.
+
+    Between turns it waits on the producer's condition holding no reference to the producer, so
+    one dropped without ``close()`` can be freed (``Producer.__del__``) once ``_BUSY`` lets go
+    of it, when it has nothing left to commit; the loop then ends at its next wake-up.
+    """
+    while True:
+        producer = ref()
+        if producer is None:
+            return
+        turn = producer._commit_turn()
+        if turn is None:  # idle: _commit_turn returned holding the condition's lock
+            cond = producer._cond
+            del producer
+            try:
+                cond.wait(_EVENT_WAIT)
+            finally:
+                cond.release()
+            continue
+        del producer
+        if not turn:
+            return
+
+
+def _close_unclosed_at_exit() -> None:
+    """At interpreter exit: close the producers that were neither closed nor aborted.
+
+    Within ``EXIT_CLOSE_TIMEOUT`` seconds for all together; each says what it commits and what
+    it could not (``Producer._close_at_exit``). A Ctrl-C here stops the rest without waiting.
+    """
+    deadline = time.monotonic() + EXIT_CLOSE_TIMEOUT
+    for producer in list(_UNCLOSED):
+        try:
+            failure = producer._close_at_exit(deadline)
+        except BaseException as exc:  # e.g. a Ctrl-C while logging: never block the exit
+            failure = exc
+        if isinstance(failure, KeyboardInterrupt):
+            deadline = -math.inf
+
+
+# Run before the interpreter joins its non-daemon threads, the upload pools' among them
+# (``concurrent.futures`` registers that join the same way, earlier, so it runs after this):
+# as an ``atexit`` function this would run only after that join, which waits for ever for an
+# upload retrying through an outage, and after which no upload could finish what is pending.
+try:
+    getattr(threading, "_register_atexit", atexit.register)(_close_unclosed_at_exit)
+except RuntimeError:  # imported while the interpreter already exits: too late for the join
+    atexit.register(_close_unclosed_at_exit)
