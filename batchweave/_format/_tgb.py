@@ -28,6 +28,7 @@ from typing import Any, Final, NamedTuple, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from batchweave._checks import as_count
 from batchweave._errors import ChecksumMismatch, FormatError, UnsupportedFormatVersion
 from batchweave._format._checksum import (
     DEFAULT_CHECKSUM_ALGO,
@@ -332,8 +333,13 @@ class TgbBuilder:
             raise TypeError(f"slice ({d}, {c}): {exc}") from exc
         if sample_count is None:
             sample_count = self._codec.sample_count(payload)
-        elif isinstance(sample_count, int | float) and sample_count < 0:
-            raise ValueError(f"sample_count must be >= 0, got {sample_count}")
+        else:
+            # Checked here: the footer's model would take "3" or 3.0 as 3.
+            try:
+                sample_count = as_count("sample_count", sample_count, 0)
+            except (TypeError, ValueError) as exc:
+                d, c = divmod(index, self.mesh.cp)
+                raise type(exc)(f"slice ({d}, {c}): {exc}") from None
         raw_length = memoryview(encoded).nbytes
         stored: bytes | memoryview
         if self.compression is None:
