@@ -278,12 +278,21 @@ def test_sealed_namespace_refuses_appends_but_allows_reclamation(store: ObjectSt
     sealed = log.commit(m1, seal=True)
     assert isinstance(sealed, Committed)
     assert sealed.manifest.sealed
-    with pytest.raises(NamespaceSealed, match="sealed at version 2"):
+    with pytest.raises(NamespaceSealed, match=r"sealed at version 2 \(steps 0\.\.1\)"):
         log.commit(sealed.manifest, append=[descriptor("a", 2)])
     cut = log.commit(sealed.manifest, base_step=1)
     assert isinstance(cut, Committed)
     assert cut.manifest.sealed
     assert cut.manifest.base_step == 1
+
+
+def test_a_namespace_sealed_before_any_step_says_it_has_none(store: ObjectStore) -> None:
+    log = ManifestLog(store, NS)
+    sealed = log.commit(log.create_or_open(MESH), seal=True)
+    assert isinstance(sealed, Committed)
+    # Before: "(steps 0..-1)".
+    with pytest.raises(NamespaceSealed, match=r"sealed at version 1 \(no steps\)"):
+        log.commit(sealed.manifest, append=[descriptor("a", 0)])
 
 
 def test_lost_race_reports_the_winner(store: ObjectStore) -> None:

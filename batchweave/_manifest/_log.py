@@ -726,9 +726,10 @@ class ManifestLog:
         if not append:
             return
         if base.sealed:
+            steps = f"steps 0..{base.next_step - 1}" if base.next_step else "no steps"
             raise NamespaceSealed(
                 f"namespace {self._where} was sealed at version {base.version} "
-                f"(steps 0..{base.next_step - 1}); it accepts no more TGBs"
+                f"({steps}); it accepts no more TGBs"
             )
         last: dict[str, int] = {}
         for desc in append:
