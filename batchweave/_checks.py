@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import os
 
@@ -166,11 +167,11 @@ def as_seconds(name: str, value: object, *, minimum: float = 0.0) -> float:
     with ``'<' not supported between instances of 'str' and 'int'``), ``ValueError`` for NaN,
     infinity or a value below ``minimum``.
     """
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        seconds = float(value)  # NumPy's floats and integers too
     else:
         try:
-            seconds = float(as_int(name, value))  # NumPy integers
+            seconds = float(as_int(name, value))  # an integer type numbers.Real does not know
         except TypeError:
             raise TypeError(
                 f"{name} must be a number of seconds, got the {type(value).__name__} "

@@ -9,8 +9,11 @@ while a bounded window of later steps is already being read. See ``docs/consumer
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
+import numbers
+import os
 import struct
 import threading
 import time
@@ -21,7 +24,7 @@ from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from batchweave._checks import as_int, check_at_least
+from batchweave._checks import as_count, as_int, as_seconds, check_key_name, check_store
 from batchweave._errors import (
     ChecksumMismatch,
     ConsumerError,
@@ -53,6 +56,7 @@ from batchweave._projection import (
     DEFAULT_RANK_ORDER,
     Projection,
     SliceLocation,
+    _parse_order,
     coordinates_from_env,
     resume_anchor,
 )
@@ -96,8 +100,26 @@ class _OpenConsumers:
         """Count one consumer fewer (once per token, however often it is called)."""
         self._tokens.discard(token)
 
+    def forget_all(self) -> None:
+        """Count none: in a forked child, the consumers the parent had open are unusable."""
+        self._tokens.clear()
+
 
 _OPEN: Final = _OpenConsumers()
+
+_pid = os.getpid()
+"""This process's id, kept current by a fork hook: no system call per step to compare it."""
+
+
+def _after_fork_in_child() -> None:
+    global _pid
+    _pid = os.getpid()
+    # The parent's consumers cannot read here (see Consumer._check_process): they take no share
+    # of this process's reads.
+    _OPEN.forget_all()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _LATENCY_WEIGHT: Final = 0.2
 """Weight of the newest step in :attr:`ConsumerStats.read_latency` and
@@ -360,74 +382,67 @@ class Consumer:
         sleep: Callable[[float], None] = time.sleep,
         cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
-        # Plain ints: they end up in state_dict(), which must survive json and
-        # torch.load(weights_only=True); a numpy integer would not.
-        start_step, stride = as_int("start_step", start_step), as_int("stride", stride)
-        check_at_least(0, prefetch=prefetch, retry_budget=retry_budget, start_step=start_step)
-        check_at_least(
-            1,
+        check_store(store)
+        check_key_name("namespace", namespace)
+        # Every count, size and number of seconds, checked before anything is made: a float
+        # size (part_size=16e6) or a string timeout would otherwise fail at a later next(),
+        # deep inside. Plain ints and floats: start_step ends up in state_dict(), which must
+        # survive json and torch.load(weights_only=True); a numpy integer would not.
+        options = _check_options(
+            start_step=start_step,
             stride=stride,
+            prefetch=prefetch,
             ramp_every=ramp_every,
+            prefetch_min_latency=prefetch_min_latency,
+            prefetch_max_cpu_share=prefetch_max_cpu_share,
+            max_process_reads=max_process_reads,
             max_workers=max_workers,
             map_threshold=map_threshold,
             split_threshold=split_threshold,
             part_size=part_size,
             footer_cache=footer_cache,
-            max_process_reads=max_process_reads,
+            poll_interval=poll_interval,
+            max_poll_interval=max_poll_interval,
+            timeout=timeout,
+            retry_budget=retry_budget,
+            retry_backoff=retry_backoff,
+            max_retry_backoff=max_retry_backoff,
         )
-        if not 0 < poll_interval <= max_poll_interval:
-            raise ValueError(
-                f"need 0 < poll_interval <= max_poll_interval, got {poll_interval} and "
-                f"{max_poll_interval}"
-            )
-        if retry_backoff < 0 or max_retry_backoff < retry_backoff:
-            raise ValueError(
-                f"need 0 <= retry_backoff <= max_retry_backoff, got {retry_backoff} and "
-                f"{max_retry_backoff}"
-            )
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
-        if not prefetch_min_latency >= 0:
-            raise ValueError(
-                f"prefetch_min_latency must be >= 0 seconds, got {prefetch_min_latency}"
-            )
-        if not 0 < prefetch_max_cpu_share <= 1:
-            raise ValueError(
-                f"prefetch_max_cpu_share must be in (0, 1], got {prefetch_max_cpu_share}"
-            )
         self.mesh = mesh
         self.dp_rank, self.cp_rank = _resolve_coordinates(
             mesh, dp_rank, cp_rank, tp=tp, pp=pp, order=rank_order, environ=environ
         )
         self._store = store
         self._log = ManifestLog(store, namespace)
+        self._pid = _pid
         self.namespace = namespace
-        self.stride = stride
-        self.prefetch = prefetch
-        self.ramp_every = ramp_every
-        self.prefetch_min_latency = prefetch_min_latency
-        self.prefetch_max_cpu_share = prefetch_max_cpu_share
-        self.max_process_reads = max_process_reads
-        self.max_workers = max_workers
-        self.map_threshold = map_threshold
-        self.split_threshold = split_threshold
-        self.part_size = part_size
-        self.poll_interval = poll_interval
-        self.max_poll_interval = max_poll_interval
-        self.timeout = timeout
-        self.retry_budget = retry_budget
-        self.retry_backoff = retry_backoff
-        self.max_retry_backoff = max_retry_backoff
+        self.stride: int = options["stride"]
+        self.prefetch: int = options["prefetch"]
+        self.ramp_every: int = options["ramp_every"]
+        self.prefetch_min_latency: float = options["prefetch_min_latency"]
+        self.prefetch_max_cpu_share: float = options["prefetch_max_cpu_share"]
+        self.max_process_reads: int = options["max_process_reads"]
+        self.max_workers: int = options["max_workers"]
+        self.map_threshold: int = options["map_threshold"]
+        self.split_threshold: int = options["split_threshold"]
+        self.part_size: int = options["part_size"]
+        self.poll_interval: float = options["poll_interval"]
+        self.max_poll_interval: float = options["max_poll_interval"]
+        self.timeout: float | None = options["timeout"]
+        self.retry_budget: int = options["retry_budget"]
+        self.retry_backoff: float = options["retry_backoff"]
+        self.max_retry_backoff: float = options["max_retry_backoff"]
         self._clock = clock
         self._sleep = sleep
         self._cpu_clock = cpu_clock
         # CPU time is measured only from this read latency on (None: never); see _cpu_started.
         self._measure_cpu_from: float | None = (
-            prefetch_min_latency / 2
-            if prefetch_min_latency > 0 and prefetch_max_cpu_share < 1
+            self.prefetch_min_latency / 2
+            if self.prefetch_min_latency > 0 and self.prefetch_max_cpu_share < 1
             else None
         )
-        self._footers: SingleFlightCache[str, TgbFooter] = SingleFlightCache(footer_cache)
+        footers: int = options["footer_cache"]
+        self._footers: SingleFlightCache[str, TgbFooter] = SingleFlightCache(footers)
         self._counters = _Counters()
         self._created_at = clock()
         self._outage = OutageLog(
@@ -438,18 +453,18 @@ class Consumer:
         self._projection: Projection | None = None
         self._anchor_step = 0
         self._anchor_replica = 0
-        self._next_step = start_step
+        self._next_step: int = options["start_step"]
         self._window: deque[_Pending] = deque()
         # Made now (it starts no thread before the first read ahead), so that a next() racing
         # close() on another thread finds it closed rather than making a new one.
-        self._pool = Workers(max_workers, name="batchweave-consumer")
+        self._pool = Workers(self.max_workers, name="batchweave-consumer")
         # Held by next(): close() from another thread leaves the read window to it.
         self._reading = threading.Lock()
-        self._depth = min(1, prefetch)
+        self._depth: int = min(1, self.prefetch)
         self._delivered_since_ramp = 0
         self._delivered_any = False
         self._warned_partial_step = False
-        self._poll_delay = poll_interval
+        self._poll_delay = self.poll_interval
         self._last_refresh = -math.inf
         self._closed = False
         self._unregister = weakref.finalize(self, _OPEN.closed, _OPEN.opened())  # also unclosed
@@ -493,6 +508,7 @@ class Consumer:
         :class:`NamespaceMismatch`, as in :meth:`load_state_dict`: its step means nothing here,
         and a watermark recorded from it would hold the wrong data.
         """
+        self._check_process("resume_tgb_step()")
         parsed = None if state is None else _parse_state(state)  # garbage is refused, always
         if self._manifest is None:
             try:
@@ -539,6 +555,8 @@ class Consumer:
         return self
 
     def __next__(self) -> tuple[int, Any]:
+        if self._pid != _pid:
+            self._check_process("next()")
         if self._closed:
             raise ConsumerError(
                 f"{self!r} is closed; to continue, create a new Consumer and load this one's "
@@ -568,6 +586,7 @@ class Consumer:
         consumer ``cp`` that does not fit the stored mesh raises :class:`NamespaceMismatch`.
         Idempotent; costs one manifest read the first time.
         """
+        self._check_process("open()")
         self._ensure_open(wait=wait)
 
     def close(self) -> None:
@@ -627,8 +646,28 @@ class Consumer:
         (:class:`StepReclaimed`). A state saved with another data-parallel degree is re-anchored
         so the data continues exactly where it stopped (see ``docs/consumer.md``); prefetched
         steps are discarded.
+
+        Call it before iterating or between steps, from the thread that iterates: while a
+        ``next()`` runs on another thread it is refused (:class:`ConsumerError`), since that
+        ``next()`` would deliver a step of neither position.
         """
+        self._check_process("load_state_dict()")
         parsed = _parse_state(state)
+        if not self._reading.acquire(blocking=False):
+            raise ConsumerError(
+                f"{self!r}: load_state_dict() was called while next() is reading a step on "
+                "another thread; the state was not loaded. Call load_state_dict() before "
+                "iterating, or between steps from the thread that iterates"
+            )
+        try:
+            self._load_state(parsed)
+        finally:
+            if self._closed:  # by another thread, during this call: drop what it scheduled
+                self._drop_window()
+            self._reading.release()
+
+    def _load_state(self, parsed: Mapping[str, Any]) -> None:
+        """:meth:`load_state_dict` of a parsed state, holding the read lock."""
         step, old_dp = parsed["step"], parsed["dp"]
         if parsed["namespace_id"]:
             self._ensure_open(wait=False)
@@ -658,6 +697,20 @@ class Consumer:
         self._depth = min(1, self.prefetch)
         self._delivered_since_ramp = 0
         self._delivered_any = False
+
+    def _check_process(self, call: str) -> None:
+        """Refuse use in a process forked from the one that made this consumer.
+
+        Its read-ahead threads did not survive the fork: a step they were reading would be
+        waited for forever (``timeout`` bounds only waits for producers).
+        """
+        if self._pid != _pid:
+            raise ConsumerError(
+                f"{self!r} was created in process {self._pid} and {call} was called in process "
+                f"{_pid}, forked from it; its read threads stay in the parent. Create the "
+                "Consumer in the child process (after forking), and load the parent's "
+                "state_dict() into it to continue from there"
+            )
 
     def _check_state_namespace(self, parsed: Mapping[str, Any]) -> None:
         """Refuse a state (with a namespace id) taken from another namespace than this one's."""
@@ -696,7 +749,13 @@ class Consumer:
                 raise StopIteration
             self._top_up(depth, inline_head=True)
         pending = self._window[0]
-        assert pending.step == step
+        if pending.step != step:  # not an assert: under python -O it would deliver wrong data
+            self._drop_window()
+            raise ConsumerError(
+                f"{self._where}: step {step} is due but step {pending.step} was read for it; "
+                "nothing was delivered. The consumer's position changed during next(): use a "
+                "consumer from one thread at a time (then next() reads the step again)"
+            )
         try:
             if pending.job is None:
                 data, nbytes = self._fetch_step(step, pending.location, pending.manifest)
@@ -1396,6 +1455,91 @@ def _runs(
     return runs
 
 
+_COUNTS: Final = {
+    "start_step": 0,
+    "stride": 1,
+    "prefetch": 0,
+    "ramp_every": 1,
+    "max_process_reads": 1,
+    "max_workers": 1,
+    "map_threshold": 1,
+    "split_threshold": 1,
+    "part_size": 1,
+    "footer_cache": 1,
+    "retry_budget": 0,
+}
+"""The :class:`Consumer` options that are counts or sizes, with their smallest value."""
+_SECONDS: Final = (
+    "prefetch_min_latency",
+    "poll_interval",
+    "max_poll_interval",
+    "retry_backoff",
+    "max_retry_backoff",
+)
+"""The :class:`Consumer` options that are numbers of seconds (``timeout`` may also be None)."""
+
+
+def _check_options(**options: Any) -> dict[str, Any]:
+    """:class:`Consumer` keyword arguments with every count, size, number of seconds and share
+    checked and made a plain ``int`` or ``float``; the others are returned as given.
+
+    ``TypeError`` for the wrong type (``part_size=16e6``, ``timeout="5"``), ``ValueError`` for a
+    value out of range, naming the option. Pairs are checked against the consumer's defaults
+    for the options not given, so :class:`~batchweave.torch.WeaveDataset` checks its consumer
+    options with this when it is made, not in a DataLoader worker.
+    """
+    checked = dict(options)
+    for name, minimum in _COUNTS.items():
+        if name in checked:
+            checked[name] = as_count(name, checked[name], minimum)
+    latency = checked.get("prefetch_min_latency")
+    if isinstance(latency, int | float) and latency < 0:  # its message before as_seconds
+        raise ValueError(f"prefetch_min_latency must be >= 0 seconds, got {latency!r}")
+    for name in _SECONDS:
+        if name in checked:
+            checked[name] = as_seconds(name, checked[name])
+    if checked.get("timeout") is not None:
+        checked["timeout"] = as_seconds("timeout", checked["timeout"])
+    if "prefetch_max_cpu_share" in checked:
+        share = checked["prefetch_max_cpu_share"]
+        if isinstance(share, bool) or not isinstance(share, numbers.Real):
+            raise TypeError(
+                f"prefetch_max_cpu_share must be a number in (0, 1], got the "
+                f"{type(share).__name__} {share!r}; pass e.g. prefetch_max_cpu_share=0.3"
+            )
+        if not 0 < float(share) <= 1:  # also NaN
+            raise ValueError(f"prefetch_max_cpu_share must be in (0, 1], got {share!r}")
+        checked["prefetch_max_cpu_share"] = float(share)
+    both = {**_DEFAULTS, **checked}
+    if not 0 < both["poll_interval"] <= both["max_poll_interval"]:
+        raise ValueError(
+            f"need 0 < poll_interval <= max_poll_interval, got {both['poll_interval']} and "
+            f"{both['max_poll_interval']}"
+        )
+    if both["max_retry_backoff"] < both["retry_backoff"]:
+        raise ValueError(
+            f"need 0 <= retry_backoff <= max_retry_backoff, got {both['retry_backoff']} and "
+            f"{both['max_retry_backoff']}"
+        )
+    return checked
+
+
+_DEFAULTS: Final = {
+    name: parameter.default
+    for name, parameter in inspect.signature(Consumer).parameters.items()
+    if name in ("poll_interval", "max_poll_interval", "retry_backoff", "max_retry_backoff")
+}
+
+
+def _check_mesh(mesh: object) -> None:
+    """Refuse a mesh that is not a :class:`Mesh` (a tuple or dict fails later, far from here)."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"mesh must be a batchweave.Mesh, got the {type(mesh).__name__} {mesh!r}; "
+            "e.g. mesh=batchweave.Mesh(dp=8, cp=2)"
+        )
+
+
 def _resolve_coordinates(
     mesh: Mesh,
     dp_rank: int | None,
@@ -1406,7 +1550,19 @@ def _resolve_coordinates(
     order: str,
     environ: Mapping[str, str] | None,
 ) -> tuple[int, int]:
-    tp, pp = as_int("tp", tp), as_int("pp", pp)
+    """The rank's ``(dp_rank, cp_rank)``: given, or derived from the environment.
+
+    ``tp``, ``pp`` and ``order`` are checked either way: a job's degrees that cannot be right
+    are a mistake even when explicit coordinates make them unused.
+    """
+    _check_mesh(mesh)
+    tp, pp = as_count("tp", tp, 1), as_count("pp", pp, 1)
+    if not isinstance(order, str):
+        raise TypeError(
+            f"rank_order must be a str, got the {type(order).__name__} {order!r}; e.g. "
+            f"rank_order={DEFAULT_RANK_ORDER!r}"
+        )
+    _parse_order(order)
     dp_rank = None if dp_rank is None else as_int("dp_rank", dp_rank)
     cp_rank = None if cp_rank is None else as_int("cp_rank", cp_rank)
     if dp_rank is None and cp_rank is None:

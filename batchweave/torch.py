@@ -19,13 +19,15 @@ import inspect
 import multiprocessing
 import pickle
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+import weakref
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, default_convert, get_worker_info
 
-from batchweave._consumer import Consumer, _resolve_coordinates
+from batchweave._checks import as_count, as_seconds, check_key_name
+from batchweave._consumer import Consumer, _check_options, _resolve_coordinates
 from batchweave._errors import ConsumerError, ConsumerTimeout, NamespaceNotFound
 from batchweave._mesh import Mesh
 from batchweave._projection import DEFAULT_RANK_ORDER
@@ -78,11 +80,11 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
     rank's coordinates are resolved here, in the main process (explicit, or from
     ``RANK``/``WORLD_SIZE`` with ``tp``, ``pp`` and ``rank_order``) and checked against
     ``mesh`` with the consumer's own checks, so a rank outside the mesh, or a keyword argument
-    :class:`Consumer` does not take, fails here rather than when iteration starts, inside a
-    DataLoader worker. So does a store URL or ``store_options`` entry ``open_store`` would refuse
-    (``InvalidStoreURL``), checked without opening the store: no request, no credentials. Other
-    keyword arguments go to every worker's :class:`Consumer` (``prefetch``, ``timeout``,
-    ``split_threshold``, ...).
+    :class:`Consumer` does not take or a value it refuses (``part_size=16e6``), fails here rather
+    than when iteration starts, inside a DataLoader worker. So does a store URL or
+    ``store_options`` entry ``open_store`` would refuse (``InvalidStoreURL``), checked without
+    opening the store: no request, no credentials. Other keyword arguments go to every worker's
+    :class:`Consumer` (``prefetch``, ``timeout``, ``split_threshold``, ...).
     """
 
     def __init__(
@@ -112,11 +114,13 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
                 f"WeaveDataset got unknown consumer option(s) {', '.join(unknown)}; the keyword "
                 "arguments it does not take itself go to batchweave.Consumer"
             )
-        if not isinstance(mesh, Mesh):
+        if not isinstance(store, str | ObjectStore):
             raise TypeError(
-                f"mesh must be a batchweave.Mesh, got the {type(mesh).__name__} {mesh!r}; "
-                "e.g. mesh=batchweave.Mesh(dp=8, cp=2)"
+                f"store must be an opened store or a store URL, got the {type(store).__name__} "
+                f"{store!r}; e.g. WeaveDataset('s3://bucket/prefix', ...)"
             )
+        check_key_name("namespace", namespace)
+        consumer_options = _check_options(**consumer_options)
         self.store = store
         self.namespace = namespace
         self.mesh = mesh
@@ -262,10 +266,28 @@ class WeaveLoader:
     sampling options are refused, as are
     ``persistent_workers`` (workers must restart at the resume step) and ``in_order=False``
     (delivery order is the step order). A new DataLoader is made per ``iter()``, which continues
-    where the previous iteration stopped.
+    where the previous iteration stopped and replaces it: the older iterator's workers are shut
+    down, and asking it for another step is a :class:`~batchweave.ConsumerError` (each step is
+    delivered once; use a second loader for a separate pass).
     """
 
     def __init__(self, dataset: WeaveDataset, **dataloader_options: Any) -> None:
+        if not isinstance(dataset, WeaveDataset):
+            raise TypeError(
+                f"dataset must be a batchweave.torch.WeaveDataset, got the "
+                f"{type(dataset).__name__} {dataset!r}"
+            )
+        # Checked here rather than by torch when the first iteration makes its DataLoader.
+        if "num_workers" in dataloader_options:
+            dataloader_options["num_workers"] = as_count(
+                "num_workers", dataloader_options["num_workers"], 0
+            )
+        if "timeout" in dataloader_options:
+            dataloader_options["timeout"] = as_seconds("timeout", dataloader_options["timeout"])
+        if dataloader_options.get("prefetch_factor") is not None:
+            dataloader_options["prefetch_factor"] = as_count(
+                "prefetch_factor", dataloader_options["prefetch_factor"], 1
+            )
         refused = [name for name in _LOADER_OWNED if name in dataloader_options]
         if refused:
             raise TypeError(
@@ -285,8 +307,27 @@ class WeaveLoader:
         """Iterations running now: a state loaded meanwhile would not reach their workers."""
         self._shadow_store: ObjectStore | None = None
         self._shadow: Consumer | None = None
+        self._iterations = 0
+        """Iterators made so far: only the newest one (this number) may deliver steps."""
+        self._newest: weakref.ref[_LoaderIterator] | None = None
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
+        """An iterator continuing where the last one stopped, which it replaces.
+
+        Two live iterators would each deliver the steps from where they are: the same steps
+        twice. So the newest is the only one: the one it replaces stops its workers now, and
+        asking it for another step raises :class:`~batchweave.ConsumerError`.
+        """
+        older = None if self._newest is None else self._newest()
+        if older is not None:
+            older.replaced(self._next_step)
+        self._iterations += 1
+        newest = _LoaderIterator(self, self._iterations)
+        self._newest = weakref.ref(newest)
+        return newest
+
+    def _iterate(self) -> Generator[tuple[int, Any], None, None]:
+        """The steps of one iteration (see :class:`_LoaderIterator`)."""
         if self._next_step is not None:
             self.dataset.resume_state = self.state_dict()
         loader = DataLoader(self.dataset, batch_size=None, **self.dataloader_options)
@@ -407,3 +448,51 @@ class WeaveLoader:
         if self._shadow_store is not None:
             self._shadow_store.close()
         self._shadow = self._shadow_store = None
+
+
+class _LoaderIterator:
+    """One iteration over a :class:`WeaveLoader`, usable until a newer one replaces it.
+
+    Not a generator itself, so that a replaced iterator can say why it delivers nothing (a
+    closed generator would just stop, and a loop over it would end as if the data had).
+    """
+
+    def __init__(self, loader: WeaveLoader, number: int) -> None:
+        self._loader = loader
+        self._number = number
+        self._steps = loader._iterate()
+        self._replaced_at: int | None = None
+        self._ended = False
+        """Whether its steps ran out: it then stops again whatever replaced it."""
+
+    def __iter__(self) -> _LoaderIterator:
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        if self._ended:
+            raise StopIteration
+        if self._loader._iterations != self._number:
+            self.close()
+            at = "" if self._replaced_at is None else f" at step {self._replaced_at}"
+            raise ConsumerError(
+                f"this iterator over the WeaveLoader was replaced by a newer iter(loader){at}, "
+                "which continues from there: a loader delivers each step once, so only its "
+                "newest iterator can be used. Leave one loop over the loader before starting "
+                "another, or use a second WeaveLoader for a separate pass (e.g. evaluation)"
+            )
+        try:
+            return next(self._steps)
+        except StopIteration:
+            self._ended = True
+            raise
+
+    def replaced(self, at: int | None) -> None:
+        """A newer iterator starts at step ``at``: stop this one's workers now."""
+        self._replaced_at = at
+        # Refused if it is running on another thread: it is stopped at its next step instead.
+        with contextlib.suppress(ValueError):
+            self.close()
+
+    def close(self) -> None:
+        """Leave the iteration: its DataLoader workers are shut down. Idempotent."""
+        self._steps.close()
