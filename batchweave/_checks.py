@@ -15,8 +15,10 @@ __all__ = [
     "MAX_NAME_SEGMENT_BYTES",
     "MAX_PRODUCER_ID_BYTES",
     "as_count",
+    "as_fraction",
     "as_int",
     "as_seconds",
+    "as_size",
     "check_at_least",
     "check_key_name",
     "check_namespace",
@@ -152,31 +154,60 @@ def as_int(name: str, value: object) -> int:
 def as_count(name: str, value: object, minimum: int) -> int:
     """``value`` as a plain ``int`` of at least ``minimum``: ``TypeError`` or ``ValueError``.
 
-    For sizes, counts and limits: ``16e6`` or ``"4"`` would otherwise be accepted here and fail
-    later, deep inside, with Python's own ``'float' object cannot be interpreted as an integer``.
+    For counts and limits: ``2.5`` or ``"4"`` would otherwise be accepted here and fail later,
+    deep inside, with Python's own ``'float' object cannot be interpreted as an integer``.
     """
     number = as_int(name, value)
     check_at_least(minimum, **{name: number})
     return number
 
 
-def as_seconds(name: str, value: object, *, minimum: float = 0.0) -> float:
-    """``value`` as a finite number of seconds of at least ``minimum``, else a clear error.
+def as_size(name: str, value: object, minimum: int) -> int:
+    """A size in bytes: :func:`as_count`, but a float holding a whole number is taken too.
+
+    Sizes are often written ``16e6`` or ``1e9``; ``1.5e3 + 0.5`` is still refused.
+    """
+    whole = (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, numbers.Integral)
+        and float(value).is_integer()  # False for inf and NaN
+    )
+    return as_count(name, int(float(value)) if whole else value, minimum)  # type: ignore[arg-type]
+
+
+def as_seconds(name: str, value: object, *, minimum: float = 0.0, finite: bool = False) -> float:
+    """``value`` as a number of seconds of at least ``minimum``, else a clear error.
 
     ``TypeError`` for a string or bool (``timeout="5"`` would otherwise fail at its first use
-    with ``'<' not supported between instances of 'str' and 'int'``), ``ValueError`` for NaN,
-    infinity or a value below ``minimum``.
+    with ``'<' not supported between instances of 'str' and 'int'``), ``ValueError`` for NaN or
+    a value below ``minimum``. Infinity is a timeout or a period that never ends, unless
+    ``finite`` (for what is slept: ``time.sleep(inf)`` raises).
     """
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        seconds = float(value)  # NumPy's floats and integers too
-    else:
-        try:
-            seconds = float(as_int(name, value))  # an integer type numbers.Real does not know
-        except TypeError:
-            raise TypeError(
-                f"{name} must be a number of seconds, got the {type(value).__name__} "
-                f"{value!r}; pass e.g. {name}=5.0"
-            ) from None
-    if not math.isfinite(seconds) or seconds < minimum:
-        raise ValueError(f"{name} must be a finite number of seconds >= {minimum}, got {value!r}")
+    seconds = _as_real(name, value, "a number of seconds", f"{name}=5.0")
+    if math.isnan(seconds) or seconds < minimum or (finite and math.isinf(seconds)):
+        bound = (
+            f"a finite number of seconds >= {minimum:g}" if finite else f">= {minimum:g} seconds"
+        )
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
     return seconds
+
+
+def as_fraction(name: str, value: object) -> float:
+    """``value`` as a number in ``(0, 1]`` (a share), else ``TypeError`` or ``ValueError``."""
+    share = _as_real(name, value, "a number in (0, 1]", f"{name}=0.5")
+    if not 0 < share <= 1:  # NaN too
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+    return share
+
+
+def _as_real(name: str, value: object, expected: str, example: str) -> float:
+    """``value`` as a ``float`` (NumPy numbers too), else ``TypeError`` saying ``expected``."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    try:
+        return float(as_int(name, value))  # an integer type numbers.Real does not know
+    except TypeError:
+        raise TypeError(
+            f"{name} must be {expected}, got the {type(value).__name__} {value!r}; pass e.g. "
+            f"{example}"
+        ) from None

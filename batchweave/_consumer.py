@@ -12,7 +12,6 @@ import functools
 import inspect
 import logging
 import math
-import numbers
 import os
 import struct
 import threading
@@ -24,7 +23,15 @@ from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-from batchweave._checks import as_count, as_int, as_seconds, check_key_name, check_store
+from batchweave._checks import (
+    as_count,
+    as_fraction,
+    as_int,
+    as_seconds,
+    as_size,
+    check_key_name,
+    check_store,
+)
 from batchweave._errors import (
     ChecksumMismatch,
     ConsumerError,
@@ -37,6 +44,7 @@ from batchweave._errors import (
     StoreUnavailable,
     TransientStoreError,
 )
+from batchweave._fork import current_pid
 from batchweave._format._checksum import checksum
 from batchweave._format._tgb import (
     TRAILER_SIZE,
@@ -49,7 +57,7 @@ from batchweave._format._tgb import (
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, SliceTable, TgbDescriptor, TgbObjectRef
 from batchweave._manifest._segments import find_segment
-from batchweave._mesh import Mesh
+from batchweave._mesh import Mesh, check_mesh
 from batchweave._outage import OutageLog, no_answer
 from batchweave._prefetch import Job, SingleFlightCache, Workers, gather
 from batchweave._projection import (
@@ -107,19 +115,9 @@ class _OpenConsumers:
 
 _OPEN: Final = _OpenConsumers()
 
-_pid = os.getpid()
-"""This process's id, kept current by a fork hook: no system call per step to compare it."""
-
-
-def _after_fork_in_child() -> None:
-    global _pid
-    _pid = os.getpid()
-    # The parent's consumers cannot read here (see Consumer._check_process): they take no share
-    # of this process's reads.
-    _OPEN.forget_all()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+# The parent's consumers cannot read in a forked child (see Consumer._check_process): they take
+# no share of the child's reads.
+os.register_at_fork(after_in_child=_OPEN.forget_all)
 
 _LATENCY_WEIGHT: Final = 0.2
 """Weight of the newest step in :attr:`ConsumerStats.read_latency` and
@@ -414,7 +412,7 @@ class Consumer:
         )
         self._store = store
         self._log = ManifestLog(store, namespace)
-        self._pid = _pid
+        self._pid = current_pid()
         self.namespace = namespace
         self.stride: int = options["stride"]
         self.prefetch: int = options["prefetch"]
@@ -555,7 +553,7 @@ class Consumer:
         return self
 
     def __next__(self) -> tuple[int, Any]:
-        if self._pid != _pid:
+        if self._pid != current_pid():
             self._check_process("next()")
         if self._closed:
             raise ConsumerError(
@@ -704,10 +702,10 @@ class Consumer:
         Its read-ahead threads did not survive the fork: a step they were reading would be
         waited for forever (``timeout`` bounds only waits for producers).
         """
-        if self._pid != _pid:
+        if self._pid != current_pid():
             raise ConsumerError(
                 f"{self!r} was created in process {self._pid} and {call} was called in process "
-                f"{_pid}, forked from it; its read threads stay in the parent. Create the "
+                f"{current_pid()}, forked from it; its read threads stay in the parent. Create the "
                 "Consumer in the child process (after forking), and load the parent's "
                 "state_dict() into it to continue from there"
             )
@@ -1462,21 +1460,14 @@ _COUNTS: Final = {
     "ramp_every": 1,
     "max_process_reads": 1,
     "max_workers": 1,
-    "map_threshold": 1,
-    "split_threshold": 1,
-    "part_size": 1,
     "footer_cache": 1,
     "retry_budget": 0,
 }
-"""The :class:`Consumer` options that are counts or sizes, with their smallest value."""
-_SECONDS: Final = (
-    "prefetch_min_latency",
-    "poll_interval",
-    "max_poll_interval",
-    "retry_backoff",
-    "max_retry_backoff",
-)
-"""The :class:`Consumer` options that are numbers of seconds (``timeout`` may also be None)."""
+"""The :class:`Consumer` options that are counts, with their smallest value."""
+_SIZES: Final = ("map_threshold", "split_threshold", "part_size")
+"""The :class:`Consumer` options that are sizes in bytes (at least 1; ``16e6`` is taken)."""
+_SECONDS: Final = ("poll_interval", "max_poll_interval", "retry_backoff", "max_retry_backoff")
+"""The :class:`Consumer` options that are finite numbers of seconds, slept between reads."""
 
 
 def _check_options(**options: Any) -> dict[str, Any]:
@@ -1492,24 +1483,22 @@ def _check_options(**options: Any) -> dict[str, Any]:
     for name, minimum in _COUNTS.items():
         if name in checked:
             checked[name] = as_count(name, checked[name], minimum)
-    latency = checked.get("prefetch_min_latency")
-    if isinstance(latency, int | float) and latency < 0:  # its message before as_seconds
-        raise ValueError(f"prefetch_min_latency must be >= 0 seconds, got {latency!r}")
-    for name in _SECONDS:
+    for name in _SIZES:
         if name in checked:
-            checked[name] = as_seconds(name, checked[name])
-    if checked.get("timeout") is not None:
+            checked[name] = as_size(name, checked[name], 1)
+    for name in _SECONDS:
+        if name in checked:  # slept: infinity would make time.sleep raise
+            checked[name] = as_seconds(name, checked[name], finite=True)
+    if "prefetch_min_latency" in checked:  # a threshold: infinity never reads ahead
+        checked["prefetch_min_latency"] = as_seconds(
+            "prefetch_min_latency", checked["prefetch_min_latency"]
+        )
+    if checked.get("timeout") is not None:  # infinity waits for ever, as None does
         checked["timeout"] = as_seconds("timeout", checked["timeout"])
     if "prefetch_max_cpu_share" in checked:
-        share = checked["prefetch_max_cpu_share"]
-        if isinstance(share, bool) or not isinstance(share, numbers.Real):
-            raise TypeError(
-                f"prefetch_max_cpu_share must be a number in (0, 1], got the "
-                f"{type(share).__name__} {share!r}; pass e.g. prefetch_max_cpu_share=0.3"
-            )
-        if not 0 < float(share) <= 1:  # also NaN
-            raise ValueError(f"prefetch_max_cpu_share must be in (0, 1], got {share!r}")
-        checked["prefetch_max_cpu_share"] = float(share)
+        checked["prefetch_max_cpu_share"] = as_fraction(
+            "prefetch_max_cpu_share", checked["prefetch_max_cpu_share"]
+        )
     both = {**_DEFAULTS, **checked}
     if not 0 < both["poll_interval"] <= both["max_poll_interval"]:
         raise ValueError(
@@ -1531,15 +1520,6 @@ _DEFAULTS: Final = {
 }
 
 
-def _check_mesh(mesh: object) -> None:
-    """Refuse a mesh that is not a :class:`Mesh` (a tuple or dict fails later, far from here)."""
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"mesh must be a batchweave.Mesh, got the {type(mesh).__name__} {mesh!r}; "
-            "e.g. mesh=batchweave.Mesh(dp=8, cp=2)"
-        )
-
-
 def _resolve_coordinates(
     mesh: Mesh,
     dp_rank: int | None,
@@ -1555,7 +1535,7 @@ def _resolve_coordinates(
     ``tp``, ``pp`` and ``order`` are checked either way: a job's degrees that cannot be right
     are a mistake even when explicit coordinates make them unused.
     """
-    _check_mesh(mesh)
+    check_mesh(mesh)
     tp, pp = as_count("tp", tp, 1), as_count("pp", pp, 1)
     if not isinstance(order, str):
         raise TypeError(

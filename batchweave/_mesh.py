@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from batchweave._checks import as_int
 
-__all__ = ["Mesh"]
+__all__ = ["Mesh", "check_mesh"]
 
 MAX_DEGREE = 1 << 20
 """Largest ``dp`` or ``cp`` (stored manifests and footers with a larger one fail to decode)."""
@@ -68,3 +68,12 @@ def _degree(name: str, value: object) -> int:
         bound = ">= 1" if degree < 1 else f"<= {MAX_DEGREE}"
         raise ValueError(f"Mesh {name} must be {bound}, got {degree}")
     return degree
+
+
+def check_mesh(mesh: object) -> None:
+    """Refuse a mesh that is not a :class:`Mesh`: a tuple or dict fails later, far from here."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"mesh must be a batchweave.Mesh, got the {type(mesh).__name__} {mesh!r}; "
+            "e.g. mesh=batchweave.Mesh(dp=8, cp=2)"
+        )

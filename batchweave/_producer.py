@@ -21,7 +21,6 @@ import atexit
 import functools
 import logging
 import math
-import os
 import random
 import secrets
 import threading
@@ -39,7 +38,9 @@ from batchweave._checks import (
     as_count,
     as_int,
     as_seconds,
+    as_size,
     check_key_name,
+    check_namespace,
     check_new_name,
     new_name_problem,
 )
@@ -57,6 +58,7 @@ from batchweave._errors import (
     StoreUnavailable,
     TransientStoreError,
 )
+from batchweave._fork import current_pid
 from batchweave._format._checksum import (
     CHECKSUM_ALGOS,
     DEFAULT_CHECKSUM_ALGO,
@@ -87,7 +89,7 @@ from batchweave._manifest._models import (
     TgbObjectRef,
     check_source,
 )
-from batchweave._mesh import Mesh
+from batchweave._mesh import Mesh, check_mesh
 from batchweave._outage import OutageLog
 from batchweave._policy import AttemptOutcome, CommitPolicy, resolve_policy
 from batchweave._store._base import ObjectStore, PutMode
@@ -196,18 +198,22 @@ class _AmbiguityCounter(StoreWrapper):
     """Passes every call to ``inner``; counts writes whose outcome came back unknown.
 
     The manifest log resolves ambiguous conditional writes itself; this is how the producer
-    still sees (and reports) how many of its commit attempts needed that resolution.
+    still sees (and reports) how many of its commit attempts needed that resolution. It keeps
+    the count itself: a callback into the producer would make a reference cycle, and a producer
+    dropped without ``close()`` would then wait for the cycle collector to be freed.
     """
 
-    def __init__(self, inner: ObjectStore, on_ambiguous: Callable[[], None]) -> None:
+    def __init__(self, inner: ObjectStore) -> None:
         super().__init__(inner)
-        self._on_ambiguous = on_ambiguous
+        self._lock = threading.Lock()
+        self.count = 0
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
         try:
             self.inner.put(key, data, mode=mode)
         except AmbiguousWriteError:
-            self._on_ambiguous()
+            with self._lock:
+                self.count += 1
             raise
 
     def close(self) -> None:
@@ -223,14 +229,6 @@ def _as_offset(value: object) -> int:
     if offset < 0:
         raise OffsetOrderError(f"offset must be a non-negative int, got {offset}")
     return offset
-
-
-def _as_seconds(name: str, value: object) -> float:
-    """``as_seconds`` (a finite number >= 0), its ``ValueError`` worded as ``name must be >= 0``."""
-    try:
-        return as_seconds(name, value)
-    except ValueError:
-        raise ValueError(f"{name} must be >= 0 seconds (a finite number), got {value!r}") from None
 
 
 _CALLABLE_EXAMPLES = {
@@ -342,17 +340,11 @@ class Producer:
     ) -> None:
         # Every argument is checked before the namespace is created or the epoch committed
         # (the length limits of a new namespace or id in _open_namespace and _start).
-        for name, value in (("namespace", namespace), ("producer_id", producer_id)):
-            if not isinstance(value, str):
-                raise TypeError(f"{name} must be a str, got the {type(value).__name__} {value!r}")
-        if not isinstance(mesh, Mesh):
-            raise TypeError(
-                f"mesh must be a batchweave.Mesh, got the {type(mesh).__name__} {mesh!r}; "
-                "e.g. mesh=batchweave.Mesh(dp=8, cp=2)"
-            )
+        check_namespace(namespace)
+        check_key_name("producer_id", producer_id)
+        check_mesh(mesh)
         if "/" in producer_id:
             raise ValueError(f"producer_id {producer_id!r} must not contain '/'")
-        check_key_name("producer_id", producer_id)
         if source is not None:
             if not isinstance(source, str):
                 raise TypeError(
@@ -367,15 +359,15 @@ class Producer:
         # later, deep inside (a str in a comparison, a float where a count is needed).
         max_lag = None if max_lag is None else as_count("max_lag", max_lag, 0)
         upload_threads = as_count("upload_threads", upload_threads, 1)
-        max_inflight_bytes = as_count("max_inflight_bytes", max_inflight_bytes, 1)
+        max_inflight_bytes = as_size("max_inflight_bytes", max_inflight_bytes, 1)
         max_retries = as_count("max_retries", max_retries, 0)
         slice_table_limit = as_count("slice_table_limit", slice_table_limit, 0)
         tail_limit = as_count("tail_limit", tail_limit, 1)
         if tail_bytes_limit is not None:
-            tail_bytes_limit = as_count("tail_bytes_limit", tail_bytes_limit, 1)
-        refresh_age = _as_seconds("refresh_age", refresh_age)
-        active_horizon = _as_seconds("active_horizon", active_horizon)
-        lag_log_interval = _as_seconds("lag_log_interval", lag_log_interval)
+            tail_bytes_limit = as_size("tail_bytes_limit", tail_bytes_limit, 1)
+        refresh_age = as_seconds("refresh_age", refresh_age)
+        active_horizon = as_seconds("active_horizon", active_horizon)
+        lag_log_interval = as_seconds("lag_log_interval", lag_log_interval)
         for name, function in (
             ("clock", clock),
             ("wall_clock", wall_clock),
@@ -400,7 +392,7 @@ class Producer:
             check_compression(compression)
         except ValueError as exc:
             raise ValueError(f"producer {producer_id!r}: {exc}") from None
-        self._pid = os.getpid()
+        self._pid = current_pid()
         """The process that created this producer: the only one its threads run in."""
         self._store = store
         self._namespace = namespace
@@ -434,8 +426,9 @@ class Producer:
 
         self._cond = threading.Condition()
         self._outage = OutageLog(_LOG, f"producer {producer_id!r}", clock=clock)
+        self._ambiguity = _AmbiguityCounter(store)
         self._log = ManifestLog(
-            _AmbiguityCounter(store, self._count_ambiguous),
+            self._ambiguity,
             namespace,
             clock=wall_clock,
             monotonic=clock,
@@ -464,7 +457,6 @@ class Producer:
                 "attempts",
                 "commits",
                 "conflicts",
-                "ambiguous",
                 "transient_errors",
                 "tgbs_published",
                 "bytes_published",
@@ -768,7 +760,7 @@ class Producer:
                 attempts=self._stats["attempts"],
                 commits=self._stats["commits"],
                 conflicts=self._stats["conflicts"],
-                ambiguous=self._stats["ambiguous"],
+                ambiguous=self._ambiguity.count,
                 transient_errors=self._stats["transient_errors"],
                 tgbs_published=self._stats["tgbs_published"],
                 bytes_published=self._stats["bytes_published"],
@@ -807,7 +799,7 @@ class Producer:
         # Freed without close() or abort(): only once it had nothing left to commit (_BUSY holds
         # it until then), so this stops idle threads.
         try:
-            if not self.__dict__.get("_started") or self._closed or self._pid != os.getpid():
+            if not self.__dict__.get("_started") or self._closed or self._pid != current_pid():
                 return
             self._aborted = True  # the commit thread also ends on its own: it sees no producer
             _UNCLOSED.discard(self)
@@ -826,10 +818,10 @@ class Producer:
 
     def _check_process(self) -> None:
         """Refuse use in a fork()ed child: the threads that upload and commit are the parent's."""
-        if os.getpid() != self._pid:
+        if current_pid() != self._pid:
             raise ProducerError(
                 f"producer {self._producer_id!r} was created in process {self._pid} and cannot be "
-                f"used in process {os.getpid()}, a fork()ed child: its upload and commit threads "
+                f"used in process {current_pid()}, a fork()ed child: its upload and commit threads "
                 "run only in the parent, so nothing appended here would ever be committed. Create "
                 "the Producer in the child process, after forking (or start workers with the "
                 "'spawn' or 'forkserver' method)"
@@ -841,7 +833,7 @@ class Producer:
         Says at WARNING what it commits, and at ERROR what stays uncommitted if that fails or
         times out (the producer is then aborted). Returns the failure, if any.
         """
-        if self._pid != os.getpid():
+        if self._pid != current_pid():
             return None  # a fork()ed copy: the parent's exit closes the producer
         with self._cond:
             if self._closed:
@@ -851,10 +843,10 @@ class Producer:
             failed = self._error is not None  # what it holds cannot be committed: said below
         if pending and not failed:
             _LOG.warning(
-                "producer %r of namespace %r was not closed: committing its %d appended but "
-                "uncommitted TGBs (%s) as the interpreter exits, for at most %g s "
-                "(EXIT_CLOSE_TIMEOUT); call close(), or use `with bw.Producer(...) as p:`, to "
-                "commit them before exiting",
+                "producer %r of namespace %r was not closed when the interpreter began to "
+                "exit: committing its %d appended but uncommitted TGBs (%s) now, for at most "
+                "%g s (EXIT_CLOSE_TIMEOUT); close it before the main thread ends (use `with "
+                "bw.Producer(...) as p:`; an atexit function runs too late) to see its errors",
                 self._producer_id,
                 self._namespace,
                 pending,
@@ -1200,10 +1192,6 @@ class Producer:
                 with self._cond:
                     self._inflight_bytes -= entry.size
                     self._cond.notify_all()
-
-    def _count_ambiguous(self) -> None:
-        with self._cond:
-            self._stats["ambiguous"] += 1
 
     def _note_transient(
         self,

@@ -82,16 +82,12 @@ def retire_producers(
     # Every argument is checked before the first request.
     check_store(store)
     check_namespace(namespace)
-    try:
-        seconds = as_seconds("idle_for", idle_for)  # a TypeError for "7d" or True
-    except ValueError:
-        seconds = math.nan  # NaN, inf or negative: refused below, with what to pass
-    if not seconds > 0:
+    idle_for = as_seconds("idle_for", idle_for)  # a TypeError for "7d" or True
+    if not 0 < idle_for < math.inf:
         raise ValueError(
             f"idle_for must be a positive number of seconds, got {idle_for!r}; ids idle that "
             "long are retired, so use a day or more (idle_for=86400)"
         )
-    idle_for = seconds
     attempts = as_count("attempts", attempts, 1)
     named = None if producer_ids is None else _as_ids(producer_ids)
     log = ManifestLog(store, namespace)
