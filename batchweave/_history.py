@@ -153,13 +153,19 @@ def iter_membership(
 
     Costs one footer range read per TGB object (slices are not read). ``manifest`` defaults to
     the namespace's newest version. ``progress(done, total)`` is called as steps are read.
-    Raises :class:`StepReclaimed` when a reclamation pass deletes steps not yet read (a
-    partial history would pass for the whole one).
+    Raises :class:`StepReclaimed` for a ``start`` below ``base_step`` and when a reclamation
+    pass deletes steps not yet read (a partial history would pass for the whole one).
     """
     log = ManifestLog(store, namespace)
     if manifest is None:
         manifest = log.create_or_open()
-    first = manifest.base_step if start is None else max(start, manifest.base_step)
+    if start is not None and start < manifest.base_step:
+        raise StepReclaimed(
+            f"start {start} is below base_step {manifest.base_step} of namespace {namespace!r}: "
+            f"steps 0..{manifest.base_step - 1} were reclaimed and their membership is gone; "
+            f"start at {manifest.base_step} or later, or omit start"
+        )
+    first = manifest.base_step if start is None else start
     last = manifest.next_step if stop is None else min(stop, manifest.next_step)
     cp = manifest.mesh.cp
     total = max(0, last - first)

@@ -15,6 +15,7 @@ import batchweave as bw
 import batchweave._format._tgb as tgb
 from batchweave import MemoryStore, Mesh
 from batchweave._history import SAMPLE_IDS_KEY, iter_membership
+from batchweave._manifest import Committed, ManifestLog
 
 
 @pytest.fixture
@@ -54,3 +55,18 @@ def test_sample_ids_are_exported_per_slice() -> None:
         p.append([b"x", b"y"], offset=0, metadata={SAMPLE_IDS_KEY: '[["a", 1], []]'})
     rows = list(iter_membership(store, "h"))
     assert [(r.dp, r.sample_ids) for r in rows] == [(0, ("a", "1")), (1, ())]
+
+
+def test_a_start_below_base_step_is_refused_not_clipped() -> None:
+    # Before: rows from base_step on, as if the history began there (the CLI refused it).
+    store = MemoryStore()
+    mesh = Mesh(dp=1)
+    with bw.Producer(store, "run", producer_id="p", mesh=mesh) as producer:
+        for offset in range(4):
+            producer.append([b"x"], offset=offset)
+    log = ManifestLog(store, "run")
+    assert isinstance(log.commit(log.latest(), base_step=2), Committed)
+    with pytest.raises(bw.StepReclaimed, match="start 1 is below base_step 2 of namespace 'run'"):
+        list(iter_membership(store, "run", start=1))
+    assert [row.step for row in iter_membership(store, "run", start=2)] == [2, 3]
+    assert [row.step for row in iter_membership(store, "run")] == [2, 3]
