@@ -447,6 +447,8 @@ class Producer:
         self._aborted = False
         self._closing = False
         self._closed = False
+        self._exit_failure: ProducerError | None = None
+        """What the exit hook could not commit, for a ``close()`` after it (an atexit one)."""
         self._flush_waiters = 0
         self._seal_requested = False
         self._sealed = False
@@ -724,6 +726,9 @@ class Producer:
         """
         self._check_process()
         if self._closed:
+            failure, self._exit_failure = self._exit_failure, None
+            if failure is not None:  # closed by the exit hook, which could not commit it all
+                raise failure
             return
         try:
             with self._cond:
@@ -880,6 +885,12 @@ class Producer:
                     self._producer_id,
                     0 if committed is None else committed + 1,
                 )
+                self._exit_failure = ProducerError(
+                    f"producer {self._producer_id!r} was closed as the interpreter exited, and "
+                    f"{left} TGBs ({offsets}) are NOT committed: restart it with this "
+                    "producer_id and feed it from its resume_offset"
+                )
+                self._exit_failure.__cause__ = exc
             return exc
         self._shutdown(
             abort=self._error is not None, join_timeout=max(0.0, deadline - time.monotonic())

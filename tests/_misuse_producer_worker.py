@@ -6,12 +6,15 @@
   them by itself) and exits without ``close()``;
 - ``exit-during-outage``: appends offset 0 while every data upload raises ``StoreUnavailable``,
   then dies of an unhandled exception, still without ``close()`` (``EXIT_CLOSE_TIMEOUT`` 0.5 s);
+- ``atexit-close-during-outage``: the same outage, with ``close()`` registered by ``atexit``
+  (which runs after BatchWeave's exit hook): prints what that ``close()`` raised;
 - ``fork``: creates and uses a producer, then calls it from a ``fork()``ed child, which prints
   one JSON line: for each call, how long it took and what it raised.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -55,6 +58,23 @@ def exit_during_outage(url: str) -> None:
     raise RuntimeError("the script's own bug, after append")
 
 
+def atexit_close_during_outage(url: str) -> None:
+    _producer.EXIT_CLOSE_TIMEOUT = 0.5
+    store = DataUploadsDown(bw.open_store(url))
+    p = bw.Producer(store, "ns", producer_id="p0", mesh=MESH, backoff=lambda attempt: 0.05)
+
+    def close() -> None:
+        try:
+            p.close()
+            print("atexit close: returned", flush=True)
+        except bw.ProducerError as exc:
+            print(f"atexit close: {type(exc).__name__}: {exc}", flush=True)
+
+    atexit.register(close)
+    p.append(payloads(0), offset=0)
+    print("appended", flush=True)
+
+
 def _child(p: bw.Producer, conn: multiprocessing.connection.Connection) -> None:
     calls: dict[str, Callable[[], object]] = {
         "append": lambda: p.append(payloads(1), offset=1),
@@ -92,5 +112,6 @@ def fork(url: str) -> None:
 
 if __name__ == "__main__":
     modes = {"exit-without-close": exit_without_close, "exit-during-outage": exit_during_outage}
+    modes["atexit-close-during-outage"] = atexit_close_during_outage
     modes["fork"] = fork
     modes[sys.argv[1]](sys.argv[2])

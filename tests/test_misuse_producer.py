@@ -85,6 +85,16 @@ def test_an_unclosed_producer_in_an_outage_lets_the_process_exit_and_names_the_l
     assert resume_offset(url) == 0
 
 
+def test_a_close_registered_with_atexit_after_a_failed_exit_close_raises(tmp_path: Path) -> None:
+    # The exit hook runs before atexit functions; when it could not commit (an outage), the
+    # user's own atexit close() returned as if all were well.
+    done = run_worker("atexit-close-during-outage", f"file://{tmp_path}", timeout=20.0)
+    assert "atexit close: ProducerError: producer 'p0' was closed as the interpreter exited" in (
+        done.stdout
+    ), (done.stdout, done.stderr)
+    assert "1 TGBs (offsets 0..0) are NOT committed" in done.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # a producer dropped without close()
 
