@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -578,6 +579,46 @@ def test_export_overwrite_refuses_the_wrong_kind_before_reading(
     result = invoke("export", str(root), NAMESPACE, str(dest), "--format", fmt, "--overwrite")
     assert result.exit_code == 2
     assert needle in result.output
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "foreign directory"])
+def test_export_overwrite_replaces_only_a_parquet_file_or_a_lance_dataset(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """--overwrite replaced a symlink, a FIFO (or /dev/stdout, as root) with a regular file, and
+    turned a directory of other files into a Lance dataset."""
+    target = tmp_path / "real.parquet"
+    target.write_bytes(b"PAR1 the user's own file")
+    if kind == "symlink":
+        dest, needle = tmp_path / "link.parquet", "is a symbolic link or a special file"
+        dest.symlink_to(target)
+    elif kind == "fifo":
+        dest, needle = tmp_path / "pipe.parquet", "is a symbolic link or a special file"
+        os.mkfifo(dest)
+    else:
+        dest, needle = tmp_path / "notes", "is a directory holding other files"
+        dest.mkdir()
+        (dest / "notes.txt").write_text("mine")
+
+    def no_store(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the store was opened")
+
+    monkeypatch.setattr(cli_app, "_open", no_store)
+    result = invoke("export", str(root), NAMESPACE, str(dest), "--overwrite")
+    assert result.exit_code == 2
+    assert needle in result.output
+    assert target.read_bytes() == b"PAR1 the user's own file"
+    assert dest.is_symlink() or not dest.is_file()  # nothing was put in its place
+
+
+def test_export_overwrite_into_an_empty_directory_writes_a_dataset(
+    root: Path, tmp_path: Path
+) -> None:
+    publish(root)
+    dest = tmp_path / "empty"
+    dest.mkdir()
+    run("export", str(root), NAMESPACE, str(dest), "--overwrite")
+    assert lance.dataset(str(dest)).count_rows() > 0
 
 
 @pytest.mark.parametrize(("port", "ok"), [(65528, True), (65529, False), (65535, False)])

@@ -10,6 +10,7 @@ stderr; 130 interrupted (Ctrl-C); 141 stdout closed by its reader (``| head``); 
 from __future__ import annotations
 
 import shutil
+import stat
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -419,10 +420,21 @@ def export(
         raise CliFailure(f"--stop {stop} must be greater than --start {start}")
     if fmt == "auto":
         fmt = "parquet" if destination.suffix == ".parquet" else "lance"
-    if destination.exists() and not overwrite:
+    if (destination.exists() or destination.is_symlink()) and not overwrite:
         raise CliFailure(f"{destination} exists; pass --overwrite to replace it")
     # --overwrite replaces a file with a file and a dataset with a dataset: refuse the wrong
     # kind now, not after reading the whole history.
+    if destination.is_symlink() or (destination.exists() and not _file_or_dir(destination)):
+        raise CliFailure(
+            f"{destination} is a symbolic link or a special file (a FIFO, a device); "
+            "--overwrite replaces only a regular Parquet file or a Lance dataset directory: "
+            "choose another destination"
+        )
+    if fmt == "lance" and destination.is_dir() and not _lance_or_empty(destination):
+        raise CliFailure(
+            f"{destination} is a directory holding other files, not a Lance dataset; "
+            "--overwrite replaces only a dataset: choose another destination"
+        )
     if fmt == "parquet" and destination.is_dir():
         raise CliFailure(
             f"{destination} is a directory (a Lance dataset?); --format parquet writes a file: "
@@ -450,7 +462,8 @@ def export(
                 f"exporting to Lance needs pylance ({exc}); pip install 'batchweave[lance]' "
                 "or use --format parquet"
             ) from exc
-        created = not destination.exists()
+        # An empty directory counts as created here: it holds nothing a failure could spoil.
+        created = not destination.exists() or not any(destination.iterdir())
         try:
             with progress_bar("exporting") as progress, deferred_interrupt() as check:
 
@@ -474,6 +487,17 @@ def export(
                 shutil.rmtree(destination, ignore_errors=True)
             raise
     click.echo(f"exported {rows} rows ({fmt}) to {destination}")
+
+
+def _file_or_dir(path: Path) -> bool:
+    """Whether ``path`` is a regular file or a directory (not a FIFO, socket or device)."""
+    mode = path.lstat().st_mode
+    return stat.S_ISREG(mode) or stat.S_ISDIR(mode)
+
+
+def _lance_or_empty(directory: Path) -> bool:
+    """Whether ``directory`` holds a Lance dataset (its ``_versions/``) or nothing at all."""
+    return (directory / "_versions").is_dir() or not any(directory.iterdir())
 
 
 def _check_export_range(manifest: Manifest, start: int | None, stop: int | None) -> None:
