@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchweave._checks import as_count
 from batchweave._errors import ChecksumMismatch, FormatError, ObjectNotFound, StepReclaimed
 from batchweave._format._checksum import checksum
 from batchweave._format._sample_ids import SAMPLE_IDS_KEY, parse_sample_ids, sample_ids_metadata
@@ -156,6 +157,8 @@ def iter_membership(
     Raises :class:`StepReclaimed` for a ``start`` below ``base_step`` and when a reclamation
     pass deletes steps not yet read (a partial history would pass for the whole one).
     """
+    start = None if start is None else as_count("start", start, 0)  # not "5", True or -1
+    stop = None if stop is None else as_count("stop", stop, 0)
     log = ManifestLog(store, namespace)
     if manifest is None:
         manifest = log.create_or_open()

@@ -70,3 +70,24 @@ def test_a_start_below_base_step_is_refused_not_clipped() -> None:
         list(iter_membership(store, "run", start=1))
     assert [row.step for row in iter_membership(store, "run", start=2)] == [2, 3]
     assert [row.step for row in iter_membership(store, "run")] == [2, 3]
+
+
+@pytest.mark.parametrize(
+    ("window", "error", "match"),
+    [
+        ({"start": True}, TypeError, "start must be an integer, got the bool"),
+        ({"start": "5"}, TypeError, "start must be an integer, got the str"),
+        ({"start": -1}, ValueError, "start must be >= 0, got -1"),
+        ({"stop": -3}, ValueError, "stop must be >= 0, got -3"),
+    ],
+)
+def test_a_window_of_the_wrong_type_or_sign_is_refused(
+    window: dict[str, object], error: type[Exception], match: str
+) -> None:
+    # Before: True exported from step 1, "5" failed comparing str and int, and -1 was called a
+    # reclaimed step ("steps 0..-1 were reclaimed").
+    store = MemoryStore()
+    with bw.Producer(store, "run", producer_id="p", mesh=Mesh(dp=1)) as producer:
+        producer.append([b"x"], offset=0)
+    with pytest.raises(error, match=match):
+        list(iter_membership(store, "run", **window))  # type: ignore[arg-type]
