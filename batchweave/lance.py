@@ -29,7 +29,7 @@ import lance
 import numpy as np
 import pyarrow as pa
 
-from batchweave._checks import as_int
+from batchweave._checks import as_count, as_int
 from batchweave._history import MEMBERSHIP_SCHEMA, membership_batches
 from batchweave._manifest._models import MAX_SOURCE_LENGTH
 from batchweave._store._base import ObjectStore
@@ -86,7 +86,7 @@ class LanceSource:
         if epochs is not None:
             epochs = as_int("epochs", epochs)
         if version is not None:
-            version = as_int("version", version)
+            version = as_count("version", version, 0)  # -1 overflowed inside Lance
         if rows_per_batch < 1:
             raise ValueError(f"rows_per_batch must be >= 1, got {rows_per_batch}")
         if seed < 0:

@@ -335,7 +335,7 @@ def test_s3_settings_exported_in_the_environment_do_not_break_a_local_store(
     option = "--" + variable.removeprefix("BATCHWEAVE_").lower().replace("_", "-")
     result = CliRunner().invoke(cli, ["inspect", str(root), NAMESPACE, option, value])
     assert result.exit_code == 2, result.output
-    assert f"{option} apply to s3:// only" in result.output
+    assert f"{option} applies to s3:// only" in result.output
 
 
 @pytest.mark.parametrize("name", ["s3", "file", "memory", "S3"])

@@ -1149,7 +1149,7 @@ def test_cli_probe_timeout_bounds_the_wait_for_a_silent_endpoint(
 def test_cli_probe_timeout_applies_to_s3_only(tmp_path: Any) -> None:
     code, out = _run_cli("check", str(tmp_path), "--probe-timeout", "5")
     assert code == 2
-    assert "--probe-timeout apply to s3:// only" in out
+    assert "--probe-timeout applies to s3:// only" in out
     code, out = _run_cli("check", "s3://bucket/p", "--probe-timeout", "0")
     assert code == 2
     assert "--probe-timeout" in out

@@ -83,6 +83,8 @@ def test_bad_arguments_are_refused(dataset: str) -> None:
         LanceSource(dataset, rows_per_batch=0)
     with pytest.raises(ValueError, match="shard"):
         LanceSource(dataset, rows_per_batch=1, shard=3, num_shards=3)
+    with pytest.raises(ValueError, match="version must be >= 0, got -1"):  # was OverflowError
+        LanceSource(dataset, rows_per_batch=1, version=-1)
 
 
 def test_a_producer_fed_by_the_source_exports_its_history(dataset: str, tmp_path: Path) -> None:

@@ -296,7 +296,9 @@ def open_cli_store(
         # command; only options typed on this command line are refused.
         s3 = {name: value for name, value in s3.items() if not _from_environment(name)}
     if s3 and scheme != "s3":
-        raise CliFailure(f"{', '.join('--' + k.replace('_', '-') for k in s3)} apply to s3:// only")
+        verb = "applies" if len(s3) == 1 else "apply"
+        names = ", ".join("--" + k.replace("_", "-") for k in s3)
+        raise CliFailure(f"{names} {verb} to s3:// only")
     try:
         parts = urlsplit(url)
     except ValueError:  # malformed (s3://[::1/x): open_store says what is wrong with it
