@@ -6,7 +6,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 
-from batchweave import ByteRange, ObjectStore, PutMode, StoreWrapper
+from batchweave import ByteRange, Mesh, ObjectStore, PutMode, StoreWrapper, encode_tgb
 from batchweave._format._checksum import checksum
 from batchweave._manifest import (
     Committed,
@@ -31,6 +31,7 @@ __all__ = [
     "envelope",
     "grow",
     "landed_then",
+    "one_object_per_chunk",
 ]
 
 KEY = "runs/x/_manifests/00000000000000000007.manifest"
@@ -151,6 +152,38 @@ class FaultyPutStore(StoreWrapper):
             super().put(key, data, mode=mode)
         if error is not None:
             raise error
+
+
+def one_object_per_chunk(log: ManifestLog, step: int, chunks: list[bytes]) -> TgbDescriptor:
+    """A descriptor of producer ``ext`` for ``step`` whose CP chunk ``c`` is object ``c``.
+
+    The format allows a TGB to be several objects (``TgbObjectRef.first_slice``); BatchWeave's
+    producer writes one, so tests build such a TGB by hand (for a mesh ``dp=1, cp=len(chunks)``).
+    """
+    refs = []
+    for chunk, payload in enumerate(chunks):
+        encoded = encode_tgb([payload], Mesh(dp=1))
+        key = f"data/ext/0/{step:020d}-{chunk:032x}.tgb"
+        log.store.put_parts(log.key(key), encoded.parts)
+        refs.append(
+            TgbObjectRef(
+                key=key,
+                size=encoded.size,
+                first_slice=chunk,
+                slice_count=1,
+                footer_offset=encoded.footer_offset,
+                footer_length=encoded.footer_length,
+                footer_checksum=checksum(encoded.footer_bytes, encoded.footer.checksum_algo),
+            )
+        )
+    return TgbDescriptor(
+        producer_id="ext",
+        epoch=0,
+        offset=step,
+        objects=tuple(refs),
+        bytes=0,
+        samples=len(chunks),
+    )
 
 
 def grow(log: ManifestLog, head: Manifest, count: int, sizes: list[int] | None = None) -> Manifest:

@@ -14,6 +14,7 @@ import threading
 
 import pytest
 from fake_time import FakeTime
+from manifest_helpers import one_object_per_chunk
 from prometheus_client import CollectorRegistry
 from test_consumer import parse, produce
 
@@ -26,9 +27,7 @@ from batchweave import (
     StoreWrapper,
     track_metrics,
 )
-from batchweave._format._checksum import checksum
-from batchweave._format._tgb import encode_tgb
-from batchweave._manifest import Committed, ManifestLog, TgbDescriptor, TgbObjectRef
+from batchweave._manifest import Committed, ManifestLog
 
 STEPS = 40
 MULTI_OBJECT_STEPS = 20
@@ -247,25 +246,8 @@ def _two_objects_per_tgb(store: ObjectStore, namespace: str) -> None:
     log = ManifestLog(store, namespace)
     base = log.create_or_open(Mesh(dp=1, cp=2))
     for step in range(MULTI_OBJECT_STEPS):
-        refs = []
-        for chunk in range(2):
-            encoded = encode_tgb([f"{step}:{chunk}".encode()], Mesh(dp=1))
-            key = f"data/ext/0/{step:020d}-{chunk:032x}.tgb"
-            store.put_parts(log.key(key), encoded.parts)
-            refs.append(
-                TgbObjectRef(
-                    key=key,
-                    size=encoded.size,
-                    first_slice=chunk,
-                    slice_count=1,
-                    footer_offset=encoded.footer_offset,
-                    footer_length=encoded.footer_length,
-                    footer_checksum=checksum(encoded.footer_bytes, encoded.footer.checksum_algo),
-                )
-            )
-        desc = TgbDescriptor(
-            producer_id="ext", epoch=0, offset=step, objects=tuple(refs), bytes=0, samples=2
-        )
+        chunks = [f"{step}:{chunk}".encode() for chunk in range(2)]
+        desc = one_object_per_chunk(log, step, chunks)
         result = log.commit(base, append=[desc], seal=step == MULTI_OBJECT_STEPS - 1)
         assert isinstance(result, Committed)
         base = result.manifest

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from manifest_helpers import one_object_per_chunk
 from prometheus_client import CollectorRegistry
 
 import batchweave as bw
@@ -40,7 +41,7 @@ from batchweave._manifest._codec import (
     forget_decoded,
 )
 from batchweave._manifest._log import Committed, ManifestLog
-from batchweave._manifest._models import TgbDescriptor, TgbObjectRef
+from batchweave._manifest._models import TgbObjectRef
 from batchweave._mesh import MAX_DEGREE
 from batchweave.cli._check import check_store
 
@@ -141,25 +142,8 @@ def test_rows_of_a_step_in_several_objects_name_each_slice_by_its_position() -> 
     store = MemoryStore()
     log = ManifestLog(store, NS)
     base = log.create_or_open(Mesh(dp=1, cp=2))
-    refs = []
-    for chunk in range(2):
-        encoded = encode_tgb([b"chunk %d" % chunk], Mesh(dp=1))
-        key = f"data/ext/0/{0:020d}-{chunk:032x}.tgb"
-        store.put_parts(log.key(key), encoded.parts)
-        refs.append(
-            TgbObjectRef(
-                key=key,
-                size=encoded.size,
-                first_slice=chunk,
-                slice_count=1,
-                footer_offset=encoded.footer_offset,
-                footer_length=encoded.footer_length,
-                footer_checksum=checksum(encoded.footer_bytes, encoded.footer.checksum_algo),
-            )
-        )
-    desc = TgbDescriptor(
-        producer_id="ext", epoch=0, offset=0, objects=tuple(refs), bytes=0, samples=2
-    )
+    desc = one_object_per_chunk(log, 0, [b"chunk 0", b"chunk 1"])
+    refs = desc.objects
     assert isinstance(log.commit(base, append=[desc]), Committed)
     rows = list(iter_membership(store, NS))
     assert [(r.dp, r.cp, r.key) for r in rows] == [(0, 0, refs[0].key), (0, 1, refs[1].key)]
