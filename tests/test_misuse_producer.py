@@ -14,7 +14,7 @@ import threading
 import traceback
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +107,7 @@ class _GatedUploads(bw.StoreWrapper):
         self.gate = threading.Event()
         self.started = threading.Event()
 
-    def put_parts(self, key: str, parts: Iterable[bytes | memoryview], **kwargs: Any) -> None:
+    def put_parts(self, key: str, parts: Sequence[bytes | memoryview], **kwargs: Any) -> None:
         if "/data/" in key:
             self.started.set()
             assert self.gate.wait(30), "test gate never opened"
