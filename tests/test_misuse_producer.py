@@ -213,15 +213,21 @@ def test_a_producer_used_in_a_forked_child_raises_at_once_naming_both_processes(
 # a stored background failure, raised again and again
 
 
-def test_a_stored_failure_is_raised_with_its_own_traceback_each_time() -> None:
-    # The same exception object was raised by every later call, and each raise added its
-    # frames to the traceback: by the third call it held all three call sites (16 frames).
-    store = MemoryStore()
+def fenced_holding_offset_1(store: bw.ObjectStore) -> bw.Producer:
+    """Producer ``p0`` that committed offset 0, was fenced by a newer incarnation, then was
+    given offset 1, which it can never commit (its commit loop stores ``ProducerFenced``)."""
     old = bw.Producer(store, NS, producer_id="p0", mesh=MESH, policy="naive")
     old.append(payloads(0), offset=0)
     old.flush()
     bw.Producer(store, NS, producer_id="p0", mesh=MESH).close()  # fences `old`
     old.append(payloads(1), offset=1)
+    return old
+
+
+def test_a_stored_failure_is_raised_with_its_own_traceback_each_time() -> None:
+    # The same exception object was raised by every later call, and each raise added its
+    # frames to the traceback: by the third call it held all three call sites (16 frames).
+    old = fenced_holding_offset_1(MemoryStore())
 
     def first_call() -> None:
         old.flush()

@@ -19,18 +19,12 @@ from typing import Any
 
 import pytest
 from fake_time import FakeTime
+from test_misuse_producer import MESH, NS, fenced_holding_offset_1, payloads
 
 import batchweave as bw
 from batchweave import _producer
 from batchweave._fork import current_pid
 from batchweave._store._memory import MemoryStore
-
-MESH = bw.Mesh(dp=2, cp=1)
-NS = "ns"
-
-
-def payloads(offset: int) -> list[bytes]:
-    return [f"{offset}/{i}".encode() for i in range(MESH.slices)]
 
 
 class _HeldUploads(bw.StoreWrapper):
@@ -152,11 +146,7 @@ def test_a_failed_producer_dropped_with_uncommitted_tgbs_is_kept_for_the_exit_ho
     # _fail keeps a producer holding uncommitted TGBs in _BUSY, so the exit hook can name them
     # at ERROR; one freed at once only says so in a ResourceWarning, hidden by default.
     store = MemoryStore()
-    old = bw.Producer(store, NS, producer_id="p0", mesh=MESH, policy="naive")
-    old.append(payloads(0), offset=0)
-    old.flush()
-    bw.Producer(store, NS, producer_id="p0", mesh=MESH).close()  # fences `old`
-    old.append(payloads(1), offset=1)
+    old = fenced_holding_offset_1(store)
     with pytest.raises(bw.ProducerFenced):
         old.flush()
     old._committer.join(10)  # the commit thread ended, letting go of the producer
