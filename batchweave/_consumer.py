@@ -29,7 +29,7 @@ from batchweave._checks import (
     as_int,
     as_seconds,
     as_size,
-    check_key_name,
+    check_namespace,
     check_store,
 )
 from batchweave._errors import (
@@ -381,7 +381,7 @@ class Consumer:
         cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
         check_store(store)
-        check_key_name("namespace", namespace)
+        check_namespace(namespace)
         # Every count, size and number of seconds, checked before anything is made: a float
         # size (part_size=16e6) or a string timeout would otherwise fail at a later next(),
         # deep inside. Plain ints and floats: start_step ends up in state_dict(), which must

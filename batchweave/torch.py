@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, default_convert, get_worker_info
 
-from batchweave._checks import as_count, as_seconds, check_key_name
+from batchweave._checks import as_count, as_seconds, check_namespace
 from batchweave._consumer import Consumer, _check_options, _resolve_coordinates
 from batchweave._errors import ConsumerError, ConsumerTimeout, NamespaceNotFound
 from batchweave._mesh import Mesh
@@ -119,7 +119,7 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
                 f"store must be an opened store or a store URL, got the {type(store).__name__} "
                 f"{store!r}; e.g. WeaveDataset('s3://bucket/prefix', ...)"
             )
-        check_key_name("namespace", namespace)
+        check_namespace(namespace)
         consumer_options = _check_options(**consumer_options)
         self.store = store
         self.namespace = namespace

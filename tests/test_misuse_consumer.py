@@ -311,6 +311,15 @@ def test_a_namespace_or_mesh_of_the_wrong_type_is_a_type_error_naming_it(
         WeaveDataset("memory://x", namespace, mesh=mesh, dp_rank=0)
 
 
+def test_a_namespace_ending_in_a_slash_is_refused_when_the_dataset_is_made() -> None:
+    # The consumer refused it (through its manifest log); the dataset took it, and every
+    # DataLoader worker's consumer then failed.
+    with pytest.raises(ValueError, match="namespace 'ns/' must not end with '/'"):
+        Consumer(MemoryStore(), "ns/", mesh=MESH, dp_rank=0)
+    with pytest.raises(ValueError, match="namespace 'ns/' must not end with '/'"):
+        WeaveDataset("memory://x", "ns/", mesh=MESH, dp_rank=0)
+
+
 def test_numbers_of_other_types_are_kept_as_plain_ints_and_floats() -> None:
     consumer = Consumer(
         MemoryStore(),
