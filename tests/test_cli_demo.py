@@ -310,6 +310,28 @@ def test_demo_refuses_arguments_that_cannot_work_before_starting(
         _check(DemoConfig(**options))
 
 
+@pytest.mark.parametrize(
+    ("namespace", "needle"),
+    [("../x", "'..' segment"), ("ns/", "must not end with '/'"), ("a" * 300, "300-byte part")],
+    ids=["dot-dot", "trailing-slash", "too-long"],
+)
+def test_demo_refuses_a_bad_namespace_before_making_any_directory(
+    tmp_path: Path, namespace: str, needle: str
+) -> None:
+    # Before: the demo made weave-data/store/.bw-tmp in the working directory, then refused.
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchweave.cli", "demo", "--namespace", namespace],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"--namespace: namespace {namespace[:40]!r}" in proc.stderr
+    assert needle in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_demo_defaults_pass_the_argument_check() -> None:
     _check(DemoConfig())
 

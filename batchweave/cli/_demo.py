@@ -42,6 +42,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from batchweave._checks import check_namespace, new_name_problem
 from batchweave._errors import BatchWeaveError
 from batchweave._lifecycle import Reclaimer
 from batchweave._manifest._log import ManifestLog
@@ -105,6 +106,16 @@ def _default_base() -> Path:
         return Path(tempfile.mkdtemp(prefix="weave-data-"))
 
 
+def _namespace_problems(namespace: str) -> list[str]:
+    """Why ``--namespace`` cannot be created, found before the demo makes any directory."""
+    try:
+        check_namespace(namespace)
+    except ValueError as exc:  # InvalidKey is one
+        return [f"--namespace: {exc}"]
+    problem = new_name_problem("namespace", namespace)
+    return [] if problem is None else [f"--namespace: {problem}"]
+
+
 def _check(config: DemoConfig) -> None:
     problems = []
     if config.producers < 1:
@@ -135,6 +146,8 @@ def _check(config: DemoConfig) -> None:
             )
     if config.store is not None and store_url(config.store).lower().startswith("memory:"):
         problems.append(f"--store {config.store}: {MEMORY_STORE_REFUSAL}")
+    if config.namespace is not None:
+        problems.extend(_namespace_problems(config.namespace))
     if problems:
         raise CliFailure("; ".join(problems))
     if importlib.util.find_spec("lance") is None:
