@@ -27,7 +27,8 @@ import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, default_convert, get_worker_info
 
 from batchweave._checks import as_count, as_seconds, check_namespace
-from batchweave._consumer import Consumer, _check_options, _resolve_coordinates
+from batchweave._consumer import Consumer
+from batchweave._consumer._options import _check_options, _resolve_coordinates
 from batchweave._errors import ConsumerError, ConsumerTimeout, NamespaceNotFound
 from batchweave._mesh import Mesh
 from batchweave._projection import DEFAULT_RANK_ORDER

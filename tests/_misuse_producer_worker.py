@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import batchweave as bw
-from batchweave import _producer
+from batchweave._producer import _lifetime
 
 MESH = bw.Mesh(dp=2, cp=1)
 
@@ -50,7 +50,7 @@ def exit_without_close(url: str) -> None:
 
 
 def exit_during_outage(url: str) -> None:
-    _producer.EXIT_CLOSE_TIMEOUT = 0.5
+    _lifetime.EXIT_CLOSE_TIMEOUT = 0.5
     store = DataUploadsDown(bw.open_store(url))
     p = bw.Producer(store, "ns", producer_id="p0", mesh=MESH, backoff=lambda attempt: 0.05)
     p.append(payloads(0), offset=0)
@@ -59,7 +59,7 @@ def exit_during_outage(url: str) -> None:
 
 
 def atexit_close_during_outage(url: str) -> None:
-    _producer.EXIT_CLOSE_TIMEOUT = 0.5
+    _lifetime.EXIT_CLOSE_TIMEOUT = 0.5
     store = DataUploadsDown(bw.open_store(url))
     p = bw.Producer(store, "ns", producer_id="p0", mesh=MESH, backoff=lambda attempt: 0.05)
 

@@ -32,7 +32,7 @@ from batchweave import (
     Producer,
     read_footer,
 )
-from batchweave._consumer import _runs
+from batchweave._consumer._reader import _runs
 from batchweave._format._checksum import CHECKSUM_ALGOS, ChecksumAlgo
 from batchweave._format._tgb import TRAILER_SIZE, TgbFooter
 from batchweave._manifest._log import ManifestLog

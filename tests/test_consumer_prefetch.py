@@ -11,8 +11,9 @@ import pytest
 from fake_time import FakeTime
 from test_consumer import parse, produce
 
-from batchweave import ByteRange, Consumer, MemoryStore, Mesh, ObjectStore, StoreWrapper, _consumer
-from batchweave._prefetch import Job, SingleFlightCache, Workers, gather
+from batchweave import ByteRange, Consumer, MemoryStore, Mesh, ObjectStore, StoreWrapper
+from batchweave._consumer._prefetch import Job, SingleFlightCache, Workers, gather
+from batchweave._consumer._registry import _OPEN, _OpenConsumers
 
 
 class ConcurrencyProbe(StoreWrapper):
@@ -176,7 +177,7 @@ def test_open_consumers_of_a_process_share_its_read_budget(ten_steps: MemoryStor
 
     gc.collect()  # no consumer another test dropped unclosed may be collected mid-test
     others = [consumer(ANY) for _ in range(3)]
-    open_now = _consumer._OPEN.count
+    open_now = _OPEN.count
     # A budget of one read per open consumer leaves nothing to read ahead: every step is read
     # when the caller asks, on the caller's thread.
     tight = consumer(open_now + 1)
@@ -187,21 +188,21 @@ def test_open_consumers_of_a_process_share_its_read_budget(ten_steps: MemoryStor
     assert max(loose.stats.in_flight for _ in loose) == 1
     for c in [loose, *others]:
         c.close()
-    assert _consumer._OPEN.count == open_now - 3
+    assert _OPEN.count == open_now - 3
     tight.close()  # closing twice releases nothing twice
-    assert _consumer._OPEN.count == open_now - 3
+    assert _OPEN.count == open_now - 3
 
 
 def test_a_consumer_never_closed_releases_its_share_when_collected(
     ten_steps: MemoryStore,
 ) -> None:
     gc.collect()  # consumers other tests dropped without closing: collected now, not below
-    before = _consumer._OPEN.count
+    before = _OPEN.count
     c = Consumer(ten_steps, "run", mesh=Mesh(dp=2), dp_rank=0)
-    assert _consumer._OPEN.count == before + 1
+    assert _OPEN.count == before + 1
     del c
     gc.collect()
-    assert _consumer._OPEN.count == before
+    assert _OPEN.count == before
 
 
 def test_a_negative_prefetch_min_latency_is_refused() -> None:
@@ -456,7 +457,7 @@ def test_closing_a_consumer_in_the_middle_of_opening_another_never_blocks() -> N
     # close() may run in a signal handler (SIGTERM) or a finalizer of an unclosed consumer,
     # between two bytecodes of the same thread's opened(). A lock held by opened() would hang
     # it there forever; set operations are atomic at that level.
-    counter = _consumer._OpenConsumers()
+    counter = _OpenConsumers()
     first = counter.opened()
 
     class InterruptedAdd(set[object]):

@@ -28,7 +28,7 @@ from fake_time import FakeTime
 from rich.console import Console
 
 from batchweave import Consumer, ConsumerTimeout, Mesh, Producer, ProducerError, Watermarks
-from batchweave._producer import LAG_WARN_AFTER, LAG_WARN_STUCK
+from batchweave._producer._lag import LAG_WARN_AFTER, LAG_WARN_STUCK
 from batchweave._store._memory import MemoryStore
 from batchweave.cli._common import CliFailure
 from batchweave.cli._demo import (

@@ -226,13 +226,13 @@ def test_a_consumer_used_in_a_forked_child_is_refused_at_once() -> None:
     received, sent = context.Pipe(duplex=False)
 
     def child() -> None:
-        from batchweave import _consumer
+        from batchweave._consumer._registry import _OPEN
 
         try:
             outcome = f"delivered {next(consumer)[0]}"
         except ConsumerError as exc:
             outcome = f"refused: {exc}"
-        sent.send((outcome, _consumer._OPEN.count))
+        sent.send((outcome, _OPEN.count))
 
     process = context.Process(target=child)
     process.start()

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import batchweave as bw
-from batchweave import _producer
+from batchweave._producer import _lifetime
 from batchweave._store._memory import MemoryStore
 
 MESH = bw.Mesh(dp=2, cp=1)
@@ -115,7 +115,7 @@ class _GatedUploads(bw.StoreWrapper):
 
 
 class _NotifyingSet(set[Any]):
-    """``_producer._BUSY``, setting ``emptied`` when the last producer in it leaves it."""
+    """``_lifetime._BUSY``, setting ``emptied`` when the last producer in it leaves it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -142,7 +142,7 @@ def test_a_dropped_producer_commits_what_it_holds_then_its_threads_end(
     # The commit thread held its producer for ever: every producer dropped without close()
     # kept its two threads (bw-commit-*, bw-upload-*) until the process ended.
     busy = _NotifyingSet()
-    monkeypatch.setattr(_producer, "_BUSY", busy, raising=False)
+    monkeypatch.setattr(_lifetime, "_BUSY", busy, raising=False)
     store = MemoryStore()
     gated = _GatedUploads(store)
     p = bw.Producer(gated, NS, producer_id="drop-0", mesh=MESH, policy="naive")

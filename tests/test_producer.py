@@ -36,7 +36,8 @@ from batchweave._format import CHECKSUM_ALGOS, ChecksumAlgo
 from batchweave._format._tgb import EncodedTgb, TgbBuilder, encode_tgb, read_footer, read_slice
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, TgbDescriptor
-from batchweave._producer import LAG_WARN_AFTER, LAG_WARN_LONG, _Entry
+from batchweave._producer._lag import LAG_WARN_AFTER, LAG_WARN_LONG
+from batchweave._producer._tgbs import Entry as _Entry
 from batchweave._store._memory import MemoryStore
 from batchweave._store._wrappers import FaultInjectingStore
 from batchweave._watermarks import Watermarks

@@ -1,4 +1,4 @@
-"""Producer guarantees that planted one-line mutants of ``batchweave/_producer.py`` broke unnoticed.
+"""Producer guarantees that planted one-line mutants of ``batchweave/_producer/`` broke unnoticed.
 
 The exit hook (``_close_unclosed_at_exit`` / ``Producer._close_at_exit``) is called directly
 here, in this process, with a deadline already passed: what it does with a pending TGB is then
@@ -22,8 +22,8 @@ from fake_time import FakeTime
 from test_misuse_producer import MESH, NS, fenced_holding_offset_1, payloads
 
 import batchweave as bw
-from batchweave import _producer
 from batchweave._fork import current_pid
+from batchweave._producer import _lifetime
 from batchweave._store._memory import MemoryStore
 
 
@@ -95,8 +95,8 @@ def test_a_ctrl_c_in_the_exit_hook_stops_the_other_producers_without_waiting(
     # get a deadline already passed, not what remains of EXIT_CLOSE_TIMEOUT.
     first = _FakeUnclosed(KeyboardInterrupt())
     second = _FakeUnclosed(None)
-    monkeypatch.setattr(_producer, "_UNCLOSED", [first, second])
-    _producer._close_unclosed_at_exit()
+    monkeypatch.setattr(_lifetime, "_UNCLOSED", [first, second])
+    _lifetime._close_unclosed_at_exit()
     [deadline] = first.deadlines
     assert deadline > time.monotonic()  # the first had the whole EXIT_CLOSE_TIMEOUT
     assert second.deadlines == [-math.inf]
@@ -113,10 +113,11 @@ def test_the_exit_hook_leaves_a_forked_copy_of_a_producer_alone(
     p.append(payloads(0), offset=0)
     assert store.started.wait(10)
     parent = current_pid()
-    monkeypatch.setattr("batchweave._producer.current_pid", lambda: parent + 1)  # as in a child
+    # As in a child:
+    monkeypatch.setattr("batchweave._producer._client.current_pid", lambda: parent + 1)
     with caplog.at_level(logging.WARNING, logger="batchweave.producer"):
         assert p._close_at_exit(time.monotonic() + 10.0) is None
-    monkeypatch.setattr("batchweave._producer.current_pid", lambda: parent)
+    monkeypatch.setattr("batchweave._producer._client.current_pid", lambda: parent)
     assert caplog.records == []
     assert not p.closed
     assert p.stats().pending == 1
@@ -131,11 +132,11 @@ def test_a_forked_copy_dropped_in_the_child_does_not_warn_nor_stop_anything(
     # alone and say nothing: the child never created or used it.
     p = bw.Producer(MemoryStore(), NS, producer_id="p0", mesh=MESH, policy="naive")
     parent = current_pid()
-    monkeypatch.setattr("batchweave._producer.current_pid", lambda: parent + 1)
+    monkeypatch.setattr("batchweave._producer._client.current_pid", lambda: parent + 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         p.__del__()
-    monkeypatch.setattr("batchweave._producer.current_pid", lambda: parent)
+    monkeypatch.setattr("batchweave._producer._client.current_pid", lambda: parent)
     assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
     p.append(payloads(0), offset=0)  # still usable: not aborted, its uploads not shut down
     p.close()
@@ -156,10 +157,10 @@ def test_a_failed_producer_dropped_with_uncommitted_tgbs_is_kept_for_the_exit_ho
     gc.collect()
     kept = ref()
     assert kept is not None, "freed: the exit hook cannot name its uncommitted TGB"
-    assert kept in _producer._BUSY
+    assert kept in _lifetime._BUSY
     assert kept.stats().pending == 1
     kept.abort()
-    assert kept not in _producer._BUSY
+    assert kept not in _lifetime._BUSY
 
 
 class _FailingReads(bw.StoreWrapper):

@@ -41,9 +41,9 @@ from batchweave import (
     TransientStoreError,
     encode_tgb,
 )
+from batchweave._consumer._prefetch import Workers, gather
 from batchweave._format._tgb import EncodedTgb, _pack_trailer, parse_footer
 from batchweave._manifest import Committed, ManifestLog, manifest_key
-from batchweave._prefetch import Workers, gather
 from batchweave._store._base import ObjectMeta
 
 NS = "runs/gaps"

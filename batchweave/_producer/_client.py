@@ -13,11 +13,15 @@ higher epoch for this id raises :class:`~batchweave.ProducerFenced`.
 
 Threads never raise into the void: an error in the commit loop or an upload is re-raised in the
 caller's thread at the next ``append``, ``flush``, ``seal`` or ``close``.
+
+This module is the producer's centre: its public API, uploads and commit loop. Beside it:
+starting (``_start``), encoding and describing TGBs (``_tgbs``), the ``max_lag`` wait
+(``_lag``), retried store failures (``_retry``), what it reports (``_stats``) and the registry
+that closes producers left open at interpreter exit (``_lifetime``).
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import math
@@ -30,7 +34,6 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NoReturn
 
@@ -41,84 +44,42 @@ from batchweave._checks import (
     as_size,
     check_key_name,
     check_namespace,
-    check_new_name,
-    new_name_problem,
 )
 from batchweave._errors import (
-    AmbiguousWriteError,
-    FormatError,
-    InvalidKey,
-    NamespaceNotFound,
     NamespaceSealed,
     OffsetOrderError,
     ProducerError,
     ProducerFenced,
     ProducerRetired,
-    SourceMismatch,
     StoreUnavailable,
-    TransientStoreError,
 )
 from batchweave._fork import current_pid
-from batchweave._format._checksum import (
-    CHECKSUM_ALGOS,
-    DEFAULT_CHECKSUM_ALGO,
-    ChecksumAlgo,
-    checksum,
-)
-from batchweave._format._codecs import check_compression, get_codec
-from batchweave._format._tgb import (
-    EncodedTgb,
-    TgbBuilder,
-    check_encoded,
-    encode_tgb,
-    payload_list,
-)
+from batchweave._format._checksum import DEFAULT_CHECKSUM_ALGO, ChecksumAlgo
+from batchweave._format._tgb import EncodedTgb, TgbBuilder
 from batchweave._manifest._log import (
     DEFAULT_TAIL_BYTES_LIMIT,
     DEFAULT_TAIL_LIMIT,
     Committed,
-    Conflict,
     ManifestLog,
     active_producer_ids,
 )
-from batchweave._manifest._models import (
-    Manifest,
-    ProducerState,
-    SliceTable,
-    TgbDescriptor,
-    TgbObjectRef,
-    check_source,
-)
+from batchweave._manifest._models import Manifest, ProducerState, TgbDescriptor, check_source
 from batchweave._mesh import Mesh, check_mesh
 from batchweave._outage import OutageLog
 from batchweave._policy import AttemptOutcome, CommitPolicy, resolve_policy
-from batchweave._store._base import ObjectStore, PutMode
-from batchweave._store._wrappers import StoreWrapper
-from batchweave._unchecked import unchecked
-from batchweave._watermarks import Watermarks
+from batchweave._producer import _lifetime
+from batchweave._producer._lag import LagGate
+from batchweave._producer._retry import RETRYABLE, Retries, default_backoff
+from batchweave._producer._start import start_epoch
+from batchweave._producer._stats import AmbiguityCounter, ProducerStats
+from batchweave._producer._tgbs import DEFAULT_SLICE_TABLE_LIMIT, Entry, TgbEncoder, describe
+from batchweave._store._base import ObjectStore
 
-__all__ = ["Producer", "ProducerStats"]
+__all__ = ["Producer"]
 
 _LOG = logging.getLogger("batchweave.producer")
-LAG_WARN_AFTER = 60.0
-"""Seconds an ``append`` blocked by ``max_lag`` with no watermark recorded waits before the
-producer says so once at WARNING (its periodic lines are INFO)."""
-LAG_WARN_LONG = 600.0
-"""Seconds after which any one ``max_lag`` wait is said once at WARNING: a watermark that
-stopped advancing (a trainer that never calls ``checkpoint_hook`` after its first mark)."""
-LAG_WARN_STUCK = 30.0
-"""Seconds a ``max_lag`` wait whose watermarks show that training cannot reach its next
-checkpoint (``max_lag`` below about keep_last x the checkpoint interval) lasts, with those
-watermarks unchanged, before the producer says so once at WARNING."""
-
-_RETRYABLE = (TransientStoreError, AmbiguousWriteError, StoreUnavailable)
-"""Store failures after which retrying later may succeed; nothing pending is dropped."""
 
 _MIB = 1 << 20
-
-DEFAULT_SLICE_TABLE_LIMIT = 128
-"""Meshes of up to 128 slices copy their slice table into the manifest (under 1 KB a TGB of
-equal-sized slices: a 4-byte checksum per slice, 8 with a 64-bit ``checksum_algo``, base64)."""
 
 _TIME_WAIT_CHUNK = 0.25
 """Longest single sleep of the commit loop, so ``abort()`` is never delayed by a long gap."""
@@ -127,97 +88,12 @@ _EVENT_WAIT = 0.5
 _FORCED_POLL = 0.02
 """Longest sleep of a regular wait while this producer's forced slot is open (see _next_work)."""
 
-EXIT_CLOSE_TIMEOUT = 30.0
-"""Seconds the interpreter's exit spends, for all producers together, committing what producers
-that were neither closed nor aborted had appended (read when the interpreter exits). Whatever is
-not committed by then is named in an ERROR line, and the producers are aborted."""
-
-_UNCLOSED: weakref.WeakSet[Producer] = weakref.WeakSet()
-"""The producers of this process not yet closed or aborted (weak: dropping one still frees it)."""
-_BUSY: set[Producer] = set()
-"""The open producers holding TGBs not known to be committed: kept alive while they do, so one
-dropped without ``close()`` commits them first (and its threads end after that); the exit hook
-names what such a producer could not commit. A commit turn removes its producer once idle."""
-
 
 class _Idle:
     """What ``_next_work`` returns when there is nothing to do (holding the producer's lock)."""
 
 
 _IDLE = _Idle()
-
-
-@dataclass(frozen=True)
-class ProducerStats:
-    """A snapshot of one producer's counters (see :meth:`Producer.stats`)."""
-
-    producer_id: str
-    epoch: int
-    attempts: int
-    """Manifest commit attempts that reached the store (won, lost, or resolved ambiguous)."""
-    commits: int
-    """Attempts that committed a new manifest version."""
-    conflicts: int
-    """Attempts that lost to another writer (412/409 or a lost ambiguous write)."""
-    ambiguous: int
-    """Attempts whose outcome was unknown and had to be resolved by reading back."""
-    transient_errors: int
-    """Store failures (commit or upload) that were retried."""
-    tgbs_published: int
-    """TGBs of this incarnation visible in committed manifests."""
-    bytes_published: int
-    pending: int
-    """TGBs appended but not yet committed (uploading or waiting for a commit)."""
-    inflight_bytes: int
-    """Encoded bytes waiting for or in upload (bounded by ``max_inflight_bytes``)."""
-    last_fragile_window: float
-    """Seconds from reading the base to the end of the last conditional PUT."""
-    gap: float
-    """The commit policy's current post-attempt gap in seconds."""
-    lag_blocked_seconds: float
-    """Total time ``append`` spent blocked by ``max_lag``."""
-    lag_blocked: bool
-    """Whether an ``append`` is blocked by ``max_lag`` right now."""
-    committed_offset: int | None
-    """Highest offset of this producer id in the newest manifest this producer has seen."""
-
-
-@dataclass
-class _Entry:
-    """One appended TGB until it is committed."""
-
-    offset: int
-    key: str
-    """Object key relative to the namespace root."""
-    size: int
-    descriptor: TgbDescriptor | None = None
-    """Set once the object is uploaded: only then may a commit reference it."""
-
-
-class _AmbiguityCounter(StoreWrapper):
-    """Passes every call to ``inner``; counts writes whose outcome came back unknown.
-
-    The manifest log resolves ambiguous conditional writes itself; this is how the producer
-    still sees (and reports) how many of its commit attempts needed that resolution. It keeps
-    the count itself: a callback into the producer would make a reference cycle, and a producer
-    dropped without ``close()`` would then wait for the cycle collector to be freed.
-    """
-
-    def __init__(self, inner: ObjectStore) -> None:
-        super().__init__(inner)
-        self._lock = threading.Lock()
-        self.count = 0
-
-    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
-        try:
-            self.inner.put(key, data, mode=mode)
-        except AmbiguousWriteError:
-            with self._lock:
-                self.count += 1
-            raise
-
-    def close(self) -> None:
-        """Do nothing: the store belongs to the caller, who closes it."""
 
 
 def _as_offset(value: object) -> int:
@@ -239,11 +115,6 @@ _CALLABLE_EXAMPLES = {
     "boundary": "boundary=lambda: 0, or None for the namespace's watermarks",
 }
 """What each function argument of :class:`Producer` looks like, for the error naming it."""
-
-
-def _default_backoff(attempt: int) -> float:
-    """Capped exponential backoff: 0.05 s, 0.1 s, ... up to 5 s."""
-    return float(min(5.0, 0.05 * (2 ** min(attempt, 10))))
 
 
 class Producer:
@@ -332,14 +203,14 @@ class Producer:
         refresh_age: float = 0.0,
         active_horizon: float = 60.0,
         max_retries: int = 8,
-        backoff: Callable[[int], float] = _default_backoff,
+        backoff: Callable[[int], float] = default_backoff,
         lag_log_interval: float = 5.0,
         tail_limit: int = DEFAULT_TAIL_LIMIT,
         tail_bytes_limit: int | None = DEFAULT_TAIL_BYTES_LIMIT,
         slice_table_limit: int = DEFAULT_SLICE_TABLE_LIMIT,
     ) -> None:
         # Every argument is checked before the namespace is created or the epoch committed
-        # (the length limits of a new namespace or id in _open_namespace and _start).
+        # (the length limits of a new namespace or id in start_epoch, where they are created).
         check_namespace(namespace)
         check_key_name("producer_id", producer_id)
         check_mesh(mesh)
@@ -381,52 +252,53 @@ class Producer:
                     f"{function!r}; e.g. {_CALLABLE_EXAMPLES[name]}"
                 )
         resolved_policy = resolve_policy(policy)
-        if checksum_algo not in CHECKSUM_ALGOS:
-            raise ValueError(
-                f"producer {producer_id!r}: unknown checksum_algo {checksum_algo!r}; expected "
-                f"one of {', '.join(map(repr, CHECKSUM_ALGOS))}"
-            )
-        # Checked before the epoch commit: a typo must not wait for the first append.
-        try:
-            get_codec(codec)
-            check_compression(compression)
-        except ValueError as exc:
-            raise ValueError(f"producer {producer_id!r}: {exc}") from None
+        encoder = TgbEncoder(
+            producer_id,
+            namespace,
+            mesh,
+            codec=codec,
+            compression=compression,
+            checksum_algo=checksum_algo,
+        )
         self._pid = current_pid()
         """The process that created this producer: the only one its threads run in."""
         self._store = store
         self._namespace = namespace
         self._producer_id = producer_id
         self._mesh = mesh
-        self._source = source
         self._policy = resolved_policy
         self._max_lag = max_lag
-        self._codec = codec
-        self._compression = compression
-        self._checksum_algo: ChecksumAlgo = checksum_algo
+        self._encoder = encoder
+        self._slice_table_limit = slice_table_limit
         self._max_inflight = max_inflight_bytes
         self._clock = clock
         self._wall_clock = wall_clock
         self._sleep = sleep
-        self._watermarks: Watermarks | None = None
-        """The namespace's watermarks when they give the boundary (named in max_lag logs)."""
-        if boundary is None:
-            self._watermarks = Watermarks(store, namespace, sleep=sleep)
-            boundary = self._watermarks.boundary
-        self._boundary_fn = boundary
+        self._cond = threading.Condition()
+        self._outage = OutageLog(_LOG, f"producer {producer_id!r}", clock=clock)
+        self._retries = Retries(producer_id, self._cond, self._outage, backoff=backoff, sleep=sleep)
+        self._lag = LagGate(
+            producer_id,
+            self._cond,
+            self._retries,
+            boundary=boundary,
+            store=store,
+            namespace=namespace,
+            clock=clock,
+            wall_clock=wall_clock,
+            sleep=sleep,
+            backoff=backoff,
+            log_interval=lag_log_interval,
+        )
         self._refresh_age = refresh_age
         self._active_horizon = active_horizon
         self._max_retries = max_retries
         self._backoff = backoff
-        self._lag_log_interval = lag_log_interval
-        self._slice_table_limit = slice_table_limit
         self._rng = random.Random()
         self._unknown_conflicts = 0
         """Consecutive conflicts whose winner could not be read (409s, transient failures)."""
 
-        self._cond = threading.Condition()
-        self._outage = OutageLog(_LOG, f"producer {producer_id!r}", clock=clock)
-        self._ambiguity = _AmbiguityCounter(store)
+        self._ambiguity = AmbiguityCounter(store)
         self._log = ManifestLog(
             self._ambiguity,
             namespace,
@@ -436,7 +308,7 @@ class Producer:
             tail_bytes_limit=tail_bytes_limit,
             deferred_merges=True,  # level merges are written after a commit, not inside it
         )
-        self._entries: deque[_Entry] = deque()
+        self._entries: deque[Entry] = deque()
         self._inflight_bytes = 0
         self._last_appended: int | None = None
         self._error: BaseException | None = None
@@ -453,24 +325,17 @@ class Producer:
         self._seal_requested = False
         self._sealed = False
         self._last_attempt_end = -math.inf
-        self._boundary_value = 0
         self._stats: dict[str, int] = dict.fromkeys(
             (
                 "attempts",
                 "commits",
                 "conflicts",
-                "transient_errors",
                 "tgbs_published",
                 "bytes_published",
             ),
             0,
         )
         self._last_window = 0.0
-        self._lag_blocked_seconds = 0.0
-        self._lag_blocked = 0
-        """How many ``append`` calls are blocked by ``max_lag`` right now."""
-
-        self._start_window = 0.0
         self._policy_started = False
         """Set once the commit loop had its first work and called ``policy.start``."""
         self._rank: int | None = None
@@ -479,7 +344,21 @@ class Producer:
         """Whether the attempt about to start was started by flush()/close()/seal()."""
         self._first_upload: float | None = None
         """Seconds the first successful upload PUT took: the first request under data load."""
-        self._base, self._epoch = self._start()
+        self._base, self._epoch, self._start_window = start_epoch(
+            self._log,
+            namespace=namespace,
+            producer_id=producer_id,
+            mesh=mesh,
+            source=source,
+            retries=self._retries,
+            max_retries=max_retries,
+            backoff=backoff,
+            sleep=sleep,
+            rng=self._rng,
+            clock=clock,
+            wall_clock=wall_clock,
+        )
+        """The epoch commit's manifest, this incarnation's epoch, and how long that commit took."""
         self._base_read_at = self._clock()
         self._last_attempt_end = self._base_read_at
         state = self._base.producers[producer_id]
@@ -490,7 +369,7 @@ class Producer:
         self._uploads = ThreadPoolExecutor(
             max_workers=upload_threads, thread_name_prefix=f"bw-upload-{producer_id}"
         )
-        # The thread holds this producer only during its turns (see _commit_thread), and _BUSY
+        # The thread holds this producer only during its turns (see _commit_thread), and _lifetime
         # while it has TGBs to commit: one dropped without close() commits them, then is freed.
         self._committer = threading.Thread(
             target=_commit_thread,
@@ -500,7 +379,7 @@ class Producer:
         )
         self._committer.start()
         self._started = True
-        _UNCLOSED.add(self)
+        _lifetime.add_unclosed(self)
 
     # ------------------------------------------------------------------------------------------
     # public surface
@@ -576,12 +455,12 @@ class Producer:
             self._check_usable_locked()
             self._check_offset_locked(offset)
         self._wait_for_lag()
-        encoded = self._encode(slices, offset, sample_counts, metadata)
+        encoded = self._encoder.encode(slices, offset, sample_counts, metadata)
         # A TGB encoded here from payloads, with settings checked at start, is valid by
         # construction; its descriptor is built without validating it again.
         validate = isinstance(slices, EncodedTgb | TgbBuilder)
         key = f"data/{self._producer_id}/{self._epoch}/{offset:020d}-{secrets.token_hex(16)}.tgb"
-        entry = _Entry(offset=offset, key=key, size=encoded.size)
+        entry = Entry(offset=offset, key=key, size=encoded.size)
         with self._cond:
             while (
                 self._inflight_bytes > 0 and self._inflight_bytes + entry.size > self._max_inflight
@@ -595,7 +474,7 @@ class Producer:
             self._inflight_bytes += entry.size
             self._last_appended = offset
             self._entries.append(entry)
-            _BUSY.add(self)
+            _lifetime.add_busy(self)
         try:
             future = self._uploads.submit(self._upload, entry, encoded, validate=validate)
         except BaseException as exc:
@@ -610,7 +489,7 @@ class Producer:
         # abort() cancels uploads not yet started; theirs never run _upload to release bytes.
         future.add_done_callback(functools.partial(self._release_if_cancelled, entry))
 
-    def _unregister(self, entry: _Entry, previous: int | None) -> None:
+    def _unregister(self, entry: Entry, previous: int | None) -> None:
         """Undo registering ``entry`` (appended after ``previous``) whose upload never ran."""
         with self._cond:
             self._inflight_bytes -= entry.size
@@ -622,7 +501,7 @@ class Producer:
                 self._last_appended = previous
             self._cond.notify_all()
 
-    def _release_if_cancelled(self, entry: _Entry, future: Future[None]) -> None:
+    def _release_if_cancelled(self, entry: Entry, future: Future[None]) -> None:
         """Release the bytes of ``entry`` if its upload was cancelled before it started."""
         if future.cancelled():
             with self._cond:
@@ -766,15 +645,15 @@ class Producer:
                 commits=self._stats["commits"],
                 conflicts=self._stats["conflicts"],
                 ambiguous=self._ambiguity.count,
-                transient_errors=self._stats["transient_errors"],
+                transient_errors=self._retries.count,
                 tgbs_published=self._stats["tgbs_published"],
                 bytes_published=self._stats["bytes_published"],
                 pending=len(self._entries),
                 inflight_bytes=self._inflight_bytes,
                 last_fragile_window=self._last_window,
                 gap=self._policy.gap,
-                lag_blocked_seconds=self._lag_blocked_seconds,
-                lag_blocked=self._lag_blocked > 0,
+                lag_blocked_seconds=self._lag.blocked_seconds,
+                lag_blocked=self._lag.blocked > 0,
                 committed_offset=self._committed_offset,
             )
 
@@ -801,13 +680,13 @@ class Producer:
         )
 
     def __del__(self) -> None:
-        # Freed without close() or abort(): only once it had nothing left to commit (_BUSY holds
-        # it until then), so this stops idle threads.
+        # Freed without close() or abort(): only once it had nothing left to commit (_lifetime
+        # holds it until then), so this stops idle threads.
         try:
             if not self.__dict__.get("_started") or self._closed or self._pid != current_pid():
                 return
             self._aborted = True  # the commit thread also ends on its own: it sees no producer
-            _UNCLOSED.discard(self)
+            _lifetime.discard_unclosed(self)
             self._uploads.shutdown(wait=False, cancel_futures=True)
             left = f"; offsets {self._pending_locked()} were not committed" if self._entries else ""
             warnings.warn(
@@ -856,7 +735,7 @@ class Producer:
                 self._namespace,
                 pending,
                 offsets,
-                EXIT_CLOSE_TIMEOUT,
+                _lifetime.EXIT_CLOSE_TIMEOUT,
             )
         try:
             with self._cond:
@@ -896,135 +775,6 @@ class Producer:
             abort=self._error is not None, join_timeout=max(0.0, deadline - time.monotonic())
         )
         return None
-
-    # ------------------------------------------------------------------------------------------
-    # start: join the namespace and bump the epoch
-
-    def _start(self) -> tuple[Manifest, int]:
-        """Join the namespace and commit ``epoch = old + 1`` for this id, retried until it lands."""
-        manifest: Manifest | None = None
-        # The newest manifest read here that lists this id: one that lacks it after that was
-        # retired in between (only retirement removes an id).
-        listed: Manifest | None = None
-        conflicts = 0
-        failures = attempts = 0
-        while True:
-            try:
-                if manifest is None:
-                    # Raises NamespaceMismatch for another mesh or a foreign prefix.
-                    manifest = self._open_namespace()
-                old = manifest.producers.get(self._producer_id)
-                if old is None and listed is None:
-                    # The id's first commit creates it: an id over the limits is refused.
-                    check_new_name("producer_id", self._producer_id)
-                self._check_not_sealed(manifest)
-                if old is not None:
-                    listed = manifest
-                elif listed is not None:
-                    self._raise_retired_while_starting(listed, manifest)
-                self._check_source(manifest, old)
-                # An id the manifest does not list (new, or retired) takes the version of this
-                # epoch commit: higher than any epoch the id had before a retirement (each was
-                # committed in an earlier version), so a process left running from then is fenced.
-                epoch = manifest.version + 1 if old is None else old.epoch + 1
-                state = ProducerState(
-                    epoch=epoch,
-                    offset=None if old is None else old.offset,
-                    last_version=manifest.version + 1,
-                    last_commit_at=self._wall_clock(),
-                    source=old.source if self._source is None and old is not None else self._source,
-                )
-                began = self._clock()
-                result = self._log.commit(manifest, producers={self._producer_id: state})
-                self._start_window = self._clock() - began
-                if isinstance(result, Conflict) and result.winner is None:
-                    result = Conflict(self._log.latest(manifest))
-            except _RETRYABLE as exc:
-                attempts += 1
-                failures += not isinstance(exc, StoreUnavailable)  # an outage is waited out
-                if failures > self._max_retries:
-                    raise
-                self._note_transient("starting (epoch commit)", exc, attempts)
-                manifest = None
-                continue
-            if isinstance(result, Committed):
-                _LOG.info(
-                    "producer %r started in namespace %r at epoch %d (manifest version %d, "
-                    "resume offset %s)",
-                    self._producer_id,
-                    self._namespace,
-                    epoch,
-                    result.manifest.version,
-                    0 if state.offset is None else state.offset + 1,
-                )
-                return result.manifest, epoch
-            conflicts += 1
-            manifest = result.winner
-            # Producers starting together collide; spread their retries.
-            self._sleep(self._rng.uniform(0.0, self._backoff(min(conflicts, 4))))
-
-    def _open_namespace(self) -> Manifest:
-        """``create_or_open(mesh)``, refusing names over the length limits only where created.
-
-        A namespace or ``producer_id`` longer than the limits (``new_name_problem``) may join a
-        namespace that exists (created before the limits, or by an older version), but creates
-        nothing: a missing namespace is then :class:`InvalidKey`, before version 0 is written.
-        Names within the limits pay no extra request.
-        """
-        problem = new_name_problem("namespace", self._namespace) or new_name_problem(
-            "producer_id", self._producer_id
-        )
-        if problem is not None:
-            try:
-                self._log.create_or_open()  # opens only: NamespaceNotFound if nothing is there
-            except NamespaceNotFound:
-                raise InvalidKey(problem) from None
-        return self._log.create_or_open(self._mesh)
-
-    def _raise_retired_while_starting(self, listed: Manifest, manifest: Manifest) -> NoReturn:
-        """The id was retired between our read of ``listed`` and our epoch commit.
-
-        Starting again from ``manifest`` would begin a new stream at offset 0 and publish the
-        committed offsets a second time, so the start stops instead, naming them.
-        """
-        offset = listed.producers[self._producer_id].offset
-        committed = (
-            f"offsets up to {offset} were committed under it, and a producer started under it "
-            f"now begins a new stream with no resume offset (resume_offset 0): resume the "
-            f"source after {offset} yourself (append offsets above {offset}) to publish each "
-            "offset once, or use a new producer_id"
-            if offset is not None
-            else "it had committed nothing, so starting it again begins its stream afresh"
-        )
-        raise ProducerRetired(
-            f"producer {self._producer_id!r} in namespace {self._namespace!r} was retired while "
-            f"it started: manifest version {listed.version} listed it, version "
-            f"{manifest.version} no longer does (retire_producers / `batchweave retire` removes "
-            f"ids idle for long), and this start committed nothing. {committed[0].upper()}"
-            f"{committed[1:]}."
-        )
-
-    def _check_source(self, manifest: Manifest, old: ProducerState | None) -> None:
-        """Refuse to start under another source than the one committed for this id."""
-        if self._source is None or old is None or old.source in (None, self._source):
-            return
-        raise SourceMismatch(
-            f"producer {self._producer_id!r} of namespace {self._namespace!r} committed "
-            f"source {old.source!r} (manifest version {manifest.version}), but this producer "
-            f"was given source {self._source!r}: the offsets it resumes at would read other "
-            "data than the committed ones. Restart with the committed source (for a "
-            "LanceSource, the same arguments and the dataset version the committed source "
-            "names: LanceSource(..., version=N)), or use a new producer_id for the new data. "
-            "Nothing was committed."
-        )
-
-    def _check_not_sealed(self, manifest: Manifest) -> None:
-        if manifest.sealed:
-            raise NamespaceSealed(
-                f"namespace {self._namespace!r} was sealed at manifest version "
-                f"{manifest.version}; producer {self._producer_id!r} cannot publish into it. "
-                "Use a new namespace for more data."
-            )
 
     # ------------------------------------------------------------------------------------------
     # append helpers
@@ -1070,83 +820,18 @@ class Producer:
             self._error = exc
             self._error_tb = exc.__traceback__
 
-    def _encode(
-        self,
-        slices: Iterable[Any] | EncodedTgb | TgbBuilder,
-        offset: int,
-        sample_counts: Iterable[int | None] | None,
-        metadata: Mapping[str, str] | None,
-    ) -> EncodedTgb:
-        if isinstance(slices, TgbBuilder):
-            slices = slices.build()
-        elif isinstance(slices, EncodedTgb):
-            # Built elsewhere: its footer object (which the manifest records) must be the one
-            # its bytes hold, or the committed step would be unreadable.
-            check_encoded(slices, what=f"TGB for offset {offset}")
-        if isinstance(slices, EncodedTgb):
-            if sample_counts is not None or metadata is not None:
-                raise ValueError(
-                    "sample_counts and metadata belong to the encoder; pass them to the "
-                    "TgbBuilder / encode_tgb that built this TGB"
-                )
-            if slices.footer.mesh != self._mesh:
-                raise ValueError(
-                    f"TGB for offset {offset} was built for mesh {slices.footer.mesh}, but "
-                    f"namespace {self._namespace!r} has mesh {self._mesh}"
-                )
-            return slices
-        slices = payload_list(slices, self._mesh)
-        if len(slices) != self._mesh.slices:
-            raise ValueError(
-                f"producer {self._producer_id!r}: offset {offset} got {len(slices)} slices; mesh "
-                f"{self._mesh} needs dp*cp = {self._mesh.slices} payloads in (d, c) order"
-            )
-        return encode_tgb(
-            slices,
-            self._mesh,
-            codec=self._codec,
-            compression=self._compression,
-            checksum_algo=self._checksum_algo,
-            sample_counts=sample_counts,
-            metadata=metadata,
-        )
-
     def _descriptor(
-        self, entry: _Entry, encoded: EncodedTgb, *, validate: bool = True
+        self, entry: Entry, encoded: EncodedTgb, *, validate: bool = True
     ) -> TgbDescriptor:
-        """The descriptor of ``encoded``, uploaded as ``entry``.
-
-        ``validate=False`` only for a TGB this producer encoded from payloads itself: codec,
-        compression and checksum algorithm were checked at start, the footer by the encoder,
-        and key, epoch and offset are ours, so every model is valid by construction and equals
-        the validated one (tests compare both). A TGB the caller built is validated.
-        """
-        footer = encoded.footer
-        table = (
-            SliceTable.from_footer(footer, validate=validate)
-            if len(footer.slices) <= self._slice_table_limit
-            else None
+        """The descriptor of ``encoded``, uploaded as ``entry`` (see :func:`describe`)."""
+        return describe(
+            entry,
+            encoded,
+            producer_id=self._producer_id,
+            epoch=self._epoch,
+            slice_table_limit=self._slice_table_limit,
+            validate=validate,
         )
-        ref_fields: dict[str, Any] = {
-            "key": entry.key,
-            "size": encoded.size,
-            "first_slice": 0,
-            "slice_count": len(footer.slices),
-            "footer_offset": encoded.footer_offset,
-            "footer_length": encoded.footer_length,
-            "footer_checksum": checksum(encoded.footer_bytes, footer.checksum_algo),
-            "slices": table,
-        }
-        ref = TgbObjectRef(**ref_fields) if validate else unchecked(TgbObjectRef, ref_fields)
-        fields: dict[str, Any] = {
-            "producer_id": self._producer_id,
-            "epoch": self._epoch,
-            "offset": entry.offset,
-            "objects": (ref,),
-            "bytes": encoded.size,
-            "samples": sum([s.sample_count for s in footer.slices]),
-        }
-        return TgbDescriptor(**fields) if validate else unchecked(TgbDescriptor, fields)
 
     def _store_key(self, relative: str) -> str:
         return self._log.key(relative)
@@ -1154,7 +839,7 @@ class Producer:
     # ------------------------------------------------------------------------------------------
     # uploads (pool threads)
 
-    def _upload(self, entry: _Entry, encoded: EncodedTgb, *, validate: bool = True) -> None:
+    def _upload(self, entry: Entry, encoded: EncodedTgb, *, validate: bool = True) -> None:
         key = self._store_key(entry.key)
         attempt = failures = 0
         released = False
@@ -1168,7 +853,7 @@ class Producer:
                     took = self._clock() - began
                     self._outage.recovered()
                     break
-                except _RETRYABLE as exc:
+                except RETRYABLE as exc:
                     attempt += 1
                     # An unreachable store is an outage: waited out however long it lasts, keeping
                     # the TGB (append blocks on max_inflight_bytes meanwhile: memory stays bounded).
@@ -1178,7 +863,7 @@ class Producer:
                             f"producer {self._producer_id!r}: upload of {key!r} (offset "
                             f"{entry.offset}) failed {failures} times; last error: {exc}"
                         ) from exc
-                    self._note_transient(f"uploading {key!r}", exc, attempt)
+                    self._retries.note(f"uploading {key!r}", exc, attempt)
             descriptor = self._descriptor(entry, encoded, validate=validate)
             # One lock round and one wake-up for everything a finished upload changes.
             with self._cond:
@@ -1204,35 +889,6 @@ class Producer:
                     self._inflight_bytes -= entry.size
                     self._cond.notify_all()
 
-    def _note_transient(
-        self,
-        what: str,
-        exc: BaseException,
-        attempt: int,
-        *,
-        sleep: Callable[[float], None] | None = None,
-    ) -> None:
-        """Count and log a retried failure, then sleep the backoff (with ``sleep``, if given)."""
-        delay = self._backoff(attempt)
-        sleep = self._sleep if sleep is None else sleep
-        with self._cond:
-            self._stats["transient_errors"] += 1
-        if isinstance(exc, StoreUnavailable):
-            self._outage.failed(what, exc)  # one line per outage, not one per retry
-            sleep(delay)
-            return
-        _LOG.warning(
-            "producer %r: %s failed (attempt %d, %s: %s); retrying in %.2f s, nothing pending "
-            "is dropped",
-            self._producer_id,
-            what,
-            attempt,
-            type(exc).__name__,
-            exc,
-            delay,
-        )
-        sleep(delay)
-
     def _pause(self, seconds: float) -> None:
         """The commit loop's backoff: ``seconds`` slept in pieces, ended early by a failure or
         ``abort()`` (which joins this thread: a Ctrl-C in ``close()`` must not wait out 5 s)."""
@@ -1248,7 +904,9 @@ class Producer:
         with self._cond:
             self._store_error_locked(exc)
             if not self._entries:
-                _BUSY.discard(self)  # else kept: the exit hook names what was not committed
+                _lifetime.discard_busy(
+                    self
+                )  # else kept: the exit hook names what was not committed
             self._cond.notify_all()
         if isinstance(exc, ProducerFenced):
             _LOG.error("%s", exc)
@@ -1274,17 +932,17 @@ class Producer:
                 self._attempt(seal)
                 self._transient_attempt = 0
                 self._outage.recovered()
-            except _RETRYABLE as exc:
+            except RETRYABLE as exc:
                 self._transient_attempt += 1
                 self._base_read_at = -math.inf  # re-read the base before retrying
-                self._note_transient("committing", exc, self._transient_attempt, sleep=self._pause)
+                self._retries.note("committing", exc, self._transient_attempt, sleep=self._pause)
             return True
         except BaseException as exc:
             self._fail(exc)
             return False
 
-    def _committable_locked(self) -> list[_Entry]:
-        batch: list[_Entry] = []
+    def _committable_locked(self) -> list[Entry]:
+        batch: list[Entry] = []
         for entry in self._entries:
             if entry.descriptor is None:
                 break
@@ -1320,7 +978,7 @@ class Producer:
                 if self._closing and not self._entries:
                     return None
                 if not self._entries:
-                    _BUSY.discard(self)  # nothing of it left to commit: it may be freed
+                    _lifetime.discard_busy(self)  # nothing of it left to commit: it may be freed
                 return _IDLE
             if not self._policy_started:
                 return seal_now  # the first work: _begin() starts the policy's pacing
@@ -1350,7 +1008,7 @@ class Producer:
                 # after the gap even if a count-paced policy wants more (nobody could read,
                 # checkpoint past and unblock TGBs that are never committed).
                 if n > 0 and (
-                    self._policy.ready(n, since) or (self._lag_blocked > 0 and since >= gap)
+                    self._policy.ready(n, since) or (self._lag.blocked > 0 and since >= gap)
                 ):
                     return seal_now
                 remaining = gap - since
@@ -1515,7 +1173,7 @@ class Producer:
         """Run ``write`` (a segment merge, an optimization): a store failure is only logged."""
         try:
             write()
-        except _RETRYABLE as exc:
+        except RETRYABLE as exc:
             _LOG.warning(
                 "producer %r: writing a segment merge %s failed (%s: %s); the segments stay "
                 "unmerged until a later commit",
@@ -1589,141 +1247,29 @@ class Producer:
                 )
 
     # ------------------------------------------------------------------------------------------
-    # max_lag
-
-    def _boundary_holder(self, visible: int) -> tuple[str, bool, str | None]:
-        """Who holds the reclamation boundary back, for the max_lag log line (one LIST).
-
-        Also whether no watermark is recorded at all: the wait that ends only once a trainer
-        calls ``checkpoint_hook``, which a misconfigured job never does. And, when the
-        watermarks show it, why this wait cannot end (else ``None``): the boundary is the
-        *oldest* live watermark, which a keep-last-K trainer releases only after its next
-        checkpoint, about one interval past its newest; if the producers stop
-        (``boundary + max_lag``) before that step, the trainer never gets there.
-        """
-        if self._watermarks is None:
-            return "the boundary comes from the boundary= callable", False, None
-        try:
-            marks = self._watermarks.live()
-        except (*_RETRYABLE, FormatError) as exc:
-            return f"the watermarks cannot be read ({exc})", False, None
-        if not marks:
-            none_yet = (
-                "no watermark is recorded yet: the boundary stays 0 until rank 0 of the "
-                "trainer calls checkpoint_hook after a checkpoint"
-            )
-            return none_yet, True, None
-        oldest = marks[0]
-        holder = (
-            f"the oldest is {oldest.checkpoint_id!r} at step {oldest.step}, recorded "
-            f"{self._wall_clock() - oldest.recorded_at:.0f} s ago"
-        )
-        steps = sorted({m.step for m in marks})
-        if len(steps) < 2 or self._max_lag is None:
-            return holder, False, None  # one checkpoint step: no interval to estimate
-        newest = max(marks, key=lambda m: (m.step, m.recorded_at))
-        interval = steps[-1] - steps[-2]  # the two newest checkpoints' distance
-        target = newest.step + interval  # the step after the newest's next checkpoint
-        if oldest.step + self._max_lag >= target or visible >= target:
-            return holder, False, None
-        need = target - oldest.step
-        return (
-            holder,
-            False,
-            f"This job cannot progress: the trainer must read to step {target - 1} and "
-            f"checkpoint there (the newest watermark {newest.checkpoint_id!r} at step "
-            f"{newest.step} plus a checkpoint interval of about {interval} steps, the distance "
-            f"of the two newest watermarks) before the oldest watermark "
-            f"{oldest.checkpoint_id!r} at step {oldest.step} is released, but producers "
-            f"publish at most max_lag {self._max_lag} steps past that one ({visible} visible "
-            f"now), unless another reader holds it. Raise max_lag to at least {need} (about "
-            f"keep_last x checkpoint interval, in TGB steps), keep fewer checkpoints "
-            f"(Watermarks keep_last), or checkpoint more often",
-        )
+    # max_lag (the wait itself is the LagGate's)
 
     def _wait_for_lag(self) -> None:
-        if self._max_lag is None:
-            return
-        max_lag = self._max_lag
-        refreshed = False
-        blocked_since: float | None = None
-        last_log = -math.inf
-        warned = False
-        # The last diagnosis that this wait cannot end (the same text: the same watermarks).
-        stalled: str | None = None
-        stalled_since = -math.inf
-        attempt = 0
-        try:
-            while True:
-                with self._cond:
-                    self._check_usable_locked()
-                    # Own uploads not yet committed count too: they become visible (and stored)
-                    # without another max_lag check.
-                    visible = self._base.next_step + len(self._entries)
-                if visible - self._boundary_value <= max_lag:
-                    return
-                if refreshed:
-                    now = self._clock()
-                    if blocked_since is None:
-                        blocked_since = now
-                        with self._cond:
-                            self._lag_blocked += 1
-                            self._cond.notify_all()  # the commit loop publishes what blocks us
-                    if now - last_log >= self._lag_log_interval:
-                        last_log = now
-                        holder, unmarked, stall = self._boundary_holder(visible)
-                        if stall != stalled:  # a new diagnosis, or the watermarks moved
-                            stalled, stalled_since = stall, now
-                        # Blocking is normal back-pressure (INFO); a minute with no watermark at
-                        # all, or ten with one that does not move, looks like a job that does not
-                        # checkpoint, so say it once where default logging shows it; so is half
-                        # a minute on watermarks that show training cannot reach its next
-                        # checkpoint (max_lag below about keep_last x the checkpoint interval).
-                        waited = now - blocked_since
-                        loud = not warned and (
-                            waited >= LAG_WARN_LONG
-                            or (unmarked and waited >= LAG_WARN_AFTER)
-                            or (stall is not None and now - stalled_since >= LAG_WARN_STUCK)
-                        )
-                        warned = warned or loud
-                        _LOG.log(
-                            logging.WARNING if loud else logging.INFO,
-                            "producer %r blocked by max_lag: %d visible steps, reclamation "
-                            "boundary %d, max_lag %d (waiting %.0f s so far; checkpoints must "
-                            "advance the watermarks: %s)%s",
-                            self._producer_id,
-                            visible,
-                            self._boundary_value,
-                            max_lag,
-                            now - blocked_since,
-                            holder,
-                            "" if stall is None else f". {stall}",
-                        )
-                    attempt += 1
-                    self._sleep(min(self._backoff(attempt), 1.0))
-                    after = self._clock()
-                    with self._cond:
-                        self._lag_blocked_seconds += after - now
-                try:
-                    self._boundary_value = self._boundary_fn()
-                    latest = self._log.latest(self._base)
-                except _RETRYABLE as exc:
-                    attempt += 1
-                    self._note_transient("checking max_lag", exc, attempt)
-                    continue
-                with self._cond:
-                    try:
-                        self._adopt_locked(latest)
-                    except ProducerError as exc:
-                        self._store_error_locked(exc)
-                        raise
-                refreshed = True
-        finally:
-            if blocked_since is not None:
-                # A count: another append may still be blocked (and need what it waits on
-                # committed) after this one goes.
-                with self._cond:
-                    self._lag_blocked -= 1
+        if self._max_lag is not None:
+            self._lag.wait(self._max_lag, self._visible_steps, self._rebase_on_latest)
+
+    def _visible_steps(self) -> int:
+        """Steps visible to readers once what is appended is committed; raises if unusable."""
+        with self._cond:
+            self._check_usable_locked()
+            # Own uploads not yet committed count too: they become visible (and stored)
+            # without another max_lag check.
+            return self._base.next_step + len(self._entries)
+
+    def _rebase_on_latest(self) -> None:
+        """Adopt the newest manifest; what forbids adopting it is this producer's failure."""
+        latest = self._log.latest(self._base)
+        with self._cond:
+            try:
+                self._adopt_locked(latest)
+            except ProducerError as exc:
+                self._store_error_locked(exc)
+                raise
 
     # ------------------------------------------------------------------------------------------
     # shutdown
@@ -1738,8 +1284,8 @@ class Producer:
                 self._aborted = True
             self._closing = True
             self._cond.notify_all()
-        _UNCLOSED.discard(self)
-        _BUSY.discard(self)
+        _lifetime.discard_unclosed(self)
+        _lifetime.discard_busy(self)
         if threading.current_thread() is not self._committer:
             self._committer.join(join_timeout)
         self._uploads.shutdown(wait=not abort and join_timeout is None, cancel_futures=abort)
@@ -1749,7 +1295,7 @@ def _commit_thread(ref: weakref.ReferenceType[Producer]) -> None:
     """The commit loop: a producer's turns, holding it only during a turn.
 
     Between turns it waits on the producer's condition holding no reference to the producer, so
-    one dropped without ``close()`` can be freed (``Producer.__del__``) once ``_BUSY`` lets go
+    one dropped without ``close()`` can be freed (``Producer.__del__``) once ``_lifetime`` lets go
     of it, when it has nothing left to commit; the loop then ends at its next wake-up.
     """
     while True:
@@ -1768,29 +1314,3 @@ def _commit_thread(ref: weakref.ReferenceType[Producer]) -> None:
         del producer
         if not turn:
             return
-
-
-def _close_unclosed_at_exit() -> None:
-    """At interpreter exit: close the producers that were neither closed nor aborted.
-
-    Within ``EXIT_CLOSE_TIMEOUT`` seconds for all together; each says what it commits and what
-    it could not (``Producer._close_at_exit``). A Ctrl-C here stops the rest without waiting.
-    """
-    deadline = time.monotonic() + EXIT_CLOSE_TIMEOUT
-    for producer in list(_UNCLOSED):
-        try:
-            failure = producer._close_at_exit(deadline)
-        except BaseException as exc:  # e.g. a Ctrl-C while logging: never block the exit
-            failure = exc
-        if isinstance(failure, KeyboardInterrupt):
-            deadline = -math.inf
-
-
-# Run before the interpreter joins its non-daemon threads, the upload pools' among them
-# (``concurrent.futures`` registers that join the same way, earlier, so it runs after this):
-# as an ``atexit`` function this would run only after that join, which waits for ever for an
-# upload retrying through an outage, and after which no upload could finish what is pending.
-try:
-    getattr(threading, "_register_atexit", atexit.register)(_close_unclosed_at_exit)
-except RuntimeError:  # imported while the interpreter already exits: too late for the join
-    atexit.register(_close_unclosed_at_exit)

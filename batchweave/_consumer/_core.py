@@ -2,18 +2,16 @@
 
 A :class:`Consumer` follows a namespace's manifest, projects every logical step onto the TGB
 slices its rank owns (:mod:`batchweave._projection`), fetches them with one range read per object
-(after one cached footer read per TGB object) and yields ``(step, data)`` strictly in step order
-while a bounded window of later steps is already being read. See ``docs/consumer.md``.
+(after one cached footer read per TGB object, :mod:`batchweave._consumer._reader`) and yields
+``(step, data)`` strictly in step order while a bounded window of later steps is already being
+read. See ``docs/consumer.md``.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import math
-import os
-import struct
 import threading
 import time
 import weakref
@@ -21,110 +19,43 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
-from batchweave._checks import (
-    as_count,
-    as_fraction,
-    as_int,
-    as_seconds,
-    as_size,
-    check_namespace,
-    check_store,
-)
+from batchweave._checks import check_namespace, check_store
+from batchweave._consumer._options import _check_options, _resolve_coordinates
+from batchweave._consumer._prefetch import Job, Workers
+from batchweave._consumer._reader import _RETRYABLE, SliceReader, _Budget
+from batchweave._consumer._registry import _OPEN
+from batchweave._consumer._state import STATE_FORMAT, _parse_state
+from batchweave._consumer._stats import ConsumerStats, _Counters
 from batchweave._errors import (
-    ChecksumMismatch,
     ConsumerError,
     ConsumerTimeout,
-    FormatError,
     NamespaceMismatch,
     NamespaceNotFound,
     ObjectNotFound,
     StepReclaimed,
     StoreUnavailable,
-    TransientStoreError,
 )
 from batchweave._fork import current_pid
-from batchweave._format._checksum import checksum
-from batchweave._format._tgb import (
-    TRAILER_SIZE,
-    SliceEntry,
-    SliceSpan,
-    TgbFooter,
-    decode_entry,
-    parse_footer,
-)
 from batchweave._manifest._log import ManifestLog
-from batchweave._manifest._models import Manifest, SliceTable, TgbDescriptor, TgbObjectRef
+from batchweave._manifest._models import Manifest, TgbDescriptor
 from batchweave._manifest._segments import find_segment
-from batchweave._mesh import Mesh, check_mesh
+from batchweave._mesh import Mesh
 from batchweave._outage import OutageLog, no_answer
-from batchweave._prefetch import Job, SingleFlightCache, Workers, gather
 from batchweave._projection import (
     DEFAULT_RANK_ORDER,
     Projection,
     SliceLocation,
-    _parse_order,
-    coordinates_from_env,
     resume_anchor,
 )
-from batchweave._store._base import Bounded, ObjectStore
+from batchweave._store._base import ObjectStore
 
-__all__ = ["STATE_FORMAT", "Consumer", "ConsumerStats"]
+__all__ = ["Consumer"]
 
 _log = logging.getLogger("batchweave.consumer")
 
-STATE_FORMAT: Final = 1
-"""Version of the dict :meth:`Consumer.state_dict` returns."""
-
 _MIB: Final = 1 << 20
-_RETRYABLE: Final = (TransientStoreError, StoreUnavailable)
-
-_T = TypeVar("_T")
-
-
-class _OpenConsumers:
-    """How many consumers this process has open: they share one budget of reads in flight.
-
-    A set of tokens, not a counter behind a lock: ``closed`` also runs from a signal handler
-    (``close()`` on SIGTERM) or a garbage-collection finalizer, possibly while the same thread
-    is inside ``opened``, where a lock would deadlock. One set operation is atomic there.
-    """
-
-    def __init__(self) -> None:
-        self._tokens: set[object] = set()
-
-    @property
-    def count(self) -> int:
-        return len(self._tokens)
-
-    def opened(self) -> object:
-        """Count one more open consumer; pass the token returned to :meth:`closed`."""
-        token = object()
-        self._tokens.add(token)
-        return token
-
-    def closed(self, token: object) -> None:
-        """Count one consumer fewer (once per token, however often it is called)."""
-        self._tokens.discard(token)
-
-    def forget_all(self) -> None:
-        """Count none: in a forked child, the consumers the parent had open are unusable."""
-        self._tokens.clear()
-
-
-_OPEN: Final = _OpenConsumers()
-
-# The parent's consumers cannot read in a forked child (see Consumer._check_process): they take
-# no share of the child's reads.
-os.register_at_fork(after_in_child=_OPEN.forget_all)
-
-_LATENCY_WEIGHT: Final = 0.2
-"""Weight of the newest step in :attr:`ConsumerStats.read_latency` and
-:attr:`ConsumerStats.read_cpu_share` (exponential averages)."""
-
-# The trailer starts with the footer length, a little-endian u64 (docs/format.md).
-_U64: Final = struct.Struct("<Q")
 
 _UNREACHABLE: Final = (
     "The object store was unreachable or did not answer at the last attempt (see the warnings "
@@ -134,158 +65,6 @@ _UNREACHABLE: Final = (
 
 _OVERRUN: Final = 1.0
 """Seconds past ``timeout`` from which a timeout error says how long the wait really took."""
-
-_RESTORE: Final = "restore it, or resume past this step"
-"""What to do about a committed object that is no longer what the manifest recorded."""
-
-
-@dataclass(frozen=True)
-class ConsumerStats:
-    """A snapshot of what a consumer has done so far (see :attr:`Consumer.stats`)."""
-
-    steps: int
-    """Steps delivered."""
-    bytes_delivered: int
-    """Stored bytes of the slices delivered: what the rank needed to read."""
-    bytes_read: int
-    """Bytes returned by range reads: footers, slices and parts, including retried reads."""
-    requests: int
-    """Range reads issued (footers, slices, parts), including failed attempts."""
-    footer_reads: int
-    """Footers fetched from the store (one exact range read each)."""
-    footer_cache_hits: int
-    """Footer lookups answered by the cache."""
-    retries: int
-    """Transient read or poll failures that were retried."""
-    manifest_refreshes: int
-    """Checks for a newer manifest version."""
-    stall_seconds: float
-    """Time the caller spent blocked in ``next()``: waiting for data or for producers."""
-    time_to_first_batch: float | None
-    """Seconds from construction to the first delivered step (``None`` before it)."""
-    prefetch_depth: int
-    """Steps currently allowed in flight ahead of the caller (ramps up to ``prefetch``)."""
-    read_latency: float | None
-    """Moving average of the seconds one step's reads take (``None`` before the first step);
-    below ``prefetch_min_latency`` steps are read on the caller's thread, without prefetching."""
-    read_cpu_share: float | None
-    """Moving average of the share of a step's read time its reading thread spent on CPU
-    (``None`` until measured, and again after a step that was not); above
-    ``prefetch_max_cpu_share`` steps are read on the caller's thread. Measured only on
-    single-object steps while ``read_latency`` is unknown or at least half of
-    ``prefetch_min_latency`` (see :class:`Consumer`)."""
-    in_flight: int
-    """Steps being read (or read and waiting) ahead of the caller right now."""
-
-    @property
-    def read_amplification(self) -> float:
-        """``bytes_read / bytes_delivered``; 1.0 means nothing but the rank's slices was read."""
-        return self.bytes_read / self.bytes_delivered if self.bytes_delivered else math.nan
-
-
-class _Counters:
-    """Thread-safe running totals behind :class:`ConsumerStats`."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.steps = 0
-        self.bytes_delivered = 0
-        self.bytes_read = 0
-        self.requests = 0
-        self.footer_reads = 0
-        self.footer_cache_hits = 0
-        self.retries = 0
-        self.manifest_refreshes = 0
-        self.stall_seconds = 0.0
-        self.time_to_first_batch: float | None = None
-        self.read_latency: float | None = None
-        self.read_cpu_share: float | None = None
-        self.cpu_samples = 0
-        """Steps averaged into ``read_cpu_share`` since it was last forgotten."""
-        self.cpu_pending = False
-        """``read_cpu_share`` was forgotten by a step skipped as fast, and the next slow step
-        measures it (not by one read in several objects: such steps are never measured)."""
-
-    def add(self, **deltas: float) -> None:
-        with self.lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-    # The per-step path uses these rather than add(): no keyword dict, no getattr/setattr.
-
-    def read_failed(self) -> None:
-        """A range read was issued and failed."""
-        with self.lock:
-            self.requests += 1
-
-    def read_returned(self, nbytes: int) -> None:
-        """A range read was issued and returned ``nbytes``."""
-        with self.lock:
-            self.requests += 1
-            self.bytes_read += nbytes
-
-    def stalled(self, seconds: float) -> None:
-        """The caller was blocked in a ``next()`` that delivered nothing for ``seconds``."""
-        with self.lock:
-            self.stall_seconds += seconds
-
-    def delivered(self, nbytes: int, stalled: float, since_created: float) -> None:
-        """One step of ``nbytes`` stored bytes was delivered after the caller was blocked in
-        ``next()`` for ``stalled`` seconds, ``since_created`` seconds in."""
-        with self.lock:
-            self.steps += 1
-            self.bytes_delivered += nbytes
-            self.stall_seconds += stalled
-            if self.time_to_first_batch is None:
-                self.time_to_first_batch = since_created
-
-    def read_took(
-        self, seconds: float, cpu_seconds: float | None = None, *, measurable: bool = True
-    ) -> None:
-        """One step's reads took ``seconds``, ``cpu_seconds`` of them on its thread's CPU
-        (``None``: not measured, which forgets the CPU share: it would be stale when measuring
-        resumes, e.g. from a first step that parsed footers to slow network reads).
-        ``measurable=False``: no step like this one is measured (its reads ran on several
-        threads), so no share is coming."""
-        with self.lock:
-            old = self.read_latency
-            self.read_latency = seconds if old is None else old + _LATENCY_WEIGHT * (seconds - old)
-            if cpu_seconds is None:
-                self.read_cpu_share = None
-                self.cpu_samples = 0
-                self.cpu_pending = measurable
-            elif seconds > 0:  # a clock that did not move tells nothing about the share
-                share = min(1.0, max(0.0, cpu_seconds / seconds))
-                # The plain mean of the first samples, then the moving average: the first step
-                # (which also opens the namespace, with every rank starting at once) alone
-                # would outweigh the next four.
-                self.cpu_samples += 1
-                old = self.read_cpu_share
-                weight = max(_LATENCY_WEIGHT, 1 / self.cpu_samples)
-                self.read_cpu_share = share if old is None else old + weight * (share - old)
-
-
-# Every step creates a budget, but only failed reads spend one: a lock shared by all budgets
-# costs nothing, a lock per budget would be created on every step.
-_BUDGET_LOCK: Final = threading.Lock()
-
-
-class _Budget:
-    """The retries one step may still spend, shared by all of its reads."""
-
-    __slots__ = ("_left", "limit")
-
-    def __init__(self, retries: int) -> None:
-        self.limit = retries
-        self._left = retries
-
-    def spend(self) -> int | None:
-        """Take one retry; return how many were used so far, or ``None`` if none is left."""
-        with _BUDGET_LOCK:
-            if self._left <= 0:
-                return None
-            self._left -= 1
-            return self.limit - self._left
 
 
 @dataclass
@@ -439,8 +218,6 @@ class Consumer:
             if self.prefetch_min_latency > 0 and self.prefetch_max_cpu_share < 1
             else None
         )
-        footers: int = options["footer_cache"]
-        self._footers: SingleFlightCache[str, TgbFooter] = SingleFlightCache(footers)
         self._counters = _Counters()
         self._created_at = clock()
         self._outage = OutageLog(
@@ -456,6 +233,21 @@ class Consumer:
         # Made now (it starts no thread before the first read ahead), so that a next() racing
         # close() on another thread finds it closed rather than making a new one.
         self._pool = Workers(self.max_workers, name="batchweave-consumer")
+        self._reader = SliceReader(
+            store,
+            self._log,
+            counters=self._counters,
+            outage=self._outage,
+            pool=self._pool,
+            footer_cache=options["footer_cache"],
+            map_threshold=self.map_threshold,
+            split_threshold=self.split_threshold,
+            part_size=self.part_size,
+            retry_backoff=self.retry_backoff,
+            max_retry_backoff=self.max_retry_backoff,
+            sleep=sleep,
+            check_not_closed=self._check_not_closed,
+        )
         # Held by next(): close() from another thread leaves the read window to it.
         self._reading = threading.Lock()
         self._depth: int = min(1, self.prefetch)
@@ -1124,29 +916,12 @@ class Consumer:
         budget = _Budget(self.retry_budget)
         what = f"step {step} (TGB step {loc.tgb_step})"
         try:
-            desc = self._retrying(budget, what, self._descriptor, what, manifest, loc.tgb_step)
+            desc = self._reader.retrying(
+                budget, what, self._descriptor, what, manifest, loc.tgb_step
+            )
         except StepReclaimed as exc:
             raise StepReclaimed(f"step {step}: {exc}") from exc
-        data: Any
-        if len(loc.slices) == 1:  # the common case: nothing to group by object or into runs
-            index = loc.slices[0]
-            data, nbytes = self._read_slice(what, _object_holding(desc, index, what), index, budget)
-            one_object = True
-        else:
-            groups = _group_by_object(desc, loc, what)
-            one_object = len(groups) == 1
-            if one_object:  # one object holds the rank's slices: no jobs to gather
-                data, nbytes = self._read_object_slices(what, *groups[0], budget)
-            else:
-                results = gather(
-                    self._pool,
-                    [
-                        functools.partial(self._read_object_slices, what, ref, idx, budget)
-                        for ref, idx in groups
-                    ],
-                )
-                data = [value for values, _ in results for value in values]
-                nbytes = sum(n for _, n in results)
+        data, nbytes, one_object = self._reader.read(what, desc, loc, budget)
         took = self._clock() - started
         # Several objects are read by pool threads: this thread's CPU is not the step's.
         if cpu_started is None or not one_object:
@@ -1209,408 +984,3 @@ class Consumer:
         if latency is not None and latency < start:
             return None
         return self._cpu_clock()
-
-    def _read_slice(
-        self, step_what: str, ref: TgbObjectRef, index: int, budget: _Budget
-    ) -> tuple[Any, int]:
-        """Slice ``index`` (numbered within the TGB) of ``ref``'s object, decoded, and its stored
-        bytes: :meth:`_read_object_slices` for one slice, without building runs of slices."""
-        key = self._log.key(ref.key)
-        what = f"{step_what}, object {key!r}"
-        entry: SliceEntry | SliceSpan
-        if ref.slices is not None:
-            layout: SliceTable | TgbFooter = ref.slices
-            entry = ref.slices.span(index - ref.first_slice)
-        else:
-            layout = self._layout(key, ref, what, budget)
-            entry = layout.slices[index - ref.first_slice]
-        where = f"{what}, slice {index}"
-        buf = self._read_range(key, entry.offset, entry.offset + entry.length, where, budget)
-        # Checksums and raw decoding take bytes without a copy.
-        raw = buf if isinstance(buf, bytes) else memoryview(buf)
-        return decode_entry(raw, entry, layout, where=where), entry.length
-
-    def _read_object_slices(
-        self, step_what: str, ref: TgbObjectRef, indices: list[int], budget: _Budget
-    ) -> tuple[list[Any], int]:
-        key = self._log.key(ref.key)
-        what = f"{step_what}, object {key!r}"
-        layout = ref.slices if ref.slices is not None else self._layout(key, ref, what, budget)
-        values: list[Any] = []
-        nbytes = 0
-        for run in _runs(layout, ref.first_slice, indices):
-            (first_index, first), (_, last) = run[0], run[-1]
-            start, end = first.offset, last.offset + last.length
-            if len(run) == 1:
-                where = f"{what}, slice {first_index}"
-            else:
-                where = f"{what}, slices {', '.join(str(i) for i, _ in run)}"
-            buf = self._read_range(key, start, end, where, budget)
-            if isinstance(buf, bytes) and len(run) == 1:
-                # Checksums and raw decoding take bytes without a copy.
-                values.append(decode_entry(buf, first, layout, where=where))
-            else:
-                view = memoryview(buf)
-                for i, entry in run:
-                    raw = view[entry.offset - start : entry.offset - start + entry.length]
-                    values.append(decode_entry(raw, entry, layout, where=f"{what}, slice {i}"))
-            nbytes += end - start
-        return values, nbytes
-
-    def _layout(self, key: str, ref: TgbObjectRef, what: str, budget: _Budget) -> TgbFooter:
-        """The footer of ``ref``'s object, from the cache or fetched (the manifest has no table)."""
-        try:
-            footer, hit = self._footers.get(
-                key,
-                lambda: self._retrying(budget, f"{what}, footer", self._footer, key, ref),
-            )
-        except FormatError as exc:
-            raise type(exc)(f"{what}, footer: {exc}") from exc
-        self._counters.add(footer_cache_hits=1 if hit else 0)
-        if len(footer.slices) != ref.slice_count:
-            raise FormatError(
-                f"{what}: the manifest records {ref.slice_count} slices in the object, its footer "
-                f"{len(footer.slices)}; the object was replaced after it was committed: {_RESTORE}"
-            )
-        return footer
-
-    def _footer(self, key: str, ref: TgbObjectRef) -> TgbFooter:
-        """Fetch ``ref``'s footer and trailer with one exact range read and verify both."""
-        want = ref.footer_length + TRAILER_SIZE
-        buf = self._get(key, ref.footer_offset, ref.footer_offset + want)
-        self._counters.add(footer_reads=1)
-        if len(buf) != want:
-            raise FormatError(
-                f"object {key!r} is truncated: expected footer and trailer at bytes "
-                f"[{ref.footer_offset}, {ref.footer_offset + want}), got {len(buf)} bytes; "
-                f"{_RESTORE}"
-            )
-        footer = parse_footer(buf, key=key)  # verifies the trailer's checksum over the footer
-        (footer_length,) = _U64.unpack_from(buf, len(buf) - TRAILER_SIZE)
-        if footer_length != ref.footer_length or footer.payload_length != ref.footer_offset:
-            raise FormatError(
-                f"object {key!r}: the manifest locates its footer at [{ref.footer_offset}, "
-                f"+{ref.footer_length}), the object at [{footer.payload_length}, "
-                f"+{footer_length}); the object was replaced after it was committed: {_RESTORE}"
-            )
-        computed = checksum(buf[: ref.footer_length], footer.checksum_algo)
-        if computed != ref.footer_checksum:
-            raise ChecksumMismatch(
-                f"object {key!r}: its footer's {footer.checksum_algo} checksum is {computed:#x}, "
-                f"the manifest recorded {ref.footer_checksum:#x}; the object was replaced or "
-                f"damaged after it was committed: {_RESTORE}"
-            )
-        return footer
-
-    def _read_range(
-        self, key: str, start: int, end: int, where: str, budget: _Budget
-    ) -> bytes | bytearray | memoryview:
-        """Bytes ``[start, end)`` of ``key``: mapped, one range read, or parallel parts.
-
-        ``where`` names the slices read in errors: a format error (a truncated object) is
-        raised again with it in front.
-        """
-        length = end - start
-        if length == 0:
-            return b""
-        try:
-            if length >= self.map_threshold:
-                mapped = self._retrying(budget, where, self._map, key, start, end)
-                if mapped is not None:
-                    return mapped
-            if length < self.split_threshold or length <= self.part_size:
-                data = self._retrying(budget, where, self._get, key, start, end)
-                if len(data) != length:
-                    raise _truncated(key, start, end, len(data))
-                return data
-            buf = bytearray(length)
-            view = memoryview(buf)
-
-            def part(lo: int, hi: int) -> None:
-                target = view[lo - start : hi - start]
-                self._retrying(budget, where, self._get_into, key, lo, target)
-
-            bounds = range(start, end, self.part_size)
-            gather(
-                self._pool,
-                [functools.partial(part, a, min(a + self.part_size, end)) for a in bounds],
-            )
-            return buf
-        except FormatError as exc:
-            raise type(exc)(f"{where}: {exc}") from exc
-
-    def _map(self, key: str, start: int, end: int) -> memoryview | None:
-        view = self._store.map_range(key, start, end)
-        if view is not None:
-            self._counters.read_returned(len(view))
-            if len(view) != end - start:
-                raise _truncated(key, start, end, len(view))
-        return view
-
-    def _get_into(self, key: str, start: int, target: memoryview) -> None:
-        try:
-            n = self._store.get_range_into(key, start, target)
-        except BaseException:
-            self._counters.read_failed()
-            raise
-        self._counters.read_returned(n)
-        if n != len(target):
-            raise _truncated(key, start, start + len(target), n)
-
-    def _get(self, key: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of ``key`` with one range read (fewer at the object's end)."""
-        try:
-            data = self._store.get_range(key, Bounded(start, end))
-        except BaseException:
-            self._counters.read_failed()
-            raise
-        self._counters.read_returned(len(data))
-        return data
-
-    def _retrying(self, budget: _Budget, what: str, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)``, retried on transient store errors within ``budget`` and through
-        outages; ``what`` names the read in errors and logs."""
-        attempt = 0
-        while True:
-            try:
-                result = fn(*args)
-                self._outage.recovered()
-                return result
-            except StoreUnavailable as exc:
-                # An outage does not spend the step's budget: the read is retried until the
-                # store is back (``docs/guarantees.md``, "Outages").
-                self._outage.failed(f"reading {what}", exc)
-            except _RETRYABLE as exc:
-                if no_answer(exc):  # a hung store: warn (once per outage), as when unreachable
-                    self._outage.failed(f"reading {what}", exc)
-                used = budget.spend()
-                if used is None:
-                    raise ConsumerError(
-                        f"{what}: read failed and the step's retry budget ({budget.limit}) is "
-                        f"spent (next() retries the step from scratch; a flaky store may need "
-                        f"a larger retry_budget); last error: {exc}"
-                    ) from exc
-                _log.debug("%s: %s; retry %d", what, exc, used)
-            except ObjectNotFound as exc:
-                raise ConsumerError(
-                    f"{what}: the object is gone: it was reclaimed (this consumer fell behind "
-                    "the checkpoint watermarks) or deleted by hand; resume from a later checkpoint"
-                ) from exc
-            # Also stops a read-ahead job of a closed consumer that waits out an outage.
-            self._check_not_closed(f"retrying {what}")
-            self._counters.add(retries=1)
-            # The exponent is capped: an outage can last thousands of retries, and 2.0**1024
-            # overflows a float.
-            self._sleep(min(self.max_retry_backoff, self.retry_backoff * 2.0 ** min(attempt, 30)))
-            attempt += 1
-
-
-def _truncated(key: str, start: int, end: int, got: int) -> FormatError:
-    return FormatError(
-        f"object {key!r} is truncated: bytes [{start}, {end}) requested, {got} returned; {_RESTORE}"
-    )
-
-
-def _object_holding(desc: TgbDescriptor, index: int, what: str) -> TgbObjectRef:
-    """The object of ``desc`` holding slice ``index`` (numbered within the TGB)."""
-    for ref in desc.objects:
-        if ref.first_slice <= index < ref.first_slice + ref.slice_count:
-            return ref
-    raise FormatError(f"{what}: no object of the TGB holds slice {index}")
-
-
-def _group_by_object(
-    desc: TgbDescriptor, loc: SliceLocation, what: str
-) -> list[tuple[TgbObjectRef, list[int]]]:
-    """Split ``loc.slices`` by the object holding each, keeping their order."""
-    groups: list[tuple[TgbObjectRef, list[int]]] = []
-    for index in loc.slices:
-        ref = _object_holding(desc, index, what)
-        if groups and groups[-1][0] is ref:
-            groups[-1][1].append(index)
-        else:
-            groups.append((ref, [index]))
-    return groups
-
-
-def _runs(
-    layout: SliceTable | TgbFooter, first_slice: int, indices: list[int]
-) -> list[list[tuple[int, SliceEntry | SliceSpan]]]:
-    """Slices ``indices`` (numbered within the TGB) of an object with their entries in its
-    layout, in runs of slices stored back to back: one range read per run."""
-    entry: Callable[[int], SliceEntry | SliceSpan] = (
-        layout.slices.__getitem__ if isinstance(layout, TgbFooter) else layout.span
-    )
-    runs: list[list[tuple[int, SliceEntry | SliceSpan]]] = []
-    run_end = -1  # where the last run's bytes end; no slice starts at -1
-    for index in indices:
-        cur = entry(index - first_slice)
-        if cur.offset == run_end:
-            runs[-1].append((index, cur))
-        else:
-            runs.append([(index, cur)])
-        run_end = cur.offset + cur.length
-    return runs
-
-
-_COUNTS: Final = {
-    "start_step": 0,
-    "stride": 1,
-    "prefetch": 0,
-    "ramp_every": 1,
-    "max_process_reads": 1,
-    "max_workers": 1,
-    "footer_cache": 1,
-    "retry_budget": 0,
-}
-"""The :class:`Consumer` options that are counts, with their smallest value."""
-_SIZES: Final = ("map_threshold", "split_threshold", "part_size")
-"""The :class:`Consumer` options that are sizes in bytes (at least 1; ``16e6`` is taken)."""
-_SECONDS: Final = ("poll_interval", "max_poll_interval", "retry_backoff", "max_retry_backoff")
-"""The :class:`Consumer` options that are finite numbers of seconds, slept between reads."""
-
-
-def _check_options(**options: Any) -> dict[str, Any]:
-    """:class:`Consumer` keyword arguments with every count, size, number of seconds and share
-    checked and made a plain ``int`` or ``float``; the others are returned as given.
-
-    ``TypeError`` for the wrong type (``part_size=16e6``, ``timeout="5"``), ``ValueError`` for a
-    value out of range, naming the option. Pairs are checked against the consumer's defaults
-    for the options not given, so :class:`~batchweave.torch.WeaveDataset` checks its consumer
-    options with this when it is made, not in a DataLoader worker.
-    """
-    checked = dict(options)
-    for name, minimum in _COUNTS.items():
-        if name in checked:
-            checked[name] = as_count(name, checked[name], minimum)
-    for name in _SIZES:
-        if name in checked:
-            checked[name] = as_size(name, checked[name], 1)
-    for name in _SECONDS:
-        if name in checked:  # slept: infinity would make time.sleep raise
-            checked[name] = as_seconds(name, checked[name], finite=True)
-    if "prefetch_min_latency" in checked:  # a threshold: infinity never reads ahead
-        checked["prefetch_min_latency"] = as_seconds(
-            "prefetch_min_latency", checked["prefetch_min_latency"]
-        )
-    if checked.get("timeout") is not None:  # infinity waits for ever, as None does
-        checked["timeout"] = as_seconds("timeout", checked["timeout"])
-    if "prefetch_max_cpu_share" in checked:
-        checked["prefetch_max_cpu_share"] = as_fraction(
-            "prefetch_max_cpu_share", checked["prefetch_max_cpu_share"]
-        )
-    both = {**_DEFAULTS, **checked}
-    if not 0 < both["poll_interval"] <= both["max_poll_interval"]:
-        raise ValueError(
-            f"need 0 < poll_interval <= max_poll_interval, got {both['poll_interval']} and "
-            f"{both['max_poll_interval']}"
-        )
-    if both["max_retry_backoff"] < both["retry_backoff"]:
-        raise ValueError(
-            f"need 0 <= retry_backoff <= max_retry_backoff, got {both['retry_backoff']} and "
-            f"{both['max_retry_backoff']}"
-        )
-    return checked
-
-
-_DEFAULTS: Final = {
-    name: parameter.default
-    for name, parameter in inspect.signature(Consumer).parameters.items()
-    if name in ("poll_interval", "max_poll_interval", "retry_backoff", "max_retry_backoff")
-}
-
-
-def _resolve_coordinates(
-    mesh: Mesh,
-    dp_rank: int | None,
-    cp_rank: int | None,
-    *,
-    tp: int,
-    pp: int,
-    order: str,
-    environ: Mapping[str, str] | None,
-) -> tuple[int, int]:
-    """The rank's ``(dp_rank, cp_rank)``: given, or derived from the environment.
-
-    ``tp``, ``pp`` and ``order`` are checked either way: a job's degrees that cannot be right
-    are a mistake even when explicit coordinates make them unused.
-    """
-    check_mesh(mesh)
-    tp, pp = as_count("tp", tp, 1), as_count("pp", pp, 1)
-    if not isinstance(order, str):
-        raise TypeError(
-            f"rank_order must be a str, got the {type(order).__name__} {order!r}; e.g. "
-            f"rank_order={DEFAULT_RANK_ORDER!r}"
-        )
-    _parse_order(order)
-    dp_rank = None if dp_rank is None else as_int("dp_rank", dp_rank)
-    cp_rank = None if cp_rank is None else as_int("cp_rank", cp_rank)
-    if dp_rank is None and cp_rank is None:
-        coords = coordinates_from_env(mesh, tp=tp, pp=pp, order=order, environ=environ)
-        return coords.dp_rank, coords.cp_rank
-    if cp_rank is None and mesh.cp == 1:
-        cp_rank = 0
-    if dp_rank is None or cp_rank is None:
-        raise ValueError(
-            f"give both dp_rank and cp_rank for mesh ({mesh}), or neither to derive them from "
-            "RANK and WORLD_SIZE"
-        )
-    mesh.slice_index(dp_rank, cp_rank)  # range check with a clear message
-    return dp_rank, cp_rank
-
-
-_STATE_INTS: Final = (
-    "format",
-    "step",
-    "dp",
-    "cp",
-    "dp_rank",
-    "cp_rank",
-    "anchor_step",
-    "anchor_replica",
-)
-
-
-def _state_int(name: str, value: Any) -> int:
-    """A state value as an int: what :func:`as_int` takes, or a float or string holding one
-    exactly. ``int()`` alone would resume a state whose step is ``2.5`` at step 2."""
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise ValueError(f"{name} is {value!r}, not an integer")
-        return int(value)
-    if isinstance(value, str):
-        return int(value)
-    return as_int(name, value)
-
-
-def _parse_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    try:
-        parsed: dict[str, Any] = {name: _state_int(name, state[name]) for name in _STATE_INTS}
-        parsed["namespace"] = str(state.get("namespace", ""))
-        parsed["namespace_id"] = str(state["namespace_id"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConsumerError(
-            f"not a BatchWeave consumer state ({exc!r}); pass what Consumer.state_dict() returned"
-        ) from exc
-    if parsed["format"] != STATE_FORMAT:
-        raise ConsumerError(
-            f"consumer state format {parsed['format']} is not {STATE_FORMAT}; it was written by "
-            "another BatchWeave version"
-        )
-    problems = [
-        f"{name} {parsed[name]} is negative"
-        for name in ("step", "anchor_step", "anchor_replica")
-        if parsed[name] < 0
-    ]
-    if parsed["step"] < parsed["anchor_step"]:
-        problems.append(f"step {parsed['step']} precedes anchor_step {parsed['anchor_step']}")
-    try:
-        Mesh(dp=parsed["dp"], cp=parsed["cp"])
-    except ValueError:
-        problems.append(f"dp={parsed['dp']}, cp={parsed['cp']} is not a mesh")
-    if problems:
-        raise ConsumerError(
-            f"consumer state is inconsistent ({'; '.join(problems)}): {dict(state)!r}; pass "
-            "what Consumer.state_dict() returned, unmodified"
-        )
-    return parsed

@@ -1,0 +1,219 @@
+"""The ``max_lag`` back-pressure: ``append`` waits while readers lag too far behind.
+
+A producer with ``max_lag`` blocks ``append`` while the visible steps exceed the reclamation
+boundary (the oldest live watermark) by more than ``max_lag``. Such a wait is normal
+back-pressure, but also how a misconfigured job shows: one whose trainer never records a
+watermark, or whose ``max_lag`` is too small for the trainer ever to reach its next checkpoint.
+:class:`LagGate` owns the wait, its counters and its log lines; :func:`diagnose` reads from the
+watermarks who holds the boundary back and whether the job can progress at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Sequence
+
+from batchweave._errors import FormatError
+from batchweave._producer._retry import RETRYABLE, Retries
+from batchweave._store._base import ObjectStore
+from batchweave._watermarks import Watermark, Watermarks
+
+__all__ = ["LAG_WARN_AFTER", "LAG_WARN_LONG", "LAG_WARN_STUCK", "LagGate", "diagnose"]
+
+_LOG = logging.getLogger("batchweave.producer")
+
+LAG_WARN_AFTER = 60.0
+"""Seconds an ``append`` blocked by ``max_lag`` with no watermark recorded waits before the
+producer says so once at WARNING (its periodic lines are INFO)."""
+LAG_WARN_LONG = 600.0
+"""Seconds after which any one ``max_lag`` wait is said once at WARNING: a watermark that
+stopped advancing (a trainer that never calls ``checkpoint_hook`` after its first mark)."""
+LAG_WARN_STUCK = 30.0
+"""Seconds a ``max_lag`` wait whose watermarks show that training cannot reach its next
+checkpoint (``max_lag`` below about keep_last x the checkpoint interval) lasts, with those
+watermarks unchanged, before the producer says so once at WARNING."""
+
+
+def diagnose(
+    marks: Sequence[Watermark], visible: int, max_lag: int, now: float
+) -> tuple[str, str | None]:
+    """Who holds the reclamation boundary back, and why a ``max_lag`` wait cannot end.
+
+    ``marks`` are the live watermarks, oldest first (at least one), ``visible`` the steps
+    visible to readers and ``now`` the wall clock. The second part is ``None`` unless the
+    watermarks show that the wait cannot end: the boundary is the *oldest* live watermark,
+    which a keep-last-K trainer releases only after its next checkpoint, about one interval
+    past its newest; if the producers stop (``boundary + max_lag``) before that step, the
+    trainer never gets there.
+    """
+    oldest = marks[0]
+    holder = (
+        f"the oldest is {oldest.checkpoint_id!r} at step {oldest.step}, recorded "
+        f"{now - oldest.recorded_at:.0f} s ago"
+    )
+    steps = sorted({m.step for m in marks})
+    if len(steps) < 2:
+        return holder, None  # one checkpoint step: no interval to estimate
+    newest = max(marks, key=lambda m: (m.step, m.recorded_at))
+    interval = steps[-1] - steps[-2]  # the two newest checkpoints' distance
+    target = newest.step + interval  # the step after the newest's next checkpoint
+    if oldest.step + max_lag >= target or visible >= target:
+        return holder, None
+    need = target - oldest.step
+    return (
+        holder,
+        f"This job cannot progress: the trainer must read to step {target - 1} and "
+        f"checkpoint there (the newest watermark {newest.checkpoint_id!r} at step "
+        f"{newest.step} plus a checkpoint interval of about {interval} steps, the distance "
+        f"of the two newest watermarks) before the oldest watermark "
+        f"{oldest.checkpoint_id!r} at step {oldest.step} is released, but producers "
+        f"publish at most max_lag {max_lag} steps past that one ({visible} visible "
+        f"now), unless another reader holds it. Raise max_lag to at least {need} (about "
+        f"keep_last x checkpoint interval, in TGB steps), keep fewer checkpoints "
+        f"(Watermarks keep_last), or checkpoint more often",
+    )
+
+
+class LagGate:
+    """Blocks one producer's ``append`` calls while ``max_lag`` is exceeded.
+
+    Its counters (``blocked``, ``blocked_seconds``) are guarded by the producer's condition
+    ``cond``, which is notified when an ``append`` becomes blocked: the commit loop then
+    publishes what blocks it. It holds no reference to the producer (see :class:`Retries`).
+    """
+
+    def __init__(
+        self,
+        producer_id: str,
+        cond: threading.Condition,
+        retries: Retries,
+        *,
+        boundary: Callable[[], int] | None,
+        store: ObjectStore,
+        namespace: str,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
+        sleep: Callable[[float], None],
+        backoff: Callable[[int], float],
+        log_interval: float,
+    ) -> None:
+        self._producer_id = producer_id
+        self._cond = cond
+        self._retries = retries
+        self._watermarks: Watermarks | None = None
+        """The namespace's watermarks when they give the boundary (named in max_lag logs)."""
+        if boundary is None:
+            self._watermarks = Watermarks(store, namespace, sleep=sleep)
+            boundary = self._watermarks.boundary
+        self._boundary_fn = boundary
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._sleep = sleep
+        self._backoff = backoff
+        self._log_interval = log_interval
+        self._boundary_value = 0
+        self.blocked = 0
+        """How many ``append`` calls are blocked by ``max_lag`` right now."""
+        self.blocked_seconds = 0.0
+        """Total time ``append`` spent blocked by ``max_lag``."""
+
+    def wait(self, max_lag: int, visible: Callable[[], int], rebase: Callable[[], None]) -> None:
+        """Return once ``visible()`` steps exceed the boundary by at most ``max_lag``.
+
+        ``visible()`` counts the steps readers will see, the producer's uncommitted TGBs
+        included (and raises once it cannot append); ``rebase()`` reads the newest manifest and
+        adopts it, after each read of the boundary. Store failures of those reads are retried.
+        """
+        refreshed = False
+        blocked_since: float | None = None
+        last_log = -math.inf
+        warned = False
+        # The last diagnosis that this wait cannot end (the same text: the same watermarks).
+        stalled: str | None = None
+        stalled_since = -math.inf
+        attempt = 0
+        try:
+            while True:
+                steps = visible()
+                if steps - self._boundary_value <= max_lag:
+                    return
+                if refreshed:
+                    now = self._clock()
+                    if blocked_since is None:
+                        blocked_since = now
+                        with self._cond:
+                            self.blocked += 1
+                            self._cond.notify_all()  # the commit loop publishes what blocks us
+                    if now - last_log >= self._log_interval:
+                        last_log = now
+                        holder, unmarked, stall = self._holder(steps, max_lag)
+                        if stall != stalled:  # a new diagnosis, or the watermarks moved
+                            stalled, stalled_since = stall, now
+                        # Blocking is normal back-pressure (INFO); a minute with no watermark at
+                        # all, or ten with one that does not move, looks like a job that does not
+                        # checkpoint, so say it once where default logging shows it; so is half
+                        # a minute on watermarks that show training cannot reach its next
+                        # checkpoint (max_lag below about keep_last x the checkpoint interval).
+                        waited = now - blocked_since
+                        loud = not warned and (
+                            waited >= LAG_WARN_LONG
+                            or (unmarked and waited >= LAG_WARN_AFTER)
+                            or (stall is not None and now - stalled_since >= LAG_WARN_STUCK)
+                        )
+                        warned = warned or loud
+                        _LOG.log(
+                            logging.WARNING if loud else logging.INFO,
+                            "producer %r blocked by max_lag: %d visible steps, reclamation "
+                            "boundary %d, max_lag %d (waiting %.0f s so far; checkpoints must "
+                            "advance the watermarks: %s)%s",
+                            self._producer_id,
+                            steps,
+                            self._boundary_value,
+                            max_lag,
+                            now - blocked_since,
+                            holder,
+                            "" if stall is None else f". {stall}",
+                        )
+                    attempt += 1
+                    self._sleep(min(self._backoff(attempt), 1.0))
+                    after = self._clock()
+                    with self._cond:
+                        self.blocked_seconds += after - now
+                try:
+                    self._boundary_value = self._boundary_fn()
+                    rebase()
+                except RETRYABLE as exc:
+                    attempt += 1
+                    self._retries.note("checking max_lag", exc, attempt)
+                    continue
+                refreshed = True
+        finally:
+            if blocked_since is not None:
+                # A count: another append may still be blocked (and need what it waits on
+                # committed) after this one goes.
+                with self._cond:
+                    self.blocked -= 1
+
+    def _holder(self, visible: int, max_lag: int) -> tuple[str, bool, str | None]:
+        """Who holds the reclamation boundary back, for the max_lag log line (one LIST).
+
+        Also whether no watermark is recorded at all: the wait that ends only once a trainer
+        calls ``checkpoint_hook``, which a misconfigured job never does. And, when the
+        watermarks show it, why this wait cannot end (else ``None``; see :func:`diagnose`).
+        """
+        if self._watermarks is None:
+            return "the boundary comes from the boundary= callable", False, None
+        try:
+            marks = self._watermarks.live()
+        except (*RETRYABLE, FormatError) as exc:
+            return f"the watermarks cannot be read ({exc})", False, None
+        if not marks:
+            none_yet = (
+                "no watermark is recorded yet: the boundary stays 0 until rank 0 of the "
+                "trainer calls checkpoint_hook after a checkpoint"
+            )
+            return none_yet, True, None
+        holder, stall = diagnose(marks, visible, max_lag, self._wall_clock())
+        return holder, False, stall

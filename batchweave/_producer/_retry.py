@@ -1,0 +1,82 @@
+"""Retried store failures: which ones a producer retries, its backoff, and how it says so.
+
+Starting, uploading, committing and the ``max_lag`` check all retry the same failures with the
+same backoff, count them in one counter (``ProducerStats.transient_errors``) and log them the
+same way (one line per outage, one per other retry); :class:`Retries` is that shared part, so
+each of them uses it without owning it for the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from batchweave._errors import AmbiguousWriteError, StoreUnavailable, TransientStoreError
+from batchweave._outage import OutageLog
+
+__all__ = ["RETRYABLE", "Retries", "default_backoff"]
+
+_LOG = logging.getLogger("batchweave.producer")
+
+RETRYABLE = (TransientStoreError, AmbiguousWriteError, StoreUnavailable)
+"""Store failures after which retrying later may succeed; nothing pending is dropped."""
+
+
+def default_backoff(attempt: int) -> float:
+    """Capped exponential backoff: 0.05 s, 0.1 s, ... up to 5 s."""
+    return float(min(5.0, 0.05 * (2 ** min(attempt, 10))))
+
+
+class Retries:
+    """Counts and logs one producer's retried store failures, then sleeps their backoff.
+
+    ``count`` is guarded by the producer's condition ``cond``. It holds no reference to the
+    producer: a producer dropped without ``close()`` must be freed without the cycle collector.
+    """
+
+    def __init__(
+        self,
+        producer_id: str,
+        cond: threading.Condition,
+        outage: OutageLog,
+        *,
+        backoff: Callable[[int], float],
+        sleep: Callable[[float], None],
+    ) -> None:
+        self._producer_id = producer_id
+        self._cond = cond
+        self._outage = outage
+        self._backoff = backoff
+        self._sleep = sleep
+        self.count = 0
+        """Store failures (commit or upload) that were retried."""
+
+    def note(
+        self,
+        what: str,
+        exc: BaseException,
+        attempt: int,
+        *,
+        sleep: Callable[[float], None] | None = None,
+    ) -> None:
+        """Count and log a retried failure, then sleep the backoff (with ``sleep``, if given)."""
+        delay = self._backoff(attempt)
+        sleep = self._sleep if sleep is None else sleep
+        with self._cond:
+            self.count += 1
+        if isinstance(exc, StoreUnavailable):
+            self._outage.failed(what, exc)  # one line per outage, not one per retry
+            sleep(delay)
+            return
+        _LOG.warning(
+            "producer %r: %s failed (attempt %d, %s: %s); retrying in %.2f s, nothing pending "
+            "is dropped",
+            self._producer_id,
+            what,
+            attempt,
+            type(exc).__name__,
+            exc,
+            delay,
+        )
+        sleep(delay)
