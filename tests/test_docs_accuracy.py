@@ -344,6 +344,24 @@ def test_the_docs_map_names_every_command() -> None:
         assert re.search(rf"\b{command}\b", row), f"index.md's cli row lacks {command}"
 
 
+def test_the_code_map_names_every_module_and_nothing_else() -> None:
+    text = _doc("index.md")
+    section = text[text.index("## Map of the code") : text.index("## Errors")]
+    named = set(_CODE_SPAN.findall(section))
+    package = ROOT / "batchweave"
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).parts
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        shown = f"{parts[0]}/" if len(parts) > 1 else parts[0]
+        assert shown in named, f"docs/index.md's map of the code lacks {shown}"
+        if len(parts) > 1 and parts[0] in ("_producer", "_consumer"):
+            assert parts[1] in named, f"docs/index.md's map of the code lacks {parts[1]}"
+    for name in named:
+        if name.endswith(".py") and "/" not in name and name != "__init__.py":
+            assert list(package.rglob(name)), f"docs/index.md maps {name}, which does not exist"
+
+
 def test_the_conformance_suite_attributes_listed_are_its_own() -> None:
     from batchweave.testing import StoreTests
 
