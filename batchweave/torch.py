@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_convert, get_w
 
 from batchweave._checks import as_count, as_seconds, check_namespace
 from batchweave._consumer import Consumer
-from batchweave._consumer._options import _check_options, _resolve_coordinates
+from batchweave._consumer._options import check_options, resolve_coordinates
 from batchweave._errors import ConsumerError, ConsumerTimeout, NamespaceNotFound
 from batchweave._mesh import Mesh
 from batchweave._projection import DEFAULT_RANK_ORDER
@@ -121,11 +121,11 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
                 f"{store!r}; e.g. WeaveDataset('s3://bucket/prefix', ...)"
             )
         check_namespace(namespace)
-        consumer_options = _check_options(**consumer_options)
+        consumer_options = check_options(**consumer_options)
         self.store = store
         self.namespace = namespace
         self.mesh = mesh
-        self.dp_rank, self.cp_rank = _resolve_coordinates(
+        self.dp_rank, self.cp_rank = resolve_coordinates(
             mesh, dp_rank, cp_rank, tp=tp, pp=pp, order=rank_order, environ=None
         )
         self.store_options = dict(store_options or {})

@@ -27,7 +27,7 @@ from batchweave import (
     ObjectStore,
     Producer,
 )
-from batchweave._consumer._reader import _Budget, _group_by_object
+from batchweave._consumer._reader import Budget, _group_by_object
 from batchweave._manifest._log import ManifestLog
 
 MESH = Mesh(dp=2, cp=2)
@@ -93,7 +93,7 @@ def general(c: Consumer, step: int) -> tuple[Any, int]:
     what = f"step {step} (TGB step {loc.tgb_step})"
     desc = c._log.descriptor(c._manifest, loc.tgb_step)
     ((ref, indices),) = _group_by_object(desc, loc, what)
-    values, nbytes = c._reader.read_object_slices(what, ref, indices, _Budget(c.retry_budget))
+    values, nbytes = c._reader.read_object_slices(what, ref, indices, Budget(c.retry_budget))
     return values[0], nbytes
 
 

@@ -13,7 +13,7 @@ from test_consumer import parse, produce
 
 from batchweave import ByteRange, Consumer, MemoryStore, Mesh, ObjectStore, StoreWrapper
 from batchweave._consumer._prefetch import Job, SingleFlightCache, Workers, gather
-from batchweave._consumer._registry import _OPEN, _OpenConsumers
+from batchweave._consumer._registry import OPEN_CONSUMERS, _OpenConsumers
 
 
 class ConcurrencyProbe(StoreWrapper):
@@ -177,7 +177,7 @@ def test_open_consumers_of_a_process_share_its_read_budget(ten_steps: MemoryStor
 
     gc.collect()  # no consumer another test dropped unclosed may be collected mid-test
     others = [consumer(ANY) for _ in range(3)]
-    open_now = _OPEN.count
+    open_now = OPEN_CONSUMERS.count
     # A budget of one read per open consumer leaves nothing to read ahead: every step is read
     # when the caller asks, on the caller's thread.
     tight = consumer(open_now + 1)
@@ -188,21 +188,21 @@ def test_open_consumers_of_a_process_share_its_read_budget(ten_steps: MemoryStor
     assert max(loose.stats.in_flight for _ in loose) == 1
     for c in [loose, *others]:
         c.close()
-    assert _OPEN.count == open_now - 3
+    assert OPEN_CONSUMERS.count == open_now - 3
     tight.close()  # closing twice releases nothing twice
-    assert _OPEN.count == open_now - 3
+    assert OPEN_CONSUMERS.count == open_now - 3
 
 
 def test_a_consumer_never_closed_releases_its_share_when_collected(
     ten_steps: MemoryStore,
 ) -> None:
     gc.collect()  # consumers other tests dropped without closing: collected now, not below
-    before = _OPEN.count
+    before = OPEN_CONSUMERS.count
     c = Consumer(ten_steps, "run", mesh=Mesh(dp=2), dp_rank=0)
-    assert _OPEN.count == before + 1
+    assert OPEN_CONSUMERS.count == before + 1
     del c
     gc.collect()
-    assert _OPEN.count == before
+    assert OPEN_CONSUMERS.count == before
 
 
 def test_a_negative_prefetch_min_latency_is_refused() -> None:

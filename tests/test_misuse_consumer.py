@@ -226,13 +226,13 @@ def test_a_consumer_used_in_a_forked_child_is_refused_at_once() -> None:
     received, sent = context.Pipe(duplex=False)
 
     def child() -> None:
-        from batchweave._consumer._registry import _OPEN
+        from batchweave._consumer._registry import OPEN_CONSUMERS
 
         try:
             outcome = f"delivered {next(consumer)[0]}"
         except ConsumerError as exc:
             outcome = f"refused: {exc}"
-        sent.send((outcome, _OPEN.count))
+        sent.send((outcome, OPEN_CONSUMERS.count))
 
     process = context.Process(target=child)
     process.start()
@@ -364,6 +364,19 @@ def test_whole_float_sizes_and_an_infinite_timeout_are_taken_but_not_an_infinite
     consumer.close()
     with pytest.raises(ValueError, match="max_poll_interval must be a finite number of seconds"):
         Consumer(MemoryStore(), NS, mesh=MESH, dp_rank=0, max_poll_interval=float("inf"))
+
+
+def test_the_read_sizes_and_backoffs_cannot_be_changed_after_construction() -> None:
+    # The slice reader is made with them: assigning one to the consumer used to be accepted and
+    # ignored by every read, so the attribute no longer said what the reads used.
+    given = {"part_size": 1 << 20, "retry_backoff": 0.5, "max_retry_backoff": 4.0}
+    consumer = Consumer(MemoryStore(), NS, mesh=MESH, dp_rank=0, **given)  # type: ignore[arg-type]
+    expected = {"map_threshold": 32 << 20, "split_threshold": 64 << 20, **given}
+    for name, value in expected.items():
+        with pytest.raises(AttributeError):
+            setattr(consumer, name, 2 * value)
+        assert getattr(consumer, name) == value
+    consumer.close()
 
 
 def test_the_loaders_own_arguments_are_checked_when_it_is_made(tmp_path: Path) -> None:

@@ -22,12 +22,25 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from batchweave._checks import check_namespace, check_store
-from batchweave._consumer._options import _check_options, _resolve_coordinates
+from batchweave._consumer._options import (
+    DEFAULT_MAX_POLL_INTERVAL,
+    DEFAULT_MAX_RETRY_BACKOFF,
+    DEFAULT_POLL_INTERVAL,
+    DEFAULT_RETRY_BACKOFF,
+    check_options,
+    resolve_coordinates,
+)
 from batchweave._consumer._prefetch import Job, Workers
-from batchweave._consumer._reader import _RETRYABLE, SliceReader, _Budget
-from batchweave._consumer._registry import _OPEN
-from batchweave._consumer._state import STATE_FORMAT, _parse_state
-from batchweave._consumer._stats import ConsumerStats, _Counters
+from batchweave._consumer._reader import (
+    READ_RETRYABLE,
+    Budget,
+    ReadOptions,
+    SliceReader,
+    closed_error,
+)
+from batchweave._consumer._registry import OPEN_CONSUMERS
+from batchweave._consumer._state import STATE_FORMAT, parse_state
+from batchweave._consumer._stats import ConsumerStats, Counters
 from batchweave._errors import (
     ConsumerError,
     ConsumerTimeout,
@@ -149,12 +162,12 @@ class Consumer:
         split_threshold: int = 64 * _MIB,
         part_size: int = 16 * _MIB,
         footer_cache: int = 16,
-        poll_interval: float = 0.05,
-        max_poll_interval: float = 2.0,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
+        max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL,
         timeout: float | None = None,
         retry_budget: int = 8,
-        retry_backoff: float = 0.05,
-        max_retry_backoff: float = 2.0,
+        retry_backoff: float = DEFAULT_RETRY_BACKOFF,
+        max_retry_backoff: float = DEFAULT_MAX_RETRY_BACKOFF,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         cpu_clock: Callable[[], float] = time.thread_time,
@@ -165,7 +178,7 @@ class Consumer:
         # size (part_size=16e6) or a string timeout would otherwise fail at a later next(),
         # deep inside. Plain ints and floats: start_step ends up in state_dict(), which must
         # survive json and torch.load(weights_only=True); a numpy integer would not.
-        options = _check_options(
+        options = check_options(
             start_step=start_step,
             stride=stride,
             prefetch=prefetch,
@@ -186,7 +199,7 @@ class Consumer:
             max_retry_backoff=max_retry_backoff,
         )
         self.mesh = mesh
-        self.dp_rank, self.cp_rank = _resolve_coordinates(
+        self.dp_rank, self.cp_rank = resolve_coordinates(
             mesh, dp_rank, cp_rank, tp=tp, pp=pp, order=rank_order, environ=environ
         )
         self._store = store
@@ -200,15 +213,10 @@ class Consumer:
         self.prefetch_max_cpu_share: float = options["prefetch_max_cpu_share"]
         self.max_process_reads: int = options["max_process_reads"]
         self.max_workers: int = options["max_workers"]
-        self.map_threshold: int = options["map_threshold"]
-        self.split_threshold: int = options["split_threshold"]
-        self.part_size: int = options["part_size"]
         self.poll_interval: float = options["poll_interval"]
         self.max_poll_interval: float = options["max_poll_interval"]
         self.timeout: float | None = options["timeout"]
         self.retry_budget: int = options["retry_budget"]
-        self.retry_backoff: float = options["retry_backoff"]
-        self.max_retry_backoff: float = options["max_retry_backoff"]
         self._clock = clock
         self._sleep = sleep
         self._cpu_clock = cpu_clock
@@ -218,7 +226,7 @@ class Consumer:
             if self.prefetch_min_latency > 0 and self.prefetch_max_cpu_share < 1
             else None
         )
-        self._counters = _Counters()
+        self._counters = Counters()
         self._created_at = clock()
         self._outage = OutageLog(
             _log, f"consumer dp_rank={self.dp_rank} cp_rank={self.cp_rank}", clock=clock
@@ -240,13 +248,14 @@ class Consumer:
             outage=self._outage,
             pool=self._pool,
             footer_cache=options["footer_cache"],
-            map_threshold=self.map_threshold,
-            split_threshold=self.split_threshold,
-            part_size=self.part_size,
-            retry_backoff=self.retry_backoff,
-            max_retry_backoff=self.max_retry_backoff,
+            options=ReadOptions(
+                map_threshold=options["map_threshold"],
+                split_threshold=options["split_threshold"],
+                part_size=options["part_size"],
+                retry_backoff=options["retry_backoff"],
+                max_retry_backoff=options["max_retry_backoff"],
+            ),
             sleep=sleep,
-            check_not_closed=self._check_not_closed,
         )
         # Held by next(): close() from another thread leaves the read window to it.
         self._reading = threading.Lock()
@@ -257,7 +266,8 @@ class Consumer:
         self._poll_delay = self.poll_interval
         self._last_refresh = -math.inf
         self._closed = False
-        self._unregister = weakref.finalize(self, _OPEN.closed, _OPEN.opened())  # also unclosed
+        # Counted open until closed, or until collected unclosed.
+        self._unregister = weakref.finalize(self, OPEN_CONSUMERS.closed, OPEN_CONSUMERS.opened())
 
     def __repr__(self) -> str:
         return (
@@ -271,6 +281,33 @@ class Consumer:
     def step(self) -> int:
         """The next logical step :meth:`__next__` will deliver."""
         return self._next_step
+
+    # Read-only: the slice reader reads with these, fixed when it was made.
+
+    @property
+    def map_threshold(self) -> int:
+        """Reads of at least this many bytes are mapped instead of copied (stores that can map)."""
+        return self._reader.options.map_threshold
+
+    @property
+    def split_threshold(self) -> int:
+        """Reads of at least this many bytes are split into ``part_size`` range reads."""
+        return self._reader.options.split_threshold
+
+    @property
+    def part_size(self) -> int:
+        """Size of each range read of a split read, in bytes."""
+        return self._reader.options.part_size
+
+    @property
+    def retry_backoff(self) -> float:
+        """Seconds slept before the first retry of a failed read; doubled per retry."""
+        return self._reader.options.retry_backoff
+
+    @property
+    def max_retry_backoff(self) -> float:
+        """The longest sleep before retrying a failed read, in seconds."""
+        return self._reader.options.max_retry_backoff
 
     @property
     def namespace_id(self) -> str | None:
@@ -299,7 +336,7 @@ class Consumer:
         and a watermark recorded from it would hold the wrong data.
         """
         self._check_process("resume_tgb_step()")
-        parsed = None if state is None else _parse_state(state)  # garbage is refused, always
+        parsed = None if state is None else parse_state(state)  # garbage is refused, always
         if self._manifest is None:
             try:
                 self._ensure_open(wait=False)
@@ -387,6 +424,8 @@ class Consumer:
         :class:`ConsumerError` once its current sleep (at most ``max_poll_interval`` or
         ``max_retry_backoff``) or store request ends.
         """
+        # The reader first: no retry starts once this consumer says it is closed.
+        self._reader.close(repr(self))
         self._closed = True
         self._unregister()  # runs once, however often close() is called
         if self._reading.acquire(blocking=False):
@@ -442,7 +481,7 @@ class Consumer:
         ``next()`` would deliver a step of neither position.
         """
         self._check_process("load_state_dict()")
-        parsed = _parse_state(state)
+        parsed = parse_state(state)
         if not self._reading.acquire(blocking=False):
             raise ConsumerError(
                 f"{self!r}: load_state_dict() was called while next() is reading a step on "
@@ -605,7 +644,7 @@ class Consumer:
                 counters.cpu_pending if share is None else share > self.prefetch_max_cpu_share
             ):
                 return 0
-        process_share = self.max_process_reads // max(1, _OPEN.count) - 1
+        process_share = self.max_process_reads // max(1, OPEN_CONSUMERS.count) - 1
         return max(0, min(self._depth, process_share))
 
     def _ramp(self) -> None:
@@ -635,7 +674,7 @@ class Consumer:
         ):
             try:
                 self._refresh()
-            except _RETRYABLE as exc:
+            except READ_RETRYABLE as exc:
                 self._counters.add(retries=1)
                 _log.debug("%s: manifest refresh failed, will retry: %s", self._where, exc)
             except Exception as exc:
@@ -681,13 +720,13 @@ class Consumer:
                 self._refresh()
                 failures = 0
                 self._outage.recovered()
-            except _RETRYABLE as exc:
+            except READ_RETRYABLE as exc:
                 if isinstance(exc, StoreUnavailable) or no_answer(exc):
                     # An outage (also a store that stopped answering) is waited out, bounded
                     # only by ``timeout``, polling ever slower.
                     self._counters.add(retries=1)
                     self._outage.failed(f"waiting for step {step}", exc)
-                    self._poll_delay = min(2 * self._poll_delay, self.max_poll_interval)
+                    self._poll_slower()
                 else:
                     failures = self._manifest_read_failed(
                         failures, exc, f" while waiting for step {step}"
@@ -734,7 +773,7 @@ class Consumer:
     def _check_not_closed(self, doing: str) -> None:
         """Stop waiting or retrying once :meth:`close` was called (from another thread)."""
         if self._closed:
-            raise ConsumerError(f"{self!r} was closed while {doing}")
+            raise closed_error(repr(self), doing)
 
     def _sleep_or_time_out(
         self, started: float, delay: float, error: Callable[[], ConsumerError]
@@ -798,14 +837,26 @@ class Consumer:
     def _refresh(self) -> None:
         """Look for a newer manifest version (one GET when up to date), adapting the backoff."""
         assert self._manifest is not None
+        latest = self._latest(self._manifest)
+        if latest.version != self._manifest.version:
+            self._adopt(latest)
+        else:
+            self._poll_slower()
+
+    def _latest(self, since: Manifest) -> Manifest:
+        """The latest manifest version from ``since`` on (one GET when up to date): a refresh."""
         self._counters.add(manifest_refreshes=1)
         self._last_refresh = self._clock()
-        latest = self._log.latest(self._manifest)
-        if latest.version != self._manifest.version:
-            self._manifest = latest
-            self._poll_delay = self.poll_interval
-        else:
-            self._poll_delay = min(2 * self._poll_delay, self.max_poll_interval)
+        return self._log.latest(since)
+
+    def _adopt(self, manifest: Manifest) -> None:
+        """Follow ``manifest``, newer than the version held, and poll again soon."""
+        self._manifest = manifest
+        self._poll_delay = self.poll_interval
+
+    def _poll_slower(self) -> None:
+        """Double the delay before the next manifest poll, up to ``max_poll_interval``."""
+        self._poll_delay = min(2 * self._poll_delay, self.max_poll_interval)
 
     # -- opening -----------------------------------------------------------------------------
 
@@ -830,7 +881,7 @@ class Consumer:
                 self._outage.recovered()  # an answer: the store is up, the namespace is not
                 if not wait:
                     raise
-            except _RETRYABLE as exc:
+            except READ_RETRYABLE as exc:
                 failed = exc
                 if isinstance(exc, StoreUnavailable) or no_answer(exc):
                     self._counters.add(retries=1)
@@ -843,7 +894,7 @@ class Consumer:
                 self._poll_delay,
                 functools.partial(self._open_timeout_error, started, failed),
             )
-            self._poll_delay = min(2 * self._poll_delay, self.max_poll_interval)
+            self._poll_slower()
         self._poll_delay = self.poll_interval
         self._projection = self._make_projection(manifest)
         self._manifest = manifest
@@ -913,7 +964,7 @@ class Consumer:
         """Read and decode this rank's slices of ``step``; return ``(data, stored bytes)``."""
         started = self._clock()
         cpu_started = self._cpu_started()
-        budget = _Budget(self.retry_budget)
+        budget = Budget(self.retry_budget)
         what = f"step {step} (TGB step {loc.tgb_step})"
         try:
             desc = self._reader.retrying(
@@ -950,13 +1001,10 @@ class Consumer:
             except ObjectNotFound as exc:
                 missing = exc  # merged away under ``held`` too: ask for the latest after it
             manifest, ref = held, find_segment(held.segments, tgb_step)
-        self._counters.add(manifest_refreshes=1)
-        self._last_refresh = self._clock()
-        latest = self._log.latest(manifest)
+        latest = self._latest(manifest)
         held = self._manifest
         if held is not None and latest.version > held.version:  # never step back (pool threads)
-            self._manifest = latest
-            self._poll_delay = self.poll_interval
+            self._adopt(latest)
         if ref not in latest.segments:
             try:
                 return self._log.descriptor(latest, tgb_step)  # StepReclaimed if reclaimed

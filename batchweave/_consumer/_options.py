@@ -8,14 +8,30 @@ DataLoader worker.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Mapping
 from typing import Any, Final
 
 from batchweave._checks import as_count, as_fraction, as_int, as_seconds, as_size
 from batchweave._mesh import Mesh, check_mesh
 from batchweave._projection import DEFAULT_RANK_ORDER, _parse_order, coordinates_from_env
+
+__all__ = [
+    "DEFAULT_MAX_POLL_INTERVAL",
+    "DEFAULT_MAX_RETRY_BACKOFF",
+    "DEFAULT_POLL_INTERVAL",
+    "DEFAULT_RETRY_BACKOFF",
+    "check_options",
+    "resolve_coordinates",
+]
+
+DEFAULT_POLL_INTERVAL: Final = 0.05
+"""The :class:`Consumer`'s first delay between manifest polls, in seconds."""
+DEFAULT_MAX_POLL_INTERVAL: Final = 2.0
+"""The :class:`Consumer`'s longest delay between manifest polls, in seconds."""
+DEFAULT_RETRY_BACKOFF: Final = 0.05
+"""The :class:`Consumer`'s first delay before retrying a failed read, in seconds."""
+DEFAULT_MAX_RETRY_BACKOFF: Final = 2.0
+"""The :class:`Consumer`'s longest delay before retrying a failed read, in seconds."""
 
 _COUNTS: Final = {
     "start_step": 0,
@@ -32,9 +48,16 @@ _SIZES: Final = ("map_threshold", "split_threshold", "part_size")
 """The :class:`Consumer` options that are sizes in bytes (at least 1; ``16e6`` is taken)."""
 _SECONDS: Final = ("poll_interval", "max_poll_interval", "retry_backoff", "max_retry_backoff")
 """The :class:`Consumer` options that are finite numbers of seconds, slept between reads."""
+_PAIRED_DEFAULTS: Final = {
+    "poll_interval": DEFAULT_POLL_INTERVAL,
+    "max_poll_interval": DEFAULT_MAX_POLL_INTERVAL,
+    "retry_backoff": DEFAULT_RETRY_BACKOFF,
+    "max_retry_backoff": DEFAULT_MAX_RETRY_BACKOFF,
+}
+"""The defaults of the options :func:`check_options` checks in pairs, for those not given."""
 
 
-def _check_options(**options: Any) -> dict[str, Any]:
+def check_options(**options: Any) -> dict[str, Any]:
     """:class:`Consumer` keyword arguments with every count, size, number of seconds and share
     checked and made a plain ``int`` or ``float``; the others are returned as given.
 
@@ -63,7 +86,7 @@ def _check_options(**options: Any) -> dict[str, Any]:
         checked["prefetch_max_cpu_share"] = as_fraction(
             "prefetch_max_cpu_share", checked["prefetch_max_cpu_share"]
         )
-    both = {**_defaults(), **checked}
+    both = {**_PAIRED_DEFAULTS, **checked}
     if not 0 < both["poll_interval"] <= both["max_poll_interval"]:
         raise ValueError(
             f"need 0 < poll_interval <= max_poll_interval, got {both['poll_interval']} and "
@@ -77,23 +100,7 @@ def _check_options(**options: Any) -> dict[str, Any]:
     return checked
 
 
-@functools.cache
-def _defaults() -> dict[str, Any]:
-    """The :class:`Consumer`'s defaults of the options :func:`_check_options` checks in pairs.
-
-    Read from its signature, the one place they are written, when first needed: the module
-    defining the consumer imports this one.
-    """
-    from batchweave._consumer._core import Consumer
-
-    return {
-        name: parameter.default
-        for name, parameter in inspect.signature(Consumer).parameters.items()
-        if name in ("poll_interval", "max_poll_interval", "retry_backoff", "max_retry_backoff")
-    }
-
-
-def _resolve_coordinates(
+def resolve_coordinates(
     mesh: Mesh,
     dp_rank: int | None,
     cp_rank: int | None,

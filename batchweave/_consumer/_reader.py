@@ -4,7 +4,7 @@
 few requests as it can: one cached footer read per object whose manifest entry has no slice
 table, one range read per run of slices stored back to back, a mapping instead of a copy for
 huge reads on stores that can map, and parallel part reads for huge reads elsewhere. Transient
-errors are retried within the step's :class:`_Budget`; outages are waited out.
+errors are retried within the step's :class:`Budget`; outages are waited out.
 
 Separate from :class:`~batchweave._consumer._core.Consumer`, which decides *which* step to read
 and when (its manifest, projection and read-ahead window): this module only knows how to read
@@ -17,12 +17,12 @@ import functools
 import logging
 import struct
 import threading
-import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from batchweave._consumer._prefetch import SingleFlightCache, Workers, gather
-from batchweave._consumer._stats import _Counters
+from batchweave._consumer._stats import Counters
 from batchweave._errors import (
     ChecksumMismatch,
     ConsumerError,
@@ -46,11 +46,13 @@ from batchweave._outage import OutageLog, no_answer
 from batchweave._projection import SliceLocation
 from batchweave._store._base import Bounded, ObjectStore
 
-__all__ = ["SliceReader"]
+__all__ = ["READ_RETRYABLE", "Budget", "ReadOptions", "SliceReader", "closed_error"]
 
 _log = logging.getLogger("batchweave.consumer")
 
-_RETRYABLE: Final = (TransientStoreError, StoreUnavailable)
+READ_RETRYABLE: Final = (TransientStoreError, StoreUnavailable)
+"""Store errors after which a consumer's read is tried again: a range read here, a manifest
+poll in :class:`~batchweave._consumer._core.Consumer`. Other errors are final."""
 
 _T = TypeVar("_T")
 
@@ -65,7 +67,7 @@ _RESTORE: Final = "restore it, or resume past this step"
 _BUDGET_LOCK: Final = threading.Lock()
 
 
-class _Budget:
+class Budget:
     """The retries one step may still spend, shared by all of its reads."""
 
     __slots__ = ("_left", "limit")
@@ -83,12 +85,28 @@ class _Budget:
             return self.limit - self._left
 
 
+@dataclass(frozen=True)
+class ReadOptions:
+    """How a :class:`SliceReader` reads and retries: the consumer's options of these names."""
+
+    map_threshold: int
+    """Reads of at least this many bytes are mapped instead of copied, on stores that can map."""
+    split_threshold: int
+    """Reads of at least this many bytes (and more than ``part_size``) are read in parts."""
+    part_size: int
+    """Bytes per part of a split read."""
+    retry_backoff: float
+    """Seconds slept before the first retry of a failed read; doubled per retry."""
+    max_retry_backoff: float
+    """The longest sleep before a retry, in seconds."""
+
+
 class SliceReader:
     """Reads and decodes slices of one namespace's TGB objects for one consumer.
 
     Owns the cache of the last ``footer_cache`` parsed footers. Shares the consumer's counters,
-    outage log and worker threads (parallel reads run there), and asks ``check_not_closed``
-    before each retry, so that a closed consumer stops retrying.
+    outage log and worker threads (parallel reads run there). Once :meth:`close` is called, a
+    failed read raises instead of being retried.
     """
 
     def __init__(
@@ -96,17 +114,12 @@ class SliceReader:
         store: ObjectStore,
         log: ManifestLog,
         *,
-        counters: _Counters,
+        counters: Counters,
         outage: OutageLog,
         pool: Workers,
         footer_cache: int,
-        map_threshold: int,
-        split_threshold: int,
-        part_size: int,
-        retry_backoff: float,
-        max_retry_backoff: float,
+        options: ReadOptions,
         sleep: Callable[[float], None],
-        check_not_closed: Callable[[str], None],
     ) -> None:
         self._store = store
         self._log = log
@@ -114,19 +127,19 @@ class SliceReader:
         self._outage = outage
         self._pool = pool
         self._footers: SingleFlightCache[str, TgbFooter] = SingleFlightCache(footer_cache)
-        self._map_threshold = map_threshold
-        self._split_threshold = split_threshold
-        self._part_size = part_size
-        self._retry_backoff = retry_backoff
-        self._max_retry_backoff = max_retry_backoff
+        self.options = options
         self._sleep = sleep
-        # Weakly: the consumer holds this reader, and a cycle back to it would keep a consumer
-        # dropped unclosed (its worker threads, its share of the process's reads) alive until
-        # the garbage collector runs, not just until its last reference goes.
-        self._check_not_closed = weakref.WeakMethod(check_not_closed)
+        self._closed_consumer: str | None = None
+        """The closed consumer's ``repr`` once :meth:`close` was called, for the error."""
+
+    def close(self, consumer: str) -> None:
+        """Retry nothing more: a read that fails from now on raises :class:`ConsumerError`
+        naming ``consumer`` (the closing consumer's ``repr``). Also stops a read-ahead job that
+        waits out an outage."""
+        self._closed_consumer = consumer
 
     def read(
-        self, what: str, desc: TgbDescriptor, loc: SliceLocation, budget: _Budget
+        self, what: str, desc: TgbDescriptor, loc: SliceLocation, budget: Budget
     ) -> tuple[Any, int, bool]:
         """This rank's slices ``loc`` of the TGB ``desc``, decoded: ``(data, stored bytes, one
         object)``; the last is False when several objects held them, read by pool threads."""
@@ -153,7 +166,7 @@ class SliceReader:
         return data, nbytes, one_object
 
     def read_slice(
-        self, step_what: str, ref: TgbObjectRef, index: int, budget: _Budget
+        self, step_what: str, ref: TgbObjectRef, index: int, budget: Budget
     ) -> tuple[Any, int]:
         """Slice ``index`` (numbered within the TGB) of ``ref``'s object, decoded, and its stored
         bytes: :meth:`read_object_slices` for one slice, without building runs of slices."""
@@ -173,7 +186,7 @@ class SliceReader:
         return decode_entry(raw, entry, layout, where=where), entry.length
 
     def read_object_slices(
-        self, step_what: str, ref: TgbObjectRef, indices: list[int], budget: _Budget
+        self, step_what: str, ref: TgbObjectRef, indices: list[int], budget: Budget
     ) -> tuple[list[Any], int]:
         """Slices ``indices`` (numbered within the TGB) of ``ref``'s object, decoded, and their
         stored bytes: one range read per run of slices stored back to back."""
@@ -201,7 +214,7 @@ class SliceReader:
             nbytes += end - start
         return values, nbytes
 
-    def _layout(self, key: str, ref: TgbObjectRef, what: str, budget: _Budget) -> TgbFooter:
+    def _layout(self, key: str, ref: TgbObjectRef, what: str, budget: Budget) -> TgbFooter:
         """The footer of ``ref``'s object, from the cache or fetched (the manifest has no table)."""
         try:
             footer, hit = self._footers.get(
@@ -247,7 +260,7 @@ class SliceReader:
         return footer
 
     def _read_range(
-        self, key: str, start: int, end: int, where: str, budget: _Budget
+        self, key: str, start: int, end: int, where: str, budget: Budget
     ) -> bytes | bytearray | memoryview:
         """Bytes ``[start, end)`` of ``key``: mapped, one range read, or parallel parts.
 
@@ -257,12 +270,13 @@ class SliceReader:
         length = end - start
         if length == 0:
             return b""
+        options = self.options
         try:
-            if length >= self._map_threshold:
+            if length >= options.map_threshold:
                 mapped = self.retrying(budget, where, self._map, key, start, end)
                 if mapped is not None:
                     return mapped
-            if length < self._split_threshold or length <= self._part_size:
+            if length < options.split_threshold or length <= options.part_size:
                 data = self.retrying(budget, where, self._get, key, start, end)
                 if len(data) != length:
                     raise _truncated(key, start, end, len(data))
@@ -274,10 +288,10 @@ class SliceReader:
                 target = view[lo - start : hi - start]
                 self.retrying(budget, where, self._get_into, key, lo, target)
 
-            bounds = range(start, end, self._part_size)
+            bounds = range(start, end, options.part_size)
             gather(
                 self._pool,
-                [functools.partial(part, a, min(a + self._part_size, end)) for a in bounds],
+                [functools.partial(part, a, min(a + options.part_size, end)) for a in bounds],
             )
             return buf
         except FormatError as exc:
@@ -311,7 +325,7 @@ class SliceReader:
         self._counters.read_returned(len(data))
         return data
 
-    def retrying(self, budget: _Budget, what: str, fn: Callable[..., _T], *args: Any) -> _T:
+    def retrying(self, budget: Budget, what: str, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)``, retried on transient store errors within ``budget`` and through
         outages; ``what`` names the read in errors and logs."""
         attempt = 0
@@ -324,7 +338,7 @@ class SliceReader:
                 # An outage does not spend the step's budget: the read is retried until the
                 # store is back (``docs/guarantees.md``, "Outages").
                 self._outage.failed(f"reading {what}", exc)
-            except _RETRYABLE as exc:
+            except READ_RETRYABLE as exc:
                 if no_answer(exc):  # a hung store: warn (once per outage), as when unreachable
                     self._outage.failed(f"reading {what}", exc)
                 used = budget.spend()
@@ -340,15 +354,19 @@ class SliceReader:
                     f"{what}: the object is gone: it was reclaimed (this consumer fell behind "
                     "the checkpoint watermarks) or deleted by hand; resume from a later checkpoint"
                 ) from exc
-            # Also stops a read-ahead job of a closed consumer that waits out an outage.
-            check_not_closed = self._check_not_closed()
-            if check_not_closed is not None:  # None: no consumer is left to read for
-                check_not_closed(f"retrying {what}")
+            if self._closed_consumer is not None:
+                raise closed_error(self._closed_consumer, f"retrying {what}")
             self._counters.add(retries=1)
             # The exponent is capped: an outage can last thousands of retries, and 2.0**1024
             # overflows a float.
-            self._sleep(min(self._max_retry_backoff, self._retry_backoff * 2.0 ** min(attempt, 30)))
+            backoff = self.options.retry_backoff * 2.0 ** min(attempt, 30)
+            self._sleep(min(self.options.max_retry_backoff, backoff))
             attempt += 1
+
+
+def closed_error(consumer: str, doing: str) -> ConsumerError:
+    """The error of a closed consumer (``consumer`` is its ``repr``) that was ``doing`` this."""
+    return ConsumerError(f"{consumer} was closed while {doing}")
 
 
 def _truncated(key: str, start: int, end: int, got: int) -> FormatError:

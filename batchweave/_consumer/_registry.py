@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import Final
 
+__all__ = ["OPEN_CONSUMERS"]
+
 
 class _OpenConsumers:
     """How many consumers this process has open: they share one budget of reads in flight.
@@ -40,8 +42,9 @@ class _OpenConsumers:
         self._tokens.clear()
 
 
-_OPEN: Final = _OpenConsumers()
+OPEN_CONSUMERS: Final = _OpenConsumers()
+"""The consumers this process has open."""
 
 # The parent's consumers cannot read in a forked child (see Consumer._check_process): they take
 # no share of the child's reads.
-os.register_at_fork(after_in_child=_OPEN.forget_all)
+os.register_at_fork(after_in_child=OPEN_CONSUMERS.forget_all)

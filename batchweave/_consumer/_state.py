@@ -14,7 +14,7 @@ from batchweave._checks import as_int
 from batchweave._errors import ConsumerError
 from batchweave._mesh import Mesh
 
-__all__ = ["STATE_FORMAT"]
+__all__ = ["STATE_FORMAT", "parse_state"]
 
 STATE_FORMAT: Final = 1
 """Version of the dict :meth:`Consumer.state_dict` returns."""
@@ -44,7 +44,9 @@ def _state_int(name: str, value: Any) -> int:
     return as_int(name, value)
 
 
-def _parse_state(state: Mapping[str, Any]) -> dict[str, Any]:
+def parse_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` checked whole, its values made plain ints and strings; :class:`ConsumerError`
+    for anything :meth:`Consumer.state_dict` could not have returned."""
     try:
         parsed: dict[str, Any] = {name: _state_int(name, state[name]) for name in _STATE_INTS}
         parsed["namespace"] = str(state.get("namespace", ""))

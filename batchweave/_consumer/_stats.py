@@ -1,7 +1,7 @@
 """What a consumer has done so far: the :class:`ConsumerStats` snapshot and its running totals.
 
 Separate from the consumer's reading and waiting: the reading threads and the caller's thread
-only add to :class:`_Counters`, and :attr:`Consumer.stats` reads a consistent snapshot of them.
+only add to :class:`Counters`, and :attr:`Consumer.stats` reads a consistent snapshot of them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["ConsumerStats"]
+__all__ = ["ConsumerStats", "Counters"]
 
 _LATENCY_WEIGHT: Final = 0.2
 """Weight of the newest step in :attr:`ConsumerStats.read_latency` and
@@ -62,7 +62,7 @@ class ConsumerStats:
         return self.bytes_read / self.bytes_delivered if self.bytes_delivered else math.nan
 
 
-class _Counters:
+class Counters:
     """Thread-safe running totals behind :class:`ConsumerStats`."""
 
     def __init__(self) -> None:
