@@ -15,9 +15,10 @@ Threads never raise into the void: an error in the commit loop or an upload is r
 caller's thread at the next ``append``, ``flush``, ``seal`` or ``close``.
 
 This module is the producer's centre: its public API, uploads and commit loop. Beside it:
-starting (``_start``), encoding and describing TGBs (``_tgbs``), the ``max_lag`` wait
-(``_lag``), retried store failures (``_retry``), what it reports (``_stats``) and the registry
-that closes producers left open at interpreter exit (``_lifetime``).
+checking its arguments (``_options``), starting (``_start``), encoding and describing TGBs
+(``_tgbs``), the ``max_lag`` wait (``_lag``), retried store failures (``_retry``), what it
+reports (``_stats``) and the registry that closes producers left open at interpreter exit
+(``_lifetime``).
 """
 
 from __future__ import annotations
@@ -37,14 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, NoReturn
 
-from batchweave._checks import (
-    as_count,
-    as_int,
-    as_seconds,
-    as_size,
-    check_key_name,
-    check_namespace,
-)
+from batchweave._checks import as_count, as_seconds, as_size
 from batchweave._errors import (
     NamespaceSealed,
     OffsetOrderError,
@@ -63,17 +57,19 @@ from batchweave._manifest._log import (
     ManifestLog,
     active_producer_ids,
 )
-from batchweave._manifest._models import Manifest, ProducerState, TgbDescriptor, check_source
-from batchweave._mesh import Mesh, check_mesh
+from batchweave._manifest._models import Manifest, ProducerState, TgbDescriptor
+from batchweave._mesh import Mesh
 from batchweave._outage import OutageLog
 from batchweave._policy import AttemptOutcome, CommitPolicy, resolve_policy
 from batchweave._producer import _lifetime
 from batchweave._producer._lag import LagGate
+from batchweave._producer._options import as_offset, check_functions, check_identity
 from batchweave._producer._retry import RETRYABLE, Retries, default_backoff
 from batchweave._producer._start import start_epoch
 from batchweave._producer._stats import AmbiguityCounter, ProducerStats
 from batchweave._producer._tgbs import DEFAULT_SLICE_TABLE_LIMIT, Entry, TgbEncoder, describe
 from batchweave._store._base import ObjectStore
+from batchweave._watermarks import Watermarks
 
 __all__ = ["Producer"]
 
@@ -94,27 +90,6 @@ class _Idle:
 
 
 _IDLE = _Idle()
-
-
-def _as_offset(value: object) -> int:
-    """``value`` as a non-negative int offset (NumPy integers too), else ``OffsetOrderError``."""
-    try:
-        offset = as_int("offset", value)
-    except TypeError as exc:
-        raise OffsetOrderError(str(exc)) from None
-    if offset < 0:
-        raise OffsetOrderError(f"offset must be a non-negative int, got {offset}")
-    return offset
-
-
-_CALLABLE_EXAMPLES = {
-    "clock": "clock=time.monotonic",
-    "wall_clock": "wall_clock=time.time",
-    "sleep": "sleep=time.sleep",
-    "backoff": "backoff=lambda attempt: min(5.0, 0.1 * 2**attempt)",
-    "boundary": "boundary=lambda: 0, or None for the namespace's watermarks",
-}
-"""What each function argument of :class:`Producer` looks like, for the error naming it."""
 
 
 class Producer:
@@ -211,21 +186,7 @@ class Producer:
     ) -> None:
         # Every argument is checked before the namespace is created or the epoch committed
         # (the length limits of a new namespace or id in start_epoch, where they are created).
-        check_namespace(namespace)
-        check_key_name("producer_id", producer_id)
-        check_mesh(mesh)
-        if "/" in producer_id:
-            raise ValueError(f"producer_id {producer_id!r} must not contain '/'")
-        if source is not None:
-            if not isinstance(source, str):
-                raise TypeError(
-                    f"producer {producer_id!r}: source must be a str or None, got the "
-                    f"{type(source).__name__} {source!r}; e.g. source=lance_source.source_id"
-                )
-            try:
-                check_source(source)
-            except ValueError as exc:
-                raise ValueError(f"producer {producer_id!r}: {exc}") from None
+        check_identity(namespace, producer_id, mesh, source)
         # Counts and seconds as plain numbers here: "4" or 2.5 would otherwise be taken and fail
         # later, deep inside (a str in a comparison, a float where a count is needed).
         max_lag = None if max_lag is None else as_count("max_lag", max_lag, 0)
@@ -239,18 +200,9 @@ class Producer:
         refresh_age = as_seconds("refresh_age", refresh_age)
         active_horizon = as_seconds("active_horizon", active_horizon)
         lag_log_interval = as_seconds("lag_log_interval", lag_log_interval)
-        for name, function in (
-            ("clock", clock),
-            ("wall_clock", wall_clock),
-            ("sleep", sleep),
-            ("backoff", backoff),
-            ("boundary", boundary),
-        ):
-            if not callable(function) and not (name == "boundary" and function is None):
-                raise TypeError(
-                    f"{name} must be a function, got the {type(function).__name__} "
-                    f"{function!r}; e.g. {_CALLABLE_EXAMPLES[name]}"
-                )
+        check_functions(
+            clock=clock, wall_clock=wall_clock, sleep=sleep, backoff=backoff, boundary=boundary
+        )
         resolved_policy = resolve_policy(policy)
         encoder = TgbEncoder(
             producer_id,
@@ -281,19 +233,14 @@ class Producer:
             producer_id,
             self._cond,
             self._retries,
-            boundary=boundary,
-            store=store,
-            namespace=namespace,
+            boundary=Watermarks(store, namespace, sleep=sleep) if boundary is None else boundary,
             clock=clock,
             wall_clock=wall_clock,
-            sleep=sleep,
-            backoff=backoff,
             log_interval=lag_log_interval,
         )
         self._refresh_age = refresh_age
         self._active_horizon = active_horizon
         self._max_retries = max_retries
-        self._backoff = backoff
         self._rng = random.Random()
         self._unknown_conflicts = 0
         """Consecutive conflicts whose winner could not be read (409s, transient failures)."""
@@ -352,8 +299,6 @@ class Producer:
             source=source,
             retries=self._retries,
             max_retries=max_retries,
-            backoff=backoff,
-            sleep=sleep,
             rng=self._rng,
             clock=clock,
             wall_clock=wall_clock,
@@ -450,7 +395,7 @@ class Producer:
         last appended and the committed offset, and re-raises any background failure.
         """
         self._check_process()
-        offset = _as_offset(offset)
+        offset = as_offset(offset)
         with self._cond:
             self._check_usable_locked()
             self._check_offset_locked(offset)
@@ -904,9 +849,8 @@ class Producer:
         with self._cond:
             self._store_error_locked(exc)
             if not self._entries:
-                _lifetime.discard_busy(
-                    self
-                )  # else kept: the exit hook names what was not committed
+                # Else kept: the exit hook names what was not committed.
+                _lifetime.discard_busy(self)
             self._cond.notify_all()
         if isinstance(exc, ProducerFenced):
             _LOG.error("%s", exc)
@@ -1132,7 +1076,7 @@ class Producer:
                 # A 409, a transient failure or a reclaimed base: back off (jittered) so a
                 # zero-gap policy cannot spin on a struggling store, then rebase on the latest.
                 self._unknown_conflicts += 1
-                self._pause(self._rng.uniform(0.0, self._backoff(self._unknown_conflicts)))
+                self._pause(self._rng.uniform(0.0, self._retries.backoff(self._unknown_conflicts)))
                 winner = self._log.latest(base)
             else:
                 self._unknown_conflicts = 0

@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 
 from batchweave._errors import FormatError
 from batchweave._producer._retry import RETRYABLE, Retries
-from batchweave._store._base import ObjectStore
 from batchweave._watermarks import Watermark, Watermarks
 
 __all__ = ["LAG_WARN_AFTER", "LAG_WARN_LONG", "LAG_WARN_STUCK", "LagGate", "diagnose"]
@@ -79,9 +78,12 @@ def diagnose(
 class LagGate:
     """Blocks one producer's ``append`` calls while ``max_lag`` is exceeded.
 
-    Its counters (``blocked``, ``blocked_seconds``) are guarded by the producer's condition
-    ``cond``, which is notified when an ``append`` becomes blocked: the commit loop then
-    publishes what blocks it. It holds no reference to the producer (see :class:`Retries`).
+    The boundary comes from ``boundary``: the namespace's :class:`Watermarks` (whose live
+    marks its log lines name), or the producer's ``boundary=`` function. Its counters
+    (``blocked``, ``blocked_seconds``) are guarded by the producer's condition ``cond``, which
+    is notified when an ``append`` becomes blocked: the commit loop then publishes what blocks
+    it. It waits with ``retries.backoff`` and ``retries.sleep``. It holds no reference to the
+    producer (see :class:`Retries`).
     """
 
     def __init__(
@@ -90,28 +92,19 @@ class LagGate:
         cond: threading.Condition,
         retries: Retries,
         *,
-        boundary: Callable[[], int] | None,
-        store: ObjectStore,
-        namespace: str,
+        boundary: Watermarks | Callable[[], int],
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
-        sleep: Callable[[float], None],
-        backoff: Callable[[int], float],
         log_interval: float,
     ) -> None:
         self._producer_id = producer_id
         self._cond = cond
         self._retries = retries
-        self._watermarks: Watermarks | None = None
+        self._watermarks = boundary if isinstance(boundary, Watermarks) else None
         """The namespace's watermarks when they give the boundary (named in max_lag logs)."""
-        if boundary is None:
-            self._watermarks = Watermarks(store, namespace, sleep=sleep)
-            boundary = self._watermarks.boundary
-        self._boundary_fn = boundary
+        self._boundary_fn = boundary.boundary if isinstance(boundary, Watermarks) else boundary
         self._clock = clock
         self._wall_clock = wall_clock
-        self._sleep = sleep
-        self._backoff = backoff
         self._log_interval = log_interval
         self._boundary_value = 0
         self.blocked = 0
@@ -177,7 +170,7 @@ class LagGate:
                             "" if stall is None else f". {stall}",
                         )
                     attempt += 1
-                    self._sleep(min(self._backoff(attempt), 1.0))
+                    self._retries.sleep(min(self._retries.backoff(attempt), 1.0))
                     after = self._clock()
                     with self._cond:
                         self.blocked_seconds += after - now

@@ -9,6 +9,7 @@ producer, which only reports itself in and out of it.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401  # registers the upload pools' join: see the end
 import math
 import threading
 import time
@@ -76,7 +77,8 @@ def _close_unclosed_at_exit() -> None:
 
 
 # Run before the interpreter joins its non-daemon threads, the upload pools' among them
-# (``concurrent.futures`` registers that join the same way, earlier, so it runs after this):
+# (``concurrent.futures.thread``, imported above, registers that join the same way, earlier,
+# and these run in reverse order, so it runs after this):
 # as an ``atexit`` function this would run only after that join, which waits for ever for an
 # upload retrying through an outage, and after which no upload could finish what is pending.
 try:

@@ -31,8 +31,10 @@ def default_backoff(attempt: int) -> float:
 class Retries:
     """Counts and logs one producer's retried store failures, then sleeps their backoff.
 
-    ``count`` is guarded by the producer's condition ``cond``. It holds no reference to the
-    producer: a producer dropped without ``close()`` must be freed without the cycle collector.
+    It also holds the producer's ``backoff`` and ``sleep``, for its other backoff waits (after a
+    lost epoch commit or commit conflict, and while ``max_lag`` blocks). ``count`` is guarded by the
+    producer's condition ``cond``. It holds no reference to the producer: a producer dropped
+    without ``close()`` must be freed without the cycle collector.
     """
 
     def __init__(
@@ -47,10 +49,13 @@ class Retries:
         self._producer_id = producer_id
         self._cond = cond
         self._outage = outage
-        self._backoff = backoff
-        self._sleep = sleep
+        self.backoff = backoff
+        """Seconds to wait before retry ``attempt`` (1, 2, ...): the producer's ``backoff``."""
+        self.sleep = sleep
+        """The producer's ``sleep``, for the waits between retries."""
         self.count = 0
-        """Store failures (commit or upload) that were retried."""
+        """Store failures that were retried: while starting, uploading, committing or checking
+        ``max_lag``."""
 
     def note(
         self,
@@ -61,8 +66,8 @@ class Retries:
         sleep: Callable[[float], None] | None = None,
     ) -> None:
         """Count and log a retried failure, then sleep the backoff (with ``sleep``, if given)."""
-        delay = self._backoff(attempt)
-        sleep = self._sleep if sleep is None else sleep
+        delay = self.backoff(attempt)
+        sleep = self.sleep if sleep is None else sleep
         with self._cond:
             self.count += 1
         if isinstance(exc, StoreUnavailable):

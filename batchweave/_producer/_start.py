@@ -42,8 +42,6 @@ def start_epoch(
     source: str | None,
     retries: Retries,
     max_retries: int,
-    backoff: Callable[[int], float],
-    sleep: Callable[[float], None],
     rng: random.Random,
     clock: Callable[[], float],
     wall_clock: Callable[[], float],
@@ -111,7 +109,7 @@ def start_epoch(
         conflicts += 1
         manifest = result.winner
         # Producers starting together collide; spread their retries.
-        sleep(rng.uniform(0.0, backoff(min(conflicts, 4))))
+        retries.sleep(rng.uniform(0.0, retries.backoff(min(conflicts, 4))))
 
 
 def _open_namespace(log: ManifestLog, namespace: str, producer_id: str, mesh: Mesh) -> Manifest:

@@ -31,7 +31,8 @@ class ProducerStats:
     ambiguous: int
     """Attempts whose outcome was unknown and had to be resolved by reading back."""
     transient_errors: int
-    """Store failures (commit or upload) that were retried."""
+    """Store failures that were retried: while starting, uploading, committing or checking
+    ``max_lag``."""
     tgbs_published: int
     """TGBs of this incarnation visible in committed manifests."""
     bytes_published: int

@@ -162,9 +162,9 @@ def _lag_problems(config: DemoConfig) -> list[str]:
 
     Each rank keeps one watermark (its last checkpoint's; keep_last 1), so the reclamation
     boundary ``b`` is the slowest rank's last checkpoint. A producer's append blocks while
-    ``visible - b > max_lag`` (``Producer._wait_for_lag``), so steps up to ``b + max_lag`` are
-    published and no further. A rank checkpoints after reading the step before its next
-    checkpoint, ``b + checkpoint_every - 1``, so max_lag must be at least
+    ``visible - b > max_lag`` (``LagGate.wait`` in ``_producer/_lag.py``), so steps up to
+    ``b + max_lag`` are published and no further. A rank checkpoints after reading the step
+    before its next checkpoint, ``b + checkpoint_every - 1``, so max_lag must be at least
     ``checkpoint_every - 1``; with no checkpoint within the run (``checkpoint_every >= total``)
     the boundary stays 0 and the last step, ``total - 1``, must be published. Consumers use the
     producers' mesh, so TGB steps are the ranks' steps.
