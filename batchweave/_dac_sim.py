@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from batchweave._policy import _REGISTRY, AttemptOutcome, CommitPolicy
+from batchweave._policy import AttemptOutcome, CommitPolicy, policy_class, policy_names
 from batchweave._stats import nearest_rank
 
 __all__ = [
@@ -62,12 +62,7 @@ def policy_factory(name: str, **options: Any) -> PolicyFactory:
     :func:`simulate`. ``rng`` and ``seed`` are refused: the simulation draws each producer's
     ``rng`` from its own ``seed``.
     """
-    try:
-        cls: Callable[..., CommitPolicy] = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown commit policy {name!r}; choose one of {', '.join(sorted(_REGISTRY))}"
-        ) from None
+    cls: Callable[..., CommitPolicy] = policy_class(name)
     reserved = sorted({"rng", "seed"} & options.keys())
     if reserved:
         raise ValueError(
@@ -347,7 +342,7 @@ def _main() -> None:
 
     parser = argparse.ArgumentParser(description="Simulate commit policies under contention.")
     parser.add_argument("--producers", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--policies", nargs="+", default=sorted(_REGISTRY))
+    parser.add_argument("--policies", nargs="+", default=policy_names())
     parser.add_argument("--window", type=float, default=0.05, help="mean fragile window (s)")
     parser.add_argument("--duration", type=float, default=600.0)
     parser.add_argument("--warmup", type=float, default=30.0)

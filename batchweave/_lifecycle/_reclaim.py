@@ -1,33 +1,27 @@
-"""Checkpoint-aligned lifecycle: the checkpoint hook and the reclaimer.
+"""The reclaimer: raises ``base_step`` to the minimum watermark step, deletes what no live
+checkpoint can need.
 
-Data must stay until no live checkpoint can need it, and go once none can. The training loop
-records a watermark after each durable checkpoint (:func:`checkpoint_hook`); the
-:class:`Reclaimer` raises the manifest's ``base_step`` to the minimum watermark step through the
-normal commit protocol and deletes what nothing can read any more. Every decision is a function of
-what the store holds and of the clock, so a reclaimer killed at any point and started again
-finishes the job; see ``docs/lifecycle.md`` for the algorithm and the safety argument.
+The :class:`Reclaimer` decides what goes, from the data keys the manifests reference
+(``StepKeys``, ``_keys.py``); a ``Sweep`` (``_sweep.py``) lists, deletes and reports progress.
+Every decision is a function of what the store holds and of the clock, so a reclaimer killed at
+any point and started again finishes the job; see ``docs/lifecycle.md`` for the algorithm and
+the safety argument.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
-from batchweave._checks import as_count, as_int, as_seconds, check_namespace, check_store
-from batchweave._errors import (
-    NamespaceNotFound,
-    ObjectNotFound,
-    StoreError,
-    StoreUnavailable,
-    TransientStoreError,
-)
+from batchweave._checks import as_count, as_seconds, check_namespace, check_store
+from batchweave._errors import NamespaceNotFound, ObjectNotFound
+from batchweave._lifecycle._keys import StepKeys
+from batchweave._lifecycle._sweep import ReclaimProgress, Sweep
 from batchweave._manifest._log import (
     MANIFESTS_DIR,
     PROBE_TRUST_SECONDS,
@@ -36,23 +30,12 @@ from batchweave._manifest._log import (
     commit_until,
     manifest_key,
 )
-from batchweave._manifest._models import Manifest, SegmentRef
-from batchweave._manifest._segments import SEGMENTS_DIR, find_segment
+from batchweave._manifest._models import Manifest
+from batchweave._manifest._segments import SEGMENTS_DIR
 from batchweave._store._base import ObjectMeta, ObjectStore
-from batchweave._watermarks import (
-    Watermark,
-    Watermarks,
-    validate_checkpoint_id,
-)
+from batchweave._watermarks import Watermark, Watermarks
 
-__all__ = [
-    "DATA_DIR",
-    "ReclaimProgress",
-    "ReclaimReport",
-    "Reclaimer",
-    "Resumable",
-    "checkpoint_hook",
-]
+__all__ = ["DATA_DIR", "METADATA_MIN_GRACE", "ReclaimReport", "Reclaimer"]
 
 _log = logging.getLogger("batchweave.lifecycle")
 
@@ -69,85 +52,11 @@ kilobytes, so a short ``grace`` (seconds, to recycle data quickly in tests and d
 data objects alone and cannot make readers miss versions.
 """
 
-_PROGRESS_EVERY = 1000
-"""Listed keys between two progress reports (one LIST page of S3)."""
-
 _OWN_KEYS = re.compile(
     rf"{DATA_DIR}/[^/]+/\d+/\d{{20}}-[0-9a-f]{{32}}\.tgb|{SEGMENTS_DIR}/\d{{20}}-[0-9a-f]{{32}}\.seg"
 )
 """Names of the data and segment objects BatchWeave writes. Unreferenced objects are deleted
 only if they match: another tool's files under the namespace are never touched."""
-
-
-class Resumable(Protocol):
-    """What :func:`checkpoint_hook` needs: a :class:`~batchweave.Consumer` or a
-    ``batchweave.torch.WeaveLoader``."""
-
-    def resume_tgb_step(self, state: Mapping[str, Any] | None = None) -> int:
-        """The first TGB step resuming from ``state`` (default: the current state) reads."""
-        ...
-
-    @property
-    def manifest_version(self) -> int | None:
-        """The newest manifest version read, or ``None`` (the latest is recorded then)."""
-        ...
-
-
-def checkpoint_hook(
-    consumer: Resumable,
-    watermarks: Watermarks,
-    checkpoint_id: str,
-    *,
-    state: Mapping[str, Any] | None = None,
-    rank: int | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> Watermark | None:
-    """Record the watermark of a checkpoint that was just written successfully.
-
-    Call it once per checkpoint on every rank, after the checkpoint is durable; only rank 0
-    (``rank``, an int, else the ``RANK`` environment variable, else 0) writes, the others return
-    ``None``; a ``rank`` that is no integer (``"0"`` read from the environment) is a
-    ``TypeError`` rather than a rank that never writes. The watermark's step is the manifest
-    step that resuming from the consumer's state reads first: pass the ``state`` that went into
-    the checkpoint if the loop may have advanced the consumer since (asynchronous
-    checkpointing); by default the consumer's current state is used. ``consumer`` may also be a
-    ``batchweave.torch.WeaveLoader`` (anything with ``resume_tgb_step`` and
-    ``manifest_version``). Returns the recorded :class:`Watermark` on rank 0.
-
-    Call it again right after restoring a checkpoint (``consumer.load_state_dict(state)``, then
-    this hook with that ``state``): a process killed between writing the checkpoint and this
-    call left that checkpoint without a watermark, and producers with a ``max_lag`` below two
-    checkpoint intervals would block until the next checkpoint, which needs the steps they
-    hold back. For a checkpoint whose watermark was recorded, the call writes the same one again.
-
-    A consumer of another namespace than ``watermarks`` is a ``ValueError`` on every rank: its
-    step and version mean nothing there, and such a watermark would hold (or free) the wrong data.
-    So is a ``checkpoint_id`` that is no safe key segment (a ``TypeError`` if it is no ``str``).
-    """
-    # On every rank, like the checks below: rank 0 alone raising would leave the others waiting
-    # for it at the next collective.
-    validate_checkpoint_id(checkpoint_id)
-    namespace = getattr(consumer, "namespace", None)
-    if namespace is not None and namespace != watermarks.namespace:
-        raise ValueError(
-            f"checkpoint_hook: the consumer reads namespace {namespace!r} but the watermarks are "
-            f"for {watermarks.namespace!r}; pass Watermarks(store, {namespace!r})"
-        )
-    if rank is None:
-        env = os.environ if environ is None else environ
-        raw = env.get("RANK", "0")
-        try:
-            rank = int(raw)
-        except ValueError:
-            raise ValueError(f"RANK={raw!r} is not an integer; pass rank= explicitly") from None
-    else:
-        # A string (os.environ["RANK"] passed on) is refused: "0" != 0, so rank 0 would
-        # silently record nothing and reclamation would never see this checkpoint.
-        rank = as_int("rank", rank)
-    if rank != 0:
-        return None
-    step = consumer.resume_tgb_step(state)
-    return watermarks.record(checkpoint_id, step, version=consumer.manifest_version)
 
 
 @dataclass(frozen=True)
@@ -197,88 +106,6 @@ class ReclaimReport:
             + self.segment_bytes_deleted
             + self.manifest_bytes_deleted
         )
-
-
-@dataclass(frozen=True)
-class ReclaimProgress:
-    """A snapshot of a running :meth:`Reclaimer.run_once` pass, for progress displays.
-
-    A pass on a large namespace is mostly LIST requests and 1,000-key batch deletes and can
-    take minutes; the reclaimer's ``progress`` callback receives one of these when a phase
-    begins, every 1,000 keys listed, after every delete request and when the pass ends.
-    """
-
-    phase: str
-    """What the pass is doing: ``"reading watermarks"``, ``"committing base_step"``,
-    ``"listing _manifests/"``, ``"reading manifests"``, ``"listing data/"``,
-    ``"deleting TGBs"``, ``"deleting orphans"``, ``"listing _segments/"``,
-    ``"deleting segments"``, ``"deleting manifests"``, then ``"done"``."""
-    keys_listed: int
-    """Keys listed so far in this pass (every prefix)."""
-    objects_deleted: int
-    """Objects deleted so far in this pass (every kind)."""
-    bytes_deleted: int
-    """Bytes of the objects deleted so far."""
-    phase_done: int = 0
-    """Objects of a deleting phase handled so far (deleted, or refused by the store)."""
-    phase_total: int | None = None
-    """Objects a deleting phase will handle (``None`` while listing or reading: unknown)."""
-    seconds: float = 0.0
-    """Time since the pass began, by the reclaimer's clock."""
-
-
-class _Pass:
-    """The counts of one pass, and the progress reports made from them."""
-
-    def __init__(
-        self, clock: Callable[[], float], callback: Callable[[ReclaimProgress], None] | None
-    ) -> None:
-        self.counts: dict[str, int] = {}
-        self.listed = 0
-        self.objects = 0
-        self.bytes = 0
-        self.phase = "reading watermarks"
-        self.phase_done = 0
-        self.phase_total: int | None = None
-        self._clock = clock
-        self._callback = callback
-        self.started = clock()
-
-    def seconds(self) -> float:
-        return self._clock() - self.started
-
-    def begin(self, phase: str, total: int | None = None) -> None:
-        self.phase, self.phase_done, self.phase_total = phase, 0, total
-        self.report()
-
-    def listed_one(self) -> None:
-        self.listed += 1
-        if self.listed % _PROGRESS_EVERY == 0:
-            self.report()
-
-    def handled(self, kind: str, deleted: Iterable[ObjectMeta], count: int) -> None:
-        """``count`` objects of the current phase were handled; ``deleted`` of them went."""
-        for meta in deleted:
-            self.counts[kind] = self.counts.get(kind, 0) + 1
-            self.counts[f"{kind}_bytes"] = self.counts.get(f"{kind}_bytes", 0) + meta.size
-            self.objects += 1
-            self.bytes += meta.size
-        self.phase_done += count
-        self.report()
-
-    def report(self) -> None:
-        if self._callback is not None:
-            self._callback(
-                ReclaimProgress(
-                    phase=self.phase,
-                    keys_listed=self.listed,
-                    objects_deleted=self.objects,
-                    bytes_deleted=self.bytes,
-                    phase_done=self.phase_done,
-                    phase_total=self.phase_total,
-                    seconds=self.seconds(),
-                )
-            )
 
 
 class Reclaimer:
@@ -357,6 +184,7 @@ class Reclaimer:
         self._max_commit_attempts = max_commit_attempts
         self._delete_batch = delete_batch
         self._log = log if log is not None else ManifestLog(store, namespace, clock=clock)
+        self._keys = StepKeys(self._log, store, namespace)
         self._watermarks = Watermarks(store, namespace, clock=clock, sleep=sleep)
         self.progress = progress
         """Called with a :class:`ReclaimProgress` as each pass goes (``None``: not reported)."""
@@ -366,15 +194,6 @@ class Reclaimer:
         self._known: Manifest | None = None
         """The latest manifest of the previous pass: the next pass lists only the versions after
         it (``_find_latest``) instead of every retained version twice."""
-        self._segment_keys: dict[str, tuple[SegmentRef, int, tuple[tuple[str, ...], ...]]] = {}
-        """The data keys of each step of the segments the latest manifest lists, by segment key:
-        (the reference they were read through, the first step kept, each step's keys from it).
-        A segment is immutable, so a pass reads only the segments added since the previous one
-        (the log's cache of decoded segments is bounded, and a long retained window exceeds
-        it). Keys are a few short strings per step, a small part of a decoded descriptor
-        (about 4 KB at ``dp=2``); segments the latest no longer lists are forgotten."""
-        self._refused: list[StoreError] = []
-        """Deletions the store refused during the current pass (raised at its end)."""
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -447,36 +266,35 @@ class Reclaimer:
             return self._run_once()
 
     def _run_once(self) -> ReclaimReport:
-        self._refused = []
-        tally = _Pass(self._clock, self.progress)
-        tally.report()
+        sweep = Sweep(self.store, self.namespace, self._delete_batch, self._clock, self.progress)
+        sweep.report()
         marks = self._watermarks.live()
         boundary = marks[0].step if marks else 0
         try:
             latest = self._find_latest()
         except NamespaceNotFound:
-            return self._no_namespace(boundary, marks, tally)
+            return self._no_namespace(boundary, marks, sweep)
         before = latest.base_step
-        tally.begin("committing base_step")
+        sweep.begin("committing base_step")
         latest, cut_from, conflicts = self._commit_boundary(latest, boundary)
         self._known = latest
         now = self._clock()
-        versions = self._list(f"{MANIFESTS_DIR}/", tally)
+        versions = sweep.list_prefix(f"{MANIFESTS_DIR}/")
         numbered = sorted((v, meta) for meta in versions if (v := _version_of(meta)) is not None)
         if not numbered:
             # The latest version is never deleted, so a namespace has at least one: the prefix
             # was deleted since ``_find_latest`` found the latest. Nothing is deleted on such a
             # view.
             self._known = None
-            return self._no_namespace(boundary, marks, tally)
-        self._delete_data(latest, cut_from, numbered, now, tally)
+            return self._no_namespace(boundary, marks, sweep)
+        self._delete_data(latest, cut_from, numbered, now, sweep)
         settled = self._settled_version(numbered, now)
-        self._delete_segments(latest, settled, now, tally)
+        self._delete_segments(latest, settled, now, sweep)
         if marks:
             floor = min(min(m.version for m in marks), latest.version)
             if settled is not None:
-                self._delete_manifests(numbered, min(floor, settled.version), tally)
-        c = tally.counts
+                self._delete_manifests(numbered, min(floor, settled.version), sweep)
+        c = sweep.counts
         report = ReclaimReport(
             boundary=boundary,
             watermarks=len(marks),
@@ -492,20 +310,20 @@ class Reclaimer:
             manifests_deleted=c.get("manifest", 0),
             manifest_bytes_deleted=c.get("manifest_bytes", 0),
             commit_conflicts=conflicts,
-            seconds=tally.seconds(),
-            keys_listed=tally.listed,
+            seconds=sweep.seconds(),
+            keys_listed=sweep.listed,
         )
         self.last_report = report
         try:
-            tally.begin("done")
+            sweep.begin("done")
         finally:
             # Keys the store refused are what the operator must act on: that error wins over
             # one raised by the progress callback.
-            if self._refused:
-                first = self._refused[0]
+            if sweep.refused:
+                first = sweep.refused[0]
                 raise type(first)(
                     f"{self.store.url}/{self.namespace}: the store refused to delete "
-                    f"{len(self._refused)} objects (first: {first}); the rest of the pass went "
+                    f"{len(sweep.refused)} objects (first: {first}); the rest of the pass went "
                     f"on ({report.objects_deleted} objects deleted, base_step "
                     f"{latest.base_step}). Fix the permissions (or object lock) on those keys; "
                     "the next pass retries them"
@@ -550,7 +368,7 @@ class Reclaimer:
             self._known = None
             raise
 
-    def _no_namespace(self, boundary: int, marks: list[Watermark], tally: _Pass) -> ReclaimReport:
+    def _no_namespace(self, boundary: int, marks: list[Watermark], sweep: Sweep) -> ReclaimReport:
         """End a pass that found no manifest version (the namespace does not exist)."""
         self.last_report = ReclaimReport(
             boundary=boundary,
@@ -558,10 +376,10 @@ class Reclaimer:
             base_step_before=0,
             base_step_after=0,
             latest_version=-1,
-            seconds=tally.seconds(),
-            keys_listed=tally.listed,
+            seconds=sweep.seconds(),
+            keys_listed=sweep.listed,
         )
-        tally.begin("done")
+        sweep.begin("done")
         return self.last_report
 
     def _commit_boundary(
@@ -604,21 +422,20 @@ class Reclaimer:
         cut_from: Manifest | None,
         numbered: list[tuple[int, ObjectMeta]],
         now: float,
-        tally: _Pass,
+        sweep: Sweep,
     ) -> None:
-        tally.begin("reading manifests")
-        live = self._live_keys(latest)
+        sweep.begin("reading manifests")
+        live = self._keys.live(latest)
         below: set[str] = set()
         if self._swept_below != latest.base_step:
             source = cut_from or self._newest_below(numbered, latest)
             if source is not None:
-                below = self._keys_below(source, latest.base_step)
-        listed = {ref.key for ref in latest.segments if ref.end_step > latest.base_step}
-        self._segment_keys = {k: v for k, v in self._segment_keys.items() if k in listed}
+                below = self._keys.below(source, latest.base_step)
+        self._keys.forget_unlisted(latest)
         reclaimed: list[ObjectMeta] = []
         orphans: list[ObjectMeta] = []
         cutoff = now - self.grace
-        for meta in self._list(f"{DATA_DIR}/", tally):
+        for meta in sweep.list_prefix(f"{DATA_DIR}/"):
             rel = self._relative(meta.key)
             if rel in live:
                 continue
@@ -626,59 +443,15 @@ class Reclaimer:
                 reclaimed.append(meta)
             elif meta.last_modified <= cutoff and _OWN_KEYS.fullmatch(rel):
                 orphans.append(meta)
-        refused = len(self._refused)
-        tally.begin("deleting TGBs", len(reclaimed))
-        self._delete(reclaimed, "tgb", tally)
-        tally.begin("deleting orphans", len(orphans))
-        orphans = self._delete(orphans, "orphan", tally)
+        refused = len(sweep.refused)
+        sweep.begin("deleting TGBs", len(reclaimed))
+        sweep.delete(reclaimed, "tgb")
+        sweep.begin("deleting orphans", len(orphans))
+        orphans = sweep.delete(orphans, "orphan")
         for meta in orphans:
             _log.info("deleted orphan %r (%d bytes, unreferenced)", meta.key, meta.size)
-        if len(self._refused) == refused:
+        if len(sweep.refused) == refused:
             self._swept_below = latest.base_step
-
-    def _live_keys(self, latest: Manifest) -> set[str]:
-        """Data keys of ``latest``'s steps; a segment it lists that is missing stops the pass
-        (nothing is deleted without knowing what is live) with an error naming it."""
-        live: set[str] = set()
-        unread = latest.base_step
-        try:
-            for step, keys in self._step_keys(latest, latest.base_step, latest.next_step):
-                live.update(keys)
-                unread = step + 1
-        except ObjectNotFound as exc:
-            ref = find_segment(latest.segments, unread)
-            raise ObjectNotFound(
-                f"namespace {self.namespace!r} in {self.store.url}: "
-                f"{self._log.missing_segment(latest, ref)}. This pass deletes nothing"
-            ) from exc
-        return live
-
-    def _step_keys(
-        self, manifest: Manifest, start: int, stop: int
-    ) -> Iterator[tuple[int, tuple[str, ...]]]:
-        """``(step, data keys of its TGB)`` for steps ``start .. stop-1`` of ``manifest``; a
-        segment whose keys ``_segment_keys`` holds (read through an equal reference) is not
-        read again."""
-        step = start
-        while step < stop:
-            if step >= manifest.tail_start:
-                for s, desc in self._log.descriptors(manifest, step, stop):
-                    yield s, tuple(ref.key for ref in desc.objects)
-                return
-            ref = find_segment(manifest.segments, step)
-            cached = self._segment_keys.get(ref.key)
-            if cached is None or cached[0] != ref or cached[1] > step:
-                # The whole segment is downloaded either way: keep the keys of all its steps.
-                keys = tuple(
-                    tuple(obj.key for obj in desc.objects)
-                    for _, desc in self._log.descriptors(manifest, step, ref.end_step)
-                )
-                cached = self._segment_keys[ref.key] = (ref, step, keys)
-            _, first, keys = cached
-            end = min(stop, ref.end_step)
-            for s in range(step, end):
-                yield s, keys[s - first]
-            step = end
 
     def _newest_below(
         self, numbered: list[tuple[int, ObjectMeta]], latest: Manifest
@@ -701,20 +474,6 @@ class Reclaimer:
                 hi = mid
         return found
 
-    def _keys_below(self, source: Manifest, base_step: int) -> set[str]:
-        """Data keys of ``source``'s steps below ``base_step`` (best effort: a segment reclaimed
-        by an earlier pass leaves its objects to the orphan rule)."""
-        keys: set[str] = set()
-        stop = min(base_step, source.next_step)
-        try:
-            for _, step_keys in self._step_keys(source, source.base_step, stop):
-                keys.update(step_keys)
-        except ObjectNotFound as exc:
-            _log.info(
-                "cannot list steps below %d in version %d: %s", base_step, source.version, exc
-            )
-        return keys
-
     # -- segments and manifests ----------------------------------------------------------------
 
     def _settled_version(
@@ -733,7 +492,7 @@ class Reclaimer:
             return None
 
     def _delete_segments(
-        self, latest: Manifest, settled: Manifest | None, now: float, tally: _Pass
+        self, latest: Manifest, settled: Manifest | None, now: float, sweep: Sweep
     ) -> None:
         if settled is None:
             return  # no version is old enough to tell what readers may still hold
@@ -741,73 +500,29 @@ class Reclaimer:
         cutoff = now - 2 * self.metadata_grace
         doomed = [
             meta
-            for meta in self._list(f"{SEGMENTS_DIR}/", tally)
+            for meta in sweep.list_prefix(f"{SEGMENTS_DIR}/")
             if self._relative(meta.key) not in keep
             and meta.last_modified <= cutoff
             and _OWN_KEYS.fullmatch(self._relative(meta.key))
         ]
-        tally.begin("deleting segments", len(doomed))
-        self._delete(doomed, "segment", tally)
+        sweep.begin("deleting segments", len(doomed))
+        sweep.delete(doomed, "segment")
 
     def _delete_manifests(
-        self, numbered: list[tuple[int, ObjectMeta]], below: int, tally: _Pass
+        self, numbered: list[tuple[int, ObjectMeta]], below: int, sweep: Sweep
     ) -> None:
         """Delete versions below ``below`` one at a time, oldest first: the survivors always
         form a suffix of history, so a writer whose base survives also finds its successor."""
         doomed = [meta for version, meta in numbered if version < below]
-        tally.begin("deleting manifests", len(doomed))
+        sweep.begin("deleting manifests", len(doomed))
         for meta in doomed:
-            if not self._delete([meta], "manifest", tally):
+            if not sweep.delete([meta], "manifest"):
                 break  # never delete a newer version while an older one survives
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _list(self, relative_prefix: str, tally: _Pass) -> list[ObjectMeta]:
-        tally.begin(f"listing {relative_prefix}")
-        metas: list[ObjectMeta] = []
-        for meta in self.store.list(f"{self.namespace}/{relative_prefix}"):
-            metas.append(meta)
-            tally.listed_one()
-        tally.report()
-        return metas
-
     def _relative(self, key: str) -> str:
         return key[len(self.namespace) + 1 :]
-
-    def _delete(self, metas: list[ObjectMeta], kind: str, tally: _Pass) -> list[ObjectMeta]:
-        """Delete ``metas`` in batches, count them in ``tally`` as ``kind`` and return those
-        deleted.
-
-        A batch the store refuses (permission denied on some keys, an object lock) is retried
-        key by key, and the keys still refused are skipped and recorded, so one undeletable
-        object does not stop the whole pass; the pass raises at its end. An unreachable or
-        failing store (``StoreUnavailable``, ``TransientStoreError``) stops the pass at once.
-        """
-        deleted: list[ObjectMeta] = []
-        for i in range(0, len(metas), self._delete_batch):
-            chunk = metas[i : i + self._delete_batch]
-            try:
-                self.store.delete_many([m.key for m in chunk])
-            except (StoreUnavailable, TransientStoreError):
-                raise
-            except StoreError:
-                for meta in chunk:
-                    try:
-                        self.store.delete_many([meta.key])
-                    except (StoreUnavailable, TransientStoreError):
-                        raise
-                    except StoreError as exc:
-                        level = logging.WARNING if not self._refused else logging.DEBUG
-                        _log.log(level, "cannot delete %r, skipping it: %s", meta.key, exc)
-                        self._refused.append(exc)
-                        tally.handled(kind, (), 1)
-                    else:
-                        deleted.append(meta)
-                        tally.handled(kind, (meta,), 1)
-            else:
-                deleted.extend(chunk)
-                tally.handled(kind, chunk, len(chunk))
-        return deleted
 
 
 def _version_of(meta: ObjectMeta) -> int | None:

@@ -1,45 +1,34 @@
-"""Commit policies: when a producer attempts its next manifest commit.
+"""DAC, BatchWeave's Decentralized Adaptive Commit (``docs/dac.md``): its model and its policy.
 
-Every policy answers one question, :meth:`CommitPolicy.ready`, and learns from every attempt via
-:meth:`CommitPolicy.record`. The producer's commit loop is the same for all of them, so benchmarks
-swap policies by name (:func:`make_policy`).
-
-``dac`` is BatchWeave's Decentralized Adaptive Commit (``docs/dac.md``): a post-attempt gap derived
-in closed form from a conflict budget and a duty budget, taken as turns on a wall-clock grid by
-producers that know their rank. The others are the paper's baselines:
-``naive`` (attempt whenever a TGB is pending), ``fixed10``/``fixed100`` (every 10/100 TGBs),
-``incr`` (every ``k`` TGBs, ``k`` starting at 10 and growing by one per conflict) and ``aimd``
-(interval grows by an addend on success and halves on conflict).
+A post-attempt gap derived in closed form from a conflict budget and a duty budget
+(:func:`dac_gap`; :func:`conflict_probability` and :func:`duty` evaluate the model), taken as
+turns on a wall-clock grid by producers that know their rank (:class:`DacPolicy`). Apart from
+the interface (``_base.py``) and from the count-based baselines, which share none of this model.
 """
 
 from __future__ import annotations
 
-import abc
 import math
 import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import ClassVar, Protocol
+
+from batchweave._policy._base import AttemptOutcome, CommitPolicy, register
 
 __all__ = [
-    "AimdPolicy",
-    "AttemptOutcome",
-    "CommitPolicy",
+    "DEFAULT_CONFLICT_BUDGET",
+    "DEFAULT_DUTY_BUDGET",
+    "DEFAULT_MAX_FORCED_GAP",
+    "DEFAULT_MAX_GAP",
+    "DEFAULT_MIN_SLOT_WINDOW",
+    "DEFAULT_SLOT_FACTOR",
+    "DEFAULT_WINDOW_CLAMP",
     "DacPolicy",
-    "Fixed100Policy",
-    "Fixed10Policy",
-    "FixedCountPolicy",
-    "IncrPolicy",
-    "NaivePolicy",
-    "PolicyWrapper",
     "UniformSource",
     "conflict_probability",
     "dac_gap",
     "duty",
-    "make_policy",
-    "policy_names",
-    "resolve_policy",
 ]
 
 DEFAULT_CONFLICT_BUDGET = 0.1
@@ -103,223 +92,12 @@ tracked as fast as the EMA allows.
 """
 
 
-@dataclass(frozen=True)
-class AttemptOutcome:
-    """What one commit attempt observed."""
-
-    committed: bool
-    """True if the conditional PUT won; False on a conflict (412/409 or a lost ambiguous write)."""
-    fragile_window: float
-    """Seconds from reading the base version to the end of the conditional PUT."""
-    active_producers: int
-    """Producers the committed manifest counts as active (``N``), at least 1."""
-    tgbs: int
-    """TGBs the attempt tried to publish."""
-    forced: bool = False
-    """Whether ``flush()``/``close()``/``seal()`` started it (a slotted attempt, for DAC)."""
-    bytes_written: int = 0
-    """Manifest and segment bytes the attempt sent inside its window (0 if unknown)."""
-
-
-class CommitPolicy(abc.ABC):
-    """Decides when the commit loop starts an attempt.
-
-    Subclass it for a custom policy: implement :meth:`ready` and :meth:`record`; ``name`` (the
-    label metrics show) defaults to the class name.
-    """
-
-    name: ClassVar[str]
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if not hasattr(cls, "name"):
-            cls.name = cls.__name__
-
-    @abc.abstractmethod
-    def ready(self, pending: int, since_last_attempt: float) -> bool:
-        """Whether to start an attempt now.
-
-        ``pending`` is the number of uploaded, uncommitted TGBs (>= 1 when asked);
-        ``since_last_attempt`` is the time in seconds since the previous attempt ended
-        (``inf`` before the first). ``flush()``/``close()`` bypass the TGB-count condition but
-        still respect the policy's time gap. For a fixed ``pending`` the answer never turns from
-        True to False as time passes, and the only time threshold is :attr:`gap`: a loop that
-        re-asks at each new TGB and once ``since_last_attempt`` reaches ``gap`` misses nothing.
-        """
-
-    @abc.abstractmethod
-    def record(self, outcome: AttemptOutcome) -> None:
-        """Learn from an attempt's outcome."""
-
-    def start(  # noqa: B027
-        self,
-        window: float,
-        active_producers: int,
-        rank: int | None = None,
-        loaded_window: float | None = None,
-    ) -> None:
-        """Called once before the producer's first data attempt, when it first has data.
-
-        ``window`` is the duration of the producer's start-up (epoch) commit, ``active_producers``
-        the active count of the newest manifest the producer has read, and ``rank`` this
-        producer's position (``0 .. active_producers - 1``) among those active producers sorted
-        by id, or ``None`` if unknown; ``loaded_window`` a conservative estimate of the window
-        under the data load, if the producer has one. The producer then counts the time from
-        this call against :attr:`gap`, so a policy can delay (and desynchronize) first attempts.
-        The default ignores it.
-        """
-
-    @property
-    def gap(self) -> float:
-        """The current post-attempt gap in seconds (0 for count-based policies)."""
-        return 0.0
-
-    @property
-    def forced_gap(self) -> float:
-        """The gap ``flush()``/``close()`` wait for (never more than :attr:`gap`; default equal)."""
-        return self.gap
-
-    def observe_put(self, seconds: float, nbytes: int) -> None:  # noqa: B027
-        """A data PUT of ``nbytes`` took ``seconds`` (the producer reports every upload).
-
-        A cost sample of the store that no commit attempt gives: DAC sizes its ``flush()`` /
-        ``close()`` slots with the fastest one. The default ignores it.
-        """
-
-    def forced_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float:
-        """Seconds until a ``flush()``/``close()`` attempt may start (0: start now).
-
-        ``now`` is wall-clock time (seconds since the epoch, the one clock producers on
-        different machines share, up to skew) and ``rank`` this producer's position among the
-        active producers sorted by id (``None`` if unknown). The default waits out
-        :attr:`forced_gap` since the last attempt. The answer is re-asked after every wait, so
-        it may change as time passes.
-        """
-        return max(0.0, self.forced_gap - since_last_attempt)
-
-    def regular_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float | None:
-        """Seconds until a regular attempt may start, or ``None`` to use :meth:`ready` instead.
-
-        Same arguments as :meth:`forced_wait`; asked only when TGBs are pending. The default is
-        ``None``: count-based policies decide with :meth:`ready`.
-        """
-        return None
-
-
-class PolicyWrapper(CommitPolicy):
-    """A policy that passes every hook to ``inner``: the base of policies that observe another.
-
-    Subclasses override what they watch (usually :meth:`record`) and call ``inner``; anything
-    they do not override paces exactly as ``inner`` does, including hooks added later.
-    """
-
-    name: ClassVar[str] = "wrapper"
-
-    def __init__(self, inner: CommitPolicy) -> None:
-        self.inner = inner
-
-    def ready(self, pending: int, since_last_attempt: float) -> bool:
-        return self.inner.ready(pending, since_last_attempt)
-
-    def record(self, outcome: AttemptOutcome) -> None:
-        self.inner.record(outcome)
-
-    def start(
-        self,
-        window: float,
-        active_producers: int,
-        rank: int | None = None,
-        loaded_window: float | None = None,
-    ) -> None:
-        self.inner.start(window, active_producers, rank, loaded_window)
-
-    @property
-    def gap(self) -> float:
-        return self.inner.gap
-
-    @property
-    def forced_gap(self) -> float:
-        return self.inner.forced_gap
-
-    def observe_put(self, seconds: float, nbytes: int) -> None:
-        self.inner.observe_put(seconds, nbytes)
-
-    def forced_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float:
-        return self.inner.forced_wait(since_last_attempt, now, rank)
-
-    def regular_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float | None:
-        return self.inner.regular_wait(since_last_attempt, now, rank)
-
-
 class UniformSource(Protocol):
     """A random source for jitter; :class:`random.Random` is one. Injected to make tests exact."""
 
     def uniform(self, a: float, b: float) -> float:
         """A number drawn uniformly from ``[a, b]``."""
         ...
-
-
-_REGISTRY: dict[str, type[CommitPolicy]] = {}
-
-_P = TypeVar("_P", bound=type[CommitPolicy])
-
-
-def _register(cls: _P) -> _P:
-    if cls.name in _REGISTRY:
-        raise RuntimeError(f"commit policy name {cls.name!r} registered twice")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def policy_names() -> list[str]:
-    """Names accepted by :func:`make_policy`."""
-    return sorted(_REGISTRY)
-
-
-def make_policy(name: str, **options: Any) -> CommitPolicy:
-    """Build the policy registered under ``name`` (``dac``, ``naive``, ``fixed10``, ...).
-
-    ``options`` go to the policy's constructor, e.g. ``make_policy("dac", conflict_budget=0.05)``.
-    """
-    try:
-        cls = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown commit policy {name!r}; choose one of {', '.join(policy_names())}"
-        ) from None
-    try:
-        return cls(**options)
-    except TypeError as exc:
-        raise ValueError(
-            f"bad options {sorted(options)} for commit policy {name!r}: {exc}"
-        ) from exc
-
-
-def resolve_policy(policy: str | CommitPolicy, **options: Any) -> CommitPolicy:
-    """``policy`` as a :class:`CommitPolicy`: a name is built by :func:`make_policy`.
-
-    Anything else is refused here, when a producer is configured, rather than by its commit
-    thread after the first upload.
-    """
-    if isinstance(policy, str):
-        return make_policy(policy, **options)
-    if options:
-        raise ValueError(
-            f"policy options {sorted(options)} apply to a policy name; this policy instance "
-            f"({policy!r}) is already built"
-        )
-    if isinstance(policy, CommitPolicy):
-        return policy
-    if isinstance(policy, type) and issubclass(policy, CommitPolicy):
-        raise TypeError(
-            f"policy must be a CommitPolicy instance, got the class {policy.__name__}; "
-            f"instantiate it (policy={policy.__name__}(...)) or pass a name "
-            f"({', '.join(policy_names())})"
-        )
-    raise TypeError(
-        f"policy must be a commit policy name ({', '.join(policy_names())}) or a CommitPolicy "
-        f"instance, got the {type(policy).__name__} {policy!r:.100}"
-    )
 
 
 # --- DAC model -------------------------------------------------------------------------------
@@ -423,7 +201,7 @@ def _slot_wait(period: float, n: int, rank: int, now: float, window: float, allo
     return period - phase
 
 
-@_register
+@register
 class DacPolicy(CommitPolicy):
     """Decentralized Adaptive Commit: wait ``g = min(g*, G)(1+u)`` after every attempt.
 
@@ -791,133 +569,3 @@ class DacPolicy(CommitPolicy):
             f"max_gap={self.max_gap}, window={self._window}, producers={self._producers}, "
             f"gap={self._gap:.6g})"
         )
-
-
-# --- baselines -------------------------------------------------------------------------------
-
-
-@_register
-class NaivePolicy(CommitPolicy):
-    """Attempt whenever at least one TGB is pending, back to back (the paper's Naive)."""
-
-    name: ClassVar[str] = "naive"
-
-    def ready(self, pending: int, since_last_attempt: float) -> bool:
-        return pending >= 1
-
-    def record(self, outcome: AttemptOutcome) -> None:
-        pass
-
-
-class _IntervalPolicy(CommitPolicy):
-    """Attempt once ``interval`` TGBs are pending; subclasses decide how the interval moves."""
-
-    def __init__(self, interval: float) -> None:
-        if not (math.isfinite(interval) and interval >= 1):
-            raise ValueError(
-                f"{self.name}: the commit interval must be a finite number of TGBs >= 1, "
-                f"got {interval!r}"
-            )
-        self._interval = float(interval)
-
-    @property
-    def interval(self) -> float:
-        """TGBs that must be pending before the next attempt."""
-        return self._interval
-
-    def ready(self, pending: int, since_last_attempt: float) -> bool:
-        return pending >= self._interval
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(interval={self._interval:g})"
-
-
-class FixedCountPolicy(_IntervalPolicy):
-    """Attempt every ``every`` TGBs, never adapting (the paper's FIXED10/FIXED100)."""
-
-    name: ClassVar[str] = "fixed"
-
-    def __init__(self, every: int) -> None:
-        super().__init__(every)
-
-    def record(self, outcome: AttemptOutcome) -> None:
-        pass
-
-
-@_register
-class Fixed10Policy(FixedCountPolicy):
-    """Attempt every 10 TGBs."""
-
-    name: ClassVar[str] = "fixed10"
-
-    def __init__(self, every: int = 10) -> None:
-        super().__init__(every)
-
-
-@_register
-class Fixed100Policy(FixedCountPolicy):
-    """Attempt every 100 TGBs."""
-
-    name: ClassVar[str] = "fixed100"
-
-    def __init__(self, every: int = 100) -> None:
-        super().__init__(every)
-
-
-@_register
-class IncrPolicy(_IntervalPolicy):
-    """Attempt every ``k`` TGBs; ``k`` starts at ``initial`` and grows by ``step`` per conflict.
-
-    The paper's INCR: it only ever backs off, so it never recovers freshness once contention
-    passes.
-    """
-
-    name: ClassVar[str] = "incr"
-
-    def __init__(self, initial: int = 10, step: int = 1) -> None:
-        super().__init__(initial)
-        if not (math.isfinite(step) and step >= 0):
-            raise ValueError(f"incr: step must be a finite number of TGBs >= 0, got {step!r}")
-        self.step = step
-
-    def record(self, outcome: AttemptOutcome) -> None:
-        if not outcome.committed:
-            self._interval += self.step
-
-
-@_register
-class AimdPolicy(_IntervalPolicy):
-    """The paper's AIMD: interval (in TGBs) ``+addend`` on success, ``*decrease`` on conflict.
-
-    Exactly as the paper states it ("increase the interval by a fixed addend on success, halve it
-    on conflict"), floored at ``minimum`` TGBs. Defaults: start at 10 TGBs like INCR, addend 1,
-    decrease 0.5, minimum 1.
-    """
-
-    name: ClassVar[str] = "aimd"
-
-    def __init__(
-        self,
-        initial: float = 10.0,
-        addend: float = 1.0,
-        decrease: float = 0.5,
-        minimum: float = 1.0,
-    ) -> None:
-        super().__init__(initial)
-        if not (math.isfinite(addend) and addend >= 0):
-            raise ValueError(f"aimd: addend must be a finite number of TGBs >= 0, got {addend!r}")
-        if not 0 < decrease < 1:
-            raise ValueError(f"aimd: decrease must be in (0, 1), got {decrease!r}")
-        if not (math.isfinite(minimum) and 1 <= minimum <= initial):
-            raise ValueError(
-                f"aimd: minimum must be in [1, initial={initial!r}] TGBs, got {minimum!r}"
-            )
-        self.addend = addend
-        self.decrease = decrease
-        self.minimum = minimum
-
-    def record(self, outcome: AttemptOutcome) -> None:
-        if outcome.committed:
-            self._interval += self.addend
-        else:
-            self._interval = max(self.minimum, self._interval * self.decrease)
