@@ -14,7 +14,6 @@ from batchweave._errors import ObjectNotFound
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, SegmentRef
 from batchweave._manifest._segments import find_segment
-from batchweave._store._base import ObjectStore
 
 __all__ = ["StepKeys"]
 
@@ -24,10 +23,10 @@ _log = logging.getLogger("batchweave.lifecycle")
 class StepKeys:
     """The data keys of a manifest's steps, read through ``log``, for one reclaimer."""
 
-    def __init__(self, log: ManifestLog, store: ObjectStore, namespace: str) -> None:
+    def __init__(self, log: ManifestLog, where: str) -> None:
         self._log = log
-        self._store = store
-        self._namespace = namespace
+        self._where = where
+        """The namespace and store, as errors name them (``namespace 'ns' in file:///...``)."""
         self._segment_keys: dict[str, tuple[SegmentRef, int, tuple[tuple[str, ...], ...]]] = {}
         """The data keys of each step of the segments the latest manifest lists, by segment key:
         (the reference they were read through, the first step kept, each step's keys from it).
@@ -48,7 +47,7 @@ class StepKeys:
         except ObjectNotFound as exc:
             ref = find_segment(latest.segments, unread)
             raise ObjectNotFound(
-                f"namespace {self._namespace!r} in {self._store.url}: "
+                f"{self._where}: "
                 f"{self._log.missing_segment(latest, ref)}. This pass deletes nothing"
             ) from exc
         return live
@@ -68,7 +67,10 @@ class StepKeys:
         return keys
 
     def forget_unlisted(self, latest: Manifest) -> None:
-        """Forget the keys of the segments ``latest`` no longer lists above its ``base_step``."""
+        """Forget the keys of the segments ``latest`` no longer lists above its ``base_step``.
+
+        Call it after :meth:`below` in a pass: the segments below ``base_step`` would otherwise
+        be forgotten first and read again."""
         listed = {ref.key for ref in latest.segments if ref.end_step > latest.base_step}
         self._segment_keys = {k: v for k, v in self._segment_keys.items() if k in listed}
 

@@ -184,7 +184,7 @@ class Reclaimer:
         self._max_commit_attempts = max_commit_attempts
         self._delete_batch = delete_batch
         self._log = log if log is not None else ManifestLog(store, namespace, clock=clock)
-        self._keys = StepKeys(self._log, store, namespace)
+        self._keys = StepKeys(self._log, f"namespace {namespace!r} in {store.url}")
         self._watermarks = Watermarks(store, namespace, clock=clock, sleep=sleep)
         self.progress = progress
         """Called with a :class:`ReclaimProgress` as each pass goes (``None``: not reported)."""
@@ -267,7 +267,7 @@ class Reclaimer:
 
     def _run_once(self) -> ReclaimReport:
         sweep = Sweep(self.store, self.namespace, self._delete_batch, self._clock, self.progress)
-        sweep.report()
+        sweep.begin("reading watermarks")
         marks = self._watermarks.live()
         boundary = marks[0].step if marks else 0
         try:

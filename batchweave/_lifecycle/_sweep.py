@@ -73,7 +73,8 @@ class Sweep:
         self.listed = 0
         self.objects = 0
         self.bytes = 0
-        self.phase = "reading watermarks"
+        self.phase = ""
+        """What the pass is doing, named as in :attr:`ReclaimProgress.phase`, set by begin()."""
         self.phase_done = 0
         self.phase_total: int | None = None
         self._clock = clock

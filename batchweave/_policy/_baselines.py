@@ -2,8 +2,8 @@
 
 ``naive`` (attempt whenever a TGB is pending), ``fixed10``/``fixed100`` (every 10/100 TGBs),
 ``incr`` (every ``k`` TGBs, ``k`` starting at 10 and growing by one per conflict) and ``aimd``
-(interval grows by an addend on success and halves on conflict). Apart from DAC (``_dac.py``):
-they are the comparison points, exactly as the paper states them, and share none of its model.
+(interval grows by an addend on success and halves on conflict). They are the comparison points
+for DAC (``_dac.py``), exactly as the paper states them, and share none of its model.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 A post-attempt gap derived in closed form from a conflict budget and a duty budget
 (:func:`dac_gap`; :func:`conflict_probability` and :func:`duty` evaluate the model), taken as
-turns on a wall-clock grid by producers that know their rank (:class:`DacPolicy`). Apart from
-the interface (``_base.py``) and from the count-based baselines, which share none of this model.
+turns on a wall-clock grid by producers that know their rank (:class:`DacPolicy`). It
+implements the interface of ``_base.py`` and shares nothing with the count-based baselines
+(``_baselines.py``).
 """
 
 from __future__ import annotations
