@@ -28,7 +28,8 @@ from batchweave._checks import as_count
 from batchweave._errors import ChecksumMismatch, FormatError, ObjectNotFound, StepReclaimed
 from batchweave._format._checksum import checksum
 from batchweave._format._sample_ids import SAMPLE_IDS_KEY, parse_sample_ids, sample_ids_metadata
-from batchweave._format._tgb import TRAILER_SIZE, TgbFooter, parse_footer
+from batchweave._format._tgb import TRAILER_SIZE, TgbFooter
+from batchweave._format._tgb_read import parse_footer
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, TgbObjectRef
 from batchweave._store._base import Bounded, ObjectStore

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 import batchweave as bw
-import batchweave._format._tgb as tgb
+import batchweave._format._tgb_write as tgb
 import batchweave._history as history
 import batchweave.cli._app as cli_app
 import batchweave.cli._verify as cli_verify

@@ -18,7 +18,8 @@ from pydantic import ValidationError
 from batchweave import Mesh, encode_tgb
 from batchweave._errors import FormatError
 from batchweave._format import CHECKSUM_ALGOS
-from batchweave._format._tgb import TgbFooter, _check_footer, _fast_footer
+from batchweave._format._tgb import TgbFooter
+from batchweave._format._tgb_read import _check_footer, _fast_footer
 
 _FIELDS = ("offset", "length", "uncompressed_length", "checksum", "sample_count")
 _ODD_VALUES: st.SearchStrategy[Any] = st.one_of(

@@ -48,11 +48,12 @@ from batchweave._format import (
     MAX_FOOTER_LENGTH,
     TRAILER_SIZE,
     ChecksumAlgo,
-    _tgb,
+    _tgb_read,
     checksum,
 )
 from batchweave._format._codecs import TENSOR_ALIGNMENT
-from batchweave._format._tgb import _pack_trailer, check_encoded, decode_entry
+from batchweave._format._tgb_read import decode_entry
+from batchweave._format._tgb_write import _pack_trailer, check_encoded
 from batchweave._store._base import ByteRange
 
 KEY = "data/p0/1/7-abc.tgb"
@@ -644,8 +645,8 @@ def test_a_format_1_reader_asks_for_an_upgrade_on_xxh3_objects(
     # A reader from before xxh3 knows format 1 and algorithm ids 1-2 only; the version the
     # writer chose makes it refuse with "upgrade" (trailer rule 4), not call the object damaged.
     enc = encode_tgb([b"abc"], Mesh(dp=1), checksum_algo="xxh3")
-    monkeypatch.setattr(_tgb, "FORMAT_VERSION", 1)
-    monkeypatch.delitem(_tgb._ALGO_BY_ID, 3)
+    monkeypatch.setattr(_tgb_read, "FORMAT_VERSION", 1)
+    monkeypatch.delitem(_tgb_read._ALGO_BY_ID, 3)
     with pytest.raises(UnsupportedFormatVersion, match=r"\(format 2, .*up to 1\): upgrade"):
         parse_footer(enc.data, key=KEY)
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from manifest_helpers import body, envelope
 
 from batchweave import FormatError, MemoryStore, Mesh, Producer, encode_tgb
-from batchweave._format._tgb import decode_slice, parse_footer, parse_footer_exact
+from batchweave._format._tgb_read import decode_slice, parse_footer, parse_footer_exact
 from batchweave._manifest._codec import (
     decode_manifest,
     decode_segment,

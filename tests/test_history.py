@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 import batchweave as bw
-import batchweave._format._tgb as tgb
+import batchweave._format._tgb_write as tgb
 from batchweave import MemoryStore, Mesh
 from batchweave._history import SAMPLE_IDS_KEY, iter_membership
 from batchweave._manifest import Committed, ManifestLog

@@ -43,7 +43,7 @@ from batchweave import (
     read_slice,
 )
 from batchweave._format._checksum import checksum
-from batchweave._format._tgb import _pack_trailer
+from batchweave._format._tgb_write import _pack_trailer
 from batchweave._manifest._codec import encode_manifest
 from batchweave._manifest._log import ManifestLog, manifest_key
 from batchweave.cli._verify import verify_namespace

@@ -23,7 +23,7 @@ from manifest_helpers import KEY, body, envelope
 
 import batchweave as bw
 import batchweave._checks as checks
-from batchweave._format._tgb import _pack_trailer
+from batchweave._format._tgb_write import _pack_trailer
 from batchweave._manifest import Manifest
 from batchweave._manifest._codec import decode_manifest, encode_manifest
 from batchweave._manifest._log import ManifestLog

@@ -27,7 +27,7 @@ from batchweave import FormatError, MemoryStore, Mesh, ObjectMeta
 from batchweave._format._checksum import checksum
 from batchweave._format._codecs import CODECS, decompress, first_overlap
 from batchweave._format._sample_ids import parse_sample_ids
-from batchweave._format._tgb import encode_tgb
+from batchweave._format._tgb_write import encode_tgb
 from batchweave._history import (
     iter_membership,
     membership_batches,

@@ -32,7 +32,7 @@ from batchweave import (
     StoreWrapper,
     TransientStoreError,
 )
-from batchweave._format._tgb import encode_tgb
+from batchweave._format._tgb_write import encode_tgb
 from batchweave._manifest._log import ManifestLog
 from batchweave._outage import OutageLog
 

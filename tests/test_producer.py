@@ -33,7 +33,9 @@ from batchweave import (
     TransientStoreError,
 )
 from batchweave._format import CHECKSUM_ALGOS, ChecksumAlgo
-from batchweave._format._tgb import EncodedTgb, TgbBuilder, encode_tgb, read_footer, read_slice
+from batchweave._format._tgb import EncodedTgb
+from batchweave._format._tgb_read import read_footer, read_slice
+from batchweave._format._tgb_write import TgbBuilder, encode_tgb
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, TgbDescriptor
 from batchweave._producer._lag import LAG_WARN_AFTER, LAG_WARN_LONG

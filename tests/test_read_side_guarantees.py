@@ -42,7 +42,9 @@ from batchweave import (
     encode_tgb,
 )
 from batchweave._consumer._prefetch import Workers, gather
-from batchweave._format._tgb import EncodedTgb, _pack_trailer, parse_footer
+from batchweave._format._tgb import EncodedTgb
+from batchweave._format._tgb_read import parse_footer
+from batchweave._format._tgb_write import _pack_trailer
 from batchweave._manifest import Committed, ManifestLog, manifest_key
 from batchweave._store._base import ObjectMeta
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import batchweave as bw
-import batchweave._format._tgb as tgb
+import batchweave._format._tgb_write as tgb
 import batchweave._history as history
 from batchweave import SAMPLE_IDS_KEY, sample_ids_metadata
 from batchweave._history import iter_membership

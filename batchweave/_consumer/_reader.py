@@ -32,14 +32,8 @@ from batchweave._errors import (
     TransientStoreError,
 )
 from batchweave._format._checksum import checksum
-from batchweave._format._tgb import (
-    TRAILER_SIZE,
-    SliceEntry,
-    SliceSpan,
-    TgbFooter,
-    decode_entry,
-    parse_footer,
-)
+from batchweave._format._tgb import TRAILER_SIZE, SliceEntry, SliceSpan, TgbFooter
+from batchweave._format._tgb_read import decode_entry, parse_footer
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import SliceTable, TgbDescriptor, TgbObjectRef
 from batchweave._outage import OutageLog, no_answer

@@ -9,27 +9,28 @@ from batchweave._format._checksum import (
 )
 from batchweave._format._codecs import CODECS, COMPRESSIONS, Codec, get_codec
 from batchweave._format._tgb import (
-    FOOTER_READ_GUESS,
-    FORMAT_VERSION,
     MAGIC,
     MAX_FOOTER_LENGTH,
     TRAILER_SIZE,
     EncodedTgb,
     SliceEntry,
     SliceIndex,
-    SliceLayout,
     SliceSpan,
-    TgbBuilder,
     TgbFooter,
+)
+from batchweave._format._tgb_read import (
+    FOOTER_READ_GUESS,
+    FORMAT_VERSION,
+    SliceLayout,
     decode_entry,
     decode_slice,
-    encode_tgb,
     parse_footer,
     parse_footer_exact,
     read_footer,
     read_slice,
     slice_range,
 )
+from batchweave._format._tgb_write import TgbBuilder, encode_tgb
 
 __all__ = [
     "CHECKSUM_ALGOS",

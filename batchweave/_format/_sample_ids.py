@@ -4,7 +4,7 @@ Sample ids are a producer convention, not part of the container: a producer that
 ``{SAMPLE_IDS_KEY: sample_ids_metadata(ids)}`` into a TGB's metadata (``ids`` holds one sequence
 of ids per slice, in ``(d, c)`` order) gets them into the membership history
 (``batchweave export``). A committed object is immutable, so the value is checked where it is
-written, not only where it is read: :class:`~batchweave._format._tgb.TgbBuilder` (and so
+written, not only where it is read: :class:`~batchweave._format._tgb_write.TgbBuilder` (and so
 ``encode_tgb`` and ``Producer.append``) refuses a malformed one before anything is uploaded, and
 the history reader refuses one already stored, both with :func:`parse_sample_ids`.
 """

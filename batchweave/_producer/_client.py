@@ -49,7 +49,8 @@ from batchweave._errors import (
 )
 from batchweave._fork import current_pid
 from batchweave._format._checksum import DEFAULT_CHECKSUM_ALGO, ChecksumAlgo
-from batchweave._format._tgb import EncodedTgb, TgbBuilder
+from batchweave._format._tgb import EncodedTgb
+from batchweave._format._tgb_write import TgbBuilder
 from batchweave._manifest._log import (
     DEFAULT_TAIL_BYTES_LIMIT,
     DEFAULT_TAIL_LIMIT,

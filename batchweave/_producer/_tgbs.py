@@ -13,13 +13,8 @@ from typing import Any
 
 from batchweave._format._checksum import CHECKSUM_ALGOS, ChecksumAlgo, checksum
 from batchweave._format._codecs import check_compression, get_codec
-from batchweave._format._tgb import (
-    EncodedTgb,
-    TgbBuilder,
-    check_encoded,
-    encode_tgb,
-    payload_list,
-)
+from batchweave._format._tgb import EncodedTgb
+from batchweave._format._tgb_write import TgbBuilder, check_encoded, encode_tgb, payload_list
 from batchweave._manifest._models import SliceTable, TgbDescriptor, TgbObjectRef
 from batchweave._mesh import Mesh
 from batchweave._unchecked import unchecked

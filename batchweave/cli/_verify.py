@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from batchweave._errors import FormatError, NamespaceMismatch, ObjectNotFound
-from batchweave._format._tgb import decode_slice, slice_range
+from batchweave._format._tgb_read import decode_slice, slice_range
 from batchweave._history import _sample_ids, base_step_now, read_object_footer
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, SliceTable, TgbDescriptor
