@@ -25,13 +25,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchweave._checks import as_count
-from batchweave._errors import ChecksumMismatch, FormatError, ObjectNotFound, StepReclaimed
+from batchweave._errors import (
+    ChecksumMismatch,
+    FormatError,
+    ObjectNotFound,
+    StepReclaimed,
+    StoreError,
+)
 from batchweave._format._checksum import checksum
 from batchweave._format._sample_ids import SAMPLE_IDS_KEY, parse_sample_ids, sample_ids_metadata
 from batchweave._format._tgb import TRAILER_SIZE, TgbFooter
 from batchweave._format._tgb_read import parse_footer
 from batchweave._manifest._log import ManifestLog
-from batchweave._manifest._models import Manifest, TgbObjectRef
+from batchweave._manifest._models import Manifest, TgbDescriptor, TgbObjectRef
+from batchweave._manifest._segments import find_segment
 from batchweave._store._base import Bounded, ObjectStore
 
 __all__ = [
@@ -76,13 +83,25 @@ def _sample_ids(footer: TgbFooter, key: str) -> list[tuple[str, ...]] | None:
         raise FormatError(f"object {key!r}: {exc}") from exc
 
 
+def _found_size(store: ObjectStore, key: str, recorded: int) -> str:
+    """The size of object ``key`` for a message: at least ``recorded + 1`` bytes (a read found
+    a byte past ``recorded``), exactly when a HEAD says."""
+    try:
+        size = store.head(key).size
+    except StoreError:  # only for the message: the object is too long whatever HEAD says
+        return f"at least {recorded + 1}"
+    return str(size) if size > recorded else f"at least {recorded + 1}"
+
+
 def read_object_footer(store: ObjectStore, key: str, ref: TgbObjectRef) -> TgbFooter:
-    """Fetch object ``key``'s footer with one exact range read and check it against ``ref``.
+    """Fetch object ``key``'s footer with one range read and check it against ``ref``.
 
     Verifies the trailer's footer checksum, the manifest's ``footer_checksum`` of the footer
-    bytes, that footer plus trailer end exactly at the recorded object size, and that the object
-    holds the recorded number of slices. Raises :class:`FormatError` (or
-    :class:`ChecksumMismatch`) naming the object.
+    bytes, that footer plus trailer end exactly at the recorded object size and that the object
+    ends there too (the read asks for one byte more, which must not exist: bytes appended to an
+    object are damage the format's own reader refuses), and that the object holds the recorded
+    number of slices. Raises :class:`FormatError` (or :class:`ChecksumMismatch`) naming the
+    object.
     """
     end = ref.footer_offset + ref.footer_length + TRAILER_SIZE
     if end != ref.size:
@@ -90,7 +109,13 @@ def read_object_footer(store: ObjectStore, key: str, ref: TgbObjectRef) -> TgbFo
             f"object {key!r}: the manifest records size {ref.size} but footer and trailer end "
             f"at byte {end}"
         )
-    buf = store.get_range(key, Bounded(ref.footer_offset, end))
+    buf = store.get_range(key, Bounded(ref.footer_offset, end + 1))
+    if len(buf) > end - ref.footer_offset:
+        raise FormatError(
+            f"object {key!r} is longer than the manifest records: {ref.size} bytes recorded, "
+            f"{_found_size(store, key, ref.size)} found; the object was damaged (bytes "
+            "appended) or replaced"
+        )
     if len(buf) != end - ref.footer_offset:
         raise FormatError(
             f"object {key!r} is truncated: the manifest records {ref.size} bytes, but reading "
@@ -142,6 +167,35 @@ def _raise_if_reclaimed(
         )
 
 
+def _descriptors(
+    log: ManifestLog, manifest: Manifest, first: int, last: int
+) -> Iterator[tuple[int, TgbDescriptor]]:
+    """``log.descriptors(manifest, first, last)``, a missing segment explained: reclaimed
+    meanwhile (:class:`StepReclaimed`), merged into a newer one by a commit since ``manifest``
+    (read again), or deleted by hand (the namespace is damaged)."""
+    missing = first  # the step the next descriptor is for
+    rows = log.descriptors(manifest, first, last)
+    while True:
+        try:
+            step, desc = next(rows)
+        except StopIteration:
+            return
+        except ObjectNotFound as exc:
+            _raise_if_reclaimed(log, manifest, missing, first, last)
+            latest = log.latest(manifest)
+            held = find_segment(manifest.segments, missing)
+            if held in latest.segments:
+                raise ObjectNotFound(log.missing_segment(latest, held)) from exc
+            raise ObjectNotFound(
+                f"segment {log.key(held.key)!r} (TGB steps {held.first_step}.."
+                f"{held.end_step - 1}) was merged into a newer one while the history was being "
+                f"read (manifest version {manifest.version}, now {latest.version}); nothing was "
+                "written: export again"
+            ) from exc
+        yield step, desc
+        missing = step + 1
+
+
 def iter_membership(
     store: ObjectStore,
     namespace: str,
@@ -173,7 +227,7 @@ def iter_membership(
     last = manifest.next_step if stop is None else min(stop, manifest.next_step)
     cp = manifest.mesh.cp
     total = max(0, last - first)
-    for done, (step, desc) in enumerate(log.descriptors(manifest, first, last), 1):
+    for done, (step, desc) in enumerate(_descriptors(log, manifest, first, last), 1):
         for ref in desc.objects:
             key = log.key(ref.key)
             try:

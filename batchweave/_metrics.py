@@ -47,6 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from batchweave._consumer import Consumer
+from batchweave._fork import current_pid
 from batchweave._lifecycle import Reclaimer, ReclaimReport
 from batchweave._policy import AttemptOutcome, CommitPolicy, PolicyWrapper, resolve_policy
 from batchweave._producer import Producer
@@ -73,9 +74,11 @@ class BatchWeaveCollector(Collector):
 
     Objects are held weakly: a producer or consumer that is garbage-collected disappears from
     the exposition (its counters were per-incarnation anyway, labelled by producer id or rank).
-    Each label set is exported once: when a producer or consumer is replaced in the same process
-    (a restart after an error) while the old object is still alive, the open one wins over a
-    closed one, then the most recently tracked one (two samples of one series break a scrape).
+    Objects inherited from the parent of a ``fork()`` are skipped (their threads stay in the
+    parent; a child serves its own). Each label set is exported once: when a producer or
+    consumer is replaced in the same process (a restart after an error) while the old object
+    is still alive, the open one wins over a closed one, then the most recently tracked one
+    (two samples of one series break a scrape).
     """
 
     def __init__(self) -> None:
@@ -101,8 +104,8 @@ class BatchWeaveCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """Build every family from fresh ``stats`` snapshots."""
         with self._lock:
-            producers = list(self._producers.items())
-            consumers = list(self._consumers.items())
+            producers = [(p, order) for p, order in self._producers.items() if _ours(p)]
+            consumers = [(c, order) for c, order in self._consumers.items() if _ours(c)]
         yield from self._producer_families(
             _one_per_series(producers, lambda p: (p.namespace, p.producer_id))
         )
@@ -203,6 +206,16 @@ class BatchWeaveCollector(Collector):
         yield in_flight
         yield latency
         yield cpu_share
+
+
+def _ours(obj: Producer | Consumer) -> bool:
+    """Whether ``obj`` was created in this process, not in the parent of a ``fork()``.
+
+    A forked child inherits the parent's tracked objects, whose threads stay in the parent: a
+    producer's ``stats()`` refuses to run there (every scrape failed with HTTP 500) and a
+    consumer's counters are the parent's, frozen at the fork. The child serves its own.
+    """
+    return getattr(obj, "_pid", None) == current_pid()
 
 
 def _one_per_series(

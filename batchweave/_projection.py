@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from batchweave._checks import as_int
-from batchweave._mesh import Mesh
+from batchweave._mesh import Mesh, check_mesh
 
 __all__ = [
     "DEFAULT_RANK_ORDER",
@@ -62,7 +62,14 @@ class RankCoordinates:
     pp_rank: int
 
 
-def _parse_order(order: str) -> tuple[str, ...]:
+def _parse_order(order: str, name: str = "order") -> tuple[str, ...]:
+    """The dimensions ``order`` names, fastest-varying first; ``name`` is the argument's, for
+    errors (a :class:`~batchweave.Consumer`'s is ``rank_order``)."""
+    if not isinstance(order, str):
+        raise TypeError(
+            f"{name} must be a str, got the {type(order).__name__} {order!r}; e.g. "
+            f"{name}={DEFAULT_RANK_ORDER!r}"
+        )
     dims = tuple(part.strip() for part in order.lower().split("-"))
     if sorted(dims) != sorted(_DIMENSIONS):
         raise ValueError(
@@ -89,6 +96,9 @@ def coordinates_for_rank(
     # Plain ints: coordinates end up in state_dict()s, and a float or NumPy rank would make
     # float or NumPy coordinates.
     rank, world_size = as_int("rank", rank), as_int("world_size", world_size)
+    # A tuple or dict mesh, or a non-str order, would fail below with a bare AttributeError.
+    check_mesh(mesh)
+    dims = _parse_order(order)
     tp, pp = as_int("tp", tp), as_int("pp", pp)
     if tp < 1 or pp < 1:
         raise ValueError(f"tp and pp degrees must be >= 1, got tp={tp}, pp={pp}")
@@ -113,7 +123,7 @@ def coordinates_for_rank(
         raise ValueError(f"RANK={rank} is outside [0, WORLD_SIZE={world_size})")
     coords: dict[str, int] = {}
     rest = rank
-    for dim in _parse_order(order):
+    for dim in dims:
         rest, coords[dim] = divmod(rest, sizes[dim])
     return RankCoordinates(
         rank=rank,
@@ -126,12 +136,22 @@ def coordinates_for_rank(
 
 
 def _env_int(environ: Mapping[str, str], name: str) -> int:
-    raw = environ.get(name)
+    raw: object = environ.get(name)
     if raw is None:
         raise ValueError(
             f"environment variable {name} is not set; launch with torchrun (which sets RANK and "
             "WORLD_SIZE) or pass dp_rank and cp_rank explicitly"
         )
+    if not isinstance(raw, str):
+        # An int is taken as it is; int() of a float would truncate RANK=1.9 to rank 1.
+        try:
+            return as_int(name, raw)
+        except TypeError:
+            raise TypeError(
+                f"environment variable {name}={raw!r} is not an integer but a "
+                f"{type(raw).__name__}: environ maps names to strings, as os.environ does "
+                f"(e.g. {{{name!r}: '1'}})"
+            ) from None
     try:
         return int(raw)
     except ValueError:
@@ -151,6 +171,13 @@ def coordinates_from_env(
     See :func:`coordinates_for_rank` for the layout; ``environ`` defaults to ``os.environ``.
     """
     env = os.environ if environ is None else environ
+    if not isinstance(env, Mapping):
+        raise TypeError(
+            f"environ must be a mapping of environment variables (like os.environ), got the "
+            f"{type(env).__name__} {env!r}"
+        )
+    check_mesh(mesh)  # before RANK and WORLD_SIZE: a mesh that is no Mesh is the mistake
+    _parse_order(order)
     return coordinates_for_rank(
         _env_int(env, "RANK"), _env_int(env, "WORLD_SIZE"), mesh=mesh, tp=tp, pp=pp, order=order
     )

@@ -16,6 +16,7 @@ This module depends only on the store and the manifest layers, so the producer c
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
@@ -153,11 +154,13 @@ class Watermarks:
         """The manifest log :meth:`record` finds the latest version in (made on first use)."""
         self._known: Manifest | None = None
         """The newest manifest :meth:`record` found: the next lookup starts from it."""
+        self._namespace_id: str | None = None
+        """The namespace's id, once :meth:`namespace_id` found it."""
 
     def __getstate__(self) -> dict[str, object]:
         # Pickled as before (a spawned process gets the store, namespace and policy): the
         # cached log holds locks, and a copy looks the latest version up afresh.
-        return {**self.__dict__, "_manifests": None, "_known": None}
+        return {**self.__dict__, "_manifests": None, "_known": None, "_namespace_id": None}
 
     def __repr__(self) -> str:
         scope = "" if self.scope is None else f", scope={self.scope!r}"
@@ -168,6 +171,23 @@ class Watermarks:
     def key(self, checkpoint_id: str) -> str:
         """Store key of ``checkpoint_id``'s watermark."""
         return f"{self._prefix}{validate_checkpoint_id(checkpoint_id)}{_SUFFIX}"
+
+    def namespace_id(self, *, refresh: bool = False) -> str | None:
+        """The id of the namespace these watermarks belong to, ``None`` while it does not exist.
+
+        Found with the lookup :meth:`record` makes for the latest version (its result is
+        reused), then cached: later calls make no request unless ``refresh`` (a namespace
+        deleted and re-created since has another id). ``checkpoint_hook`` compares it with the
+        consumer's, so a consumer of a same-named namespace in another store or prefix cannot
+        record (or release) watermarks here.
+        """
+        if self._namespace_id is None or refresh:
+            known = self._known
+            if known is None or refresh:
+                self._latest_version()
+                known = self._known
+            self._namespace_id = None if known is None else known.namespace_id
+        return self._namespace_id
 
     def record(self, checkpoint_id: str, step: int, *, version: int | None = None) -> Watermark:
         """Record that checkpoint ``checkpoint_id`` resumes at manifest step ``step``.
@@ -190,13 +210,21 @@ class Watermarks:
                 f"checkpoint_id {checkpoint_id!r} is outside this reader's scope {self.scope!r}; "
                 f"name it {self.scope}..., or use another Watermarks(scope=...) for it"
             )
+        now = self._clock()
+        if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
+            # JSON has no inf or nan: such a watermark would be written as null, and every
+            # reclaim pass would then stop on an object it cannot decode.
+            raise ValueError(
+                f"the Watermarks clock returned {now!r}; it must return finite wall-clock "
+                "seconds (as time.time does)"
+            )
         if version is None:
             version = self._latest_version()
         mark = Watermark(
             checkpoint_id=validate_checkpoint_id(checkpoint_id),
             step=step,
             version=version,
-            recorded_at=self._clock(),
+            recorded_at=now,
         )
         self.store.put(self.key(checkpoint_id), encode_object(_MAGIC, mark))
         _log.info(

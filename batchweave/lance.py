@@ -18,12 +18,14 @@ every step into a Lance dataset. Requires ``pylance`` (``pip install batchweave[
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import lance
 import numpy as np
@@ -31,6 +33,7 @@ import pyarrow as pa
 
 from batchweave._checks import as_count, as_int
 from batchweave._history import MEMBERSHIP_SCHEMA, membership_batches
+from batchweave._interrupts import deferred_interrupt
 from batchweave._manifest._models import MAX_SOURCE_LENGTH
 from batchweave._store._base import ObjectStore
 
@@ -355,7 +358,7 @@ def _open(
         # A copy with a handle of its own: the caller's insert/delete/checkout on the object
         # passed in do not reach it.
         return dataset.checkout_version(dataset.version)
-    uri = str(dataset)
+    uri = os.fspath(dataset)
     try:
         return lance.dataset(uri, version=version, storage_options=storage_options)
     except (ValueError, OSError) as exc:
@@ -390,35 +393,108 @@ def export_history(
     One row per ``(step, dp, cp)`` with the producer, epoch, offset, object key, slice bytes,
     sample count and sample ids (see :mod:`batchweave._history`); ``mode`` is Lance's
     (``create``, ``overwrite``, ``append``). Returns the number of rows written.
-    ``progress(done, total)`` is called as steps are read.
+    ``progress(done, total)`` is called as steps are read (on Lance's writer thread).
+    ``uri`` is a path (any ``os.PathLike``; a ``Path`` is made absolute) or a Lance URI.
+
+    Ctrl-C or SIGTERM while the export runs (in the main thread) stops the write from inside:
+    Lance reads the rows on a thread of its own, which a ``KeyboardInterrupt`` raised in the
+    main thread would leave running into interpreter shutdown (a "Fatal Python error" abort).
+    Once the write has stopped, the signal goes to the handler that was in place: by default
+    Ctrl-C raises ``KeyboardInterrupt`` and SIGTERM ends the process. An export that fails or
+    is interrupted removes the local dataset directory it created (what it wrote, if the
+    directory was there and empty); an existing dataset or any other directory is left alone.
     """
     counted = 0
     failure: list[BaseException] = []
+    target = uri if isinstance(uri, str) else str(Path(os.fspath(uri)).resolve())
+    created = _new_local_dataset(target)
 
-    def batches() -> Iterator[pa.RecordBatch]:
-        nonlocal counted
+    with deferred_interrupt() as interrupted:
+
+        def step_read(done: int, total: int) -> None:
+            interrupted()  # on Lance's thread: a Ctrl-C stops the write from inside
+            if progress is not None:
+                progress(done, total)
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            nonlocal counted
+            try:
+                batches = membership_batches(
+                    store, namespace, start=start, stop=stop, progress=step_read
+                )
+                for batch in batches:
+                    interrupted()
+                    counted += batch.num_rows
+                    yield batch
+            except BaseException as exc:
+                failure.append(exc)
+                raise
+
+        reader = pa.RecordBatchReader.from_batches(MEMBERSHIP_SCHEMA, batches())
+        options: dict[str, Any] = {"mode": mode}
+        if storage_options is not None:
+            options["storage_options"] = storage_options
         try:
-            batches = membership_batches(
-                store, namespace, start=start, stop=stop, progress=progress
-            )
-            for batch in batches:
-                counted += batch.num_rows
-                yield batch
-        except BaseException as exc:
-            failure.append(exc)
-            raise
-
-    reader = pa.RecordBatchReader.from_batches(MEMBERSHIP_SCHEMA, batches())
-    options: dict[str, Any] = {"mode": mode}
-    if storage_options is not None:
-        options["storage_options"] = storage_options
-    target = str(uri) if not isinstance(uri, Path) else str(uri.resolve())
-    try:
-        lance.write_dataset(reader, target, schema=MEMBERSHIP_SCHEMA, **options)
-    except Exception:
-        if failure:
-            # Lance reports an error raised while reading the rows as its own error, with the
-            # Python traceback flattened into the message: raise the original instead.
-            raise failure[0] from None
-        raise
+            try:
+                lance.write_dataset(reader, target, schema=MEMBERSHIP_SCHEMA, **options)
+            except Exception:
+                if failure:
+                    # Lance reports an error raised while reading the rows as its own error,
+                    # with the Python traceback flattened into the message: raise the original.
+                    raise failure[0] from None
+                raise
+            interrupted()  # a signal after the last row still interrupts the call
+        except BaseException:
+            # Lance creates the dataset directory before its first commit: a failed or
+            # interrupted export would leave one that a re-run refuses as "exists".
+            if created is not None:
+                created.remove()
+            if not interrupted.received:
+                raise
+    # Outside the block, with the caller's handlers back: a default SIGTERM now ends the
+    # process, a default Ctrl-C raises KeyboardInterrupt.
+    interrupted.redeliver()
     return counted
+
+
+class _CreatedDataset:
+    """A local dataset directory an export is about to create, to remove if the export fails.
+
+    ``existed``: the directory was there, empty (Lance writes into it): only what the export
+    put in it is removed. A directory holding anything is never touched.
+    """
+
+    def __init__(self, path: Path, existed: bool) -> None:
+        self.path = path
+        self.existed = existed
+
+    def remove(self) -> None:
+        if not self.existed:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        with contextlib.suppress(OSError):
+            for child in self.path.iterdir():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
+
+
+def _new_local_dataset(target: str) -> _CreatedDataset | None:
+    """What an export to ``target`` creates locally (``None``: a remote URI or an existing,
+    non-empty directory, which a failure must leave alone)."""
+    if "://" in target:
+        parts = urlsplit(target)
+        if parts.scheme.lower() != "file" or parts.netloc not in ("", "localhost"):
+            return None
+        path = Path(unquote(parts.path))
+    else:
+        path = Path(target)
+    try:
+        if not path.exists() and not path.is_symlink():
+            return _CreatedDataset(path, existed=False)
+        if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+            return _CreatedDataset(path, existed=True)
+    except OSError:
+        pass
+    return None

@@ -24,6 +24,7 @@ from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, IterableDataset, default_convert, get_worker_info
 
 from batchweave._checks import as_count, as_seconds, check_namespace
@@ -34,7 +35,9 @@ from batchweave._mesh import Mesh
 from batchweave._projection import DEFAULT_RANK_ORDER
 from batchweave._store._base import ObjectStore
 from batchweave._store._memory import MemoryStore
+from batchweave._store._obstore import ObstoreS3Store
 from batchweave._store._open import check_store_url, open_store, store_url_scheme
+from batchweave._store._wrappers import StoreWrapper
 
 __all__ = ["WeaveDataset", "WeaveLoader", "to_tensors"]
 
@@ -43,6 +46,14 @@ _default_convert: Callable[[Any], Any] = default_convert  # untyped in torch
 _LOADER_OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
 
 _CONSUMER_PARAMETERS = frozenset(inspect.signature(Consumer).parameters)
+
+_OBSTORE_FORK_ADVICE = (
+    "obstore is not fork-safe (the threads of its runtime do not survive fork(), so a forked "
+    "worker of a process that used obstore hangs in its first request); start the workers "
+    "with multiprocessing_context='forkserver' or 'spawn' (WeaveLoader's default for an obstore "
+    "store), or read with the boto3 client (s3_client='boto3')"
+)
+"""Why a ``fork`` start method is refused for workers reading with obstore."""
 
 
 def to_tensors(item: Any) -> Any:
@@ -142,6 +153,17 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
         head of the stream for as long as producers are behind, and torch waits 5 s for each
         worker that does not stop before killing it.
         """
+        self._namespace_id: str | None = None
+        """The id of the namespace, as the consumer of an iteration in this process saw it."""
+
+    @property
+    def namespace_id(self) -> str | None:
+        """The namespace's id once an iteration in this process delivered a step, else ``None``.
+
+        Read from that iteration's consumer (no store request). Iterations in DataLoader worker
+        processes keep theirs: with ``num_workers`` > 0 it stays ``None`` in the main process.
+        """
+        return self._namespace_id
 
     def open_store(self) -> tuple[ObjectStore, bool]:
         """The store to read, and whether the caller opened it (and must close it)."""
@@ -196,7 +218,9 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
         store, owned = self.open_store()
         try:
             with self.consumer(store, worker=worker, workers=workers, stop=stop) as consumer:
-                yield from consumer
+                for item in consumer:
+                    self._namespace_id = consumer.namespace_id
+                    yield item
         finally:
             if owned:
                 store.close()
@@ -219,6 +243,50 @@ def _sleep_unless_stopped(
             consumer.close()
 
 
+def _start_method(context: Any) -> str:
+    """The start method DataLoader workers get with ``multiprocessing_context=context``."""
+    method = context if isinstance(context, str) or context is None else context.get_start_method()
+    # Not get_start_method(): without allow_none it fixes the default, and a later
+    # set_start_method() of the user's would fail. The first method listed is the default.
+    return str(
+        method
+        or multiprocessing.get_start_method(allow_none=True)
+        or multiprocessing.get_all_start_methods()[0]
+    )
+
+
+def _reads_with_obstore(dataset: WeaveDataset) -> bool:
+    """Whether the dataset's store is an :class:`ObstoreS3Store` (maybe wrapped), or a URL
+    opened with one (``store_options={"s3_client": "obstore"}``)."""
+    store = dataset.store
+    if isinstance(store, str):
+        return (
+            store_url_scheme(store) == "s3" and dataset.store_options.get("s3_client") == "obstore"
+        )
+    while isinstance(store, StoreWrapper):
+        store = store.inner
+    return isinstance(store, ObstoreS3Store)
+
+
+def _obstore_worker_context(context: Any) -> Any:
+    """The ``multiprocessing_context`` for workers reading with obstore: ``context`` if it does
+    not fork, a context that does not fork if none was given; an explicit ``fork`` is refused.
+
+    obstore is not fork-safe: the threads of its runtime stay in the parent, so a forked child
+    of a process that used obstore (a loader whose ``state_dict()`` or ``load_state_dict()``
+    read the manifest, say) hangs in its first request.
+    """
+    if _start_method(context) != "fork":
+        return context
+    if context is not None:
+        raise ValueError(
+            f"multiprocessing_context={context!r} forks the DataLoader workers, but the store "
+            f"reads with obstore: {_OBSTORE_FORK_ADVICE}"
+        )
+    methods = multiprocessing.get_all_start_methods()
+    return "forkserver" if "forkserver" in methods else "spawn"
+
+
 def _check_store_reaches_workers(dataset: WeaveDataset, context: Any) -> None:
     """Refuse a store object that DataLoader worker processes cannot use, saying what works.
 
@@ -237,14 +305,7 @@ def _check_store_reaches_workers(dataset: WeaveDataset, context: Any) -> None:
         )
     if isinstance(store, str):
         return
-    method = context if isinstance(context, str) or context is None else context.get_start_method()
-    # Not get_start_method(): without allow_none it fixes the default, and a later
-    # set_start_method() of the user's would fail. The first method listed is the default.
-    method = (
-        method
-        or multiprocessing.get_start_method(allow_none=True)
-        or multiprocessing.get_all_start_methods()[0]
-    )
+    method = _start_method(context)
     if method == "fork":
         return  # forked workers inherit the store; nothing is pickled
     try:
@@ -256,6 +317,36 @@ def _check_store_reaches_workers(dataset: WeaveDataset, context: Any) -> None:
             "pass the store URL instead, e.g. WeaveDataset('s3://bucket/prefix', ..., "
             "store_options={...}), and each worker opens its own client"
         ) from exc
+
+
+def _check_dataloader_options(dataset: WeaveDataset, options: Mapping[str, Any]) -> None:
+    """Refuse ``DataLoader`` options torch would refuse only when the first iteration makes its
+    DataLoader (an unknown keyword, ``prefetch_factor`` without workers, an unknown
+    ``multiprocessing_context``), or that would fail only at the first step (``generator=5``, a
+    ``worker_init_fn`` or ``collate_fn`` that cannot be called): here, with torch's own message.
+
+    One DataLoader is made with the same options and dropped: making one starts no worker and
+    reads nothing (workers start when it is iterated).
+    """
+    generator = options.get("generator")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got the {type(generator).__name__} "
+            f"{generator!r}"
+        )
+    for name in ("worker_init_fn", "collate_fn"):
+        fn = options.get(name)
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable or None, got the {type(fn).__name__} {fn!r}")
+    try:
+        with warnings.catch_warnings():  # torch's advice on num_workers comes with each iter()
+            warnings.simplefilter("ignore")
+            DataLoader(dataset, batch_size=None, **options)
+    except (TypeError, ValueError) as exc:
+        message = f"WeaveLoader: torch.utils.data.DataLoader refuses these options: {exc}"
+        if isinstance(exc, TypeError):
+            raise TypeError(message) from exc
+        raise ValueError(message) from exc
 
 
 class WeaveLoader:
@@ -299,10 +390,16 @@ class WeaveLoader:
             raise ValueError("persistent_workers cannot restart at a resumed step; leave it off")
         if dataloader_options.get("in_order", True) is not True:
             raise ValueError("in_order=False would deliver steps out of order; leave it on")
-        if dataloader_options.get("num_workers", 0):
-            _check_store_reaches_workers(dataset, dataloader_options.get("multiprocessing_context"))
+        options = {"collate_fn": to_tensors, **dataloader_options}
+        if options.get("num_workers", 0) and _reads_with_obstore(dataset):
+            context = _obstore_worker_context(options.get("multiprocessing_context"))
+            if context is not None:
+                options["multiprocessing_context"] = context
+        _check_dataloader_options(dataset, options)
+        if options.get("num_workers", 0):
+            _check_store_reaches_workers(dataset, options.get("multiprocessing_context"))
         self.dataset = dataset
-        self.dataloader_options = {"collate_fn": to_tensors, **dataloader_options}
+        self.dataloader_options = options
         self._next_step: int | None = None
         self._loops = 0
         """Iterations running now: a state loaded meanwhile would not reach their workers."""
@@ -422,6 +519,19 @@ class WeaveLoader:
     def namespace(self) -> str:
         """The namespace the dataset reads (:func:`batchweave.checkpoint_hook` checks it)."""
         return self.dataset.namespace
+
+    @property
+    def namespace_id(self) -> str | None:
+        """The id of the namespace read, once known, else ``None`` (no store request).
+
+        Known once :meth:`state_dict`, :meth:`load_state_dict` or :meth:`resume_tgb_step` opened
+        the namespace, or an iteration without worker processes delivered a step (workers keep
+        theirs). :func:`batchweave.checkpoint_hook` checks a ``state`` against it on every rank,
+        as for a :class:`~batchweave.Consumer`.
+        """
+        shadow = self._shadow
+        known = None if shadow is None else shadow.namespace_id
+        return known or self.dataset.namespace_id
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at ``state["step"]``: checked against the namespace, re-anchored if DP changed.

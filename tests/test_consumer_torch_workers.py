@@ -199,7 +199,8 @@ def test_leaving_the_loop_while_workers_wait_for_producers_is_prompt(tmp_path: P
     loader.close()
 
 
-@pytest.mark.parametrize("url", ["MEMORY://x", "Memory://x", " memory://x", "\tmemory://x"])
+# ("\tmemory://x" is refused as soon as it is opened: tests/test_store_hostile_inputs.py)
+@pytest.mark.parametrize("url", ["MEMORY://x", "Memory://x", " memory://x"])
 def test_a_memory_url_is_refused_with_workers_however_open_store_reads_it(url: str) -> None:
     # Before: only a lower-case "memory://" prefix was refused; open_store reads these as
     # memory:// too, so each worker read an empty store of its own and waited for ever.

@@ -91,3 +91,38 @@ def test_a_window_of_the_wrong_type_or_sign_is_refused(
         producer.append([b"x"], offset=0)
     with pytest.raises(error, match=match):
         list(iter_membership(store, "run", **window))  # type: ignore[arg-type]
+
+
+def _segmented(store: bw.ObjectStore, steps: int = 12) -> ManifestLog:
+    with bw.Producer(store, "ns", producer_id="p", mesh=Mesh(dp=1), tail_limit=2) as producer:
+        for offset in range(steps):
+            producer.append([b"x"], offset=offset)
+            producer.flush()
+    return ManifestLog(store, "ns")
+
+
+def test_a_segment_deleted_by_hand_is_named_as_damage_with_what_to_do() -> None:
+    store = MemoryStore()
+    log = _segmented(store)
+    latest = log.latest()
+    assert latest.segments, "the namespace needs a segment for this test"
+    gone = latest.segments[-1]
+    store.delete_many([log.key(gone.key)])
+    with pytest.raises(bw.ObjectNotFound) as caught:
+        list(iter_membership(store, "ns"))
+    message = str(caught.value)
+    assert log.key(gone.key) in message
+    assert f"{gone.first_step}..{gone.end_step - 1}" in message
+    assert "batchweave verify" in message
+    assert "backup" in message
+
+
+def test_a_segment_reclaimed_while_reading_is_step_reclaimed() -> None:
+    store = MemoryStore()
+    log = _segmented(store)
+    held = log.latest()
+    ref = held.segments[0]
+    log.commit(held, base_step=ref.end_step)  # a reclamation pass's cut, then its deletes
+    store.delete_many([log.key(ref.key)])
+    with pytest.raises(bw.StepReclaimed, match="Export again"):
+        list(iter_membership(store, "ns", manifest=held))

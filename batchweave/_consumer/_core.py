@@ -34,6 +34,7 @@ from batchweave._consumer._prefetch import Job, Workers
 from batchweave._consumer._reader import (
     READ_RETRYABLE,
     Budget,
+    ObjectGone,
     ReadOptions,
     SliceReader,
     closed_error,
@@ -470,11 +471,11 @@ class Consumer:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next step delivered is ``state["step"]``.
 
-        The namespace is opened (one manifest read) to check the state belongs to it
-        (:class:`NamespaceMismatch` otherwise) and that the step was not reclaimed
-        (:class:`StepReclaimed`). A state saved with another data-parallel degree is re-anchored
-        so the data continues exactly where it stopped (see ``docs/consumer.md``); prefetched
-        steps are discarded.
+        The namespace is opened (one manifest read; an open consumer reads the latest version,
+        one GET when it holds it) to check the state belongs to it (:class:`NamespaceMismatch`
+        otherwise) and that the step was not reclaimed (:class:`StepReclaimed`). A state saved
+        with another data-parallel degree is re-anchored so the data continues exactly where it
+        stopped (see ``docs/consumer.md``); prefetched steps are discarded.
 
         Call it before iterating or between steps, from the thread that iterates: while a
         ``next()`` runs on another thread it is refused (:class:`ConsumerError`), since that
@@ -496,8 +497,24 @@ class Consumer:
             self._reading.release()
 
     def _load_state(self, parsed: Mapping[str, Any]) -> None:
-        """:meth:`load_state_dict` of a parsed state, holding the read lock."""
+        """:meth:`load_state_dict` of a parsed state, holding the read lock.
+
+        An open consumer first looks for a newer manifest version (one GET when it holds the
+        latest): the version it holds may be long stale (a :class:`WeaveLoader`'s checking
+        consumer is opened once per run), and a state whose step was reclaimed since would be
+        accepted, every ``next()`` then failing on a deleted object. If that lookup fails (a
+        transient error or an outage), the version held is checked: a reclaimed step is then
+        refused by the ``next()`` that reads it.
+        """
         step, old_dp = parsed["step"], parsed["dp"]
+        if self._manifest is not None:
+            try:
+                latest = self._latest(self._manifest)
+            except READ_RETRYABLE as exc:
+                _log.debug("%s: manifest refresh on load_state_dict() failed: %s", self._where, exc)
+            else:
+                if latest.version > self._manifest.version:
+                    self._adopt(latest)
         if parsed["namespace_id"]:
             self._ensure_open(wait=False)
             self._check_state_namespace(parsed)
@@ -920,22 +937,54 @@ class Consumer:
         assert self._manifest is not None
         assert self._projection is not None
         first = self._projection.first_tgb_step(step)
-        base = self._manifest.base_step
-        if first < base:
-            readable = self._projection.first_step_from(base)
-            anchored = (self._projection.anchor_step, self._projection.anchor_replica) != (0, 0)
-            raise StepReclaimed(
-                f"{self._where}: step {step} needs TGB step {first}, but steps below "
-                f"{base} were reclaimed (manifest version {self._manifest.version}); the "
-                f"first step consumer mesh ({self.mesh}) can still read is step {readable}: "
-                "resume from a later checkpoint, or, for a run that does not need the "
-                "reclaimed steps, "
-                + (
-                    f"load this consumer's state_dict() with its step set to {readable}"
-                    if anchored
-                    else f"start past them with Consumer(start_step={readable})"
-                )
+        if first < self._manifest.base_step:
+            raise self._reclaimed_error(step, first, self._manifest)
+
+    def _reclaimed_error(
+        self, step: int, tgb_step: int, manifest: Manifest, gone: str = ""
+    ) -> StepReclaimed:
+        """The error of ``step``, which needs ``tgb_step``, below ``manifest``'s base step;
+        ``gone`` names the read that found its object deleted, if one did."""
+        assert self._projection is not None
+        base = manifest.base_step
+        readable = self._projection.first_step_from(base)
+        anchored = (self._projection.anchor_step, self._projection.anchor_replica) != (0, 0)
+        return StepReclaimed(
+            f"{self._where}: step {step} needs TGB step {tgb_step}, but steps below "
+            f"{base} were reclaimed (manifest version {manifest.version}"
+            + (f"; reading {gone}: the object is gone" if gone else "")
+            + f"); the first step consumer mesh ({self.mesh}) can still read is step "
+            f"{readable}: resume from a later checkpoint, or, for a run that does not need the "
+            "reclaimed steps, "
+            + (
+                f"load this consumer's state_dict() with its step set to {readable}"
+                if anchored
+                else f"start past them with Consumer(start_step={readable})"
             )
+        )
+
+    def _object_gone(
+        self, step: int, loc: SliceLocation, gone: ObjectGone
+    ) -> ObjectGone | StepReclaimed:
+        """The error of a read of ``step`` that found its object missing: :class:`StepReclaimed`
+        if the namespace's base step has passed the step's TGB since the manifest this consumer
+        holds (one GET of the latest version, which is adopted), else ``gone`` itself."""
+        held = self._manifest
+        if held is None:  # cannot happen: a step is read only once the namespace is open
+            return gone
+        try:
+            latest = self._latest(held)
+        except Exception as exc:  # the store's answer on the object stands alone
+            _log.debug(
+                "%s: reading the latest manifest after %s failed: %s", self._where, gone, exc
+            )
+            return gone
+        current = self._manifest
+        if current is not None and latest.version > current.version:  # never step back
+            self._adopt(latest)
+        if loc.tgb_step < latest.base_step:
+            return self._reclaimed_error(step, loc.tgb_step, latest, gone.what)
+        return gone  # deleted by hand, or by a reclaimer as an orphan (docs/lifecycle.md)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -972,7 +1021,13 @@ class Consumer:
             )
         except StepReclaimed as exc:
             raise StepReclaimed(f"step {step}: {exc}") from exc
-        data, nbytes, one_object = self._reader.read(what, desc, loc, budget)
+        try:
+            data, nbytes, one_object = self._reader.read(what, desc, loc, budget)
+        except ObjectGone as gone:
+            error = self._object_gone(step, loc, gone)
+            if error is gone:
+                raise
+            raise error from gone.__cause__
         took = self._clock() - started
         # Several objects are read by pool threads: this thread's CPU is not the step's.
         if cpu_started is None or not one_object:

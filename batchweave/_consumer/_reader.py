@@ -40,7 +40,7 @@ from batchweave._outage import OutageLog, no_answer
 from batchweave._projection import SliceLocation
 from batchweave._store._base import Bounded, ObjectStore
 
-__all__ = ["READ_RETRYABLE", "Budget", "ReadOptions", "SliceReader", "closed_error"]
+__all__ = ["READ_RETRYABLE", "Budget", "ObjectGone", "ReadOptions", "SliceReader", "closed_error"]
 
 _log = logging.getLogger("batchweave.consumer")
 
@@ -59,6 +59,33 @@ _RESTORE: Final = "restore it, or resume past this step"
 # Every step creates a budget, but only failed reads spend one: a lock shared by all budgets
 # costs nothing, a lock per budget would be created on every step.
 _BUDGET_LOCK: Final = threading.Lock()
+_UNPROVEN_ALLOCATION: Final = 1 << 30
+"""Largest buffer a split read allocates before the object has shown it holds the range (its
+last part read whole): larger claims read that part first."""
+
+
+class ObjectGone(ConsumerError):
+    """A read found its object missing (its cause is the store's :class:`ObjectNotFound`).
+
+    Raised by :meth:`SliceReader.retrying` (made with :meth:`reading`), which cannot tell why:
+    the :class:`~batchweave._consumer._core.Consumer` reading the step asks the namespace and
+    raises :class:`~batchweave.StepReclaimed` instead if a reclamation pass deleted the step.
+    Made from its message alone, as exceptions are (pickled, or re-raised by a DataLoader), it
+    works as any other.
+    """
+
+    what: str = ""
+    """The read that found the object gone (step, object, slices); empty if unknown."""
+
+    @classmethod
+    def reading(cls, what: str) -> ObjectGone:
+        """The error of the read ``what``."""
+        error = cls(
+            f"{what}: the object is gone: it was reclaimed (this consumer fell behind the "
+            "checkpoint watermarks) or deleted by hand; resume from a later checkpoint"
+        )
+        error.what = what
+        return error
 
 
 class Budget:
@@ -275,14 +302,28 @@ class SliceReader:
                 if len(data) != length:
                     raise _truncated(key, start, end, len(data))
                 return data
+            last, tail = end, b""
+            if length > _UNPROVEN_ALLOCATION:
+                # The range comes from a slice table nothing has checked against the object yet
+                # (the manifest's, when no footer is read): a damaged or forged one can claim
+                # gigabytes. The last part is read first, and the whole buffer is allocated only
+                # once it came back whole, proving the object holds the range: a short one is a
+                # FormatError, never a huge allocation. Same parts, same request count, but one
+                # part's round trip before the others, so only above that size.
+                last = start + (length - 1) // options.part_size * options.part_size
+                tail = self.retrying(budget, where, self._get, key, last, end)
+                if len(tail) != end - last:
+                    raise _claims_too_much(key, start, end, last, len(tail))
             buf = bytearray(length)
             view = memoryview(buf)
+            view[last - start :] = tail
+            del tail
 
             def part(lo: int, hi: int) -> None:
                 target = view[lo - start : hi - start]
                 self.retrying(budget, where, self._get_into, key, lo, target)
 
-            bounds = range(start, end, options.part_size)
+            bounds = range(start, last, options.part_size)
             gather(
                 self._pool,
                 [functools.partial(part, a, min(a + options.part_size, end)) for a in bounds],
@@ -344,10 +385,8 @@ class SliceReader:
                     ) from exc
                 _log.debug("%s: %s; retry %d", what, exc, used)
             except ObjectNotFound as exc:
-                raise ConsumerError(
-                    f"{what}: the object is gone: it was reclaimed (this consumer fell behind "
-                    "the checkpoint watermarks) or deleted by hand; resume from a later checkpoint"
-                ) from exc
+                # The consumer asks the namespace whether the step was reclaimed.
+                raise ObjectGone.reading(what) from exc
             if self._closed_consumer is not None:
                 raise closed_error(self._closed_consumer, f"retrying {what}")
             self._counters.add(retries=1)
@@ -366,6 +405,17 @@ def closed_error(consumer: str, doing: str) -> ConsumerError:
 def _truncated(key: str, start: int, end: int, got: int) -> FormatError:
     return FormatError(
         f"object {key!r} is truncated: bytes [{start}, {end}) requested, {got} returned; {_RESTORE}"
+    )
+
+
+def _claims_too_much(key: str, start: int, end: int, last: int, got: int) -> FormatError:
+    """The error of a split read of ``[start, end)`` whose last part ``[last, end)`` returned
+    only ``got`` bytes: the object is smaller than the slice table says."""
+    return FormatError(
+        f"object {key!r} is smaller than its slice table says: the table places "
+        f"{end - start} bytes at [{start}, {end}), but reading the last part [{last}, {end}) "
+        f"returned {got} bytes (nothing was allocated for the claimed size); the object was "
+        f"truncated or replaced after it was committed, or the slice table is damaged: {_RESTORE}"
     )
 
 

@@ -71,43 +71,58 @@ class TgbBuilder:
         check_compression(compression)
         checksum_bits(checksum_algo)  # validates the name
         meta = dict(metadata or {})
-        for k, v in meta.items():
-            if not isinstance(k, str) or not isinstance(v, str):
-                raise TypeError(f"TGB metadata must map str to str, got {k!r}: {v!r}")
-            try:
-                k.encode()
-                v.encode()
-            except UnicodeEncodeError as exc:
-                raise ValueError(
-                    f"TGB metadata {k!r}: {v!r:.100} is not valid Unicode ({exc}); the footer is "
-                    "UTF-8 JSON, so remove lone surrogates (e.g. decode bytes with errors="
-                    "'replace')"
-                ) from None
+        _check_metadata(meta)
         _check_sample_ids(meta, mesh)
         # What build() re-checks only if it changed (the metadata attribute is mutable).
         self._checked_ids = meta.get(SAMPLE_IDS_KEY)
-        self.mesh = mesh
-        self.codec = codec
-        self.compression = compression
-        self.checksum_algo: ChecksumAlgo = checksum_algo
+        self._mesh = mesh
+        self._codec_name = codec
+        self._compression = compression
+        self._checksum_algo: ChecksumAlgo = checksum_algo
         self.metadata = meta
+        """The footer's metadata (str -> str): may still change until :meth:`build`, which
+        checks it again."""
         self._slices: list[_StoredSlice | None] = [None] * mesh.slices
+
+    # Read-only: slices set so far were encoded, compressed and checksummed with these, so a
+    # change would lay them out under a footer that names other settings (a committed step no
+    # consumer can read). Build another TgbBuilder for other settings.
+
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh this TGB is built for: ``mesh.slices`` slices (read-only)."""
+        return self._mesh
+
+    @property
+    def codec(self) -> str:
+        """The codec every slice is encoded with (read-only)."""
+        return self._codec_name
+
+    @property
+    def compression(self) -> str | None:
+        """The compression of every slice, ``None`` for none (read-only)."""
+        return self._compression
+
+    @property
+    def checksum_algo(self) -> ChecksumAlgo:
+        """The checksum algorithm of every slice and the footer (read-only)."""
+        return self._checksum_algo
 
     def set_slice(
         self, dp_rank: int, cp_rank: int, payload: Any, sample_count: int | None = None
     ) -> None:
         """Encode ``payload`` as slice ``(dp_rank, cp_rank)``; each slice may be set once."""
-        self._set(self.mesh.slice_index(dp_rank, cp_rank), payload, sample_count)
+        self._set(self._mesh.slice_index(dp_rank, cp_rank), payload, sample_count)
 
     def _set(self, index: int, payload: Any, sample_count: int | None) -> None:
         if self._slices[index] is not None:
-            d, c = divmod(index, self.mesh.cp)
+            d, c = divmod(index, self._mesh.cp)
             raise ValueError(f"slice ({d}, {c}) was already set")
         try:
             # Encoded first: the codec's type check must run before sample_count looks inside.
             encoded = self._codec.encode(payload)
         except TypeError as exc:
-            d, c = divmod(index, self.mesh.cp)
+            d, c = divmod(index, self._mesh.cp)
             raise TypeError(f"slice ({d}, {c}): {exc}") from exc
         if sample_count is None:
             sample_count = self._codec.sample_count(payload)
@@ -116,49 +131,50 @@ class TgbBuilder:
             try:
                 sample_count = as_count("sample_count", sample_count, 0)
             except (TypeError, ValueError) as exc:
-                d, c = divmod(index, self.mesh.cp)
+                d, c = divmod(index, self._mesh.cp)
                 raise type(exc)(f"slice ({d}, {c}): {exc}") from None
         raw_length = memoryview(encoded).nbytes
         stored: bytes | memoryview
-        if self.compression is None:
+        if self._compression is None:
             # Copied now, not at build(): the checksum must cover exactly the bytes laid out,
             # and a caller filling a builder may reuse its buffer for the next slice.
             stored, length = _immutable(encoded), raw_length
         else:
-            stored = compress(encoded, self.compression)
+            stored = compress(encoded, self._compression)
             length = len(stored)
         self._slices[index] = _StoredSlice(
             data=stored,
             length=length,
             uncompressed_length=raw_length,
-            checksum=checksum(stored, self.checksum_algo),
+            checksum=checksum(stored, self._checksum_algo),
             sample_count=sample_count,
         )
 
     def build(self) -> EncodedTgb:
         """Lay out the payloads, footer and trailer; raise ``ValueError`` if slices are missing."""
-        missing = [divmod(i, self.mesh.cp) for i, s in enumerate(self._slices) if s is None]
+        missing = [divmod(i, self._mesh.cp) for i, s in enumerate(self._slices) if s is None]
         if missing:
             shown = ", ".join(f"({d}, {c})" for d, c in missing[:8])
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
             raise ValueError(
-                f"cannot build a TGB for mesh {self.mesh}: slices {shown}{more} were never set"
+                f"cannot build a TGB for mesh {self._mesh}: slices {shown}{more} were never set"
             )
+        _check_metadata(self.metadata)
         if self.metadata.get(SAMPLE_IDS_KEY) is not self._checked_ids:
-            _check_sample_ids(self.metadata, self.mesh)
+            _check_sample_ids(self.metadata, self._mesh)
         stored = [s for s in self._slices if s is not None]
         entries: list[SliceEntry] = []
         offset = 0
         for s in stored:
             entries.append(_built_entry(offset, s))
             offset += s.length
-        version = ALGO_VERSIONS[self.checksum_algo]
+        version = ALGO_VERSIONS[self._checksum_algo]
         footer = TgbFooter(
             format_version=version,
-            mesh=self.mesh,
-            codec=self.codec,
-            compression=self.compression,
-            checksum_algo=self.checksum_algo,
+            mesh=self._mesh,
+            codec=self._codec_name,
+            compression=self._compression,
+            checksum_algo=self._checksum_algo,
             payload_length=offset,
             slices=tuple(entries),
             metadata=self.metadata,
@@ -166,14 +182,33 @@ class TgbBuilder:
         footer_bytes = footer.model_dump_json().encode()
         if len(footer_bytes) > MAX_FOOTER_LENGTH:
             raise ValueError(
-                f"the footer for mesh {self.mesh} would be {len(footer_bytes)} bytes, over the "
+                f"the footer for mesh {self._mesh} would be {len(footer_bytes)} bytes, over the "
                 f"{MAX_FOOTER_LENGTH}-byte limit; use a smaller mesh or less metadata"
             )
-        trailer = _pack_trailer(footer_bytes, version, self.checksum_algo)
+        trailer = _pack_trailer(footer_bytes, version, self._checksum_algo)
         parts = (*(s.data for s in stored), footer_bytes, trailer)
         return EncodedTgb(
             parts=parts, footer=footer, footer_offset=offset, footer_length=len(footer_bytes)
         )
+
+
+def _check_metadata(metadata: object) -> None:
+    """Raise ``TypeError`` unless ``metadata`` maps str to str, ``ValueError`` unless each is
+    valid Unicode (the footer is UTF-8 JSON)."""
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"TGB metadata must be a mapping of str to str, got {metadata!r:.100}")
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"TGB metadata must map str to str, got {k!r:.100}: {v!r:.100}")
+        try:
+            k.encode()
+            v.encode()
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"TGB metadata {k!r:.100}: {v!r:.100} is not valid Unicode ({exc}); the footer "
+                "is UTF-8 JSON, so remove lone surrogates (e.g. decode bytes with errors="
+                "'replace')"
+            ) from None
 
 
 def _check_sample_ids(metadata: Mapping[str, str], mesh: Mesh) -> None:

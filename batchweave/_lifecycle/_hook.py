@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from batchweave._checks import as_int
+from batchweave._consumer._state import parse_state
+from batchweave._errors import NamespaceMismatch
 from batchweave._watermarks import (
     Watermark,
     Watermarks,
@@ -64,7 +66,14 @@ def checkpoint_hook(
 
     A consumer of another namespace than ``watermarks`` is a ``ValueError`` on every rank: its
     step and version mean nothing there, and such a watermark would hold (or free) the wrong data.
-    So is a ``checkpoint_id`` that is no safe key segment (a ``TypeError`` if it is no ``str``).
+    So is a ``checkpoint_id`` that is no safe key segment (a ``TypeError`` if it is no ``str``) or
+    lies outside ``watermarks.scope``; a ``state`` that is no consumer state is a
+    ``ConsumerError``, and one taken from another namespace (its namespace id differs from the
+    consumer's, once the consumer has opened the namespace) is :class:`NamespaceMismatch`, both on
+    every rank, without a store request: no rank returns ``None`` for a call that fails on rank 0.
+    A consumer of a namespace of the same name in another store or prefix (staging's, while the
+    watermarks are prod's) is :class:`NamespaceMismatch` on rank 0: the namespace ids (one
+    manifest lookup per ``Watermarks``, cached) differ, and its steps would release prod's data.
     """
     # On every rank, like the checks below: rank 0 alone raising would leave the others waiting
     # for it at the next collective.
@@ -75,6 +84,14 @@ def checkpoint_hook(
             f"checkpoint_hook: the consumer reads namespace {namespace!r} but the watermarks are "
             f"for {watermarks.namespace!r}; pass Watermarks(store, {namespace!r})"
         )
+    if watermarks.scope is not None and not checkpoint_id.startswith(watermarks.scope):
+        raise ValueError(
+            f"checkpoint_id {checkpoint_id!r} is outside this reader's scope "
+            f"{watermarks.scope!r}; name it {watermarks.scope}..., or use another "
+            "Watermarks(scope=...) for it"
+        )
+    # parse_state and the state's namespace id, which rank 0's resume_tgb_step checks too.
+    parsed = _check_state(consumer, namespace, state)
     if rank is None:
         env = os.environ if environ is None else environ
         raw = env.get("RANK", "0")
@@ -89,4 +106,73 @@ def checkpoint_hook(
     if rank != 0:
         return None
     step = consumer.resume_tgb_step(state)
+    if namespace is not None:
+        reader_id = _reader_namespace_id(consumer, state, parsed)
+        _check_same_namespace(consumer, namespace, watermarks, reader_id)
     return watermarks.record(checkpoint_id, step, version=consumer.manifest_version)
+
+
+def _check_state(
+    consumer: Resumable, namespace: str | None, state: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """``state`` parsed, refused as :meth:`Consumer.resume_tgb_step` would refuse it on rank 0,
+    from what the consumer already knows (no store request); ``None`` without a ``state`` or for
+    a stand-in that is no BatchWeave reader (no ``namespace``), whose states are its own."""
+    if state is None or namespace is None:
+        return None
+    parsed = parse_state(state)  # ConsumerError for anything state_dict() could not return
+    known = getattr(consumer, "namespace_id", None)  # a Consumer's, once it opened the namespace
+    if isinstance(known, str) and known and parsed["namespace_id"] not in ("", known):
+        raise NamespaceMismatch(
+            f"checkpoint_hook: the state belongs to namespace {parsed['namespace']!r} (id "
+            f"{parsed['namespace_id']}), but {consumer!r} reads namespace {namespace!r} (id "
+            f"{known}); pass the state of this consumer's namespace, or the consumer that state "
+            "was taken from"
+        )
+    return parsed
+
+
+def _reader_namespace_id(
+    consumer: Resumable, state: Mapping[str, Any] | None, parsed: Mapping[str, Any] | None
+) -> str | None:
+    """The id of the namespace ``consumer`` reads (after ``resume_tgb_step``, which opened it),
+    from what it already holds; ``None`` if it does not exist (yet) or cannot be told."""
+    known = getattr(consumer, "namespace_id", None)
+    if isinstance(known, str) and known:
+        return known
+    if parsed is not None and parsed["namespace_id"]:
+        return str(parsed["namespace_id"])  # resume_tgb_step checked it against the consumer's
+    state_dict = getattr(consumer, "state_dict", None)
+    if state is None and callable(state_dict):
+        # A WeaveLoader: resume_tgb_step just took its state_dict(), so this one reads nothing.
+        current = state_dict()
+        if isinstance(current, Mapping) and isinstance(current.get("namespace_id"), str):
+            return current["namespace_id"] or None
+    return None
+
+
+def _check_same_namespace(
+    consumer: Resumable, namespace: str, watermarks: Watermarks, reader_id: str | None
+) -> None:
+    """Refuse a consumer of another namespace (same name, another store or prefix) than the
+    watermarks': their namespace ids differ. The watermarks' id is looked up once and cached;
+    a mismatch is looked up again before it is refused (the namespace may have been re-created)."""
+    if reader_id is None:
+        return  # the consumer's namespace does not exist yet: nothing of it can be held or freed
+    marks_id = watermarks.namespace_id()
+    if marks_id == reader_id:
+        return
+    marks_id = watermarks.namespace_id(refresh=True)
+    if marks_id == reader_id:
+        return
+    there = (
+        "which does not exist there" if marks_id is None else f"whose namespace id is {marks_id}"
+    )
+    raise NamespaceMismatch(
+        f"checkpoint_hook: {consumer!r} reads namespace {namespace!r} (id {reader_id}), but the "
+        f"watermarks are for {watermarks.namespace!r} in {watermarks.store.url}, {there}: "
+        "another store or "
+        "prefix holds a namespace of the same name, and this consumer's steps would hold (or "
+        "release) that one's data. Record in Watermarks(<the store the consumer reads>, "
+        f"{watermarks.namespace!r})"
+    )

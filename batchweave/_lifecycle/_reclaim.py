@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchweave._checks import as_count, as_seconds, check_namespace, check_store
-from batchweave._errors import NamespaceNotFound, ObjectNotFound
+from batchweave._errors import FormatError, NamespaceNotFound, ObjectNotFound
 from batchweave._lifecycle._keys import StepKeys
 from batchweave._lifecycle._sweep import ReclaimProgress, Sweep
 from batchweave._manifest._log import (
@@ -86,6 +86,9 @@ class ReclaimReport:
     seconds: float = 0.0
     keys_listed: int = 0
     """Keys the pass listed (manifests, data and segments): most of a large pass's time."""
+    damaged_versions: int = 0
+    """Old manifest versions the pass had to read but could not decode (bit rot, a partial
+    restore), skipped with a WARNING naming each: run ``batchweave verify``."""
 
     @property
     def objects_deleted(self) -> int:
@@ -287,13 +290,15 @@ class Reclaimer:
             # view.
             self._known = None
             return self._no_namespace(boundary, marks, sweep)
-        self._delete_data(latest, cut_from, numbered, now, sweep)
-        settled = self._settled_version(numbered, now)
-        self._delete_segments(latest, settled, now, sweep)
+        damaged: list[str] = []
+        self._delete_data(latest, cut_from, numbered, now, sweep, damaged)
+        settled_version, settled = self._settled_version(numbered, now, damaged)
+        if settled is not None:
+            self._delete_segments(latest, settled, now, sweep)
         if marks:
             floor = min(min(m.version for m in marks), latest.version)
-            if settled is not None:
-                self._delete_manifests(numbered, min(floor, settled.version), sweep)
+            if settled_version is not None:
+                self._delete_manifests(numbered, min(floor, settled_version), sweep)
         c = sweep.counts
         report = ReclaimReport(
             boundary=boundary,
@@ -312,6 +317,7 @@ class Reclaimer:
             commit_conflicts=conflicts,
             seconds=sweep.seconds(),
             keys_listed=sweep.listed,
+            damaged_versions=len(damaged),
         )
         self.last_report = report
         try:
@@ -367,6 +373,14 @@ class Reclaimer:
         except NamespaceNotFound:
             self._known = None
             raise
+        except FormatError as exc:
+            # Unlike an old version (skipped), the newest one is what the cut and every reader
+            # build on: nothing is committed or deleted until it is readable again.
+            raise type(exc)(
+                f"{self.store.url}/{self.namespace}: the newest manifest version cannot be read "
+                f"({exc}); nothing is committed or deleted until it is. Run `batchweave verify "
+                f"{self.store.url} {self.namespace}` and restore that object from a backup"
+            ) from exc
 
     def _no_namespace(self, boundary: int, marks: list[Watermark], sweep: Sweep) -> ReclaimReport:
         """End a pass that found no manifest version (the namespace does not exist)."""
@@ -423,12 +437,13 @@ class Reclaimer:
         numbered: list[tuple[int, ObjectMeta]],
         now: float,
         sweep: Sweep,
+        damaged: list[str],
     ) -> None:
         sweep.begin("reading manifests")
         live = self._keys.live(latest)
         below: set[str] = set()
         if self._swept_below != latest.base_step:
-            source = cut_from or self._newest_below(numbered, latest)
+            source = cut_from or self._newest_below(numbered, latest, damaged)
             if source is not None:
                 below = self._keys.below(source, latest.base_step)
         self._keys.forget_unlisted(latest)
@@ -454,11 +469,19 @@ class Reclaimer:
             self._swept_below = latest.base_step
 
     def _newest_below(
-        self, numbered: list[tuple[int, ObjectMeta]], latest: Manifest
+        self, numbered: list[tuple[int, ObjectMeta]], latest: Manifest, damaged: list[str]
     ) -> Manifest | None:
         """The newest surviving version with a lower ``base_step`` than ``latest`` (a crashed
         pass's cut was committed on it). ``base_step`` never decreases with the version, so a
-        binary search costs O(log versions) reads."""
+        binary search costs O(log versions) reads.
+
+        A version that cannot be decoded is left out of the search (and added to ``damaged``):
+        the search goes on among the others, which are still ordered by ``base_step``. Safe,
+        since only the TGBs of steps below ``latest.base_step`` that ``latest`` does not reference
+        are deleted from whichever version is found: the cut is committed, so no readable version
+        (``latest`` and everything after it) needs them, and a version found lower (or none)
+        only leaves some of them to the orphan rule.
+        """
         versions = [v for v, _ in numbered if v < latest.version]
         found: Manifest | None = None
         lo, hi = 0, len(versions)
@@ -468,6 +491,11 @@ class Reclaimer:
                 manifest = self._log.read(versions[mid])
             except ObjectNotFound:
                 return found  # reclaimed meanwhile: the orphan rule covers what is left
+            except FormatError as exc:
+                self._damaged(versions[mid], exc, damaged)
+                del versions[mid]
+                hi -= 1
+                continue
             if manifest.base_step < latest.base_step:
                 found, lo = manifest, mid + 1
             else:
@@ -477,19 +505,51 @@ class Reclaimer:
     # -- segments and manifests ----------------------------------------------------------------
 
     def _settled_version(
-        self, numbered: list[tuple[int, ObjectMeta]], now: float
-    ) -> Manifest | None:
+        self, numbered: list[tuple[int, ObjectMeta]], now: float, damaged: list[str]
+    ) -> tuple[int | None, Manifest | None]:
         """The version that was latest ``metadata_grace`` seconds ago (newest written before
-        then)."""
+        then): its number and its manifest, both ``None`` when no version is that old or it is
+        gone.
+
+        A damaged one (it cannot be decoded; added to ``damaged``) has its number and no
+        manifest: the versions below it may still go (they were superseded before it was
+        written, and the number comes from the listing), but no segment does, as what readers
+        that hold it may read is unknown. Once a newer version settles, it goes too.
+        """
         cutoff = now - self.metadata_grace
         old = [v for v, meta in numbered if meta.last_modified <= cutoff]
         version = max(old) if old else None
         if version is None:
-            return None
+            return None, None
         try:
-            return self._log.read(version)
+            return version, self._log.read(version)
         except ObjectNotFound:
-            return None
+            return None, None
+        except FormatError as exc:
+            self._damaged(version, exc, damaged)
+            return version, None
+
+    def _damaged(self, version: int, exc: FormatError, damaged: list[str]) -> None:
+        """Add old manifest ``version``, which cannot be decoded, to the pass's ``damaged``
+        keys, logging a WARNING the first time the pass meets it."""
+        key = f"{self.namespace}/{manifest_key(version)}"
+        if key in damaged:
+            return
+        damaged.append(key)
+        _log.warning(
+            "%s/%s: old manifest version %d cannot be read (%s); the pass skips it (what it "
+            "deletes is decided from the latest version and readable older ones). Run "
+            "`batchweave verify %s %s` to check the rest of the namespace; the damaged object "
+            "%r is deleted like any old version (once superseded for the grace and below every "
+            "watermark's version), or delete it by hand",
+            self.store.url,
+            self.namespace,
+            version,
+            exc,
+            self.store.url,
+            self.namespace,
+            key,
+        )
 
     def _delete_segments(
         self, latest: Manifest, settled: Manifest | None, now: float, sweep: Sweep

@@ -402,11 +402,18 @@ class Producer:
             self._check_offset_locked(offset)
         self._wait_for_lag()
         encoded = self._encoder.encode(slices, offset, sample_counts, metadata)
-        # A TGB encoded here from payloads, with settings checked at start, is valid by
-        # construction; its descriptor is built without validating it again.
-        validate = isinstance(slices, EncodedTgb | TgbBuilder)
         key = f"data/{self._producer_id}/{self._epoch}/{offset:020d}-{secrets.token_hex(16)}.tgb"
         entry = Entry(offset=offset, key=key, size=encoded.size)
+        # A TGB encoded here from payloads, with settings checked at start, is valid by
+        # construction: the upload thread builds its descriptor without validating it again.
+        # One the caller built is described and validated here, before it is registered, so
+        # one a manifest cannot record is refused by this call (FormatError), not by the upload
+        # thread (which would stop the producer after uploading it).
+        descriptor = (
+            self._descriptor(entry, encoded, validate=True)
+            if isinstance(slices, EncodedTgb | TgbBuilder)
+            else None
+        )
         with self._cond:
             while (
                 self._inflight_bytes > 0 and self._inflight_bytes + entry.size > self._max_inflight
@@ -422,7 +429,7 @@ class Producer:
             self._entries.append(entry)
             _lifetime.add_busy(self)
         try:
-            future = self._uploads.submit(self._upload, entry, encoded, validate=validate)
+            future = self._uploads.submit(self._upload, entry, encoded, descriptor)
         except BaseException as exc:
             # Not submitted (executor shut down by a concurrent abort, or Ctrl-C): no upload
             # will ever run for the entry, so take it back, or close() would wait for it.
@@ -604,6 +611,9 @@ class Producer:
             )
 
     def __enter__(self) -> Producer:
+        # The thread running the block owns this producer until it leaves it: the exit hook
+        # waits for a live non-daemon one rather than closing the producer under it.
+        _lifetime.enter_with(self)
         return self
 
     def __exit__(
@@ -612,12 +622,16 @@ class Producer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            # The body failed: stop without committing more and without sealing; the caller's
-            # exception propagates.
-            self.abort()
+        try:
+            if exc_type is None:
+                self.close()
+            else:
+                # The body failed: stop without committing more and without sealing; the
+                # caller's exception propagates.
+                self.abort()
+        finally:
+            # Only now, closed or aborted: the exit hook must not close it during close().
+            _lifetime.leave_with(self)
 
     def __repr__(self) -> str:
         return (
@@ -634,7 +648,7 @@ class Producer:
             self._aborted = True  # the commit thread also ends on its own: it sees no producer
             _lifetime.discard_unclosed(self)
             self._uploads.shutdown(wait=False, cancel_futures=True)
-            left = f"; offsets {self._pending_locked()} were not committed" if self._entries else ""
+            left = f"; {self._pending_locked()} were not committed" if self._entries else ""
             warnings.warn(
                 f"unclosed producer {self._producer_id!r} of namespace {self._namespace!r}: call "
                 f"close(), or use `with bw.Producer(...) as p:`, to commit what it appended and "
@@ -785,7 +799,10 @@ class Producer:
     # ------------------------------------------------------------------------------------------
     # uploads (pool threads)
 
-    def _upload(self, entry: Entry, encoded: EncodedTgb, *, validate: bool = True) -> None:
+    def _upload(
+        self, entry: Entry, encoded: EncodedTgb, descriptor: TgbDescriptor | None = None
+    ) -> None:
+        """Upload ``entry``; ``descriptor``: validated by ``append``, else built here unchecked."""
         key = self._store_key(entry.key)
         attempt = failures = 0
         released = False
@@ -810,7 +827,8 @@ class Producer:
                             f"{entry.offset}) failed {failures} times; last error: {exc}"
                         ) from exc
                     self._retries.note(f"uploading {key!r}", exc, attempt)
-            descriptor = self._descriptor(entry, encoded, validate=validate)
+            if descriptor is None:
+                descriptor = self._descriptor(entry, encoded, validate=False)
             # One lock round and one wake-up for everything a finished upload changes.
             with self._cond:
                 if self._first_upload is None:
@@ -849,14 +867,17 @@ class Producer:
     def _fail(self, exc: BaseException) -> None:
         with self._cond:
             self._store_error_locked(exc)
-            if not self._entries:
-                # Else kept: the exit hook names what was not committed.
-                _lifetime.discard_busy(self)
+            # Nothing can commit its entries now: let it be freed once dropped (its threads end,
+            # see __del__). While it is alive, the exit hook still names what it did not commit
+            # (it is in _lifetime's unclosed producers until closed, aborted or freed).
+            _lifetime.discard_busy(self)
             self._cond.notify_all()
+        # Formatted here: a handler that keeps records (a buffer, pytest's capture) would keep
+        # the exception, its traceback's frames and so this producer alive through the args.
         if isinstance(exc, ProducerFenced):
-            _LOG.error("%s", exc)
+            _LOG.error("%s", str(exc))
         else:
-            _LOG.error("producer %r stopped: %s", self._producer_id, exc)
+            _LOG.error("producer %r stopped: %s", self._producer_id, str(exc))
 
     # ------------------------------------------------------------------------------------------
     # commit loop (one thread)

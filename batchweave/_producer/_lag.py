@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import threading
 from collections.abc import Callable, Sequence
 
@@ -175,7 +176,7 @@ class LagGate:
                     with self._cond:
                         self.blocked_seconds += after - now
                 try:
-                    self._boundary_value = self._boundary_fn()
+                    self._boundary_value = self._checked_boundary(self._boundary_fn())
                     rebase()
                 except RETRYABLE as exc:
                     attempt += 1
@@ -188,6 +189,19 @@ class LagGate:
                 # committed) after this one goes.
                 with self._cond:
                     self.blocked -= 1
+
+    def _checked_boundary(self, value: object) -> int:
+        """``value``, a boundary read, as an int step; ``TypeError`` naming ``boundary=`` if not
+        one (``None`` for "no checkpoint yet" would otherwise fail deep in the arithmetic)."""
+        if type(value) is int:
+            return value
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(
+                f"producer {self._producer_id!r}: the boundary= callable must return an int "
+                f"step (the reclamation boundary; 0 while nothing is checkpointed), got the "
+                f"{type(value).__name__} {value!r:.100}"
+            )
+        return int(value)
 
     def _holder(self, visible: int, max_lag: int) -> tuple[str, bool, str | None]:
         """Who holds the reclamation boundary back, for the max_lag log line (one LIST).

@@ -2,14 +2,17 @@
 
 A producer that is never closed must still commit what it was given: the registry keeps one
 holding uncommitted TGBs alive, and the exit hook closes each one left open as the interpreter
-exits, within ``EXIT_CLOSE_TIMEOUT`` for all. This is process-wide state, apart from any one
-producer, which only reports itself in and out of it.
+exits, within ``EXIT_CLOSE_TIMEOUT`` for all, after waiting for the live non-daemon threads
+whose ``with`` block still holds one (they close their own, and the interpreter waits for
+them). This is process-wide state, apart from any one producer, which only reports itself in
+and out of it.
 """
 
 from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401  # registers the upload pools' join: see the end
+import contextlib
 import math
 import threading
 import time
@@ -25,6 +28,8 @@ __all__ = [
     "add_unclosed",
     "discard_busy",
     "discard_unclosed",
+    "enter_with",
+    "leave_with",
 ]
 
 EXIT_CLOSE_TIMEOUT = 30.0
@@ -36,8 +41,20 @@ _UNCLOSED: weakref.WeakSet[Producer] = weakref.WeakSet()
 """The producers of this process not yet closed or aborted (weak: dropping one still frees it)."""
 _BUSY: set[Producer] = set()
 """The open producers holding TGBs not known to be committed: kept alive while they do, so one
-dropped without ``close()`` commits them first (and its threads end after that); the exit hook
-names what such a producer could not commit. A commit turn removes its producer once idle."""
+dropped without ``close()`` commits them first (and its threads end after that). A commit turn
+removes its producer once idle, and a failure at once (nothing can commit its TGBs any more: one
+dropped is freed; one still alive at exit is in ``_UNCLOSED``, and the exit hook names what it
+could not commit)."""
+
+_WITH_THREADS: weakref.WeakKeyDictionary[Producer, list[threading.Thread]] = (
+    weakref.WeakKeyDictionary()
+)
+"""For each producer inside a ``with`` block, the threads running those blocks, innermost last
+(guarded by ``_WITH_LOCK``): the exit hook waits for a live non-daemon one to close its own."""
+_WITH_LOCK = threading.Lock()
+_OWNER_POLL = 0.1
+"""Longest wait for a ``with`` thread at exit before checking again whether its producer was
+closed (a thread's end ends the wait at once)."""
 
 
 def add_unclosed(producer: Producer) -> None:
@@ -60,12 +77,71 @@ def discard_busy(producer: Producer) -> None:
     _BUSY.discard(producer)
 
 
+def enter_with(producer: Producer) -> None:
+    """The current thread entered a ``with`` block on ``producer``."""
+    with _WITH_LOCK:
+        _WITH_THREADS.setdefault(producer, []).append(threading.current_thread())
+
+
+def leave_with(producer: Producer) -> None:
+    """The current thread left its innermost ``with`` block on ``producer`` (closed or aborted
+    it): the exit hook no longer waits for the thread because of it."""
+    current = threading.current_thread()
+    with _WITH_LOCK:
+        threads = _WITH_THREADS.get(producer)
+        if not threads:
+            return
+        for i in range(len(threads) - 1, -1, -1):
+            if threads[i] is current:
+                del threads[i]
+                break
+        else:  # left by another thread than the one that entered it: its innermost block
+            threads.pop()
+        if not threads:
+            del _WITH_THREADS[producer]
+
+
+def _owner(exiting: threading.Thread) -> tuple[Producer, threading.Thread] | None:
+    """An unclosed producer inside a ``with`` block of a live non-daemon thread other than
+    ``exiting``, with that thread; ``None`` if there is none."""
+    with _WITH_LOCK:
+        held = list(_WITH_THREADS.items())
+    for producer, threads in held:
+        if producer not in _UNCLOSED:  # closed or aborted (its thread is leaving the block)
+            continue
+        for thread in reversed(threads):
+            if thread is not exiting and not thread.daemon and thread.is_alive():
+                return producer, thread
+    return None
+
+
+def _wait_for_with_threads() -> None:
+    """Wait until no unclosed producer is inside a ``with`` block of a live non-daemon thread.
+
+    Such a thread still uses its producer, and the interpreter waits for it anyway (after this
+    hook): the producer is the thread's to close. So wait, without a time limit, until it is
+    closed or aborted or the thread ends. A Ctrl-C (``KeyboardInterrupt`` raised from here)
+    ends the wait.
+    """
+    exiting = threading.current_thread()
+    while (held := _owner(exiting)) is not None:
+        producer, thread = held
+        while producer in _UNCLOSED and thread.is_alive():
+            thread.join(_OWNER_POLL)
+
+
 def _close_unclosed_at_exit() -> None:
     """At interpreter exit: close the producers that were neither closed nor aborted.
 
-    Within ``EXIT_CLOSE_TIMEOUT`` seconds for all together; each says what it commits and what
-    it could not (``Producer._close_at_exit``). A Ctrl-C here stops the rest without waiting.
+    First waits for the producers inside a ``with`` block of a live non-daemon thread (other
+    than the exiting one) until that thread closes them or ends (``_wait_for_with_threads``);
+    a Ctrl-C ends that wait. Then closes those still open within ``EXIT_CLOSE_TIMEOUT`` seconds
+    for all together, counted from then; each says what it commits and what it could not
+    (``Producer._close_at_exit``). A Ctrl-C here stops the rest without waiting.
     """
+    # A Ctrl-C stops waiting for those threads: what is left is closed as without them.
+    with contextlib.suppress(KeyboardInterrupt):
+        _wait_for_with_threads()
     deadline = time.monotonic() + EXIT_CLOSE_TIMEOUT
     for producer in list(_UNCLOSED):
         try:
@@ -81,6 +157,8 @@ def _close_unclosed_at_exit() -> None:
 # and these run in reverse order, so it runs after this):
 # as an ``atexit`` function this would run only after that join, which waits for ever for an
 # upload retrying through an outage, and after which no upload could finish what is pending.
+# Also, while this waits for a ``with`` thread, the upload pools still take that thread's TGBs:
+# ``concurrent.futures`` refuses new work once its own hook has run.
 try:
     getattr(threading, "_register_atexit", atexit.register)(_close_unclosed_at_exit)
 except RuntimeError:  # imported while the interpreter already exits: too late for the join

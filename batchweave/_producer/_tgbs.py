@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from batchweave._errors import FormatError
 from batchweave._format._checksum import CHECKSUM_ALGOS, ChecksumAlgo, checksum
 from batchweave._format._codecs import check_compression, get_codec
 from batchweave._format._tgb import EncodedTgb
@@ -132,8 +133,30 @@ def describe(
     ``validate=False`` only for a TGB this producer encoded from payloads itself: codec,
     compression and checksum algorithm were checked at start, the footer by the encoder,
     and key, epoch and offset are ours, so every model is valid by construction and equals
-    the validated one (tests compare both). A TGB the caller built is validated.
+    the validated one (tests compare both). A TGB the caller built is validated, in the
+    caller's thread before it is uploaded: one a manifest cannot record (a footer naming an
+    unknown codec, say) raises :class:`FormatError` there.
     """
+    if not validate:
+        return _describe(entry, encoded, producer_id, epoch, slice_table_limit, validate=False)
+    try:
+        return _describe(entry, encoded, producer_id, epoch, slice_table_limit, validate=True)
+    except ValueError as exc:  # a pydantic ValidationError
+        raise FormatError(
+            f"TGB for offset {entry.offset} cannot be recorded in a manifest, so it is not "
+            f"appended: {exc}"
+        ) from exc
+
+
+def _describe(
+    entry: Entry,
+    encoded: EncodedTgb,
+    producer_id: str,
+    epoch: int,
+    slice_table_limit: int,
+    *,
+    validate: bool,
+) -> TgbDescriptor:
     footer = encoded.footer
     table = (
         SliceTable.from_footer(footer, validate=validate)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import operator
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,8 @@ class Bounded:
     end: int
 
     def __post_init__(self) -> None:
+        if type(self.start) is not int or type(self.end) is not int:  # bool (an int subclass) too
+            _set_offsets(self, "start", "end")
         if self.start < 0 or self.end < self.start:
             raise ValueError(f"invalid byte range [{self.start}, {self.end})")
 
@@ -68,6 +71,8 @@ class Offset:
     start: int
 
     def __post_init__(self) -> None:
+        if type(self.start) is not int:  # bool (an int subclass) too
+            _set_offsets(self, "start")
         if self.start < 0:
             raise ValueError(f"invalid range offset {self.start}")
 
@@ -79,8 +84,26 @@ class Suffix:
     length: int
 
     def __post_init__(self) -> None:
+        if type(self.length) is not int:  # bool (an int subclass) too
+            _set_offsets(self, "length")
         if self.length <= 0:
             raise ValueError(f"suffix length must be positive, got {self.length}")
+
+
+def _set_offsets(rng: object, *fields: str) -> None:
+    """Make the byte offsets ``fields`` of the range ``rng`` plain ints, or raise ``TypeError``.
+
+    Integers of any type ``operator.index`` takes (NumPy's included) become ``int``, so every
+    backend sees the same value; ``bool`` and non-integers (``1.0``, ``"3"``) are refused here,
+    where the range is built, instead of failing differently in each backend's request.
+    """
+    for name in fields:
+        value = getattr(rng, name)
+        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+            raise TypeError(
+                f"{type(rng).__name__}.{name} must be an int, got {type(value).__name__} {value!r}"
+            )
+        object.__setattr__(rng, name, operator.index(value))  # frozen dataclass
 
 
 ByteRange = Bounded | Offset | Suffix

@@ -485,13 +485,27 @@ class FileStore(ObjectStore):
     # -- reads -------------------------------------------------------------------------------
 
     def get(self, key: str) -> bytes:
-        with self._errors(key, "read"), open(self._open_for_read(key), "rb") as f:
-            self._require_file(key, os.fstat(f.fileno()))
-            return f.read()
+        with self._errors(key, "read"):
+            fd = self._open_for_read(key)
+            try:
+                # Checked before ``open``: it raises IsADirectoryError for a directory's
+                # descriptor without closing it, so the descriptor is ours to close, always.
+                self._require_file(key, os.fstat(fd))
+                with open(fd, "rb", closefd=False) as f:
+                    return f.read()
+            finally:
+                os.close(fd)
 
     def _require_file(self, key: str, st: os.stat_result) -> None:
         """``ObjectNotFound`` unless ``st`` is a regular file: a FIFO, device, socket or
         directory planted under the root is not an object (reading ``/dev/zero`` never ends)."""
+        if stat.S_ISDIR(st.st_mode):
+            # The usual case: other objects' keys begin with ``key/`` (S3 has no object there
+            # either), or a directory a delete left behind.
+            raise ObjectNotFound(
+                f"no object {key!r} in {self.url} (its path is a directory, which holds the "
+                f"objects under {key + '/'!r} if there are any)"
+            )
         if not stat.S_ISREG(st.st_mode):
             raise ObjectNotFound(
                 f"no object {key!r} in {self.url}: its path is not a regular file "
@@ -705,14 +719,23 @@ def _may_hold(name: str, prefix: str, start_after: str | None) -> bool:
 def check_root(root: str | os.PathLike[str]) -> Path:
     """``root`` as a ``Path`` if it can name a file store root, else ``InvalidStoreURL``.
 
-    Only the path itself is checked (absolute, no NUL byte): no file system access, so a process
-    that only passes the root on (to DataLoader workers) can refuse a bad one up front.
+    Only the path itself is checked (absolute, no NUL byte, encodable as a file name): no file
+    system access, so a process that only passes the root on (to DataLoader workers) can refuse
+    a bad one up front.
     """
     root_path = Path(root)
     if not root_path.is_absolute():
-        raise InvalidStoreURL(f"file store root {str(root)!r} must be an absolute path")
+        raise InvalidStoreURL(f"file store root {_show_root(root)} must be an absolute path")
     if "\x00" in str(root_path):
-        raise InvalidStoreURL(f"file store root {str(root)!r} contains a NUL byte")
+        raise InvalidStoreURL(f"file store root {_show_root(root)} contains a NUL byte")
+    try:
+        os.fsencode(root_path)
+    except UnicodeEncodeError as exc:
+        raise InvalidStoreURL(
+            f"file store root {_show_root(root)} contains {exc.object[exc.start : exc.end]!r}, "
+            "which no file name can hold (a lone surrogate); give the path as text or as bytes "
+            "decoded with os.fsdecode"
+        ) from None
     return root_path
 
 
@@ -720,8 +743,9 @@ def _use_root(path: Path) -> None:
     """Create the root ``path`` if missing; a store error naming it and the fix if it is unusable.
 
     An existing directory is used as it is (no write needed: a read-only root can be read).
+    Every ``OSError`` becomes ``AccessDenied`` or ``InvalidStoreURL``.
     """
-    shown = repr(str(path))
+    shown = _show_root(path)
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -753,17 +777,54 @@ def _use_root(path: Path) -> None:
 
 def _unusable_root(path: Path, exc: OSError) -> InvalidStoreURL:
     """Why the root ``path`` cannot be used (``exc``: the error stat or mkdir raised)."""
-    blocker = _non_directory(str(path))
-    if blocker is not None:
-        where = "it" if blocker == str(path) else f"its ancestor {blocker!r}"
+    shown = _show_root(path)
+    if exc.errno == errno.ENAMETOOLONG:
         return InvalidStoreURL(
-            f"file store root {str(path)!r} cannot be used: {where} is not a directory "
+            f"file store root {shown} cannot be used: its path is too long for the file system "
+            f"({len(os.fsencode(path))} bytes; a name between slashes may have at most "
+            f"{_name_max(path)} bytes and the whole path at most {_PATH_MAX} on most Linux "
+            "file systems); choose a shorter root"
+        )
+    try:
+        blocker = _non_directory(str(path))
+    except OSError:  # what stat said stays the reason (a symlink loop, an I/O error, ...)
+        blocker = None
+    if blocker is not None:
+        where = "it" if blocker == str(path) else f"its ancestor {_show_root(blocker)}"
+        return InvalidStoreURL(
+            f"file store root {shown} cannot be used: {where} is not a directory "
             "(a file, or a symlink to nothing); give the path of a directory, or move the "
             "file away"
         )
     return InvalidStoreURL(
-        f"file store root {str(path)!r} cannot be used ({exc.strerror}); {_NOT_A_ROOT_FIX}"
+        f"file store root {shown} cannot be used ({exc.strerror}); {_NOT_A_ROOT_FIX}"
     )
+
+
+_SHOWN_ROOT_CHARS = 200
+"""Longer roots are shortened in messages: the start and end name the directory well enough."""
+_PATH_MAX = 4096
+"""Linux's limit on a path's bytes, for the message (the file system says what it enforces)."""
+
+
+def _show_root(path: str | os.PathLike[str]) -> str:
+    """``path`` quoted for a message, shortened in the middle if very long."""
+    text = str(path)
+    if len(text) <= _SHOWN_ROOT_CHARS:
+        return repr(text)
+    half = _SHOWN_ROOT_CHARS // 2
+    return f"{text[:half]!r}...{text[-half:]!r} ({len(text)} characters)"
+
+
+def _name_max(path: Path) -> int:
+    """The longest name (bytes between slashes) the file system of ``path``'s existing
+    ancestor allows, 255 if it cannot say."""
+    for ancestor in path.parents:
+        try:
+            return os.pathconf(ancestor, "PC_NAME_MAX")
+        except (OSError, ValueError):
+            continue
+    return 255
 
 
 def _refused(exc: OSError) -> bool:

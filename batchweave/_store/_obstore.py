@@ -26,6 +26,7 @@ from batchweave._errors import (
     AccessDenied,
     AmbiguousWriteError,
     ConcurrentWriteConflict,
+    InvalidKey,
     InvalidStoreURL,
     ObjectExists,
     ObjectNotFound,
@@ -34,6 +35,7 @@ from batchweave._errors import (
     StoreUnavailable,
     TransientStoreError,
 )
+from batchweave._fork import current_pid
 from batchweave._store._base import (
     Bounded,
     ByteRange,
@@ -41,6 +43,7 @@ from batchweave._store._base import (
     Offset,
     PutMode,
     resolve_range,
+    validate_key,
 )
 from batchweave._store._s3_location import (
     BUCKET_OPS,
@@ -50,6 +53,7 @@ from batchweave._store._s3_location import (
     ClientOptions,
     S3Location,
     check_endpoint,
+    refuse_unusable_credential,
 )
 
 __all__ = ["ObstoreS3Store"]
@@ -116,6 +120,10 @@ _CREDENTIAL_ENV = (
 )
 """Environment variables from which object_store finds credentials (or is told to need none)
 before it falls back to the EC2 instance metadata service."""
+_ENV_KEY_PAIR = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+"""The key pair object_store takes from the environment when none is given."""
+_ENV_TOKEN = ("AWS_SESSION_TOKEN", "AWS_TOKEN")
+"""The variables object_store takes a session token from (used with the key pair only)."""
 _ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 """Environment variables object_store takes the S3 endpoint from when none is given."""
 
@@ -157,6 +165,48 @@ def _without_paths(text: str, paths: Iterable[str]) -> str:
     return re.sub(rf'(?:(?<=[\s/"=,(])|^)(?:{names})(?=[\s"?&,:)]|$)', "", text)
 
 
+def _is_path(path: str) -> bool:
+    """Whether object_store takes ``path`` as a path: what a key may be (its segments are not
+    empty, ``.`` or ``..``, and hold no control characters)."""
+    try:
+        validate_key(path)
+    except InvalidKey:
+        return False
+    return True
+
+
+def _valid_parent(path: str) -> str:
+    """The longest run of ``path``'s leading segments that is a valid path (``""``: none),
+    without a trailing ``/``: ``"p/a/../b"`` gives ``"p/a"``."""
+    segments = path.split("/")
+    for end in range(len(segments), 0, -1):
+        parent = "/".join(segments[:end])
+        if _is_path(parent):
+            return parent
+    return ""
+
+
+class _StaticCredentials:
+    """An obstore credential provider of explicitly given credentials, which never expire.
+
+    Asked once; object_store then signs with exactly these (no token from the environment).
+    """
+
+    def __init__(self, key: str, secret: str, token: str | None) -> None:
+        self._credential = {
+            "access_key_id": key,
+            "secret_access_key": secret,
+            "token": token,
+            "expires_at": None,
+        }
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._credential)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(***)"
+
+
 class _NoCredentials(Exception):
     """Raised by the credential provider installed when no credentials can be found."""
 
@@ -171,6 +221,36 @@ def _refuse_credentials() -> Any:
         "no credentials configured and AWS_EC2_METADATA_DISABLED=true forbids asking the EC2 "
         "instance metadata service"
     )
+
+
+_used_in: int | None = None
+"""The process that sent a request with obstore, if any: a process forked from it cannot."""
+
+
+def _check_not_forked(url: str) -> None:
+    """Refuse obstore in a process forked from one that used it, where a request would hang.
+
+    obstore is not fork-safe (its maintainers say so): the threads of its runtime stay in the
+    parent, so in a forked child a request never completes; and one sent on a connection
+    inherited from the parent leaves that connection unusable for the parent too.
+    """
+    used = _used_in
+    if used is not None and used != current_pid():
+        raise StoreError(
+            f"{url}: obstore cannot be used in process {current_pid()}, which was fork()ed from "
+            f"process {used} after that process used obstore: obstore is not fork-safe (the "
+            "threads of its runtime stay in the parent, so a request here would hang). Start "
+            "worker processes with the 'spawn' or 'forkserver' start method (DataLoader: "
+            "multiprocessing_context='forkserver'; batchweave.torch.WeaveLoader does so for an "
+            "obstore store), or read with the boto3 client (S3Store, or "
+            "open_store(..., s3_client='boto3'))"
+        )
+
+
+def _mark_used() -> None:
+    """Record that this process sends requests with obstore (see :func:`_check_not_forked`)."""
+    global _used_in
+    _used_in = current_pid()
 
 
 def _import_obstore() -> Any:
@@ -190,7 +270,9 @@ class ObstoreS3Store(S3Location):
     """Objects under ``s3://bucket/prefix`` through obstore. Thread-safe.
 
     Options mirror :class:`~batchweave.S3Store`: ``endpoint_url`` (MinIO, SeaweedFS, RGW, ...),
-    ``region``, explicit credentials (else the ``AWS_*`` environment), timeouts in seconds,
+    ``region``, explicit credentials (used alone, as on boto3: no token from the environment
+    joins them; else the ``AWS_*`` environment, checked when the store is opened), timeouts in
+    seconds,
     ``max_attempts`` (1 + retries of transient failures: inside obstore for reads, by
     :meth:`put` itself for writes, which so knows whether an earlier attempt may have landed),
     ``addressing_style`` (``"path"`` or ``"virtual"``; ``"auto"`` or ``None``, the default, is
@@ -249,6 +331,7 @@ class ObstoreS3Store(S3Location):
                     if not endpoints:  # the first one set is named in messages
                         self._endpoint_shown = f"{os.environ[name]} (from {name})"
                     endpoints.append(os.environ[name])
+        _check_not_forked(self.url)
         obs = _import_obstore()
         self._obs = obs
         self._errors = obs.exceptions
@@ -256,14 +339,17 @@ class ObstoreS3Store(S3Location):
         config: dict[str, Any] = {"region": self._region, "conditional_put": "etag"}
         if endpoint_url is not None:
             config["endpoint"] = endpoint_url
-        if access_key_id is not None:
-            config["access_key_id"] = access_key_id
-        if secret_access_key is not None:
-            config["secret_access_key"] = secret_access_key
-        if session_token is not None:
-            config["session_token"] = session_token
         config["virtual_hosted_style_request"] = options.addressing_style == "virtual"
         extra: dict[str, Any] = {}
+        if access_key_id is not None and secret_access_key is not None:
+            # Exactly the given credentials: in the config, object_store would add the
+            # environment's AWS_SESSION_TOKEN to an explicit key pair that has none (which AWS
+            # refuses, or signs as another identity); boto3 uses explicit keys alone.
+            extra["credential_provider"] = _StaticCredentials(
+                access_key_id, secret_access_key, session_token
+            )
+        else:
+            self._check_environment_credentials()
         no_credentials = access_key_id is None and not any(map(os.environ.get, _CREDENTIAL_ENV))
         if no_credentials and _metadata_disabled():
             # object_store would ask the instance metadata service anyway (a request leaving
@@ -284,6 +370,29 @@ class ObstoreS3Store(S3Location):
         self._sleep = sleep
         self._write_retry_timeout = max(options.read_timeout, 1.0) * options.max_attempts
         """Seconds after a PUT's start past which it is retried no more (as object_store)."""
+
+    def _check_environment_credentials(self) -> None:
+        """Refuse the ``AWS_*`` credentials object_store would take from the environment if it
+        cannot use them, as boto3 does, and mask them in every message from now on.
+
+        A key without its secret (or the reverse) is ``AccessDenied`` in boto3's words
+        (object_store: a configuration error with a debug dump); a value with whitespace or a
+        control character (a trailing newline of a secret file) makes object_store panic on
+        the first request (a ``BaseException``), or is echoed.
+        """
+        given = [name in os.environ for name in _ENV_KEY_PAIR]
+        if given[0] != given[1]:
+            missing = _ENV_KEY_PAIR[given.index(False)]
+            raise self._no_credentials(
+                f"open {self.url}", f"Partial credentials found in env, missing: {missing}"
+            )
+        if not given[0]:
+            return  # object_store takes no token without a key pair
+        for name in _ENV_KEY_PAIR + _ENV_TOKEN:
+            value = os.environ.get(name)
+            if value is not None:
+                refuse_unusable_credential(self.url, f"{name} (from the environment)", value)
+                self._add_secrets(value)
 
     def _make_store(
         self,
@@ -327,6 +436,14 @@ class ObstoreS3Store(S3Location):
             raise InvalidStoreURL(
                 f"cannot configure obstore for {self.url}: {self._scrub(str(exc))}"
             ) from exc
+
+    def _check_process(self) -> None:
+        """Before a request: refuse one in a process forked from one that used obstore (where
+        it would hang), else note that this process uses obstore. Outside the ``try`` of a
+        request, whose errors are obstore's, translated."""
+        if _used_in != current_pid():
+            _check_not_forked(self.url)
+            _mark_used()
 
     def _use_probe_client(self, options: ClientOptions) -> None:
         # object_store does not retry a PUT that timed out (it is not idempotent), and the probe
@@ -513,6 +630,7 @@ class ObstoreS3Store(S3Location):
         whether one may have landed; knowing it, a write refused (4xx) or unreachable on its
         last attempt is ambiguous exactly when an earlier attempt may have landed, as on boto3.
         """
+        self._check_process()
         full = self._key(key)
         body = data if isinstance(data, bytes) else bytes(data)
         create = mode is PutMode.CREATE
@@ -560,6 +678,7 @@ class ObstoreS3Store(S3Location):
         return False, True
 
     def get(self, key: str) -> bytes:
+        self._check_process()
         full = self._key(key)
         try:
             result = self._obs.get(self._store, full)
@@ -583,6 +702,7 @@ class ObstoreS3Store(S3Location):
             raise self._not_s3(op, key, "no ETag and no Last-Modified in a 200 response")
 
     def get_range(self, key: str, rng: ByteRange) -> bytes:
+        self._check_process()
         full = self._key(key)
         if isinstance(rng, Bounded):
             if rng.start == rng.end:
@@ -637,6 +757,7 @@ class ObstoreS3Store(S3Location):
         return reply.code == "InvalidRange" or _PAST_THE_END.search(reply.text) is not None
 
     def head(self, key: str) -> ObjectMeta:
+        self._check_process()
         full = self._key(key)
         try:
             meta = self._obs.head(self._store, full)
@@ -658,16 +779,21 @@ class ObstoreS3Store(S3Location):
         )
 
     def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        self._check_process()
         wanted = self.prefix + prefix
         # object_store lists whole path segments: list the enclosing directory, filter here.
-        directory = wanted[: wanted.rfind("/") + 1] if "/" in wanted else ""
-        offset = None
+        # It refuses a prefix or offset that is no valid path ("../", "a//b"): ask for the
+        # longest one of its parents that is (a prefix of it, which bounds the same listing
+        # from below) and filter the rest here, as every other backend answers.
+        directory = _valid_parent(wanted[: wanted.rfind("/") + 1] if "/" in wanted else "")
+        after = None  # the keys listed are greater than this
         if start_after is not None and self.prefix + start_after >= wanted:
-            offset = self.prefix + start_after
+            after = self.prefix + start_after
+        offset = after if after is None or _is_path(after) else _valid_parent(after) or None
         try:
             stream = self._obs.list(
                 self._store,
-                prefix=directory.rstrip("/") or None,
+                prefix=directory or None,
                 offset=offset,
                 chunk_size=_LIST_CHUNK,
             )
@@ -676,6 +802,8 @@ class ObstoreS3Store(S3Location):
                     self._listing_checked = True  # a web page never parses as an object
                 for meta in chunk:
                     path = str(meta["path"])
+                    if after is not None and path <= after:
+                        continue
                     if path.startswith(wanted):
                         yield self._meta(meta)
                     elif path > wanted:
@@ -684,7 +812,7 @@ class ObstoreS3Store(S3Location):
             raise
         except Exception as exc:
             # The request names the directory (with a trailing "/") and the offset, not prefix
-            named = [directory, directory.rstrip("/"), wanted, offset or ""]
+            named = [directory + "/", directory, wanted, offset or ""]
             raise self._translate(exc, op="list", key=prefix or None, paths=named) from exc
         if not self._listing_checked:
             self._check_empty_listing(prefix)
@@ -718,6 +846,7 @@ class ObstoreS3Store(S3Location):
         paths = [self._key(k) for k in keys]
         if not paths:
             return
+        self._check_process()
         try:
             self._obs.delete(self._store, paths)
         except Exception as exc:

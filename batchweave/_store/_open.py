@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import re
 import threading
 import uuid
 import weakref
@@ -123,6 +124,7 @@ def _parse(url: str, options: dict[str, Any], s3_client: str) -> _Target:
     if not isinstance(url, str) or "://" not in url:
         raise InvalidStoreURL(_missing_slashes(url))
     shown = redact_url(url)  # messages never echo credentials or a query
+    _refuse_control_characters(url, shown)
     try:
         parts = urlsplit(url)
     except ValueError as exc:  # e.g. an unclosed IPv6 bracket: s3://[::1/prefix
@@ -171,6 +173,34 @@ def _parse(url: str, options: dict[str, Any], s3_client: str) -> _Target:
     if not parts.netloc:
         raise InvalidStoreURL(f"S3 URL {shown!r} has no bucket; use s3://bucket/prefix")
     return _Target(kind, parts.netloc, _unquote_prefix(parts.path, shown))
+
+
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _refuse_control_characters(url: str, shown: str) -> None:
+    """``InvalidStoreURL`` if ``url`` holds a control character (``shown``: ``url`` redacted).
+
+    ``urlsplit`` silently deletes tabs and newlines anywhere in a URL (``s3://b/run\t1`` would
+    be the prefix ``run1/``) and strips other control characters from its ends, so the store
+    would live somewhere else than the URL says. The message gives the character's position,
+    not the text around it, which may be credentials.
+    """
+    bad = _CONTROL_CHARACTER.search(url)
+    if bad is None:
+        return
+    char = bad.group()
+    escape = (
+        f"; a directory name that really holds it is written %{ord(char):02X}"
+        if url.lstrip().lower().startswith("file:")
+        else ""
+    )
+    raise InvalidStoreURL(
+        f"store URL {shown!r} contains the control character {char!r} (U+{ord(char):04X}) at "
+        f"position {bad.start()} of {len(url)} characters (URL parsing would drop or misread "
+        "it, and the store would be somewhere else); remove it (often a pasted tab, or the "
+        f"newline ending a line read from a file){escape}"
+    )
 
 
 def _unquote_prefix(path: str, shown: str) -> str:
@@ -314,7 +344,13 @@ def _refuse_a_non_store(store: ObjectStore, key: str) -> None:
     )
 
 
-_verified: weakref.WeakSet[ObjectStore] = weakref.WeakSet()
+_verified: dict[int, weakref.ref[ObjectStore]] = {}
+"""The stores ``ensure_conditional_writes`` has verified: ``id(store)`` -> a weak reference.
+
+Keyed by identity, not by hash: a store may be unhashable (a ``@dataclass`` with ``eq``) or
+define ``__eq__`` so that two stores compare equal, and each instance is probed once either way.
+A lookup checks that the reference still leads to the store (an ``id`` is reused after its
+object dies); the reference's callback drops the entry, so nothing keeps a store alive."""
 _verified_lock = threading.Lock()
 
 SLOW_PROBE_NOTICE = 10.0
@@ -365,12 +401,31 @@ def ensure_conditional_writes(store: ObjectStore) -> None:
     ``probe_timeout`` (plus the connect time), not after ``read_timeout`` x ``max_attempts``.
     """
     with _verified_lock:
-        if store in _verified:
+        ref = _verified.get(id(store))
+        if ref is not None and ref() is store:
             return
     key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
     probe_conditional_writes(store, key, delete=True)
+    _remember_verified(store)
+
+
+def _remember_verified(store: ObjectStore) -> None:
+    """Note that ``store`` passed the probe, without keeping it alive.
+
+    Every ``ObjectStore`` can be weakly referenced: the base class has no ``__slots__``.
+    """
+    ident = id(store)
+
+    def forget(ref: weakref.ref[ObjectStore]) -> None:
+        # Runs when the store dies, possibly from the garbage collector in a thread holding
+        # the lock: no lock here. Only this store's entry is dropped, never a later store's
+        # that reuses the id (a stale entry would only cost that store a second probe).
+        if _verified.get(ident) is ref:
+            _verified.pop(ident, None)
+
+    ref = weakref.ref(store, forget)
     with _verified_lock:
-        _verified.add(store)
+        _verified[ident] = ref
 
 
 def probe_conditional_writes(store: ObjectStore, key: str, *, delete: bool) -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import boto3
 import botocore.exceptions as bex
 from botocore.config import Config
+from botocore.credentials import RefreshableCredentials
 
 from batchweave._errors import (
     AccessDenied,
@@ -37,6 +38,7 @@ from batchweave._errors import (
     StoreUnavailable,
     TransientStoreError,
 )
+from batchweave._fork import current_pid
 from batchweave._store._base import (
     Bounded,
     ByteRange,
@@ -54,6 +56,8 @@ from batchweave._store._s3_location import (
     ClientOptions,
     S3Location,
     check_endpoint,
+    redact_url,
+    refuse_unusable_credential,
 )
 
 if TYPE_CHECKING:
@@ -85,6 +89,31 @@ _CREDENTIAL_ERRORS = (
 """botocore's "could not get credentials" errors, raised before any request is sent."""
 
 
+_ENV_CREDENTIALS = {
+    "access_key": ("AWS_ACCESS_KEY_ID",),
+    "secret_key": ("AWS_SECRET_ACCESS_KEY",),
+    "token": ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"),
+}
+"""The environment variables botocore's ``EnvProvider`` reads each of them from."""
+_ARGUMENTS = {
+    "access_key": "access_key_id",
+    "secret_key": "secret_access_key",
+    "token": "session_token",
+}
+"""The arguments that give each of them explicitly."""
+
+
+def _credential_source(field: str, value: str, method: str) -> str:
+    """Where botocore found the credential ``field`` (never its value), for messages."""
+    if method == "explicit":
+        return _ARGUMENTS[field]
+    if method == "env":
+        names = _ENV_CREDENTIALS[field]
+        name = next((n for n in names if os.environ.get(n) == value), names[0])
+        return f"{name} (from the environment)"
+    return f"the {_ARGUMENTS[field]} botocore found ({method})"
+
+
 _TOKEN_HEADER = re.compile(r"(x-amz-security-token['\"]?\s*[:=]\s*b?['\"]?)[^'\"\s,}]+", re.I)
 """A session token in a header dump: botocore's canonical request and request repr."""
 _HEADER_LOGGERS = ("botocore.auth", "botocore.endpoint", "botocore.awsrequest", "botocore.parsers")
@@ -92,6 +121,17 @@ _HEADER_LOGGERS = ("botocore.auth", "botocore.endpoint", "botocore.awsrequest", 
 _live_stores: weakref.WeakSet[S3Store] = weakref.WeakSet()
 """Stores with explicit credentials, whose secrets the filter masks; guarded by the lock."""
 _live_lock = threading.Lock()
+_fork_lock = threading.Lock()
+"""Held while a store builds its client for a process forked from the one that made it."""
+
+
+def _new_fork_lock() -> None:
+    # Another thread of the parent may have held it at the fork: in the child it is never let go.
+    global _fork_lock
+    _fork_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_fork_lock)
 
 
 class _RedactCredentials(logging.Filter):
@@ -214,6 +254,14 @@ class S3Store(S3Location):
         self._session: boto3.session.Session | None = None
         """The session the client was made from (``None``: injected); probe clients reuse it."""
         self._config: Config | None = None
+        self._client_config: Config | None = None
+        """The configuration the client was made with (``None``: injected), for a forked child."""
+        self._probe = False
+        """Whether the client is a probe client (see :meth:`_use_probe_client`)."""
+        self._pid = current_pid()
+        """The process the client belongs to: another one (forked) makes its own."""
+        self._inherited: S3Client | None = None
+        """A forked child's reference to the client it inherited, which it never closes."""
         self._session_lock = threading.Lock()
         """A boto3 session is not thread-safe: probe clients may be made from several threads."""
         if client is None:
@@ -235,7 +283,8 @@ class S3Store(S3Location):
                     "AWS_ENDPOINT_URL_S3 or the AWS config file)",
                     bucket=self.bucket,
                 )
-        self._client = client
+        self._own_client = client
+        self._client_config = self._config
         if self._secrets:
             with _live_lock:
                 _live_stores.add(self)
@@ -287,8 +336,41 @@ class S3Store(S3Location):
             user_agent_extra="batchweave",
         )
         client = self._client_from(session, config)
+        self._check_resolved_credentials(session)
         self._session, self._config = session, config
         return client
+
+    def _check_resolved_credentials(self, session: boto3.session.Session) -> None:
+        """Refuse credentials botocore found (environment, profile, ...) that can never be sent,
+        naming where they came from, and mask them in every message from now on.
+
+        Explicit arguments were checked before (``check_s3_arguments``); a value found
+        elsewhere, such as an ``AWS_SESSION_TOKEN`` read from a secret file with its trailing
+        newline, would fail every request with "Invalid header value b'<the token>\\n'": a
+        transient-looking error (retried without end) that quotes the token escaped, past
+        :meth:`_scrub`.
+        """
+        try:
+            # Found (and kept) by the session when the client was made: nothing new is asked.
+            with self._session_lock:
+                credentials = session.get_credentials()
+                if credentials is None:
+                    return  # none found: the first request says so (AccessDenied)
+                if isinstance(credentials, RefreshableCredentials) and credentials.refresh_needed():
+                    # Fetched at the first request (an SSO login, an assumed role), as a client
+                    # does; not here, where no request is sent. Checked no further.
+                    return
+                frozen = credentials.get_frozen_credentials()
+        except _CREDENTIAL_ERRORS as exc:
+            raise self._credential_failure(f"open {self.url}", exc) from exc
+        method = str(getattr(credentials, "method", "") or "the AWS credential chain")
+        found = {"access_key": frozen.access_key, "secret_key": frozen.secret_key}
+        found["token"] = frozen.token
+        for field, value in found.items():
+            if value is not None:
+                where = _credential_source(field, value, method)
+                refuse_unusable_credential(self.url, where, value)
+        self._add_secrets(*found.values())
 
     def _client_from(self, session: boto3.session.Session, config: Config) -> S3Client:
         try:
@@ -297,7 +379,7 @@ class S3Store(S3Location):
             with self._session_lock:
                 return session.client("s3", endpoint_url=self.endpoint_url, config=config)
         except _CREDENTIAL_ERRORS as exc:
-            raise self._no_credentials(f"open {self.url}", exc) from exc
+            raise self._credential_failure(f"open {self.url}", exc) from exc
         except bex.BotoCoreError as exc:
             raise InvalidStoreURL(
                 f"cannot configure boto3 for {self.url}: {self._scrub(str(exc))}"
@@ -305,10 +387,11 @@ class S3Store(S3Location):
         except ValueError as exc:
             # botocore's own check of an endpoint it found itself (an endpoint_url given to us
             # was checked before): a bare ValueError that names no setting.
+            # It quotes the endpoint: its query and fragment are cut as from any endpoint shown.
             raise InvalidStoreURL(
                 f"{self.url}: the endpoint botocore found (AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3 "
-                f"or the AWS config file) is unusable: {self._scrub(str(exc))}; give scheme, "
-                "host and port, e.g. http://127.0.0.1:9000"
+                f"or the AWS config file) is unusable: {redact_url(self._scrub(str(exc)))}; give "
+                "scheme, host and port, e.g. http://127.0.0.1:9000"
             ) from exc
 
     def _use_probe_client(self, options: ClientOptions) -> None:
@@ -323,17 +406,63 @@ class S3Store(S3Location):
             )
         )
         self._local = threading.local()
-        self._client = self._client_from(self._session, config)
-        self._register(self._client)
-        self._client.meta.events.register("needs-retry.s3.*", _no_retry_after_read_timeout)
+        self._own_client = self._new_client(config, probe=True)
+        self._client_config, self._probe = config, True
+
+    def _new_client(self, config: Config, *, probe: bool) -> S3Client:
+        """A client of this store's session with ``config`` and this store's event handlers."""
+        assert self._session is not None
+        client = self._client_from(self._session, config)
+        self._register(client)
+        if probe:
+            client.meta.events.register("needs-retry.s3.*", _no_retry_after_read_timeout)
+        return client
+
+    @property
+    def _client(self) -> S3Client:
+        """The client of this process: in a process forked from the one that made this store,
+        a new one, made the first time it is needed (:meth:`_client_after_fork`)."""
+        if self._pid != current_pid():
+            self._client_after_fork()
+        return self._own_client
+
+    def _client_after_fork(self) -> None:
+        """Give this store a client of its own in a process forked from the one it was used in.
+
+        The inherited client's connection pool holds the parent's keep-alive sockets: a request
+        sent on one of them by both processes reads the other's response (garbled data, or
+        errors quoting another request's bytes). The new client comes from the same session
+        (the credentials it resolved) with the same configuration; the inherited one is kept,
+        never used or closed (closing would shut connections the parent still uses).
+        """
+        with _fork_lock:
+            pid = current_pid()
+            if self._pid == pid:  # another thread of this process made it meanwhile
+                return
+            if self._session is None or self._client_config is None:
+                raise StoreError(
+                    f"{self.url}: this S3Store was made with an injected client= in process "
+                    f"{self._pid} and is used in process {pid}, forked from it: that client's "
+                    "connections are the parent's, and both using them garbles responses. Make "
+                    "the store in the child process (or pass a store URL to WeaveDataset, which "
+                    "each DataLoader worker opens itself)"
+                )
+            # The session's lock may have been held by another thread of the parent at the fork.
+            self._session_lock = threading.Lock()
+            self._local = threading.local()
+            client = self._new_client(self._client_config, probe=self._probe)
+            self._inherited, self._own_client = self._own_client, client
+            self._pid = pid
 
     @property
     def client(self) -> S3Client:
-        """The underlying boto3 client (for tests and advanced use)."""
+        """The underlying boto3 client (for tests and advanced use): this process's."""
         return self._client
 
     def close(self) -> None:
-        self._client.close()
+        if self._pid != current_pid():
+            return  # the client is the parent's, which still uses its connections
+        self._own_client.close()
 
     # -- error translation -------------------------------------------------------------------
 
@@ -404,7 +533,7 @@ class S3Store(S3Location):
                 )
             return self._from_code(code, status, detail, op=op, key=key, landed=landed)
         if isinstance(exc, _CREDENTIAL_ERRORS):
-            return self._no_credentials(what, exc)
+            return self._credential_failure(what, exc)
         if isinstance(exc, RecursionError) or _RECURSION in str(exc):
             # botocore answers a bare 301 by asking the bucket's region with another request,
             # which is redirected too, until the stack overflows. Nothing was stored.
@@ -452,13 +581,10 @@ class S3Store(S3Location):
             return TransientStoreError(f"{what} failed transiently: {self._scrub(str(exc))}")
         return StoreError(f"{what} failed: {type(exc).__name__}: {self._scrub(str(exc))}")
 
-    def _no_credentials(self, what: str, exc: Exception) -> AccessDenied:
-        reason = "" if isinstance(exc, bex.NoCredentialsError) else f" ({self._scrub(str(exc))})"
-        return AccessDenied(
-            f"cannot {what}: no usable AWS credentials found{reason}; pass access_key_id and "
-            "secret_access_key, set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or use a profile "
-            "(for an SSO profile, log in again: aws sso login)"
-        )
+    def _credential_failure(self, what: str, exc: Exception) -> AccessDenied:
+        """The error for one of botocore's :data:`_CREDENTIAL_ERRORS`."""
+        reason = "" if isinstance(exc, bex.NoCredentialsError) else self._scrub(str(exc))
+        return self._no_credentials(what, reason)
 
     def _from_code(
         self, code: str, status: int, detail: str, *, op: str, key: str | None, landed: bool = False

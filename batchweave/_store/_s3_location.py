@@ -36,6 +36,7 @@ __all__ = [
     "check_endpoint",
     "check_s3_arguments",
     "redact_url",
+    "refuse_unusable_credential",
     "refuse_url_credentials",
 ]
 
@@ -112,6 +113,12 @@ _NOT_IN_CREDENTIALS = re.compile(r"[\s\x00-\x1f\x7f-\x9f]")
 """Whitespace and control characters (a trailing newline of a credential read from a file):
 never part of a credential or region. botocore sends them and echoes the value escaped, which
 the scrubbing of messages does not recognize; obstore panics (a ``BaseException``)."""
+
+_REGION = re.compile(r"(?![0-9]+$)(?!-)[a-zA-Z0-9-]{1,63}(?<!-)")
+"""A region name both S3 clients may use: a DNS label, not all digits. botocore's own rule
+(``botocore.utils.validate_region_name``), except that the empty name is refused too: botocore
+then builds the host ``s3..amazonaws.com``, obstore silently uses ``us-east-1``. obstore checks
+nothing and puts the region into the AWS host name (``evil.example/x``: ``s3.evil.example``)."""
 
 
 def _redact_userinfo(text: str) -> str:
@@ -201,7 +208,9 @@ def check_endpoint(endpoint_url: object, what: str, *, bucket: str) -> None:
     example = "give scheme, host and port, e.g. http://127.0.0.1:9000"
     if not isinstance(endpoint_url, str):
         raise InvalidStoreURL(f"{what} must be a str, got {type(endpoint_url).__name__}; {example}")
-    where = f"{what} {_redact_credentials(endpoint_url)!r}"
+    # Credentials masked, query and fragment cut (they may carry a signed URL's token), as for
+    # a store URL.
+    where = f"{what} {redact_url(endpoint_url)!r}"
     if _UNPRINTABLE.search(endpoint_url):
         raise InvalidStoreURL(f"{where} contains spaces or control characters; {example}")
     refuse_url_credentials(endpoint_url, what)
@@ -222,6 +231,22 @@ def check_endpoint(endpoint_url: object, what: str, *, bucket: str) -> None:
             "endpoint is scheme://host:port (plus the path of a gateway's S3 API, if it has "
             "one); the bucket and prefix belong in the store URL (s3://bucket/prefix), or every "
             f"object would be stored under {bucket}/{bucket}/..."
+        )
+
+
+def refuse_unusable_credential(url: str, name: str, value: str) -> None:
+    """``InvalidStoreURL`` naming ``name`` (never ``value``: it may be a secret) if ``value``
+    holds whitespace or control characters.
+
+    ``name`` is an argument (``session_token``) or where the client found the value
+    (``AWS_SESSION_TOKEN (from the environment)``). Such a value can never be sent: botocore
+    fails each request with a transient-looking error that quotes it escaped (which
+    :meth:`S3Location._scrub` does not recognize), obstore panics.
+    """
+    if _NOT_IN_CREDENTIALS.search(value):
+        raise InvalidStoreURL(
+            f"{url}: {name} contains whitespace or control characters (a trailing newline, if "
+            "it was read from a file?); strip them"
         )
 
 
@@ -329,12 +354,12 @@ def check_s3_arguments(
             continue
         if not isinstance(value, str):
             raise InvalidStoreURL(f"{url}: {name} must be a str, got {type(value).__name__}")
-        if _NOT_IN_CREDENTIALS.search(value):
-            # The value is not shown: it may be a secret.
-            raise InvalidStoreURL(
-                f"{url}: {name} contains whitespace or control characters (a trailing "
-                "newline, if it was read from a file?); strip them"
-            )
+        refuse_unusable_credential(url, name, value)
+    if region is not None and not _REGION.fullmatch(region):
+        raise InvalidStoreURL(
+            f"{url}: region {region!r} is not a valid AWS region name (letters, digits and '-', "
+            "e.g. 'us-east-1'; leave it unset for the default)"
+        )
     if (access_key_id is None) != (secret_access_key is None):
         given, missing = (
             ("access_key_id", "secret_access_key")
@@ -458,8 +483,15 @@ class S3Location(ObjectStore):
         """Set on a probe view (:meth:`_probe_view`): seconds it waits for an answer."""
         # A secret of a few characters (test setups: "a", "test") would mask those letters in
         # every message; it protects nothing anyway.
-        secrets = (access_key_id, secret_access_key, session_token)
-        self._secrets = tuple(s for s in secrets if s and len(s) >= _MIN_SECRET)
+        self._secrets: tuple[str, ...] = ()
+        self._add_secrets(access_key_id, secret_access_key, session_token)
+
+    def _add_secrets(self, *values: str | None) -> None:
+        """Mask ``values`` (credentials; ``None`` is skipped) in every message from now on:
+        the given ones, and those a client resolved itself (environment, profile)."""
+        for value in values:
+            if value and len(value) >= _MIN_SECRET and value not in self._secrets:
+                self._secrets += (value,)
 
     def _probe_view(self) -> S3Location | None:
         """A copy of this store for ``open_store``'s probe, or ``None`` to probe this store itself.
@@ -524,6 +556,15 @@ class S3Location(ObjectStore):
             f"cannot {self._describe(op, key)}: {self._endpoint_shown} did not "
             f"answer like an S3 server ({detail}); check that endpoint_url is the address of "
             "the S3 API (scheme, host and port), not of a web page or console"
+        )
+
+    def _no_credentials(self, what: str, reason: str = "") -> AccessDenied:
+        """No usable credentials; ``reason``: why not, in the client's words (no secret in it)."""
+        reason = f" ({reason})" if reason else ""
+        return AccessDenied(
+            f"cannot {what}: no usable AWS credentials found{reason}; pass access_key_id and "
+            "secret_access_key, set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or use a profile "
+            "(for an SSO profile, log in again: aws sso login)"
         )
 
     def _denied(self, detail: str) -> AccessDenied:

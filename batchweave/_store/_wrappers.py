@@ -13,6 +13,7 @@ import math
 import random
 import threading
 import time
+import typing
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -203,6 +204,15 @@ class CountingStore(StoreWrapper):
 
 
 Op = Literal["put", "get", "get_range", "head", "list", "delete_many"]
+_OPS: tuple[Op, ...] = typing.get_args(Op)
+"""The operations :meth:`FaultInjectingStore.fail_next` can fail: the methods it intercepts."""
+_OP_ALIASES = {
+    "put_if_absent": "put",
+    "put_parts": "put",
+    "get_range_into": "get_range",
+    "delete": "delete_many",
+}
+"""Methods that are not an op of their own, and the op that covers them."""
 ErrorFactory = Callable[[], BaseException] | BaseException
 """An exception instance, or a zero-argument callable (e.g. an exception class) making one."""
 
@@ -304,7 +314,20 @@ class FaultInjectingStore(StoreWrapper):
         ``error`` defaults to ``AmbiguousWriteError`` for ``put`` and ``TransientStoreError``
         otherwise. With ``landed=True`` the call first reaches ``inner`` (the write or delete
         happens) and the error is raised afterwards.
+
+        ``op`` is ``put``, ``get``, ``get_range``, ``head``, ``list`` or ``delete_many``; anything
+        else raises ``ValueError`` (a fault scripted for an op that never runs would let a test
+        pass without injecting anything).
+        ``put_if_absent`` and ``put_parts`` are ``put`` calls here, and ``get_range_into`` a
+        ``get_range``: script those ops. Keys are the store's full keys, which for BatchWeave's
+        own objects begin with the namespace (``key_prefix=f"{namespace}/_manifests/"``).
         """
+        if op not in _OPS:
+            covered = _OP_ALIASES.get(op) if isinstance(op, str) else None
+            hint = f"; use {covered!r}, which covers {op}" if covered else ""
+            raise ValueError(
+                f"fail_next: unknown op {op!r}{hint}; expected one of {', '.join(map(repr, _OPS))}"
+            )
         with self._lock:
             queue = self._scripted.setdefault(op, deque())
             queue.extend(_ScriptedFault(error, landed, key_prefix) for _ in range(times))

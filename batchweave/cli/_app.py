@@ -197,7 +197,8 @@ def verify(
 ) -> None:
     """Check every referenced object, checksums, dense steps and exactly-once per producer.
 
-    Exit status 0 when everything checks out, 1 when a problem was found.
+    Exit status 0 when everything checks out, 1 when a problem was found, 2 when parts written
+    by a newer BatchWeave could not be checked (and nothing else was wrong).
     """
     namespace = validate_namespace(namespace)
     st = _open(store, options, writes=False)
@@ -205,13 +206,15 @@ def verify(
         report = verify_namespace(
             st, namespace, read_slices=not footers_only, workers=workers, progress=progress
         )
+    n_unchecked = report.steps_unchecked
+    unchecked = f", {n_unchecked} could not be checked" if n_unchecked else ""
     if as_json:
-        echo_json({"ok": report.ok, **asdict(report)})
+        echo_json({"ok": report.ok, "complete": report.complete, **asdict(report)})
     else:
         out = out_console()
         out.print(
             f"checked {report.versions} manifest versions (latest {report.latest_version}), "
-            f"steps {step_range(report.base_step, report.next_step)} ({report.steps}), "
+            f"steps {step_range(report.base_step, report.next_step)} ({report.steps}{unchecked}), "
             f"{report.objects} objects, {report.slices} slices, "
             f"{human_bytes(report.bytes_read)} read"
         )
@@ -235,13 +238,28 @@ def verify(
             out.print(f"[red]problem[/red]: {escape(problem)}")
         if len(report.problems) > 100:
             out.print(f"... and {len(report.problems) - 100} more problems")
-        out.print(
-            "[green]OK[/green]"
-            if report.ok
-            else f"[red]FAILED[/red]: {len(report.problems)} problems"
-        )
-    if not report.ok:
+        for item in report.unchecked[:100]:
+            out.print(f"[yellow]not checked[/yellow]: {escape(item)}")
+        if len(report.unchecked) > 100:
+            out.print(f"... and {len(report.unchecked) - 100} more not checked")
+        also = f"; {n_unchecked} steps could not be checked" if n_unchecked else ""
+        if report.problems:
+            out.print(f"[red]FAILED[/red]: {len(report.problems)} problems{also}")
+        elif not report.complete:
+            out.print(f"[yellow]INCOMPLETE[/yellow]: no problem found{also}")
+        else:
+            out.print("[green]OK[/green]")
+    if report.problems:
         raise SystemExit(EXIT_FAILED)
+    if not report.complete:
+        # Neither pass nor fail: a newer BatchWeave wrote parts this version cannot check.
+        what = f"{n_unchecked} steps" if n_unchecked else "everything"
+        click.echo(
+            f"batchweave: error: verify could not check {what}: parts of the namespace were "
+            "written by a newer BatchWeave; upgrade batchweave",
+            err=True,
+        )
+        raise SystemExit(EXIT_USAGE)
 
 
 # -- reclaim ------------------------------------------------------------------------------------
@@ -305,6 +323,11 @@ def reclaim(
         "deleted", f"{report.objects_deleted} objects, {human_bytes(report.bytes_deleted)}"
     )
     table.add_row("took", f"{report.seconds:.1f} s ({report.keys_listed} keys listed)")
+    if report.damaged_versions:
+        table.add_row(
+            "damaged versions",
+            f"{report.damaged_versions} skipped (named in the log); run `batchweave verify`",
+        )
     out_console().print(table)
 
 

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from batchweave._checks import check_key_name
 from batchweave._errors import BatchWeaveError, InvalidStoreURL, StoreError, StoreUnavailable
+from batchweave._interrupts import Terminated, deferred_interrupt
 from batchweave._store._base import ObjectStore
 from batchweave._store._open import SCHEMES, open_store, store_url_scheme
 from batchweave._store._s3_location import S3Location
@@ -56,14 +57,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 class CliFailure(Exception):
     """A problem the user must fix (bad argument, missing dependency): exit status 2."""
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (``kill PID``, ``timeout``, a cancelled CI job), raised where Ctrl-C would be.
-
-    A ``KeyboardInterrupt`` so that every cleanup Ctrl-C runs (child processes stopped,
-    partial outputs and work directories removed) runs for SIGTERM too.
-    """
 
 
 MEMORY_STORE_REFUSAL = (
@@ -151,10 +144,6 @@ def progress_bar(label: str, *, quiet: bool = False) -> Iterator[Callable[[int, 
         yield lambda done, total: progress.update(task, completed=done, total=total)
 
 
-def _interruption(signum: int) -> KeyboardInterrupt:
-    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-
-
 def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
 
@@ -175,39 +164,6 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-@contextmanager
-def deferred_interrupt() -> Iterator[Callable[[], None]]:
-    """Turn Ctrl-C and SIGTERM into a flag that the yielded ``check()`` raises.
-
-    For work that runs on a thread the interpreter cannot interrupt: Lance pulls the exported
-    rows from a thread of its own, and a ``KeyboardInterrupt`` raised in the main thread leaves
-    that thread running into interpreter shutdown, which aborts the process ("Fatal Python
-    error"). Calling ``check()`` from the row generator stops the write from inside instead,
-    raising ``KeyboardInterrupt`` (:class:`Terminated` for SIGTERM). A second signal interrupts
-    at once. Outside the main thread ``check()`` does nothing.
-    """
-    received: list[int] = []
-
-    def check() -> None:
-        if received:
-            raise _interruption(received[0])
-
-    def on_signal(signum: int, frame: object) -> None:
-        if received:
-            raise _interruption(signum)
-        received.append(signum)
-
-    if threading.current_thread() is not threading.main_thread():
-        yield check
-        return
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield check
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def one_line(exc: BaseException) -> str:

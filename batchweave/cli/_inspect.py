@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from datetime import datetime, timezone
@@ -29,10 +30,27 @@ __all__ = [
 ]
 
 
-def _iso(ts: float) -> str | None:
-    if ts <= 0:
+def _iso(ts: float) -> str | float | None:
+    """``ts`` (seconds since the epoch) as an ISO 8601 UTC time; ``None`` for none (0, or not a
+    finite number). A time outside what ``datetime`` can show (written by a clock in ms or ns)
+    is returned as is, a number, which the tables flag ("clock skew?"): one bad clock must not
+    hide the rest of the namespace."""
+    if not math.isfinite(ts) or ts <= 0:
         return None
-    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="seconds")
+    try:
+        return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="seconds")
+    except (ValueError, OverflowError, OSError):
+        # year > 9999 (ValueError), beyond time_t (OverflowError), EOVERFLOW from the C library
+        return ts
+
+
+def _shown_time(value: str | float | None, age: float | None) -> str:
+    """A time from :func:`gather_inspection` as a table shows it, flagged if in the future."""
+    if value is None:
+        return "-"
+    if not isinstance(value, str):
+        return f"{value!r} (clock skew?)"
+    return value + _skew_note(age)
 
 
 def storage_by_prefix(store: ObjectStore, namespace: str) -> list[dict[str, Any]]:
@@ -185,7 +203,9 @@ def human_duration(seconds: float) -> str:
     """``5400`` -> ``1.5 h``: watermark ages at a glance."""
     for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
         if abs(seconds) >= size:
-            return f"{seconds / size:.1f} {unit}"
+            # A clock in ns makes ages of 1e10 days: a few digits, not hundreds.
+            value = seconds / size
+            return f"{value:.1f} {unit}" if abs(value) < 1e6 else f"{value:.3g} {unit}"
     return f"{seconds:.0f} s"
 
 
@@ -262,7 +282,7 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
                 str(p["epoch"]),
                 "-" if p["committed_offset"] is None else str(p["committed_offset"]),
                 str(p["last_version"]),
-                (p["last_commit_at"] or "-") + _skew_note(p["idle_seconds"]),
+                _shown_time(p["last_commit_at"], p["idle_seconds"]),
                 "?" if p["live_steps"] is None else str(p["live_steps"]),
             ]
         producers.add_row(*row, *([escape(_shorten(p["source"] or "-"))] if with_sources else []))
@@ -296,7 +316,7 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
             escape(m["checkpoint_id"]),
             str(m["step"]),
             str(m["version"]),
-            m["recorded_at"] or "-",
+            _shown_time(m["recorded_at"], None),
             "-" if age is None else human_duration(age) + _skew_note(age),
         )
     if hidden_marks:

@@ -12,6 +12,13 @@ Checks, collecting every problem rather than stopping at the first:
   what ``export`` can read and, unless ``slices=False``, every slice's bytes match their
   checksum and decode.
 
+Segments are read one at a time: a missing or damaged one is a problem naming its key and the
+steps it lists (which then cannot be checked), and the check goes on with the next segment and
+the tail. A segment or object written by a newer BatchWeave is no damage: it is listed in
+``unchecked`` (upgrade batchweave), and its steps count in ``steps_unchecked``. A newest
+manifest version written by a newer BatchWeave stops the check with
+:class:`~batchweave.UnsupportedFormatVersion` (nothing can be checked against it).
+
 A reclamation pass may run during the check (reclaimers run at any time): an object missing
 because its step fell below the ``base_step`` of a manifest committed since is not a problem;
 those steps are counted in ``steps_reclaimed``.
@@ -23,11 +30,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from batchweave._errors import FormatError, NamespaceMismatch, ObjectNotFound
+from batchweave._errors import (
+    FormatError,
+    NamespaceMismatch,
+    ObjectNotFound,
+    UnsupportedFormatVersion,
+)
 from batchweave._format._tgb_read import decode_slice, slice_range
 from batchweave._history import _sample_ids, base_step_now, read_object_footer
 from batchweave._manifest._log import ManifestLog
-from batchweave._manifest._models import Manifest, SliceTable, TgbDescriptor
+from batchweave._manifest._models import Manifest, SegmentRef, SliceTable, TgbDescriptor
 from batchweave._store._base import ObjectStore
 
 __all__ = ["VerifyReport", "verify_namespace"]
@@ -42,6 +54,10 @@ class VerifyReport:
     base_step: int = 0
     next_step: int = 0
     steps: int = 0
+    """Live steps checked: their descriptors read, every object checked (found sound or not)."""
+    steps_unchecked: int = 0
+    """Live steps that could not be checked: their segment is missing, damaged or written by a
+    newer BatchWeave, or one of their objects was written by a newer BatchWeave."""
     objects: int = 0
     slices: int = 0
     bytes_read: int = 0
@@ -50,14 +66,23 @@ class VerifyReport:
     retired: list[str] = field(default_factory=list)
     """Producers with live steps that the manifest no longer lists (retired ids)."""
     problems: list[str] = field(default_factory=list)
+    """Damage: what consumers, ``export`` or a resume would trip over."""
+    unchecked: list[str] = field(default_factory=list)
+    """Segments and objects written by a newer BatchWeave: no damage, but this version cannot
+    check them (upgrade batchweave)."""
     steps_reclaimed: int = 0
     """Steps a reclamation pass moved below ``base_step`` while the check ran, counted when
     one of their objects had gone missing (then not a problem)."""
 
     @property
+    def complete(self) -> bool:
+        """True when every live step could be checked."""
+        return not self.unchecked and self.steps_unchecked == 0
+
+    @property
     def ok(self) -> bool:
-        """True when no problem was found."""
-        return not self.problems
+        """True when everything was checked and no problem was found."""
+        return not self.problems and self.complete
 
 
 def _check_versions(log: ManifestLog, latest: Manifest, report: VerifyReport) -> None:
@@ -70,6 +95,9 @@ def _check_versions(log: ManifestLog, latest: Manifest, report: VerifyReport) ->
             manifest = log.read(version)
         except ObjectNotFound:
             continue  # reclaimed while we were verifying
+        except UnsupportedFormatVersion as exc:  # no damage: this version cannot read it
+            report.unchecked.append(f"manifest version {version}: {exc}")
+            continue
         except (FormatError, NamespaceMismatch) as exc:  # damaged, or another namespace's
             report.problems.append(f"manifest version {version}: {exc}")
             continue
@@ -105,6 +133,20 @@ def _check_object_set(step: int, desc: TgbDescriptor, slices: int) -> str | None
     return None
 
 
+@dataclass
+class _StepResult:
+    """What checking one step's objects found."""
+
+    problems: list[str] = field(default_factory=list)
+    unchecked: list[str] = field(default_factory=list)
+    """Objects written by a newer BatchWeave (not damage; this version cannot check them)."""
+    objects: int = 0
+    slices: int = 0
+    nread: int = 0
+    missing: bool = False
+    """An object was missing (the caller decides whether a concurrent reclamation explains it)."""
+
+
 def _check_tgb(
     store: ObjectStore,
     log: ManifestLog,
@@ -112,10 +154,10 @@ def _check_tgb(
     step: int,
     desc: TgbDescriptor,
     read_slices: bool,
-) -> tuple[list[str], int, int, int, bool]:
-    """Problems, objects, slices and bytes read for one step, and whether an object was
-    missing (the caller decides whether a concurrent reclamation explains it)."""
-    problems: list[str] = []
+) -> _StepResult:
+    """Check one step's objects."""
+    result = _StepResult()
+    problems = result.problems
     objects = slices = nread = 0
     missing = False
     for ref in desc.objects:
@@ -149,9 +191,78 @@ def _check_tgb(
                 "as an orphan because grace was shorter than an upload-to-commit); the step is "
                 "lost: restore the object, or resume from a checkpoint past this step"
             )
+        except UnsupportedFormatVersion as exc:  # no damage: upgrade to check it
+            result.unchecked.append(f"{where}: {exc}")
         except FormatError as exc:
             problems.append(f"{where}: {exc}")
-    return problems, objects, slices, nread, missing
+    result.objects, result.slices, result.nread, result.missing = objects, slices, nread, missing
+    return result
+
+
+@dataclass
+class _SegmentFailure:
+    """A segment the newest manifest lists whose descriptors could not be read."""
+
+    ref: SegmentRef
+    start: int
+    stop: int
+    """The live steps it lists: ``start .. stop - 1``."""
+    error: FormatError | ObjectNotFound
+
+
+def _segment_problem(log: ManifestLog, latest: Manifest, failure: _SegmentFailure) -> str:
+    key = log.key(failure.ref.key)
+    count = failure.stop - failure.start
+    steps = f"steps {failure.start}..{failure.stop - 1} ({count} steps, not checked)"
+    if isinstance(failure.error, ObjectNotFound):
+        return (
+            f"segment {key!r}, which manifest version {latest.version} (the latest) lists for "
+            f"{steps}, is missing (a segment is never deleted while the latest version lists "
+            "it; was it deleted by hand?): those steps are unreadable for every consumer; "
+            "restore the segment object from a backup, or resume in a new namespace"
+        )
+    return (
+        f"segment {key!r}, which manifest version {latest.version} (the latest) lists for "
+        f"{steps}, is damaged: {failure.error}; those steps are unreadable for every consumer: "
+        "restore the segment object from a backup, or resume in a new namespace"
+    )
+
+
+def _list_live_steps(
+    log: ManifestLog, latest: Manifest, report: VerifyReport
+) -> tuple[list[tuple[int, TgbDescriptor]], list[_SegmentFailure], list[tuple[int, int]]]:
+    """The live steps' descriptors, the segments that could not be read and the steps
+    ``(start, stop)`` of every segment not read, in step order. Segments are read one at a
+    time: the walk goes on past an unreadable one with the next segment and the tail. A segment
+    written by a newer BatchWeave is noted in ``report`` as unchecked, not as a failure."""
+    listed: list[tuple[int, TgbDescriptor]] = []
+    failures: list[_SegmentFailure] = []
+    skipped: list[tuple[int, int]] = []
+    for ref in latest.segments:
+        start, stop = max(ref.first_step, latest.base_step), min(ref.end_step, latest.next_step)
+        if stop <= start:
+            continue
+        try:
+            listed.extend(list(log.descriptors(latest, start, stop)))
+            continue
+        except UnsupportedFormatVersion as exc:  # no damage: this version cannot read it
+            report.unchecked.append(f"steps {start}..{stop - 1} ({stop - start} steps): {exc}")
+            report.steps_unchecked += stop - start
+        except (FormatError, ObjectNotFound) as exc:
+            failures.append(_SegmentFailure(ref, start, stop, exc))
+        skipped.append((start, stop))
+    start = max(latest.tail_start, latest.base_step)
+    if start < latest.next_step:
+        listed.extend(log.descriptors(latest, start, latest.next_step))
+    return listed, failures, skipped
+
+
+def _past_skipped(step: int, skipped: list[tuple[int, int]]) -> int:
+    """The step the check expects next after ``step - 1``, past the steps of segments that
+    could not be read (``skipped``, in step order, consumed from the front)."""
+    while skipped and skipped[0][0] <= step:
+        step = max(step, skipped.pop(0)[1])
+    return step
 
 
 def verify_namespace(
@@ -170,6 +281,10 @@ def verify_namespace(
     log = ManifestLog(store, namespace)
     try:
         latest = log.latest()
+    except UnsupportedFormatVersion:
+        # Written by a newer BatchWeave: no damage, and nothing can be checked against it. The
+        # check cannot run (exit 2, "upgrade batchweave"), as every other command reports it.
+        raise
     except FormatError as exc:
         # A damaged newest version is a finding, not a reason the check could not run.
         report = VerifyReport()
@@ -188,20 +303,11 @@ def verify_namespace(
 
     last_offset: dict[str, int] = {}
     seen: set[tuple[str, int]] = set()
-    expected_step = latest.base_step
     items: list[tuple[int, TgbDescriptor]] = []
-    try:
-        listed = list(log.descriptors(latest, latest.base_step, latest.next_step))
-    except (FormatError, ObjectNotFound) as exc:
-        report.problems.append(
-            f"manifest version {latest.version}: a segment it references is missing or damaged: "
-            f"{exc}; "
-            "the steps it lists are unreadable for every consumer (restore the segment object "
-            "from a backup, or resume in a new namespace)"
-        )
-        listed = []
-        expected_step = latest.next_step  # only the segment problem is reported
+    listed, failures, skipped = _list_live_steps(log, latest, report)
+    expected_step = latest.base_step
     for step, desc in listed:
+        expected_step = _past_skipped(expected_step, skipped)
         if step != expected_step:
             report.problems.append(
                 f"steps are not dense: found step {step} after {expected_step - 1}"
@@ -236,29 +342,27 @@ def verify_namespace(
             report.problems.append(problem)
     # Only retirement (retire_producers) removes an id's state; its steps stay.
     report.retired = sorted(pid for pid in report.producers if pid not in latest.producers)
+    expected_step = _past_skipped(expected_step, skipped)
     if expected_step != latest.next_step:
         report.problems.append(
             f"steps end at {expected_step - 1}, the manifest says {latest.next_step - 1}"
         )
-    report.steps = len(items)
 
     total = len(items)
     done = 0
-    step_problems: list[tuple[int, list[str]]] = []
-    any_missing = False
+    step_results: list[tuple[int, _StepResult]] = []
+    any_missing = any(isinstance(f.error, ObjectNotFound) for f in failures)
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         results = pool.map(
             lambda item: _check_tgb(store, log, latest, item[0], item[1], read_slices), items
         )
-        for (step, _), (problems, objects, slices, nread, missing) in zip(
-            items, results, strict=True
-        ):
-            if problems:
-                step_problems.append((step, problems))
-            any_missing = any_missing or missing
-            report.objects += objects
-            report.slices += slices
-            report.bytes_read += nread
+        for (step, _), result in zip(items, results, strict=True):
+            if result.problems or result.unchecked:
+                step_results.append((step, result))
+            any_missing = any_missing or result.missing
+            report.objects += result.objects
+            report.slices += result.slices
+            report.bytes_read += result.nread
             done += 1
             if progress is not None:
                 progress(done, total)
@@ -269,7 +373,24 @@ def verify_namespace(
         # _check_versions skips manifest versions reclaimed meanwhile).
         reclaimed_below = max(latest.base_step, base_step_now(log, default=latest.base_step))
     report.steps_reclaimed = sum(1 for step, _ in items if step < reclaimed_below)
-    for step, problems in step_problems:
-        if step >= reclaimed_below:
-            report.problems.extend(problems)
+    report.steps = len(items)
+    segment_problems: list[tuple[int, str]] = []
+    for failure in failures:
+        count = failure.stop - failure.start
+        if isinstance(failure.error, ObjectNotFound) and failure.stop <= reclaimed_below:
+            report.steps_reclaimed += count  # reclaimed with its steps meanwhile: no loss
+        else:
+            report.steps_unchecked += count
+            segment_problems.append((failure.start, _segment_problem(log, latest, failure)))
+    # In step order: segment problems first, then the steps' own.
+    for _, problem in segment_problems:
+        report.problems.append(problem)
+    for step, result in step_results:
+        if step < reclaimed_below:
+            continue
+        report.problems.extend(result.problems)
+        report.unchecked.extend(result.unchecked)
+        if result.unchecked:
+            report.steps -= 1
+            report.steps_unchecked += 1
     return report

@@ -12,20 +12,23 @@ import contextlib
 import ctypes
 import os
 import queue
+import re
 import select
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import boto3
 import botocore.exceptions as bex
@@ -40,6 +43,9 @@ _HOST = "127.0.0.1"
 _GRPC_OFFSET = 10000
 """SeaweedFS opens a gRPC listener at every HTTP port + 10000."""
 _STOP_GRACE = 5.0
+_STDERR_TAIL = 2000
+"""Characters of a failed server's output quoted in the error."""
+_MISSING_MODULE = re.compile(r"No module named '([\w.]+)'")
 
 
 @dataclass(frozen=True)
@@ -210,34 +216,61 @@ server.stop()
 def moto_server(*, startup_timeout: float = 60.0) -> Iterator[S3Endpoint]:
     """Run moto's ``ThreadedMotoServer`` on a free 127.0.0.1 port in a child process.
 
-    moto accepts any credentials; the endpoint carries dummy ones.
+    moto accepts any credentials; the endpoint carries dummy ones. A child that fails to start
+    is reported with the end of its stderr (kept in an unnamed temporary file, which never
+    fills up and blocks it the way an unread pipe would).
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    proc = _popen(
-        [sys.executable, "-c", _MOTO_CHILD],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], startup_timeout)
-        line = proc.stdout.readline().decode().strip() if ready else ""
-        if not line.isdigit():
-            raise RuntimeError(
-                f"moto server (pid {proc.pid}) did not report its port within "
-                f"{startup_timeout:.0f}s (exit code {proc.poll()})"
-            )
-        yield S3Endpoint(f"http://{_HOST}:{line}", "testing", "testing")
-    finally:
-        if proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
+    with tempfile.TemporaryFile() as stderr:
+        proc = _popen(
+            [sys.executable, "-c", _MOTO_CHILD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env=env,
+        )
         try:
+            assert proc.stdout is not None
+            ready, _, _ = select.select([proc.stdout], [], [], startup_timeout)
+            line = proc.stdout.readline().decode(errors="replace").strip() if ready else ""
+            if not line.isdigit():
+                raise RuntimeError(_moto_failure(proc, line, ready, startup_timeout, stderr))
+            yield S3Endpoint(f"http://{_HOST}:{line}", "testing", "testing")
+        finally:
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+            try:
+                proc.wait(_STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                _stop(proc)
+
+
+def _moto_failure(
+    proc: subprocess.Popen[Any], line: str, ready: list[Any], timeout: float, stderr: IO[bytes]
+) -> str:
+    """Why the moto child reported no port: its exit code or the timeout, and its stderr."""
+    if ready and not line:  # end of its stdout: the child is exiting
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(_STOP_GRACE)
-        except subprocess.TimeoutExpired:
-            _stop(proc)
+    code = proc.poll()
+    if code is None:
+        _stop(proc)  # stopped before its stderr is read: nothing more is written to it
+        if ready and not line:
+            what = "closed its stdout without reporting its port"
+        elif ready:
+            what = f"printed {line[:200]!r} instead of its port"
+        else:
+            what = f"did not report its port within {timeout:g}s"
+    else:
+        what = f"exited with code {code} before reporting its port"
+    stderr.seek(0)
+    tail = stderr.read().decode(errors="replace")[-_STDERR_TAIL:].strip()
+    message = f"moto server (pid {proc.pid}) {what}"
+    missing = _MISSING_MODULE.findall(tail)
+    if missing and missing[-1].split(".")[0] != "batchweave":
+        message += f"; moto's server needs module {missing[-1]!r}: pip install 'moto[server]'"
+    return f"{message}; its stderr ends:\n{tail}" if tail else f"{message} (no stderr output)"
 
 
 def _wait_for_http(port: int, proc: subprocess.Popen[Any], deadline: float) -> bool:
@@ -280,8 +313,9 @@ def seaweedfs_server(
     env.update(AWS_ACCESS_KEY_ID=access_key_id, AWS_SECRET_ACCESS_KEY=secret_access_key)
     last_log = ""
     for _ in range(attempts):
-        data_dir = Path(tmpdir) / f"seaweedfs-{uuid.uuid4().hex[:8]}"
+        data_dir = (Path(tmpdir) / f"seaweedfs-{uuid.uuid4().hex[:8]}").absolute()
         data_dir.mkdir(parents=True)
+        env["TMPDIR"] = str(data_dir)  # for whatever else weed puts in os.TempDir()
         taken: set[int] = set()
         ports: dict[str, int] = {}
         for name in ("s3", "master", "volume", "filer", "admin"):
@@ -290,6 +324,7 @@ def seaweedfs_server(
             ports[name] = port
         cmd = [
             weed,
+            "-logtostderr=true",  # into weed.log below, not /tmp/weed.<host>.<user>.log.*
             "mini",
             f"-dir={data_dir}",
             f"-ip={_HOST}",
@@ -300,6 +335,7 @@ def seaweedfs_server(
             *(f"-{name}.port={port}" for name, port in ports.items()),
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
+            *_local_sockets(data_dir),
         ]
         log_path = data_dir / "weed.log"
         with open(log_path, "wb") as log:
@@ -317,6 +353,60 @@ def seaweedfs_server(
             last_log = log_path.read_text(errors="replace")[-2000:]
         finally:
             _stop(proc)
+            _remove_grpc_sockets(ports.values())
     raise RuntimeError(
         f"SeaweedFS did not become ready after {attempts} attempts; last log:\n{last_log}"
     )
+
+
+_SOCKET_PATH_MAX = 107
+"""Longest path a Unix socket can be bound at on Linux (``sun_path`` holds 108 bytes)."""
+
+
+def _local_sockets(data_dir: Path) -> list[str]:
+    """Flags putting the S3 and filer Unix sockets in ``data_dir`` instead of /tmp.
+
+    Left at their defaults (``/tmp/seaweedfs-s3-<port>.sock``...) when ``data_dir`` is too deep
+    for a socket path; :func:`_remove_grpc_sockets` removes them then.
+    """
+    flags = []
+    for name in ("s3", "filer"):
+        path = data_dir / f"{name}.sock"
+        if len(os.fsencode(path)) <= _SOCKET_PATH_MAX:
+            flags.append(f"-{name}.localSocket={path}")
+    return flags
+
+
+def _remove_grpc_sockets(ports: Iterable[int]) -> None:
+    """Remove the Unix sockets a stopped ``weed`` left in /tmp under its ports' names.
+
+    Every gRPC listener also listens on ``/tmp/seaweedfs-<server>-grpc-<port + 10000>.sock``,
+    a path compiled into ``weed`` (no flag, not ``TMPDIR``), and some outlive a SIGTERM. The
+    ports were this server's, so the sockets named after them were its own; one that accepts
+    a connection belongs to a server started since, and stays.
+    """
+    ports = list(ports)
+    numbers = {str(port) for port in ports} | {str(port + _GRPC_OFFSET) for port in ports}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/tmp"):
+            name = entry.name
+            if not (name.startswith("seaweedfs-") and name.endswith(".sock")):
+                continue
+            if name[: -len(".sock")].rpartition("-")[2] not in numbers:
+                continue
+            with contextlib.suppress(OSError):
+                if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode) and not _listening(
+                    entry.path
+                ):
+                    os.unlink(entry.path)
+
+
+def _listening(path: str) -> bool:
+    """Whether a process accepts connections on the Unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect(path)
+        except OSError:
+            return False
+        return True

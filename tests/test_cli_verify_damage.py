@@ -1,0 +1,309 @@
+"""``batchweave verify`` on damaged namespaces and on data written by a newer BatchWeave.
+
+Pinned here: a damaged or missing segment is one problem naming its key and steps, and the other
+segments and the tail are still checked (it hid all other damage, "0 objects"); the summary
+counts the steps that could not be checked. A newest manifest version in a newer format exits 2
+("upgrade batchweave") instead of calling the namespace damaged; a segment or TGB in a newer
+format is "not checked" (upgrade), never damage with restore advice. An object longer than the
+manifest records (bytes appended) is a problem: it passed, though the format's own reader
+refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from manifest_helpers import body, envelope
+
+import batchweave as bw
+from batchweave._format._checksum import checksum
+from batchweave._format._tgb import TRAILER_SIZE, TRAILER_STRUCT
+from batchweave._format._tgb_read import _ALGO_BY_ID, FORMAT_VERSION
+from batchweave._history import read_object_footer
+from batchweave._manifest import ManifestLog, encode_manifest, manifest_key
+from batchweave._manifest._codec import body_checksum
+from batchweave._manifest._models import Manifest, SegmentRef
+from batchweave._manifest._segments import SegmentFiles
+from batchweave.cli._verify import VerifyReport, verify_namespace
+
+NS = "ns"
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """12 steps of one producer, laid out as segments for steps 0..4 and 5..8 and a tail of
+    steps 9..11 (whatever merges the producer did)."""
+    root = tmp_path_factory.mktemp("template") / "store"
+    root.mkdir()
+    store = bw.open_store(root.as_uri())
+    with bw.Producer(store, NS, mesh=bw.Mesh(dp=2, cp=1), producer_id="p", codec="raw") as p:
+        for i in range(STEPS):
+            p.append([b"a%03d" % i * 50, b"b%03d" % i * 50], offset=i)
+    log = ManifestLog(store, NS)
+    latest = log.latest()
+    tgbs = [desc for _, desc in log.descriptors(latest, 0, STEPS)]
+    segments = SegmentFiles(store, log.key, cache=0)
+    refs = (
+        segments.write(latest.namespace_id, 0, tgbs[:5]),
+        segments.write(latest.namespace_id, 5, tgbs[5:9]),
+    )
+    commit_next(store, log, latest, segments=refs, tail=tuple(tgbs[9:]), tail_start=9)
+    return root
+
+
+@pytest.fixture
+def root(template: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "store"
+    shutil.copytree(template, copy)
+    return copy
+
+
+def open_log(root: Path) -> tuple[bw.ObjectStore, ManifestLog, Manifest]:
+    store = bw.open_store(root.as_uri())
+    log = ManifestLog(store, NS)
+    return store, log, log.latest()
+
+
+def verify(root: Path) -> VerifyReport:
+    return verify_namespace(bw.open_store(root.as_uri()), NS)
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "batchweave.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def tgb_path(root: Path, step: int) -> Path:
+    _, log, latest = open_log(root)
+    return root / NS / log.descriptor(latest, step).objects[0].key
+
+
+def flip_last_bytes(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 1
+    path.write_bytes(bytes(raw))
+
+
+def commit_next(store: bw.ObjectStore, log: ManifestLog, manifest: Manifest, **update: Any) -> None:
+    """Commit a copy of ``manifest`` with ``update`` as the next version (a hand-made writer)."""
+    version = manifest.version + 1
+    new = manifest.model_copy(
+        update={"version": version, "parent": manifest.version, "commit_id": "e" * 32, **update}
+    )
+    store.put_if_absent(log.key(manifest_key(version)), encode_manifest(new))
+
+
+# -- 1: a damaged or missing segment hides nothing else ----------------------------------------
+
+
+def test_a_damaged_segment_is_one_problem_and_the_rest_is_still_checked(root: Path) -> None:
+    """It printed "0 objects", "steps checked 0" and the segment only: the step-11 object
+    deleted as well went unreported."""
+    _, log, latest = open_log(root)
+    first = latest.segments[0]
+    assert (first.first_step, first.count, latest.tail_start) == (0, 5, 9)
+    flip_last_bytes(root / NS / first.key)
+    lost = tgb_path(root, 11)  # in the tail
+    lost.unlink()
+
+    report = verify(root)
+    assert len(report.problems) == 2, report.problems
+    segment, missing = report.problems
+    assert log.key(first.key) in segment
+    assert "steps 0..4" in segment
+    assert "damaged" in segment
+    assert "restore the segment object" in segment
+    assert lost.name in missing
+    assert "step 11" in missing
+    assert report.steps == 7  # steps 5..11: the second segment and the tail
+    assert report.steps_unchecked == 5
+    assert report.objects == 6  # 7 steps, one object missing
+    assert not any("dense" in p or "steps end" in p for p in report.problems)
+    assert not report.ok
+    assert not report.complete
+
+
+def test_a_missing_segment_in_the_middle_names_its_steps(root: Path) -> None:
+    _, log, latest = open_log(root)
+    second = latest.segments[1]
+    (root / NS / second.key).unlink()
+    flip_last_bytes(tgb_path(root, 0))  # damage in segment 1's steps is still found
+
+    report = verify(root)
+    assert report.steps == STEPS - second.count
+    assert report.steps_unchecked == second.count
+    text = " ".join(report.problems)
+    assert log.key(second.key) in text
+    assert "is missing" in text
+    assert f"steps {second.first_step}..{second.end_step - 1}" in text
+    assert "step 0 " in text
+    assert not any("dense" in p or "steps end" in p for p in report.problems)
+
+
+def test_the_json_report_counts_the_steps_not_checked(root: Path) -> None:
+    _, _, latest = open_log(root)
+    flip_last_bytes(root / NS / latest.segments[0].key)
+    tgb_path(root, 11).unlink()
+    result = run("verify", "--json", str(root), NS)
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is False
+    assert (report["steps"], report["steps_unchecked"], report["objects"]) == (7, 5, 6)
+    assert any("step 11" in p for p in report["problems"])
+
+
+# -- 2: a newer BatchWeave's data is no damage -------------------------------------------------
+
+
+def test_a_newest_manifest_of_a_newer_format_cannot_be_checked(root: Path) -> None:
+    """Exit 1 and "Restore the object from a backup, or resume in a new namespace" for a
+    namespace a newer BatchWeave committed to: an upgrade is all it needs."""
+    mdir = root / NS / "_manifests"
+    newest = sorted(mdir.iterdir())[-1]
+    doc = json.loads(body(newest.read_bytes()))
+    doc.update(format=5, version=doc["version"] + 1, parent=doc["version"], commit_id="f" * 32)
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    (mdir / manifest_key(doc["version"]).split("/")[-1]).write_bytes(envelope(raw))
+
+    with pytest.raises(bw.UnsupportedFormatVersion, match="upgrade batchweave"):
+        verify(root)
+    result = run("verify", str(root), NS)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "UnsupportedFormatVersion" in result.stderr
+    assert "upgrade batchweave" in result.stderr
+    assert "restore" not in (result.stdout + result.stderr).lower()
+
+
+def test_a_segment_of_a_newer_format_is_not_checked_and_no_damage(root: Path) -> None:
+    store, log, latest = open_log(root)
+    ref = latest.segments[0]
+    seg = json.loads(body(store.get(log.key(ref.key))))
+    seg["format"] = 4
+    raw = envelope(json.dumps(seg, separators=(",", ":")).encode(), "batchweave-segment")
+    newer = ref.key.replace(".seg", "-v4.seg")
+    store.put(log.key(newer), raw)
+    newer_ref = SegmentRef(
+        key=newer,
+        first_step=ref.first_step,
+        count=ref.count,
+        bytes=len(raw),
+        checksum=body_checksum(body(raw)),
+    )
+    commit_next(store, log, latest, segments=(newer_ref, *latest.segments[1:]))
+
+    report = verify(root)
+    assert report.problems == []
+    assert len(report.unchecked) == 1
+    assert "written by a newer BatchWeave" in report.unchecked[0]
+    assert "upgrade batchweave" in report.unchecked[0]
+    assert "steps 0..4" in report.unchecked[0]
+    assert newer in report.unchecked[0]
+    assert (report.steps, report.steps_unchecked) == (7, 5)
+    assert not report.ok
+    assert not report.complete
+
+
+def bump_trailer_version(path: Path) -> None:
+    """Rewrite ``path``'s trailer as a newer BatchWeave would: format ``FORMAT_VERSION + 1``,
+    with a valid footer checksum (the footer bytes, which the manifest checksums, unchanged)."""
+    raw = bytearray(path.read_bytes())
+    length, _, algo_id, reserved, _, magic = TRAILER_STRUCT.unpack(raw[-TRAILER_SIZE:])
+    footer = bytes(raw[-TRAILER_SIZE - length : -TRAILER_SIZE])
+    version = FORMAT_VERSION + 1
+    head = TRAILER_STRUCT.pack(length, version, algo_id, reserved, 0, magic)[:16]
+    crc = checksum(footer + head, _ALGO_BY_ID[algo_id])
+    raw[-TRAILER_SIZE:] = TRAILER_STRUCT.pack(length, version, algo_id, reserved, crc, magic)
+    path.write_bytes(bytes(raw))
+
+
+def test_a_tgb_of_a_newer_format_is_not_checked_and_no_damage(root: Path) -> None:
+    victim = tgb_path(root, 6)
+    bump_trailer_version(victim)
+
+    report = verify(root)
+    assert report.problems == []
+    assert len(report.unchecked) == 1
+    item = report.unchecked[0]
+    assert "step 6 " in item
+    assert victim.name in item
+    assert "written by a newer BatchWeave" in item
+    assert "upgrade batchweave" in item
+    assert (report.steps, report.steps_unchecked) == (STEPS - 1, 1)
+    assert not report.ok
+    assert not report.complete
+
+
+# -- 3: an object's real size ------------------------------------------------------------------
+
+
+def test_bytes_appended_to_an_object_are_a_problem(root: Path) -> None:
+    """100 bytes appended to a TGB gave exit 0 "OK", though read_footer calls it damaged."""
+    store, log, latest = open_log(root)
+    ref = log.descriptor(latest, 5).objects[0]
+    victim = root / NS / ref.key
+    with victim.open("ab") as f:
+        f.write(b"\0" * 100)
+
+    with pytest.raises(bw.FormatError, match="longer than the manifest records"):
+        read_object_footer(store, log.key(ref.key), ref)
+    report = verify(root)
+    assert len(report.problems) == 1, report.problems
+    problem = report.problems[0]
+    assert victim.name in problem
+    assert "step 5 " in problem
+    assert f"{ref.size} bytes recorded, {ref.size + 100} found" in problem
+    result = run("verify", "--footers-only", str(root), NS)
+    assert result.returncode == 1, result.stdout
+    assert "longer than the manifest records" in " ".join(result.stdout.split())
+
+
+def test_a_sound_namespace_still_passes_with_every_byte_counted(root: Path) -> None:
+    report = verify(root)
+    assert report.ok
+    assert report.complete
+    assert (report.steps, report.steps_unchecked, report.objects) == (STEPS, 0, STEPS)
+    data = sum(p.stat().st_size for p in (root / NS / "data").rglob("*.tgb"))
+    assert report.bytes_read == data  # the extra byte asked for past each object is not there
+
+
+# -- the exit status says what verify could not check ------------------------------------------
+
+
+def test_verify_exits_2_when_only_a_newer_format_kept_it_from_checking(root: Path) -> None:
+    """Parts written by a newer BatchWeave: neither pass (0) nor damage (1), but "could not
+    run" fully (2), with the steps not checked and the upgrade advice, and no restore advice."""
+    bump_trailer_version(tgb_path(root, 6))
+    result = run("verify", str(root), NS)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    out = " ".join(result.stdout.split())
+    assert f"({STEPS - 1}, 1 could not be checked)" in out
+    assert "not checked: step 6 " in out
+    assert "upgrade batchweave" in out
+    assert "INCOMPLETE: no problem found; 1 steps could not be checked" in out
+    assert "restore" not in out.lower()
+    assert result.stderr.startswith("batchweave: error: verify could not check 1 steps")
+    data = json.loads(run("verify", "--json", str(root), NS).stdout)
+    assert (data["ok"], data["complete"], data["problems"]) == (False, False, [])
+    assert data["steps_unchecked"] == 1
+    assert len(data["unchecked"]) == 1
+
+
+def test_damage_found_exits_1_even_when_parts_could_not_be_checked(root: Path) -> None:
+    bump_trailer_version(tgb_path(root, 6))
+    tgb_path(root, 11).unlink()
+    result = run("verify", str(root), NS)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    out = " ".join(result.stdout.split())
+    assert "FAILED: 1 problems; 1 steps could not be checked" in out
+    assert "not checked: step 6 " in out
