@@ -4,6 +4,8 @@
 a ``DataLoader`` with ``num_workers=W`` worker ``w`` reads steps ``w, w + W, ...`` (its consumer
 has ``stride=W``), and the DataLoader's in-order round robin over workers puts them back into
 step order: the sequence is the same for any number of workers, and each step is read once.
+Each item already is one step's batch: in a plain ``DataLoader`` pass ``batch_size=None``; any
+batch size batches inside each worker, whose steps are strided (``[0, W], [1, W + 1], ...``).
 
 :class:`WeaveLoader` wraps the ``DataLoader`` and implements torch's ``Stateful`` protocol: its
 :meth:`~WeaveLoader.state_dict` records the step after the last one it yielded, so steps that
@@ -14,14 +16,17 @@ resumes there (with any number of workers). Requires ``torch`` (``pip install ba
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import multiprocessing
+import os
 import pickle
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -54,6 +59,9 @@ _OBSTORE_FORK_ADVICE = (
     "store), or read with the boto3 client (s3_client='boto3')"
 )
 """Why a ``fork`` start method is refused for workers reading with obstore."""
+
+_STOP_POLL = 0.05
+"""How often a DataLoader worker waiting for producers checks whether it should stop, in s."""
 
 
 def to_tensors(item: Any) -> Any:
@@ -145,14 +153,21 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
             check_store_url(store, **self.store_options)
         self.consumer_options = consumer_options
         self.resume_state: dict[str, Any] | None = None
-        """Consumer state the next iteration starts from (set by :class:`WeaveLoader`)."""
+        """Consumer state an iteration starts from (None: the first step). :class:`WeaveLoader`
+        sets it on each iteration's own shallow copy of the dataset, never on this one."""
         self.stop_event: Any = None
-        """A multiprocessing ``Event`` :class:`WeaveLoader` sets when its loop ends (or None).
+        """A shared flag (a multiprocessing ``RawValue``) :class:`WeaveLoader` sets to 1 when its
+        loop ends (or None).
 
-        Workers waiting for producers then close their consumers at once: a worker waits at the
-        head of the stream for as long as producers are behind, and torch waits 5 s for each
-        worker that does not stop before killing it.
+        Workers waiting for producers poll it and then close their consumers at once: a worker
+        waits at the head of the stream for as long as producers are behind, and torch waits 5 s
+        for each worker that does not stop before killing it. A flag, not an ``Event``: setting
+        an ``Event`` waits for every waiting process to acknowledge, for ever if one was killed.
         """
+        self._loader_pid: int | None = None
+        """The pid of the process whose :class:`WeaveLoader` iterates this (copy of the) dataset.
+
+        Its workers stop once it is gone, also when it is not their parent (``forkserver``)."""
         self._namespace_id: str | None = None
         """The id of the namespace, as the consumer of an iteration in this process saw it."""
 
@@ -183,16 +198,20 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
     ) -> Consumer:
         """A consumer for DataLoader worker ``worker`` of ``workers``, at :attr:`resume_state`.
 
-        With ``stop`` (a multiprocessing ``Event``) set, its next wait closes it instead.
-        ``default_timeout`` is its ``timeout`` unless the dataset's options set one.
+        With ``stop`` (a :attr:`stop_event` flag, or ``True`` for none), the consumer is made
+        for a worker process: once the flag is set, or the process that started this one is
+        gone, its next wait closes it instead. ``default_timeout`` is its ``timeout`` unless the
+        dataset's options set one.
         """
         options = dict(self.consumer_options)
         if options.get("timeout") is None and default_timeout is not None:
             options["timeout"] = default_timeout
         made: list[Consumer] = []  # the consumer, once made, for the sleep to close
         if stop is not None:
+            flag = None if stop is True else stop
+            watch = _WorkerStop(flag, os.getppid(), self._loader_pid)
             options["sleep"] = functools.partial(
-                _sleep_unless_stopped, stop, options.get("sleep"), made
+                _sleep_unless_stopped, watch, options.get("sleep"), made
             )
         consumer = Consumer(
             store,
@@ -214,7 +233,8 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        stop = None if info is None else self.stop_event
+        # In a worker, always watch the parent: with ``True`` (no loader flag) only the parent.
+        stop = None if info is None else (True if self.stop_event is None else self.stop_event)
         store, owned = self.open_store()
         try:
             with self.consumer(store, worker=worker, workers=workers, stop=stop) as consumer:
@@ -226,21 +246,75 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
                 store.close()
 
 
+class _WorkerStop:
+    """Whether a DataLoader worker waiting for producers should give up: once the loader's loop
+    ended (``flag``, a shared ``RawValue``, is set), or the training process is gone.
+
+    Reading a flag needs nothing of the other processes, unlike a multiprocessing ``Event``,
+    whose ``set()`` waits for every waiting process to acknowledge: for ever if one was killed.
+    The training process is gone once ``os.getppid()`` is no longer ``parent`` (the worker's
+    parent when it started: the training process with ``fork`` and ``spawn``), or once
+    ``loader`` (the pid of the loader's process, if known) no longer runs: with ``forkserver``
+    the parent is the fork server, which its children keep alive.
+    """
+
+    def __init__(self, flag: Any, parent: int, loader: int | None) -> None:
+        self.flag = flag
+        self.parent = parent
+        self.loader = None if loader == parent else loader
+
+    def stopped(self) -> bool:
+        """Whether nobody will ask for the step this worker waits for."""
+        return (self.flag is not None and bool(self.flag.value)) or self.orphaned()
+
+    def orphaned(self) -> bool:
+        """Whether the training process is gone."""
+        if os.getppid() != self.parent:
+            return True
+        return self.loader is not None and not _runs(self.loader)
+
+
+def _runs(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (an exited process not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rpartition(b")")[2].split()[:1]
+    except OSError:
+        return True  # no procfs: it exists
+    return state not in ([b"Z"], [b"X"])
+
+
 def _sleep_unless_stopped(
-    stop: Any,
+    stop: _WorkerStop,
     sleep: Callable[[float], None] | None,
     consumers: list[Consumer],
     seconds: float,
 ) -> None:
-    """A worker consumer's sleep: wakes early and closes the consumer once ``stop`` is set."""
+    """A worker consumer's sleep: wakes early and closes the consumer once ``stop`` says so."""
     if sleep is None:
-        stopped = stop.wait(seconds)
+        deadline = time.monotonic() + seconds
+        while not stop.stopped():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(_STOP_POLL, left))
     else:
         sleep(seconds)
-        stopped = stop.is_set()
-    if stopped:  # the loader's loop ended: nobody will ask for the step this worker waits for
-        for consumer in consumers:
-            consumer.close()
+        if not stop.stopped():
+            return
+    # the loader's loop ended, or its process died: nobody will ask for the step it waits for
+    for consumer in consumers:
+        consumer.close()
+    if stop.orphaned():
+        # Leave torch's worker loop too: its own check of the parent misses a dead training
+        # process under forkserver, and nothing else would end this process.
+        raise SystemExit("batchweave: the training process is gone; this DataLoader worker exits")
 
 
 def _start_method(context: Any) -> str:
@@ -363,6 +437,10 @@ class WeaveLoader:
     delivered once; use a second loader for a separate pass).
     """
 
+    _takes_consumer_states: ClassVar[bool] = True
+    """``checkpoint_hook`` checks a ``state`` given with it on every rank (its states are
+    consumer states)."""
+
     def __init__(self, dataset: WeaveDataset, **dataloader_options: Any) -> None:
         if not isinstance(dataset, WeaveDataset):
             raise TypeError(
@@ -426,24 +504,30 @@ class WeaveLoader:
 
     def _iterate(self) -> Generator[tuple[int, Any], None, None]:
         """The steps of one iteration (see :class:`_LoaderIterator`)."""
+        # This iteration's own copy of the dataset: the user's is never modified, so another
+        # loader (or DataLoader) over it still starts where the dataset does.
+        dataset = copy.copy(self.dataset)
         if self._next_step is not None:
-            self.dataset.resume_state = self.state_dict()
-        loader = DataLoader(self.dataset, batch_size=None, **self.dataloader_options)
+            dataset.resume_state = self.state_dict()
         stop = self._stop_event()
-        self.dataset.stop_event = stop  # pickled into (or forked with) this iteration's workers
+        dataset.stop_event = stop  # pickled into (or forked with) this iteration's workers
+        dataset._loader_pid = os.getpid()
+        loader = DataLoader(dataset, batch_size=None, **self.dataloader_options)
         batches = iter(loader)
         self._loops += 1
         try:
             for step, data in batches:
                 self._next_step = int(step) + 1
+                if dataset.namespace_id is not None:  # an iteration in this process saw it
+                    self.dataset._namespace_id = dataset.namespace_id
                 yield step, data
         finally:
             self._loops -= 1
             # A worker still waiting for producers would hold up the shutdown for 5 s before
-            # torch kills it: it gives up now instead.
+            # torch kills it: it gives up now instead (a flag: no reply needed from the workers,
+            # some of which may be dead).
             if stop is not None:
-                stop.set()
-            self.dataset.stop_event = None
+                stop.value = 1
             # Shut the workers down now, not when ``batches`` is collected: a worker's error
             # re-raised here puts ``batches`` in a reference cycle, and collected in a cycle its
             # queues are closed before it tells the workers to stop, so torch waits 5 s for
@@ -453,13 +537,14 @@ class WeaveLoader:
                 shutdown()
 
     def _stop_event(self) -> Any:
-        """A fresh ``Event`` of the DataLoader's multiprocessing context; None without workers."""
+        """A fresh shared flag (``RawValue``, 0) of the DataLoader's multiprocessing context,
+        for :attr:`WeaveDataset.stop_event`; None without workers."""
         if not self.dataloader_options.get("num_workers", 0):
             return None
         context = self.dataloader_options.get("multiprocessing_context")
         if context is None or isinstance(context, str):
             context = multiprocessing.get_context(context)
-        return context.Event()
+        return context.RawValue("b", 0)
 
     def _consumer(self) -> Consumer:
         """A never-iterated consumer that validates states and fills in the namespace id.
@@ -549,8 +634,7 @@ class WeaveLoader:
             )
         shadow = self._consumer()
         shadow.load_state_dict(state)
-        self.dataset.resume_state = shadow.state_dict()
-        self._next_step = int(state["step"])
+        self._next_step = int(state["step"])  # the next iteration's dataset copy starts there
 
     def close(self) -> None:
         """Release the store this loader opened for checking states, if any."""

@@ -50,9 +50,14 @@ calls = []
 def progress(done, total):
     calls.append(done)
     if len(calls) == 1:  # the export has started: the user presses Ctrl-C (or kill PID)
-        os.kill(os.getpid(), getattr(signal, signame))
-    else:
-        time.sleep(0.02)  # slow enough that the signal lands while steps remain
+        sig = getattr(signal, signame)
+        os.kill(os.getpid(), sig)
+        # Go on only once the export's handler has taken the signal (a condition, not a
+        # pause): the steps left must then stop at the next batch.
+        taken = signal.getsignal(sig).__self__.received
+        deadline = time.monotonic() + 30
+        while not taken and time.monotonic() < deadline:
+            time.sleep(0.001)
 
 try:
     rows = export_history(bw.open_store(url), "ns", dest, progress=progress)

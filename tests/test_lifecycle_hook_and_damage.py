@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from manifest_helpers import body, envelope
 
 import batchweave as bw
 from batchweave import ConsumerError, FormatError, NamespaceMismatch
@@ -340,3 +341,54 @@ def test_the_reclaim_command_shows_skipped_damaged_versions(tmp_path: Path) -> N
     assert "damaged versions" in result.output
     assert "1 skipped" in result.output
     assert "batchweave verify" in result.output
+
+
+def test_a_reader_wrapping_the_consumer_state_in_its_own_is_still_accepted() -> None:
+    # checkpoint_hook takes any reader with resume_tgb_step and manifest_version; the every-rank
+    # state check is for BatchWeave's own readers, whose states are consumer states. It refused
+    # a wrapper whose state holds the consumer's under a key of its own.
+    store = bw.MemoryStore()
+    publish(store, NS, 4, ONE)
+
+    class Wrapper:
+        def __init__(self, consumer: bw.Consumer) -> None:
+            self.inner = consumer
+            self.namespace = consumer.namespace
+
+        @property
+        def manifest_version(self) -> int | None:
+            return self.inner.manifest_version
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"consumer": self.inner.state_dict(), "epoch": 3}
+
+        def resume_tgb_step(self, state: dict[str, Any] | None = None) -> int:
+            return self.inner.resume_tgb_step(None if state is None else state["consumer"])
+
+    consumer = bw.Consumer(store, NS, mesh=ONE, dp_rank=0, cp_rank=0, timeout=0)
+    next(consumer)
+    wrapper = Wrapper(consumer)
+    marks = bw.Watermarks(store, NS)
+    state = wrapper.state_dict()
+    assert bw.checkpoint_hook(wrapper, marks, "ckpt-1", state=state, rank=1) is None
+    mark = bw.checkpoint_hook(wrapper, marks, "ckpt-1", state=state, rank=0)
+    assert mark is not None
+    assert mark.step == 1
+
+
+def test_a_newest_version_written_by_a_newer_batchweave_says_upgrade_not_restore(
+    tmp_path: Path,
+) -> None:
+    # The damaged-version handling caught UnsupportedFormatVersion with the other FormatErrors
+    # and told the operator to restore a healthy object from a backup.
+    store = bw.FileStore(tmp_path)
+    publish(store, NS, 3, ONE)
+    newest = ManifestLog(store, NS).latest()
+    doc = json.loads(body(store.get(f"{NS}/{manifest_key(newest.version)}")))
+    doc.update(format=99, version=newest.version + 1, parent=newest.version, commit_id="f" * 32)
+    data = envelope(json.dumps(doc, separators=(",", ":")).encode())
+    store.put_if_absent(f"{NS}/{manifest_key(newest.version + 1)}", data)
+    with pytest.raises(bw.UnsupportedFormatVersion) as caught:
+        bw.Reclaimer(store, NS).run_once()
+    assert "upgrade batchweave" in str(caught.value)
+    assert "backup" not in str(caught.value)

@@ -62,13 +62,7 @@ def test_the_exit_waits_for_a_non_daemon_thread_appending_inside_its_with_block(
     # ProducerError "is closed", so its offsets were never committed.
     count = 40
     url = f"file://{tmp_path}"
-    done = subprocess.run(
-        [sys.executable, str(WORKER), url, NS, str(count)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = _run_worker(url, count, "appends")
     assert done.returncode == 0, done.stderr
     assert "ProducerError" not in done.stderr, done.stderr
     assert "WARNING" not in done.stderr, done.stderr
@@ -76,6 +70,41 @@ def test_the_exit_waits_for_a_non_daemon_thread_appending_inside_its_with_block(
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stdout.splitlines() == ["main returns", "worker done"]
     assert committed_offsets(bw.open_store(url), NS, "w") == list(range(count))
+
+
+def _run_worker(url: str, count: int, mode: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(WORKER), url, NS, str(count), mode, *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_an_idle_pool_thread_holding_a_with_block_is_closed_after_the_timeout(
+    tmp_path: Path,
+) -> None:
+    # A ThreadPoolExecutor worker lives until concurrent.futures' exit hook, which runs after
+    # BatchWeave's: waiting for it to close its producer hung the exit for ever.
+    url = f"file://{tmp_path}"
+    done = _run_worker(url, 3, "pool", "1.0")
+    assert done.returncode == 0, done.stderr
+    assert "neither appended nor published a TGB for 1 s" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert committed_offsets(bw.open_store(url), NS, "w") == [0, 1, 2]  # closed: committed
+
+
+def test_a_with_thread_blocked_through_an_outage_does_not_hold_the_exit_for_ever(
+    tmp_path: Path,
+) -> None:
+    # Its append blocks (max_inflight_bytes=1, every data PUT refused and retried): waited for
+    # without a limit, the process never exited; closed after the timeout, the producer is
+    # aborted, the blocked append raises and the thread ends.
+    done = _run_worker(f"file://{tmp_path}", 10, "outage", "1.0")
+    assert done.returncode == 0, done.stderr
+    assert "neither appended nor published a TGB for 1 s" in done.stderr, done.stderr
+    assert "worker ended with" in done.stdout, done.stdout
 
 
 @pytest.fixture
@@ -128,7 +157,7 @@ def test_the_exit_hook_waits_only_for_live_non_daemon_with_threads(own_registry:
     # closes them as before.
     assert not by_daemon.closed
     assert not mine.closed
-    assert _lifetime._owner(threading.current_thread()) is None
+    assert _lifetime._owner(threading.current_thread(), []) is None
     _lifetime._close_unclosed_at_exit()
     assert by_daemon.closed
     assert mine.closed

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 from batchweave._checks import check_namespace, check_store
 from batchweave._consumer._options import (
@@ -138,6 +138,10 @@ class Consumer:
 
     Implements torch's ``Stateful`` protocol (:meth:`state_dict`, :meth:`load_state_dict`).
     """
+
+    _takes_consumer_states: ClassVar[bool] = True
+    """``checkpoint_hook`` checks a ``state`` given with it on every rank (its states are
+    consumer states)."""
 
     def __init__(
         self,

@@ -117,8 +117,11 @@ def _check_state(
 ) -> dict[str, Any] | None:
     """``state`` parsed, refused as :meth:`Consumer.resume_tgb_step` would refuse it on rank 0,
     from what the consumer already knows (no store request); ``None`` without a ``state`` or for
-    a stand-in that is no BatchWeave reader (no ``namespace``), whose states are its own."""
+    any reader whose states are not BatchWeave consumer states (a stand-in or a wrapper with a
+    state of its own: only ``Consumer`` and ``WeaveLoader`` set ``_takes_consumer_states``)."""
     if state is None or namespace is None:
+        return None
+    if not getattr(consumer, "_takes_consumer_states", False):
         return None
     parsed = parse_state(state)  # ConsumerError for anything state_dict() could not return
     known = getattr(consumer, "namespace_id", None)  # a Consumer's, once it opened the namespace

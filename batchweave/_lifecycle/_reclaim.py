@@ -19,7 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchweave._checks import as_count, as_seconds, check_namespace, check_store
-from batchweave._errors import FormatError, NamespaceNotFound, ObjectNotFound
+from batchweave._errors import (
+    FormatError,
+    NamespaceNotFound,
+    ObjectNotFound,
+    UnsupportedFormatVersion,
+)
 from batchweave._lifecycle._keys import StepKeys
 from batchweave._lifecycle._sweep import ReclaimProgress, Sweep
 from batchweave._manifest._log import (
@@ -373,6 +378,8 @@ class Reclaimer:
         except NamespaceNotFound:
             self._known = None
             raise
+        except UnsupportedFormatVersion:
+            raise  # no damage: "upgrade batchweave" says what to do
         except FormatError as exc:
             # Unlike an old version (skipped), the newest one is what the cut and every reader
             # build on: nothing is committed or deleted until it is readable again.
@@ -491,6 +498,8 @@ class Reclaimer:
                 manifest = self._log.read(versions[mid])
             except ObjectNotFound:
                 return found  # reclaimed meanwhile: the orphan rule covers what is left
+            except UnsupportedFormatVersion:
+                raise  # written by a newer BatchWeave: no damage, and not ours to skip
             except FormatError as exc:
                 self._damaged(versions[mid], exc, damaged)
                 del versions[mid]
@@ -525,6 +534,8 @@ class Reclaimer:
             return version, self._log.read(version)
         except ObjectNotFound:
             return None, None
+        except UnsupportedFormatVersion:
+            raise  # written by a newer BatchWeave: no damage, and not ours to skip
         except FormatError as exc:
             self._damaged(version, exc, damaged)
             return version, None

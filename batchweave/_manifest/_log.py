@@ -8,6 +8,7 @@ attempt and reports who won; rebasing and pacing belong to the producer. See ``d
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import re
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from batchweave._checks import check_namespace, check_store
 from batchweave._errors import (
     AmbiguousWriteError,
+    ConcurrentWriteConflict,
     FormatError,
     NamespaceMismatch,
     NamespaceNotFound,
@@ -123,6 +125,14 @@ class Conflict:
     """
 
     winner: Manifest | None
+    failure: TransientStoreError | AmbiguousWriteError | None = dataclasses.field(
+        default=None, compare=False
+    )
+    """Set when no race was lost: the store failed the attempt (a 5xx or throttling, a write
+    whose outcome stayed unknown), and this is its error. Then nothing says another writer was
+    there: a caller that paces itself by lost races (the producer) counts it as a retried
+    failure instead. ``None`` for a lost race (a 412, a 409, a reclaimed base). Not compared:
+    it is why the winner is unknown, not a different outcome."""
 
 
 CommitResult = Committed | Conflict
@@ -674,12 +684,12 @@ class ManifestLog:
             return Conflict(None)
         except TransientStoreError as exc:
             _log.warning("commit of %s: transient error checking the parent: %s", key, exc)
-            return Conflict(None)
+            return Conflict(None, exc)
         try:
             manifest = self._build(base, version, now, append, producers, base_step, seal, retire)
         except (TransientStoreError, AmbiguousWriteError) as exc:
             _log.warning("commit of %s: transient error writing segments: %s", key, exc)
-            return Conflict(None)
+            return Conflict(None, exc)
         result = self._put(key, manifest)
         if isinstance(result, Committed) and self.deferred_merges:
             self._keep_mergeable(result.manifest)
@@ -907,6 +917,7 @@ class ManifestLog:
     def _put(self, key: str, manifest: Manifest) -> CommitResult:
         data = encode_manifest(manifest)
         self.last_commit_bytes += len(data)
+        unknown: AmbiguousWriteError | None = None
         for attempt in range(_AMBIGUOUS_RESENDS + 1):
             try:
                 self.store.put_if_absent(key, data)
@@ -915,21 +926,30 @@ class ManifestLog:
                 if result is None:
                     _log.warning("commit of %s: 412, but no object to read back", key)
                     return Conflict(None)
+                if isinstance(result, Conflict) and result.failure is not None:
+                    # The version exists: a lost race (or our own write), whoever wrote it.
+                    return Conflict(None)
                 return result
             except AmbiguousWriteError as exc:
                 _log.warning("commit of %s: ambiguous outcome (%s); reading back", key, exc)
+                unknown = exc
                 result = self._resolve(key, manifest, after="ambiguous write")
                 if result is not None:
                     return result
                 _log.info("commit of %s: not written; re-sending (attempt %d)", key, attempt + 2)
-            except TransientStoreError as exc:
-                _log.warning("commit of %s: %s; treating as a conflict", key, exc)
+            except ConcurrentWriteConflict as exc:
+                _log.warning(
+                    "commit of %s: %s; another write to the version is in flight", key, exc
+                )
                 return Conflict(None)
+            except TransientStoreError as exc:
+                _log.warning("commit of %s: %s; not written, retrying later", key, exc)
+                return Conflict(None, exc)
             else:
                 self._observe(manifest, key)
                 return Committed(manifest)
         _log.warning("commit of %s: outcome still unknown after %d sends", key, attempt + 1)
-        return Conflict(None)
+        return Conflict(None, unknown)
 
     def _resolve(self, key: str, ours: Manifest, *, after: str) -> CommitResult | None:
         """Read back the version we tried to write: ours, someone else's, or ``None`` (absent)."""
@@ -939,7 +959,7 @@ class ManifestLog:
             return None
         except TransientStoreError as exc:
             _log.warning("commit of %s: cannot read back after %s: %s", key, after, exc)
-            return Conflict(None)
+            return Conflict(None, exc)
         if winner.commit_id == ours.commit_id:
             _log.info("commit of %s: %s, but the version is ours", key, after)
             return Committed(winner)

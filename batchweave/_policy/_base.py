@@ -10,6 +10,8 @@ module, never the other way.
 from __future__ import annotations
 
 import abc
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -17,7 +19,9 @@ __all__ = [
     "AttemptOutcome",
     "CommitPolicy",
     "PolicyWrapper",
+    "checked_wait",
     "make_policy",
+    "measured_duration",
     "policy_class",
     "policy_names",
     "register",
@@ -41,6 +45,33 @@ class AttemptOutcome:
     """Whether ``flush()``/``close()``/``seal()`` started it (a slotted attempt, for DAC)."""
     bytes_written: int = 0
     """Manifest and segment bytes the attempt sent inside its window (0 if unknown)."""
+
+
+def measured_duration(began: float, ended: float) -> float:
+    """Seconds from clock reading ``began`` to ``ended``, never less than 0.
+
+    What a producer measures (an upload, a fragile window, the start-up commit) and reports to
+    its policy. A clock that steps backwards in between (an NTP step under ``clock=time.time``,
+    or a test's fake clock) would make the difference negative, which the policies rightly
+    refuse from a caller; measured over such a step, the duration is simply unknown and counts
+    as 0.
+    """
+    return max(0.0, ended - began)
+
+
+def checked_wait(policy: CommitPolicy, method: str, seconds: float) -> float:
+    """``seconds``, a wait ``policy.method`` answered, refused if it is not a number of seconds.
+
+    A wait may be ``inf`` (never, e.g. ``gap`` with ``max_gap=math.inf``) and at most 0 means
+    "now"; NaN compares false with everything, so the commit loop would neither attempt nor
+    wait: refused with a ``ValueError`` naming the policy and its method.
+    """
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or math.isnan(seconds):
+        raise ValueError(
+            f"commit policy {policy!r:.200}: {method} must return a number of seconds "
+            f"(inf: never), got {seconds!r:.100}"
+        )
+    return seconds
 
 
 class CommitPolicy(abc.ABC):
@@ -115,7 +146,9 @@ class CommitPolicy(abc.ABC):
         different machines share, up to skew) and ``rank`` this producer's position among the
         active producers sorted by id (``None`` if unknown). The default waits out
         :attr:`forced_gap` since the last attempt. The answer is re-asked after every wait, so
-        it may change as time passes.
+        it may change as time passes. ``inf`` waits until it changes; NaN is refused (the
+        producer stops with a ``ValueError`` naming the policy and the method), as it is from
+        :attr:`gap` and :meth:`regular_wait`.
         """
         return max(0.0, self.forced_gap - since_last_attempt)
 

@@ -10,6 +10,7 @@ implements the interface of ``_base.py`` and shares nothing with the count-based
 from __future__ import annotations
 
 import math
+import numbers
 import random
 from collections import deque
 from collections.abc import Callable
@@ -57,7 +58,8 @@ attempt costs one more conditional PUT, an invisible TGB stalls consumers.
 DEFAULT_MAX_FORCED_GAP = 0.125
 """The shortest slot period of ``flush()``/``close()`` (and the longest gap a lone producer's flush
 waits): they end a stream and a caller is waiting. 16 producers with windows of up to 7.8 ms fit
-in it; larger ``N W`` double the period as often as needed."""
+in it; larger ``N W`` double the period as often as needed. A ``max_gap`` below it lowers the
+default to ``max_gap``."""
 
 DEFAULT_SLOT_FACTOR = 2.0
 """A ``flush()``/``close()`` slot lasts at least this many won windows: an attempt starts in the
@@ -104,9 +106,16 @@ class UniformSource(Protocol):
 # --- DAC model -------------------------------------------------------------------------------
 
 
-def _check_window(window: float) -> None:
+def _check_number(name: str, value: object) -> None:
+    """Refuse a ``value`` that is not a real number (a str, ``None``, a bool), naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got the {type(value).__name__} {value!r:.100}")
+
+
+def _check_window(window: float, name: str = "fragile window") -> None:
+    _check_number(name, window)
     if not (math.isfinite(window) and window >= 0):
-        raise ValueError(f"fragile window must be a finite number of seconds >= 0, got {window!r}")
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {window!r}")
 
 
 def _check_producers(producers: int) -> None:
@@ -115,6 +124,8 @@ def _check_producers(producers: int) -> None:
 
 
 def _check_budgets(conflict_budget: float, duty_budget: float) -> None:
+    _check_number("conflict_budget", conflict_budget)
+    _check_number("duty_budget", duty_budget)
     if not 0 < conflict_budget < 1:
         raise ValueError(
             "conflict_budget must be in (0, 1) (a probability per attempt), "
@@ -243,18 +254,27 @@ class DacPolicy(CommitPolicy):
         rng: UniformSource | None = None,
         seed: int | None = None,
         max_gap: float = DEFAULT_MAX_GAP,
-        max_forced_gap: float = DEFAULT_MAX_FORCED_GAP,
+        max_forced_gap: float | None = None,
         window_clamp: float = DEFAULT_WINDOW_CLAMP,
         slot_factor: float = DEFAULT_SLOT_FACTOR,
         min_slot_window: float = DEFAULT_MIN_SLOT_WINDOW,
     ) -> None:
+        for option, value in (
+            ("ema_alpha", ema_alpha),
+            ("jitter", jitter),
+            ("max_gap", max_gap),
+            ("window_clamp", window_clamp),
+            ("slot_factor", slot_factor),
+            ("min_slot_window", min_slot_window),
+        ):
+            _check_number(option, value)
         _check_budgets(conflict_budget, duty_budget)
         if not 0 < ema_alpha <= 1:
             raise ValueError(f"ema_alpha must be in (0, 1], got {ema_alpha!r}")
         if not 0 <= jitter < 1:
             raise ValueError(f"jitter must be in [0, 1) so the gap stays positive, got {jitter!r}")
         if initial_window is not None:
-            _check_window(initial_window)
+            _check_window(initial_window, "initial_window (the starting fragile window)")
         if rng is not None and seed is not None:
             raise ValueError("pass either rng or seed to DacPolicy, not both")
         if rng is not None and not callable(getattr(rng, "uniform", None)):
@@ -264,6 +284,9 @@ class DacPolicy(CommitPolicy):
             )
         if not max_gap > 0:
             raise ValueError(f"max_gap must be > 0 seconds (or math.inf), got {max_gap!r}")
+        if max_forced_gap is None:  # the default follows a max_gap below it
+            max_forced_gap = min(DEFAULT_MAX_FORCED_GAP, max_gap)
+        _check_number("max_forced_gap", max_forced_gap)
         if not 0 <= max_forced_gap <= max_gap:
             raise ValueError(
                 f"max_forced_gap must be in [0, max_gap={max_gap!r}] seconds, "
@@ -290,8 +313,9 @@ class DacPolicy(CommitPolicy):
         self.min_slot_window = min_slot_window
         self._rng: UniformSource = rng if rng is not None else random.Random(seed)
         self._window = initial_window
-        self._samples = 0 if initial_window is None else round(1 / ema_alpha)
-        """Window samples in ``W`` so far (an explicit ``initial_window`` counts as settled)."""
+        self._samples: float = 0 if initial_window is None else math.inf
+        """Window samples in ``W`` so far (an explicit ``initial_window`` counts as settled: the
+        EMA weight ``max(a, 1 / samples)`` is then ``a`` from the first sample on)."""
         self._won_windows: deque[float] = deque(maxlen=_RECENT_WON)
         """The windows of the latest won attempts (the start-up commit counts): slot sizing."""
         self._slot_backoff = 0
@@ -431,7 +455,8 @@ class DacPolicy(CommitPolicy):
         if not math.isfinite(self.max_gap):
             return math.inf
         base = self.max_forced_gap
-        return base * 2.0 ** math.floor(math.log2(self.max_gap / base) + 1e-9)
+        # inf where max_gap / base overflows (max_gap near 1e308, or a subnormal base).
+        return _grid_period(base, self.max_gap / base, lambda x: math.floor(x + 1e-9))
 
     @property
     def regular_period(self) -> float:

@@ -55,13 +55,20 @@ from batchweave._manifest._log import (
     DEFAULT_TAIL_BYTES_LIMIT,
     DEFAULT_TAIL_LIMIT,
     Committed,
+    Conflict,
     ManifestLog,
     active_producer_ids,
 )
 from batchweave._manifest._models import Manifest, ProducerState, TgbDescriptor
 from batchweave._mesh import Mesh
 from batchweave._outage import OutageLog
-from batchweave._policy import AttemptOutcome, CommitPolicy, resolve_policy
+from batchweave._policy import (
+    AttemptOutcome,
+    CommitPolicy,
+    checked_wait,
+    measured_duration,
+    resolve_policy,
+)
 from batchweave._producer import _lifetime
 from batchweave._producer._lag import LagGate
 from batchweave._producer._options import as_offset, check_functions, check_identity
@@ -83,7 +90,8 @@ _TIME_WAIT_CHUNK = 0.25
 _EVENT_WAIT = 0.5
 """Longest wait for an event (upload done, flush, close) before re-checking the state."""
 _FORCED_POLL = 0.02
-"""Longest sleep of a regular wait while this producer's forced slot is open (see _next_work)."""
+"""Longest sleep of a regular wait while this producer's forced slot is open (see _next_work):
+only for a policy that takes turns on a grid, whose slot closes again."""
 
 
 class _Idle:
@@ -273,6 +281,9 @@ class Producer:
         self._seal_requested = False
         self._sealed = False
         self._last_attempt_end = -math.inf
+        self._waited = 0.0
+        """Seconds the commit loop waited since ``_last_attempt_end`` (set with it): a lower
+        bound on the time since, for a clock that stands still or steps backwards."""
         self._stats: dict[str, int] = dict.fromkeys(
             (
                 "attempts",
@@ -306,7 +317,7 @@ class Producer:
         )
         """The epoch commit's manifest, this incarnation's epoch, and how long that commit took."""
         self._base_read_at = self._clock()
-        self._last_attempt_end = self._base_read_at
+        self._attempt_ended(self._base_read_at)
         state = self._base.producers[producer_id]
         self._committed_offset: int | None = state.offset
         self._committed_source = state.source
@@ -610,6 +621,12 @@ class Producer:
                 committed_offset=self._committed_offset,
             )
 
+    def _progress(self) -> tuple[int | None, int]:
+        """What changes while this producer is in use (the last offset appended, the TGBs
+        published): the exit hook waits for a ``with`` thread only while it does."""
+        with self._cond:
+            return self._last_appended, self._stats["tgbs_published"]
+
     def __enter__(self) -> Producer:
         # The thread running the block owns this producer until it leaves it: the exit hook
         # waits for a live non-daemon one rather than closing the producer under it.
@@ -813,7 +830,7 @@ class Producer:
                 try:
                     began = self._clock()
                     self._store.put_parts(key, encoded.parts)
-                    took = self._clock() - began
+                    took = measured_duration(began, self._clock())
                     self._outage.recovered()
                     break
                 except RETRYABLE as exc:
@@ -949,17 +966,25 @@ class Producer:
             if not self._policy_started:
                 return seal_now  # the first work: _begin() starts the policy's pacing
             forced = seal_now or self._flush_waiters > 0 or self._closing
-            gap = self._policy.gap
-            since = self._clock() - self._last_attempt_end
+            gap = checked_wait(self._policy, "gap", self._policy.gap)
+            # The time this loop waited is a lower bound: a clock that stands still (or one
+            # stepped back, as an NTP step moves clock=time.time) must not hold attempts back.
+            since = max(self._clock() - self._last_attempt_end, self._waited)
             if gap_waited:
                 since = max(since, gap)
             # flush()/close() end a stream: they wait only the policy's forced wait (for
             # DAC, this producer's slot, which a regular attempt would not respect).
-            until_forced = self._policy.forced_wait(since, self._wall_clock(), self._rank)
-            self._forced_attempt = forced
-            until_regular = (
-                None if forced else self._policy.regular_wait(since, self._wall_clock(), self._rank)
+            until_forced = checked_wait(
+                self._policy,
+                "forced_wait",
+                self._policy.forced_wait(since, self._wall_clock(), self._rank),
             )
+            self._forced_attempt = forced
+            until_regular = None
+            if not forced:
+                regular = self._policy.regular_wait(since, self._wall_clock(), self._rank)
+                if regular is not None:
+                    until_regular = checked_wait(self._policy, "regular_wait", regular)
             if forced:
                 if until_forced <= 0 or forced_waited:
                     return seal_now
@@ -980,7 +1005,17 @@ class Producer:
                 remaining = gap - since
             if remaining > 0:
                 chunk = min(remaining, _TIME_WAIT_CHUNK)
-                if not forced:
+                open_now = not forced and until_forced <= 0 and until_regular is None
+                if open_now and self._sleep is time.sleep:
+                    # A flush()/close() may attempt at once whenever it comes (a lone producer,
+                    # or a policy without turns: no slot to catch, so nothing to poll for).
+                    # On real time, wait on the condition, which flush() and close() notify;
+                    # an injected sleep (which they cannot cut short) sleeps the chunk below.
+                    began = time.monotonic()
+                    self._cond.wait(chunk)
+                    self._waited += measured_duration(began, time.monotonic())
+                    continue
+                if not forced and not open_now:
                     # A flush()/close() arriving during this sleep (which it cannot cut
                     # short) must not miss this producer's next forced slot: wake for every
                     # one and re-check, and poll while inside one. A closer that slept
@@ -991,6 +1026,7 @@ class Producer:
                     self._sleep(chunk)
                 finally:
                     self._cond.acquire()
+                self._waited += chunk
                 gap_waited = chunk == gap - since
                 forced_waited = forced and chunk == until_forced
                 regular_waited = until_regular is not None and chunk == until_regular
@@ -1007,7 +1043,7 @@ class Producer:
         here, with ``N`` and this producer's rank among the active ids read now, when producers
         started together have all joined.
         """
-        if self._clock() - self._base_read_at >= self._refresh_age:
+        if self._base_is_old(self._clock()):
             latest = self._log.latest(self._base)
             with self._cond:
                 self._adopt_locked(latest)
@@ -1021,7 +1057,17 @@ class Producer:
         self._policy.start(self._start_window, active, self._rank, loaded_window=first_upload)
         with self._cond:
             self._policy_started = True
-            self._last_attempt_end = self._clock()
+            self._attempt_ended(self._clock())
+
+    def _attempt_ended(self, now: float) -> None:
+        """Count the gap from ``now`` (holding ``self._cond``, or before the threads start)."""
+        self._last_attempt_end = now
+        self._waited = 0.0
+
+    def _base_is_old(self, now: float) -> bool:
+        """Whether the base manifest was read ``refresh_age`` or longer ago (or the clock went
+        back since: then its age is unknown, and it is read again)."""
+        return not 0 <= now - self._base_read_at < self._refresh_age
 
     def _note_active(self) -> int:
         """``N`` from the newest manifest read, noting this producer's rank among those ids."""
@@ -1038,7 +1084,7 @@ class Producer:
         self._write_merge(self._log.refresh_prepared_merge, "before the next commit")
         start = self._clock()
         base = self._base
-        if start - self._base_read_at >= self._refresh_age:
+        if self._base_is_old(start):
             base = self._log.latest(base)
             self._base_read_at = self._clock()
         with self._cond:
@@ -1065,8 +1111,13 @@ class Producer:
         finally:
             with self._cond:
                 self._stats["attempts"] += 1
+        if isinstance(result, Conflict) and result.failure is not None:
+            # The store failed the attempt (a 503, throttling): no race was lost, so it is not
+            # a conflict for the stats nor for the policy (DAC would widen its gap or its slots
+            # for it). _commit_turn counts it as a retried failure and backs off.
+            raise result.failure
         end = self._clock()
-        window = end - start
+        window = measured_duration(start, end)
         if isinstance(result, Committed):
             self._unknown_conflicts = 0
             manifest = result.manifest
@@ -1095,8 +1146,8 @@ class Producer:
             committed = True
         else:
             if result.winner is None:
-                # A 409, a transient failure or a reclaimed base: back off (jittered) so a
-                # zero-gap policy cannot spin on a struggling store, then rebase on the latest.
+                # A 409, a 412 whose winner could not be read or a reclaimed base: back off
+                # (jittered) so a zero-gap policy cannot spin, then rebase on the latest.
                 self._unknown_conflicts += 1
                 self._pause(self._rng.uniform(0.0, self._retries.backoff(self._unknown_conflicts)))
                 winner = self._log.latest(base)
@@ -1121,7 +1172,7 @@ class Producer:
         )
         with self._cond:
             self._last_window = window
-            self._last_attempt_end = self._clock()
+            self._attempt_ended(self._clock())
         if isinstance(result, Committed) and merge:
             self._prepare_merge(result.manifest)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401  # registers the upload pools' join: see the end
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -52,6 +53,7 @@ _WITH_THREADS: weakref.WeakKeyDictionary[Producer, list[threading.Thread]] = (
 """For each producer inside a ``with`` block, the threads running those blocks, innermost last
 (guarded by ``_WITH_LOCK``): the exit hook waits for a live non-daemon one to close its own."""
 _WITH_LOCK = threading.Lock()
+_LOG = logging.getLogger("batchweave.producer")
 _OWNER_POLL = 0.1
 """Longest wait for a ``with`` thread at exit before checking again whether its producer was
 closed (a thread's end ends the wait at once)."""
@@ -101,14 +103,16 @@ def leave_with(producer: Producer) -> None:
             del _WITH_THREADS[producer]
 
 
-def _owner(exiting: threading.Thread) -> tuple[Producer, threading.Thread] | None:
+def _owner(
+    exiting: threading.Thread, given_up: list[Producer]
+) -> tuple[Producer, threading.Thread] | None:
     """An unclosed producer inside a ``with`` block of a live non-daemon thread other than
-    ``exiting``, with that thread; ``None`` if there is none."""
+    ``exiting``, with that thread, not one of ``given_up``; ``None`` if there is none."""
     with _WITH_LOCK:
         held = list(_WITH_THREADS.items())
     for producer, threads in held:
-        if producer not in _UNCLOSED:  # closed or aborted (its thread is leaving the block)
-            continue
+        if producer not in _UNCLOSED or any(producer is p for p in given_up):
+            continue  # closed or aborted (its thread is leaving the block), or given up on
         for thread in reversed(threads):
             if thread is not exiting and not thread.daemon and thread.is_alive():
                 return producer, thread
@@ -119,15 +123,35 @@ def _wait_for_with_threads() -> None:
     """Wait until no unclosed producer is inside a ``with`` block of a live non-daemon thread.
 
     Such a thread still uses its producer, and the interpreter waits for it anyway (after this
-    hook): the producer is the thread's to close. So wait, without a time limit, until it is
-    closed or aborted or the thread ends. A Ctrl-C (``KeyboardInterrupt`` raised from here)
-    ends the wait.
+    hook): the producer is the thread's to close. So wait while it is in use: until it is
+    closed or aborted or the thread ends, or until it has neither taken an append nor
+    published a TGB for ``EXIT_CLOSE_TIMEOUT`` seconds. Then it is closed like any unclosed
+    producer: a thread blocked in ``append`` through an outage, or an idle pool thread that
+    entered the block (``ThreadPoolExecutor`` workers end only after this hook), would
+    otherwise keep the process from ever exiting. A Ctrl-C (``KeyboardInterrupt`` raised from
+    here) ends the wait.
     """
     exiting = threading.current_thread()
-    while (held := _owner(exiting)) is not None:
+    given_up: list[Producer] = []
+    while (held := _owner(exiting, given_up)) is not None:
         producer, thread = held
+        progress, since = producer._progress(), time.monotonic()
         while producer in _UNCLOSED and thread.is_alive():
             thread.join(_OWNER_POLL)
+            now = producer._progress()
+            if now != progress:
+                progress, since = now, time.monotonic()
+            elif time.monotonic() - since >= EXIT_CLOSE_TIMEOUT:
+                _LOG.warning(
+                    "producer %r is held in a `with` block by thread %r, which has neither "
+                    "appended nor published a TGB for %g s (EXIT_CLOSE_TIMEOUT) while the "
+                    "interpreter exits: closing it",
+                    producer.producer_id,
+                    thread.name,
+                    EXIT_CLOSE_TIMEOUT,
+                )
+                given_up.append(producer)
+                break
 
 
 def _close_unclosed_at_exit() -> None:

@@ -9,6 +9,8 @@ each of them uses it without owning it for the others.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import threading
 from collections.abc import Callable
 
@@ -49,8 +51,9 @@ class Retries:
         self._producer_id = producer_id
         self._cond = cond
         self._outage = outage
-        self.backoff = backoff
-        """Seconds to wait before retry ``attempt`` (1, 2, ...): the producer's ``backoff``."""
+        self.backoff = _checked_backoff(backoff)
+        """Seconds to wait before retry ``attempt`` (1, 2, ...): the producer's ``backoff``,
+        whose every answer is checked (``ValueError`` naming ``backoff=`` and the value)."""
         self.sleep = sleep
         """The producer's ``sleep``, for the waits between retries."""
         self.count = 0
@@ -85,3 +88,27 @@ class Retries:
             delay,
         )
         sleep(delay)
+
+
+def _checked_backoff(backoff: Callable[[int], float]) -> Callable[[int], float]:
+    """``backoff``, refusing an answer that is not a finite number of seconds >= 0.
+
+    Every wait of the producer takes its length from here (retries, conflicts, ``max_lag``): a
+    jitter formula that can dip below 0, or a NaN, would otherwise stop the producer with
+    ``sleep``'s own error naming neither ``backoff=`` nor the value, or be slept as no wait.
+    """
+
+    def checked(attempt: int) -> float:
+        seconds = backoff(attempt)
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, numbers.Real)
+            or not (math.isfinite(seconds) and seconds >= 0)
+        ):
+            raise ValueError(
+                f"backoff={backoff!r:.100} must return a finite number of seconds >= 0, got "
+                f"{seconds!r:.100} for attempt {attempt}"
+            )
+        return float(seconds)
+
+    return checked

@@ -26,6 +26,7 @@ from batchweave._errors import (
 from batchweave._manifest._log import Committed, Conflict, ManifestLog
 from batchweave._manifest._models import Manifest, ProducerState
 from batchweave._mesh import Mesh
+from batchweave._policy import measured_duration
 from batchweave._producer._retry import RETRYABLE, Retries
 
 __all__ = ["start_epoch"]
@@ -84,7 +85,9 @@ def start_epoch(
             )
             began = clock()
             result = log.commit(manifest, producers={producer_id: state})
-            window = clock() - began
+            window = measured_duration(began, clock())
+            if isinstance(result, Conflict) and result.failure is not None:
+                raise result.failure  # the store failed it (a 503): retried as a failure
             if isinstance(result, Conflict) and result.winner is None:
                 result = Conflict(log.latest(manifest))
         except RETRYABLE as exc:
