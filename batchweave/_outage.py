@@ -87,7 +87,7 @@ class OutageLog:
                     "%s: the object store is still unreachable after %.0f s (%d failed "
                     "requests); still waiting while %s",
                     self._who,
-                    now - self._since,
+                    max(0.0, now - self._since),  # a clock stepped back: no negative outage
                     self._failures,
                     what,
                 )
@@ -103,7 +103,7 @@ class OutageLog:
                 "%s: the object store is reachable again after %.1f s (%d failed requests); "
                 "resuming",
                 self._who,
-                self._clock() - self._since,
+                max(0.0, self._clock() - self._since),
                 self._failures,
             )
             self._since = None

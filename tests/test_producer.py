@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -775,6 +776,32 @@ def test_a_regular_wait_wakes_for_every_forced_slot(store: MemoryStore) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # max_lag
+
+
+def test_time_blocked_by_max_lag_never_counts_a_clock_step_back(store: MemoryStore) -> None:
+    # A clock stepped back an hour during the wait made lag_blocked_seconds negative.
+    boundary = {"step": 0}
+    slept = threading.Event()
+    fake = FakeTime(10_000.0)
+
+    def sleep(seconds: float) -> None:
+        with fake._lock:
+            fake.now -= 3600.0  # an NTP step back while the producer waits
+        slept.set()
+        time.sleep(0.001)  # yield to the test thread; the boundary, not this, ends the wait
+
+    p = make(store, fake=fake, sleep=sleep, max_lag=0, boundary=lambda: boundary["step"])
+    p.append(payloads(0), offset=0)
+    p.flush()
+    blocked = threading.Thread(target=p.append, args=(payloads(1),), kwargs={"offset": 1})
+    blocked.start()
+    assert slept.wait(10)
+    boundary["step"] = 1
+    blocked.join(10)
+    assert not blocked.is_alive()
+    assert p.stats().lag_blocked_seconds == 0.0
+    p.close()
+    assert committed_offsets(store, "p0") == [0, 1]
 
 
 def test_max_lag_blocks_until_the_boundary_moves(

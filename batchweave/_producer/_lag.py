@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from batchweave._errors import FormatError
+from batchweave._policy._base import measured_duration
 from batchweave._producer._retry import RETRYABLE, Retries
 from batchweave._watermarks import Watermark, Watermarks
 
@@ -174,7 +175,7 @@ class LagGate:
                     self._retries.sleep(min(self._retries.backoff(attempt), 1.0))
                     after = self._clock()
                     with self._cond:
-                        self.blocked_seconds += after - now
+                        self.blocked_seconds += measured_duration(now, after)
                 try:
                     self._boundary_value = self._checked_boundary(self._boundary_fn())
                     rebase()
