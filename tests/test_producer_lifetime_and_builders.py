@@ -361,3 +361,48 @@ def test_metadata_changed_after_construction_is_checked_again_by_build(
         builder.build()
     builder.metadata["k"] = "fine"
     assert builder.build().footer.metadata == {"k": "fine"}
+
+
+_RETIRED_OR_SEALED = """
+import sys, time
+import batchweave as bw
+from batchweave._retire import retire_producers
+from batchweave.cli._seal import seal_namespace
+
+url, mode = sys.argv[1], sys.argv[2]
+store = bw.open_store(url)
+p = bw.Producer(store, "ns", mesh=bw.Mesh(dp=1), producer_id="p")
+p.append([b"a"], offset=0)
+p.flush()
+if mode == "retire":
+    retire_producers(store, "ns", idle_for=1e-9, wall_clock=lambda: time.time() + 10)
+else:
+    seal_namespace(store, "ns")
+p.append([b"b"], offset=1)  # never committed, never closed: the exit hook says what to do
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "advice"),
+    [
+        ("retire", "producer_id 'p' was retired: a producer started with it begins a new stream"),
+        ("seal", "Namespace 'ns' is sealed: no producer can publish them there"),
+    ],
+)
+def test_the_exit_hook_gives_the_advice_that_fits_why_it_could_not_commit(
+    tmp_path: Path, mode: str, advice: str
+) -> None:
+    # It always said a producer restarted with the same id resumes from resume_offset (1) and
+    # publishes them: after a retire a restart starts a new stream at 0, and a sealed namespace
+    # takes nothing.
+    done = subprocess.run(
+        [sys.executable, "-c", _RETIRED_OR_SEALED, f"file://{tmp_path}", mode],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "are NOT committed" in done.stderr, done.stderr
+    assert advice in done.stderr, done.stderr
+    assert "resumes from its resume_offset (1)" not in done.stderr, done.stderr

@@ -727,24 +727,22 @@ class Producer:
                 offsets = self._pending_locked()
                 committed = self._committed_offset
             if left:
+                advice = self._exit_advice(exc, 0 if committed is None else committed + 1)
                 _LOG.error(
                     "producer %r of namespace %r was not closed, and committing what it had "
                     "appended failed as the interpreter exited (%s: %s): %d TGBs (%s) are NOT "
-                    "committed. A producer restarted with producer_id %r resumes from its "
-                    "resume_offset (%d) and publishes them",
+                    "committed. %s",
                     self._producer_id,
                     self._namespace,
                     type(exc).__name__,
                     exc,
                     left,
                     offsets,
-                    self._producer_id,
-                    0 if committed is None else committed + 1,
+                    advice,
                 )
                 self._exit_failure = ProducerError(
                     f"producer {self._producer_id!r} was closed as the interpreter exited, and "
-                    f"{left} TGBs ({offsets}) are NOT committed: restart it with this "
-                    "producer_id and feed it from its resume_offset"
+                    f"{left} TGBs ({offsets}) are NOT committed. {advice}"
                 )
                 self._exit_failure.__cause__ = exc
             return exc
@@ -752,6 +750,29 @@ class Producer:
             abort=self._error is not None, join_timeout=max(0.0, deadline - time.monotonic())
         )
         return None
+
+    def _exit_advice(self, failure: BaseException, resume_offset: int) -> str:
+        """What publishes the TGBs an unclosed producer could not commit at exit, given why."""
+        if isinstance(failure, NamespaceSealed):
+            return (
+                f"Namespace {self._namespace!r} is sealed: no producer can publish them there; "
+                "publish them in a new namespace"
+            )
+        if isinstance(failure, ProducerRetired):
+            return (
+                f"producer_id {self._producer_id!r} was retired: a producer started with it "
+                "begins a new stream (resume_offset 0), so append them there again, or under "
+                "another producer_id"
+            )
+        if isinstance(failure, ProducerFenced):
+            return (
+                f"A newer incarnation of producer_id {self._producer_id!r} runs: it resumes from "
+                "its own resume_offset and publishes them"
+            )
+        return (
+            f"A producer restarted with producer_id {self._producer_id!r} resumes from its "
+            f"resume_offset ({resume_offset}) and publishes them"
+        )
 
     # ------------------------------------------------------------------------------------------
     # append helpers
