@@ -406,3 +406,36 @@ def test_the_exit_hook_gives_the_advice_that_fits_why_it_could_not_commit(
     assert "are NOT committed" in done.stderr, done.stderr
     assert advice in done.stderr, done.stderr
     assert "resumes from its resume_offset (1)" not in done.stderr, done.stderr
+
+
+def test_close_from_another_thread_commits_what_a_with_block_appended(tmp_path: Path) -> None:
+    # The worker's next append raises "is closing" (as documented); that exception left its
+    # with block, whose __exit__ aborted the producer in the middle of close()'s drain: close()
+    # raised "was aborted" and appends that had returned were never committed.
+    store = bw.FaultInjectingStore(bw.open_store(f"file://{tmp_path}"), latency=0.002)
+    enough = threading.Event()
+    appended: list[int] = []
+    holder: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            with bw.Producer(store, NS, producer_id="p", mesh=bw.Mesh(dp=1)) as p:
+                holder["producer"] = p
+                for offset in range(1_000_000):
+                    p.append([b"x" * 100], offset=offset)
+                    appended.append(offset)
+                    if offset == 50:
+                        enough.set()
+        except bw.ProducerError as exc:
+            holder["error"] = exc
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    assert enough.wait(_JOIN)
+    producer = holder["producer"]
+    assert isinstance(producer, bw.Producer)
+    producer.close()  # raised ProducerError "was aborted" before the fix
+    worker.join(_JOIN)
+    assert not worker.is_alive()
+    assert "is closing" in str(holder["error"])
+    assert committed_offsets(store, NS, "p") == appended

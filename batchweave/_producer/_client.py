@@ -643,9 +643,14 @@ class Producer:
             if exc_type is None:
                 self.close()
             else:
-                # The body failed: stop without committing more and without sealing; the
-                # caller's exception propagates.
-                self.abort()
+                with self._cond:
+                    # A close() begun elsewhere (another thread, the exit hook) drains what was
+                    # appended; the body failed because of it ("is closing"): let it finish.
+                    closing = self._closing
+                if not closing:
+                    # The body failed: stop without committing more and without sealing; the
+                    # caller's exception propagates.
+                    self.abort()
         finally:
             # Only now, closed or aborted: the exit hook must not close it during close().
             _lifetime.leave_with(self)
