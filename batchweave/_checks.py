@@ -96,7 +96,10 @@ def new_name_problem(name: str, value: str) -> str | None:
     A name longer than its limit (:data:`MAX_NAMESPACE_BYTES`, :data:`MAX_PRODUCER_ID_BYTES`)
     or with a ``/``-separated part longer than :data:`MAX_NAME_SEGMENT_BYTES` makes keys that
     S3 (1024 bytes) or a file system (255 bytes per name) refuses only at the first upload,
-    after the producer's epoch was committed.
+    after the producer's epoch was committed. A namespace with a part after its first named
+    like a directory BatchWeave creates in every namespace (``_manifests``, ``_segments``,
+    ``_watermarks``, ``data``) would nest in another namespace's own layout
+    (``a/_manifests`` in ``a``'s), where that namespace's reclaimer and tools look.
     """
     limit = _MAX_NAME_BYTES.get(name)
     size = len(value.encode())
@@ -106,6 +109,18 @@ def new_name_problem(name: str, value: str) -> str | None:
             "allowed, so that the object keys built from it fit S3's 1024-byte key limit and a "
             "file system's 255-byte names"
         )
+    if name == "namespace":
+        from batchweave._manifest._log import NAMESPACE_DIRS  # here: _log imports this module
+
+        parts = value.split("/")
+        for i, part in enumerate(parts[1:], 1):
+            if part in NAMESPACE_DIRS:
+                return (
+                    f"namespace {_shown(value)} has a part {part!r} after its first, a name "
+                    "BatchWeave reserves inside every namespace "
+                    f"({', '.join(sorted(NAMESPACE_DIRS))}): its objects would sit in the "
+                    f"layout of a namespace {_shown('/'.join(parts[:i]))}; choose another name"
+                )
     longest = max(value.split("/"), key=lambda part: len(part.encode()))
     if len(longest.encode()) > MAX_NAME_SEGMENT_BYTES:
         return (

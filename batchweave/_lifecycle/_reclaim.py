@@ -288,7 +288,10 @@ class Reclaimer:
         self._known = latest
         now = self._clock()
         versions = sweep.list_prefix(f"{MANIFESTS_DIR}/")
-        numbered = sorted((v, meta) for meta in versions if (v := _version_of(meta)) is not None)
+        numbered = sorted(
+            ((v, meta) for meta in versions if (v := self._version_of(meta)) is not None),
+            key=lambda item: item[0],  # one key per version: never compare the ObjectMetas
+        )
         if not numbered:
             # The latest version is never deleted, so a namespace has at least one: the prefix
             # was deleted since ``_find_latest`` found the latest. Nothing is deleted on such a
@@ -595,10 +598,17 @@ class Reclaimer:
     def _relative(self, key: str) -> str:
         return key[len(self.namespace) + 1 :]
 
+    def _version_of(self, meta: ObjectMeta) -> int | None:
+        """The version ``meta`` holds, if its key is exactly ``{namespace}/`` followed by
+        ``manifest_key(version)``; ``None`` for anything else under ``_manifests/``.
 
-def _version_of(meta: ObjectMeta) -> int | None:
-    name = meta.key.rsplit("/", 1)[-1]
-    digits = name[:20]
-    if digits.isdigit() and meta.key.endswith(manifest_key(int(digits))):
-        return int(digits)
-    return None
+        An exact match, not a suffix: a namespace nested there (``{namespace}/_manifests``,
+        whose versions are ``{namespace}/_manifests/_manifests/...``) is not this one's, and a
+        suffix match once counted its versions as ours (then deleted them, or crashed sorting
+        two objects of one version).
+        """
+        relative = self._relative(meta.key)
+        digits = relative[len(MANIFESTS_DIR) + 1 :][:20]
+        if digits.isascii() and digits.isdigit() and relative == manifest_key(int(digits)):
+            return int(digits)
+        return None

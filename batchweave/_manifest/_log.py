@@ -101,6 +101,9 @@ the manifest's size is part of every window. 64 KiB keeps that part to a few mil
 while a roll still moves dozens to hundreds of descriptors."""
 
 _VERSION_RE = re.compile(r"([0-9]{20})\.manifest")
+_NESTED_VERSION_RE = re.compile(rf"(.+)/{MANIFESTS_DIR}/[0-9]{{20}}\.manifest")
+"""A manifest version of a namespace nested under another one's prefix (group 1: the rest
+of its name)."""
 _AMBIGUOUS_RESENDS = 3
 
 
@@ -404,9 +407,24 @@ class ManifestLog:
         return next(self._version_keys(), None) is not None
 
     def _refuse_foreign_prefix(self) -> None:
+        """Refuse to create a namespace on a prefix holding objects that are not its own.
+
+        A namespace under the prefix (``a/b`` when creating ``a``, even one named like
+        ``a/_manifests`` by an older version) is named as such: namespaces cannot nest around
+        an existing one, since the outer one's objects would mix with the inner one's.
+        """
         prefix = f"{self.namespace}/"
         for meta in self.store.list(prefix):
-            top = meta.key[len(prefix) :].split("/", 1)[0]
+            relative = meta.key[len(prefix) :]
+            nested = _NESTED_VERSION_RE.fullmatch(relative)
+            if nested is not None:
+                raise NamespaceMismatch(
+                    f"cannot create namespace {self.namespace!r} in {self.store.url}: namespace "
+                    f"{prefix + nested.group(1)!r} exists under it ({meta.key!r}), and "
+                    "namespaces cannot be created around an existing one; choose a prefix "
+                    "that holds no namespace"
+                )
+            top = relative.split("/", 1)[0]
             if top not in NAMESPACE_DIRS:
                 raise NamespaceMismatch(
                     f"prefix {self.store.url}/{prefix} already holds {meta.key!r}, which "

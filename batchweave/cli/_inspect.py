@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import Counter
 from datetime import datetime, timezone
@@ -20,6 +21,7 @@ from batchweave._watermarks import Watermarks
 __all__ = [
     "IDLE_PRODUCER_DAYS",
     "MAX_TABLE_ROWS",
+    "OTHER_PREFIX",
     "first_rows",
     "gather_inspection",
     "human_bytes",
@@ -53,21 +55,46 @@ def _shown_time(value: str | float | None, age: float | None) -> str:
     return value + _skew_note(age)
 
 
+OTHER_PREFIX = "other (not this namespace's)"
+"""The ``storage`` row of objects under ``{namespace}/`` that are not in its own layout."""
+
+_OWN_LAYOUT = re.compile(r"(?:_manifests|_segments|_watermarks)/[^/]+|data/[^/]+/[0-9]+/[^/]+")
+"""Keys (relative to the namespace) of BatchWeave's own layout: a manifest version, segment or
+watermark, and ``data/{producer_id}/{epoch}/{name}`` (a producer id has no ``/``). A namespace
+nested under this one (``a/b``, or ``a/data/x`` created before such names were refused) has
+keys with more parts, so none of its objects matches."""
+
+
 def storage_by_prefix(store: ObjectStore, namespace: str) -> list[dict[str, Any]]:
-    """Object count and bytes per top-level prefix (``data/`` split per producer); one LIST."""
+    """Object count and bytes per top-level prefix (``data/`` split per producer); one LIST.
+
+    Only BatchWeave's own layout is counted per prefix (``"own": True``); every other object
+    under ``{namespace}/`` (a namespace nested under it, another tool's files) is summed in one
+    last row, :data:`OTHER_PREFIX` with ``"own": False``, present only when there are some.
+    """
     root = f"{namespace}/"
     counts: Counter[str] = Counter()
     sizes: Counter[str] = Counter()
+    other_objects = other_bytes = 0
     for meta in store.list(root):
-        parts = meta.key[len(root) :].split("/")
-        group = "/".join(parts[:2]) + "/" if parts[0] == "data" and len(parts) > 2 else ""
-        group = group or (parts[0] + "/" if len(parts) > 1 else parts[0])
+        relative = meta.key[len(root) :]
+        if not _OWN_LAYOUT.fullmatch(relative):
+            other_objects += 1
+            other_bytes += meta.size
+            continue
+        parts = relative.split("/")
+        group = "/".join(parts[:2]) + "/" if parts[0] == "data" else parts[0] + "/"
         counts[group] += 1
         sizes[group] += meta.size
-    return [
-        {"prefix": prefix, "objects": counts[prefix], "bytes": sizes[prefix]}
+    rows = [
+        {"prefix": prefix, "objects": counts[prefix], "bytes": sizes[prefix], "own": True}
         for prefix in sorted(counts)
     ]
+    if other_objects:
+        rows.append(
+            {"prefix": OTHER_PREFIX, "objects": other_objects, "bytes": other_bytes, "own": False}
+        )
+    return rows
 
 
 def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
@@ -161,8 +188,9 @@ def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
         "boundary": None if watermark_error else (marks[0].step if marks else 0),
         "watermark_error": watermark_error,
         "storage": storage,
-        "stored_bytes": sum(row["bytes"] for row in storage),
-        "stored_objects": sum(row["objects"] for row in storage),
+        # This namespace's own objects: not those of a namespace nested under it (OTHER_PREFIX).
+        "stored_bytes": sum(row["bytes"] for row in storage if row["own"]),
+        "stored_objects": sum(row["objects"] for row in storage if row["own"]),
     }
 
 
@@ -330,7 +358,8 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
     storage.add_column("prefix")
     storage.add_column("objects", justify="right")
     storage.add_column("bytes", justify="right")
-    shown, hidden = first_rows(data["storage"])
+    own = [row for row in data["storage"] if row.get("own", True)]
+    shown, hidden = first_rows(own)
     for row in shown:
         storage.add_row(escape(row["prefix"]), str(row["objects"]), human_bytes(row["bytes"]))
     if hidden:
@@ -339,6 +368,15 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
             str(sum(row["objects"] for row in hidden)),
             human_bytes(sum(row["bytes"] for row in hidden)),
         )
+    for row in data["storage"]:  # always shown, never summed into "stored"
+        if not row.get("own", True):
+            storage.add_row(escape(row["prefix"]), str(row["objects"]), human_bytes(row["bytes"]))
     console.print(storage)
+    if len(own) < len(data["storage"]):
+        console.print(
+            f"({OTHER_PREFIX}: objects under the namespace's prefix outside BatchWeave's layout, "
+            "such as a namespace nested under it or another tool's files; not counted in "
+            "'stored' and never touched by reclaim)"
+        )
     if hidden or hidden_marks or len(data["producers"]) > MAX_TABLE_ROWS:
         console.print(f"(tables show {MAX_TABLE_ROWS} rows; --json lists every row)")
