@@ -81,8 +81,10 @@ class ObjectGone(ConsumerError):
     def reading(cls, what: str) -> ObjectGone:
         """The error of the read ``what``."""
         error = cls(
-            f"{what}: the object is gone: it was reclaimed (this consumer fell behind the "
-            "checkpoint watermarks) or deleted by hand; resume from a later checkpoint"
+            f"{what}: the object is gone although the namespace still lists its step: deleted "
+            "by hand, or by a reclaimer as an orphan (a grace shorter than a producer's "
+            "upload-to-commit time); run `batchweave verify`, and resume from a later "
+            "checkpoint"
         )
         error.what = what
         return error
