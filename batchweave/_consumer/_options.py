@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from batchweave._checks import as_count, as_fraction, as_int, as_seconds, as_size
 from batchweave._mesh import Mesh, check_mesh
-from batchweave._projection import DEFAULT_RANK_ORDER, _parse_order, coordinates_from_env
+from batchweave._projection import _parse_order, coordinates_from_env
 
 __all__ = [
     "DEFAULT_MAX_POLL_INTERVAL",
@@ -117,12 +117,7 @@ def resolve_coordinates(
     """
     check_mesh(mesh)
     tp, pp = as_count("tp", tp, 1), as_count("pp", pp, 1)
-    if not isinstance(order, str):
-        raise TypeError(
-            f"rank_order must be a str, got the {type(order).__name__} {order!r}; e.g. "
-            f"rank_order={DEFAULT_RANK_ORDER!r}"
-        )
-    _parse_order(order)
+    _parse_order(order, "rank_order")
     dp_rank = None if dp_rank is None else as_int("dp_rank", dp_rank)
     cp_rank = None if cp_rank is None else as_int("cp_rank", cp_rank)
     if dp_rank is None and cp_rank is None:

@@ -107,7 +107,7 @@ def checkpoint_hook(
         return None
     step = consumer.resume_tgb_step(state)
     if namespace is not None:
-        reader_id = _reader_namespace_id(consumer, state, parsed)
+        reader_id = _reader_namespace_id(consumer, parsed)
         _check_same_namespace(consumer, namespace, watermarks, reader_id)
     return watermarks.record(checkpoint_id, step, version=consumer.manifest_version)
 
@@ -135,22 +135,15 @@ def _check_state(
     return parsed
 
 
-def _reader_namespace_id(
-    consumer: Resumable, state: Mapping[str, Any] | None, parsed: Mapping[str, Any] | None
-) -> str | None:
+def _reader_namespace_id(consumer: Resumable, parsed: Mapping[str, Any] | None) -> str | None:
     """The id of the namespace ``consumer`` reads (after ``resume_tgb_step``, which opened it),
-    from what it already holds; ``None`` if it does not exist (yet) or cannot be told."""
+    from what it already holds (a ``Consumer``'s or ``WeaveLoader``'s ``namespace_id``, else the
+    checked state's); ``None`` if it does not exist (yet) or cannot be told."""
     known = getattr(consumer, "namespace_id", None)
     if isinstance(known, str) and known:
         return known
     if parsed is not None and parsed["namespace_id"]:
         return str(parsed["namespace_id"])  # resume_tgb_step checked it against the consumer's
-    state_dict = getattr(consumer, "state_dict", None)
-    if state is None and callable(state_dict):
-        # A WeaveLoader: resume_tgb_step just took its state_dict(), so this one reads nothing.
-        current = state_dict()
-        if isinstance(current, Mapping) and isinstance(current.get("namespace_id"), str):
-            return current["namespace_id"] or None
     return None
 
 

@@ -498,13 +498,10 @@ class Reclaimer:
         while lo < hi:
             mid = (lo + hi) // 2
             try:
-                manifest = self._log.read(versions[mid])
+                manifest = self._read_old(versions[mid], damaged)
             except ObjectNotFound:
                 return found  # reclaimed meanwhile: the orphan rule covers what is left
-            except UnsupportedFormatVersion:
-                raise  # written by a newer BatchWeave: no damage, and not ours to skip
-            except FormatError as exc:
-                self._damaged(versions[mid], exc, damaged)
+            if manifest is None:
                 del versions[mid]
                 hi -= 1
                 continue
@@ -534,14 +531,21 @@ class Reclaimer:
         if version is None:
             return None, None
         try:
-            return version, self._log.read(version)
+            return version, self._read_old(version, damaged)
         except ObjectNotFound:
             return None, None
+
+    def _read_old(self, version: int, damaged: list[str]) -> Manifest | None:
+        """Old manifest ``version``, or ``None`` if it cannot be decoded (then added to
+        ``damaged``). ``ObjectNotFound`` if it is gone; a version written by a newer BatchWeave
+        is no damage and not ours to skip: its ``UnsupportedFormatVersion`` is raised."""
+        try:
+            return self._log.read(version)
         except UnsupportedFormatVersion:
-            raise  # written by a newer BatchWeave: no damage, and not ours to skip
+            raise
         except FormatError as exc:
             self._damaged(version, exc, damaged)
-            return version, None
+            return None
 
     def _damaged(self, version: int, exc: FormatError, damaged: list[str]) -> None:
         """Add old manifest ``version``, which cannot be decoded, to the pass's ``damaged``
