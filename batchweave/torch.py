@@ -122,12 +122,18 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
         **consumer_options: Any,
     ) -> None:
         super().__init__()
-        for name in ("stride", "start_step", "environ"):
+        for name in ("stride", "start_step"):
             if name in consumer_options:
                 raise TypeError(
                     f"WeaveDataset sets the consumer's {name!r} itself; resume with "
                     "WeaveLoader.load_state_dict instead"
                 )
+        if "environ" in consumer_options:
+            raise TypeError(
+                "WeaveDataset takes no 'environ': it reads RANK and WORLD_SIZE from os.environ "
+                "when dp_rank and cp_rank are not given. To use other values, pass dp_rank and "
+                "cp_rank, e.g. from batchweave.coordinates_from_env(mesh, environ=...)"
+            )
         unknown = sorted(set(consumer_options) - _CONSUMER_PARAMETERS)
         if unknown:
             raise TypeError(
@@ -415,7 +421,13 @@ def _check_dataloader_options(dataset: WeaveDataset, options: Mapping[str, Any])
     try:
         with warnings.catch_warnings():  # torch's advice on num_workers comes with each iter()
             warnings.simplefilter("ignore")
-            DataLoader(dataset, batch_size=None, **options)
+            loader = DataLoader(dataset, batch_size=None, **options)
+            if loader.num_workers == 0 and loader.timeout > 0:
+                # torch asserts this only when iter() makes the single-process iterator
+                raise ValueError(
+                    f"timeout={options.get('timeout')!r} applies only to worker processes, and "
+                    "num_workers is 0; drop the timeout or set num_workers"
+                )
     except (TypeError, ValueError) as exc:
         message = f"WeaveLoader: torch.utils.data.DataLoader refuses these options: {exc}"
         if isinstance(exc, TypeError):

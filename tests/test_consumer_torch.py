@@ -188,6 +188,25 @@ def test_loader_refuses_options_that_break_step_order(
         WeaveDataset(namespace[0], "run", mesh=MESH, dp_rank=0, cp_rank=0, stride=2)
 
 
+def test_loader_refuses_a_timeout_without_workers_when_made(
+    namespace: tuple[str, list[tuple[int, Any]]],
+) -> None:
+    # Before: accepted, then torch's bare AssertionError from the first iter().
+    dataset = WeaveDataset(namespace[0], "run", mesh=MESH, dp_rank=0, cp_rank=0)
+    with pytest.raises(ValueError, match=r"timeout=5(\.0)? applies only to worker processes"):
+        WeaveLoader(dataset, timeout=5)
+    WeaveLoader(dataset, timeout=5, num_workers=1).close()
+
+
+def test_dataset_refuses_environ_naming_how_to_pass_other_coordinates(
+    namespace: tuple[str, list[tuple[int, Any]]],
+) -> None:
+    # Before: "sets the consumer's 'environ' itself; resume with WeaveLoader.load_state_dict".
+    with pytest.raises(TypeError, match=r"takes no 'environ'.*coordinates_from_env") as info:
+        WeaveDataset(namespace[0], "run", mesh=MESH, environ={"RANK": "0", "WORLD_SIZE": "4"})
+    assert "load_state_dict" not in str(info.value)
+
+
 # -- arguments are checked when the dataset is made --------------------------------------------
 
 

@@ -12,6 +12,7 @@ a reclaimed step names the first readable logical step.
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -411,6 +412,48 @@ def test_a_reclaimed_step_names_the_first_readable_logical_step(
         fresh = Consumer(store, "run", mesh=Mesh(dp=dp), dp_rank=0, start_step=readable)
         assert next(fresh)[0] == readable
         fresh.close()
+
+
+@pytest.mark.parametrize(
+    ("saved_dp", "new_dp", "resized_first"), [(1, 4, False), (2, 2, True), (2, 3, True)]
+)
+def test_following_the_advice_of_a_refused_load_resumes_at_the_first_unreclaimed_tgb(
+    saved_dp: int, new_dp: int, resized_first: bool
+) -> None:
+    """Before: the advice of a refused ``load_state_dict()`` gave a step in the numbering of
+    the re-anchored consumer, which the refused load had rolled back, and called it "this
+    consumer's state_dict()": followed, it skipped TGBs 10-19 (dp 1 -> 4), or 12-15 for a
+    checkpoint anchored by an earlier resize. Now it names a step of the loaded state."""
+    store = MemoryStore()
+    produce(store, "run", Mesh(dp=1), tgbs=40)
+    with Consumer(store, "run", mesh=Mesh(dp=1), dp_rank=0) as first:
+        [next(first) for _ in range(3)]
+        ckpt = first.state_dict()
+    if resized_first:  # a checkpoint of a run that was itself resized from dp=1
+        with Consumer(store, "run", mesh=Mesh(dp=saved_dp), dp_rank=0) as mid:
+            mid.load_state_dict(ckpt)
+            [next(mid) for _ in range(2)]
+            ckpt = mid.state_dict()
+    base = 12
+    log = ManifestLog(store, "run")
+    assert isinstance(log.commit(log.latest(), base_step=base), Committed)
+    refused = Consumer(store, "run", mesh=Mesh(dp=new_dp), dp_rank=0)
+    with pytest.raises(bw.StepReclaimed, match="the state was not loaded") as info:
+        refused.load_state_dict(ckpt)
+    refused.close()
+    match = re.search(r"set the step of the state you loaded to (\d+)", str(info.value))
+    assert match, info.value
+    state = {**ckpt, "step": int(match.group(1))}
+    seen = []
+    for d in range(new_dp):
+        with Consumer(store, "run", mesh=Mesh(dp=new_dp), dp_rank=d) as c:
+            c.load_state_dict(state)
+            seen += [parse(x)[1] for _, x in c]
+    # A step of the saved run covers saved_dp replica slices (TGBs here, stored dp=1), so the
+    # first readable one may start up to saved_dp - 1 TGBs past the base step.
+    assert base <= min(seen) < base + saved_dp
+    assert sorted(seen) == list(range(min(seen), min(seen) + len(seen)))  # no gap, no repeat
+    assert max(seen) > 40 - 1 - new_dp  # only the trailing partial step is missing
 
 
 def test_resume_tgb_step_refuses_garbage_before_the_namespace_exists() -> None:

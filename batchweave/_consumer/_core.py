@@ -539,7 +539,7 @@ class Consumer:
         if self._manifest is not None:
             try:
                 self._projection = self._make_projection(self._manifest)
-                self._check_not_reclaimed(step)
+                self._check_not_reclaimed(step, loaded=parsed)
             except BaseException:  # a refused state changes nothing
                 self._anchor_step, self._anchor_replica, self._next_step, self._projection = before
                 raise
@@ -937,33 +937,58 @@ class Consumer:
             )
         return projection
 
-    def _check_not_reclaimed(self, step: int) -> None:
+    def _check_not_reclaimed(self, step: int, loaded: Mapping[str, Any] | None = None) -> None:
+        """Refuse ``step`` if it needs a reclaimed TGB step; ``loaded``: the parsed state that
+        :meth:`load_state_dict` is loading, whose step the error's advice is then given in."""
         assert self._manifest is not None
         assert self._projection is not None
         first = self._projection.first_tgb_step(step)
         if first < self._manifest.base_step:
-            raise self._reclaimed_error(step, first, self._manifest)
+            raise self._reclaimed_error(step, first, self._manifest, loaded=loaded)
 
     def _reclaimed_error(
-        self, step: int, tgb_step: int, manifest: Manifest, gone: str = ""
+        self,
+        step: int,
+        tgb_step: int,
+        manifest: Manifest,
+        gone: str = "",
+        loaded: Mapping[str, Any] | None = None,
     ) -> StepReclaimed:
         """The error of ``step``, which needs ``tgb_step``, below ``manifest``'s base step;
-        ``gone`` names the read that found its object deleted, if one did."""
+        ``gone`` names the read that found its object deleted, if one did.
+
+        The advice names the first step that can still be read, in the numbering of what the
+        user would change: the consumer's own steps, or, for a state being loaded
+        (``loaded``), that state's steps (a state from another ``dp`` is re-anchored on load,
+        so the consumer's numbering is not the state's).
+        """
         assert self._projection is not None
         base = manifest.base_step
+        where = (
+            f"{self._where}: step {step} needs TGB step {tgb_step}, but steps below {base} were "
+            f"reclaimed (manifest version {manifest.version}"
+            + (f"; reading {gone}: the object is gone" if gone else "")
+            + ")"
+        )
+        as_saved = None if loaded is None else _saved_projection(manifest.mesh, loaded)
+        if as_saved is not None:
+            readable = as_saved.first_step_from(base)
+            return StepReclaimed(
+                f"{where}; the state was not loaded. Resume from a later checkpoint, or, for a "
+                "run that does not need the reclaimed steps, set the step of the state you "
+                f"loaded to {readable} (the first step it can still resume at) and load it again"
+            )
         readable = self._projection.first_step_from(base)
         anchored = (self._projection.anchor_step, self._projection.anchor_replica) != (0, 0)
         return StepReclaimed(
-            f"{self._where}: step {step} needs TGB step {tgb_step}, but steps below "
-            f"{base} were reclaimed (manifest version {manifest.version}"
-            + (f"; reading {gone}: the object is gone" if gone else "")
-            + f"); the first step consumer mesh ({self.mesh}) can still read is step "
+            f"{where}; the first step consumer mesh ({self.mesh}) can still read is step "
             f"{readable}: resume from a later checkpoint, or, for a run that does not need the "
             "reclaimed steps, "
             + (
                 f"load this consumer's state_dict() with its step set to {readable}"
                 if anchored
-                else f"start past them with Consumer(start_step={readable})"
+                else f"start past them with Consumer(start_step={readable}) (a WeaveLoader: "
+                f"load_state_dict() a state with step {readable})"
             )
         )
 
@@ -1091,3 +1116,17 @@ class Consumer:
         if latency is not None and latency < start:
             return None
         return self._cpu_clock()
+
+
+def _saved_projection(stored: Mesh, state: Mapping[str, Any]) -> Projection | None:
+    """The projection of the consumer that saved the parsed ``state`` (None: not one that can
+    read a namespace of mesh ``stored``, which a state from ``state_dict()`` always is)."""
+    try:
+        return Projection(
+            stored=stored,
+            consumer=Mesh(dp=state["dp"], cp=state["cp"]),
+            anchor_step=state["anchor_step"],
+            anchor_replica=state["anchor_replica"],
+        )
+    except ValueError:
+        return None
