@@ -195,7 +195,8 @@ class Watermarks:
         Call it only after the checkpoint is durable. ``version`` is a manifest version the
         consumer had read when the checkpoint was taken; ``None`` reads the namespace's latest
         version (0 if the namespace does not exist yet). Recording the same id again replaces
-        its watermark. With ``keep_last``, older watermarks (of this ``scope``) are then released.
+        its watermark. With ``keep_last``, the watermarks (of this ``scope``) recorded before the
+        ``keep_last - 1`` most recent others are then released.
         """
         step = as_int("step", step)  # the step counter of a loop is often a NumPy integer
         if step < 0:
@@ -242,7 +243,10 @@ class Watermarks:
                 if m.checkpoint_id != checkpoint_id
                 and (self.scope is None or m.checkpoint_id.startswith(self.scope))
             ]
-            others.sort(key=lambda m: (m.step, m.recorded_at), reverse=True)
+            # Most recently recorded first, as a trainer keeps its last K checkpoints: after a
+            # rollback, the checkpoints of the abandoned run (higher steps, recorded earlier)
+            # must not take the slots of the resumed run's.
+            others.sort(key=lambda m: (m.recorded_at, m.step), reverse=True)
             for old in others[self.keep_last - 1 :]:
                 self.release(old.checkpoint_id)
         return mark

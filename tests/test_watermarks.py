@@ -88,6 +88,23 @@ def test_keep_last_keeps_the_new_watermark_even_after_a_rollback(store: bw.Memor
     assert [m.checkpoint_id for m in marks.live()] == ["ckpt-40b"]
 
 
+def test_keep_last_keeps_the_resumed_runs_checkpoints_after_a_rollback(
+    store: bw.MemoryStore,
+) -> None:
+    # Before: the K-1 others kept were those of the highest steps, so the abandoned run's
+    # ckpt-20 kept its slot and the resumed run's ckpt-13 was released (then reclaimed).
+    ticks = iter(range(1, 100))
+    marks = bw.Watermarks(store, NS, keep_last=2, clock=lambda: float(next(ticks)))
+    marks.record("ckpt-10", 10, version=1)
+    marks.record("ckpt-20", 20, version=2)
+    marks.record("ckpt-10", 10, version=3)  # rolled back to ckpt-10, re-recorded on resume
+    marks.record("ckpt-13", 13, version=4)
+    assert [m.checkpoint_id for m in marks.live()] == ["ckpt-10", "ckpt-13"]
+    marks.record("ckpt-16", 16, version=5)
+    assert [m.checkpoint_id for m in marks.live()] == ["ckpt-13", "ckpt-16"]
+    assert marks.boundary() == 13
+
+
 def test_version_defaults_to_latest_manifest(store: bw.MemoryStore) -> None:
     marks = bw.Watermarks(store, NS)
     assert marks.record("before-namespace", 0).version == 0
