@@ -107,12 +107,13 @@ class Watermarks:
     """The watermarks of one namespace: record, release, list, and the reclamation boundary.
 
     ``keep_last``: after each :meth:`record`, keep the new watermark and the ``keep_last - 1``
-    others with the highest steps, releasing the rest (``None``: release only explicitly, when
+    others recorded most recently, releasing the rest (``None``: release only explicitly, when
     the framework deletes a checkpoint). ``scope``: a checkpoint-id prefix that confines this
     instance to one reader's watermarks: :meth:`record` refuses ids outside it and ``keep_last``
     releases only ids inside it, so several readers of one namespace (a training job and an
     evaluation job) never release each other's (``None``: the whole namespace, for a namespace
-    with one reader). ``clock`` (wall-clock seconds) is stored in each watermark for operators.
+    with one reader). ``clock`` (wall-clock seconds) is stored in each watermark for operators
+    and orders them for ``keep_last``.
     ``sleep`` paces the listings :meth:`live` retakes when a watermark vanishes under it.
 
     Safe to use from several processes: every watermark is its own object, written whole.
