@@ -171,3 +171,21 @@ def test_a_consumer_reads_each_segment_once() -> None:
     gets = _segment_gets(counting)
     assert gets
     assert max(gets.values()) == 1
+
+
+def test_a_closed_consumer_holds_no_segments_or_footers() -> None:
+    # Before: close() only stopped its threads; a closed consumer still referenced (a variable,
+    # a traceback, a list of replaced consumers) kept up to max_segment_tgbs descriptors.
+    store = MemoryStore()
+    options = {"policy": "naive", "tail_limit": 2, "slice_table_limit": 0}  # footers are read
+    with Producer(store, NS, producer_id="p", mesh=Mesh(dp=1), **options) as p:
+        for offset in range(12):
+            p.append([b"x"], offset=offset)
+        p.seal()
+    consumer = Consumer(store, NS, mesh=Mesh(dp=1), dp_rank=0)
+    assert len(list(consumer)) == 12
+    assert _held(consumer._log) > 0
+    assert len(consumer._reader._footers) > 0
+    consumer.close()
+    assert _held(consumer._log) == 0
+    assert len(consumer._reader._footers) == 0

@@ -422,7 +422,8 @@ class Consumer:
         self._ensure_open(wait=wait)
 
     def close(self) -> None:
-        """Stop prefetching and release the read threads. Idempotent.
+        """Stop prefetching, release the read threads and the cached segments and footers.
+        Idempotent.
 
         May be called from another thread: a ``next()`` reading a step, or waiting for
         producers, for the namespace or for the end of an outage, then raises
@@ -433,6 +434,9 @@ class Consumer:
         self._reader.close(repr(self))
         self._closed = True
         self._unregister()  # runs once, however often close() is called
+        # A closed consumer that stays referenced (a variable, a traceback) would keep up to
+        # max_segment_tgbs decoded descriptors (65 MB at dp=2).
+        self._log.forget_segments()
         if self._reading.acquire(blocking=False):
             try:
                 self._drop_window()

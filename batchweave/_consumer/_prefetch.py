@@ -209,6 +209,11 @@ class SingleFlightCache(Generic[K, T]):
         with self._lock:
             return len(self._entries)
 
+    def clear(self) -> None:
+        """Forget every entry; loads in flight still finish for their callers."""
+        with self._lock:
+            self._entries.clear()
+
     def get(self, key: K, load: Callable[[], T]) -> tuple[T, bool]:
         """Return ``(value, hit)``: the cached value, or ``load()``'s, which is then cached."""
         while True:

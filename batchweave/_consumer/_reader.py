@@ -158,8 +158,9 @@ class SliceReader:
     def close(self, consumer: str) -> None:
         """Retry nothing more: a read that fails from now on raises :class:`ConsumerError`
         naming ``consumer`` (the closing consumer's ``repr``). Also stops a read-ahead job that
-        waits out an outage."""
+        waits out an outage. Drops the cached footers."""
         self._closed_consumer = consumer
+        self._footers.clear()
 
     def read(
         self, what: str, desc: TgbDescriptor, loc: SliceLocation, budget: Budget

@@ -727,6 +727,11 @@ class ManifestLog:
                 keep.add(self._prepared[1].key)
         self._segments.retain(keep)
 
+    def forget_segments(self) -> None:
+        """Drop every cached segment (the log's user is done reading): a closed reader that is
+        still referenced then holds no descriptors. Reads after it just read segments again."""
+        self._segments.retain(())
+
     def _listed_newest_lately(self, base: Manifest) -> bool:
         """Whether the last :meth:`latest` read ``base`` and then a LIST showed no version
         after it, less than ``LISTED_TRUST_SECONDS`` ago (on the monotonic clock: a wall clock
