@@ -19,7 +19,7 @@ import pytest
 from fake_time import FakeTime
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from manifest_helpers import CountingStore, descriptor, grow
+from manifest_helpers import CountingStore, FaultyPutStore, descriptor, grow
 from pydantic import TypeAdapter
 
 from batchweave import (
@@ -33,9 +33,11 @@ from batchweave import (
     Producer,
     PutMode,
     Reclaimer,
+    TransientStoreError,
 )
 from batchweave._manifest import (
     Committed,
+    Conflict,
     ManifestLog,
     SegmentRef,
     _segments,
@@ -777,3 +779,50 @@ def test_a_refreshed_merge_survives_the_reclaimer_deleting_the_first_copy() -> N
     fresh = ManifestLog(store, "ns")
     latest = fresh.latest()
     assert [d.offset for _, d in fresh.descriptors(latest, 0, latest.next_step)] == list(range(5))
+
+
+def _segment_keys(store: MemoryStore) -> set[str]:
+    return {meta.key for meta in store.list(f"{NS}/_segments/")}
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_commit_retried_after_a_failed_manifest_put_reuses_the_segment_it_rolled(
+    deferred: bool,
+) -> None:
+    # Before: every retry of a commit whose manifest PUT failed (a throttled _manifests/
+    # prefix) wrote everything pending into a new segment: one orphan per attempt.
+    wall = _Wall()
+    inner = MemoryStore(clock=wall)
+    refused = [False]
+
+    def fault(key: str) -> tuple[bool, Exception | None]:
+        if refused[0] and "/_manifests/" in key:
+            return False, TransientStoreError(f"{key}: 503 SlowDown (injected)")
+        return True, None
+
+    log = ManifestLog(
+        FaultyPutStore(inner, fault), NS, clock=wall, tail_limit=4, deferred_merges=deferred
+    )
+    head = log.create_or_open(MESH)
+    refused[0] = True
+    pending = [descriptor("p", offset) for offset in range(6)]
+    for _ in range(3):
+        assert isinstance(log.commit(head, append=pending), Conflict)
+    assert len(_segment_keys(inner)) == 1  # written once, reused twice
+
+    pending += [descriptor("p", offset) for offset in range(6, 9)]  # appends went on
+    assert isinstance(log.commit(head, append=pending), Conflict)
+    assert len(_segment_keys(inner)) == 1  # the new 3 stay inline (under tail_limit)
+    pending += [descriptor("p", 9)]
+    assert isinstance(log.commit(head, append=pending), Conflict)
+    assert len(_segment_keys(inner)) == 2  # only the 4 new ones were written
+
+    wall.now += PREPARED_MERGE_MAX_AGE + 1  # a reclaimer may have deleted it as an orphan
+    assert isinstance(log.commit(head, append=pending), Conflict)
+    assert len(_segment_keys(inner)) == 3
+
+    refused[0] = False
+    result = log.commit(head, append=pending)
+    assert isinstance(result, Committed)
+    latest = ManifestLog(inner, NS).latest()
+    assert [d.offset for _, d in log.descriptors(latest, 0, latest.next_step)] == list(range(10))

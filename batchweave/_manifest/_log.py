@@ -245,6 +245,52 @@ def _went_back(seen: Manifest, new: Manifest) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class _Roll:
+    """A segment a commit attempt wrote for its tail, kept for the next attempt to reuse.
+
+    A commit that fails after its roll (a throttled or unreachable manifest PUT) would
+    otherwise write everything still pending into a new segment on every retry: an outage of
+    the manifest prefix alone left one orphan of every pending descriptor per attempt.
+    """
+
+    namespace_id: str
+    before: tuple[SegmentRef, ...]
+    """The references the roll started from."""
+    tail: tuple[TgbDescriptor, ...]
+    """The descriptors it wrote (the tail it rolled), from ``tail_start`` on."""
+    tail_start: int
+    base_step: int
+    after: tuple[SegmentRef, ...]
+    """The references it returned: ``before`` (less what it merged) and the new segment."""
+    written_at: float
+    """The log's ``clock()`` when the roll began (see PREPARED_MERGE_MAX_AGE)."""
+
+    def reuse(
+        self,
+        namespace_id: str,
+        segments: Sequence[SegmentRef],
+        tail: Sequence[TgbDescriptor],
+        tail_start: int,
+        base_step: int,
+        now: float,
+    ) -> tuple[SegmentRef, ...] | None:
+        """The references after this roll, if a roll of ``tail`` from ``segments`` may start
+        with it: same references, start and base step, ``tail`` beginning with the rolled
+        descriptors, and the segment young enough that no reclaimer deleted it as an orphan."""
+        if (
+            not 0 <= now - self.written_at <= PREPARED_MERGE_MAX_AGE
+            or (namespace_id, tail_start, base_step)
+            != (self.namespace_id, self.tail_start, self.base_step)
+            or len(tail) < len(self.tail)
+            or tuple(segments) != self.before
+        ):
+            return None
+        if not all(a is b or a == b for a, b in zip(self.tail, tail, strict=False)):
+            return None
+        return self.after
+
+
 class ManifestLog:
     """Manifest versions of one namespace in one store.
 
@@ -314,6 +360,8 @@ class ManifestLog:
         self._merge_lock = threading.Lock()
         self._rolled: str | None = None
         """Key of the segment the last commit built by this log rolled (deferred merges)."""
+        self._last_roll: _Roll | None = None
+        """The roll of the last commit attempt, until a commit lands (see :class:`_Roll`)."""
         self._prepared: tuple[tuple[SegmentRef, ...], SegmentRef] | None = None
         """A merge written outside the fragile window: (references it replaces, its reference)."""
         self._prepared_at = 0.0
@@ -709,8 +757,10 @@ class ManifestLog:
             _log.warning("commit of %s: transient error writing segments: %s", key, exc)
             return Conflict(None, exc)
         result = self._put(key, manifest)
-        if isinstance(result, Committed) and self.deferred_merges:
-            self._keep_mergeable(result.manifest)
+        if isinstance(result, Committed):
+            self._last_roll = None
+            if self.deferred_merges:
+                self._keep_mergeable(result.manifest)
         return result
 
     def _keep_mergeable(self, committed: Manifest) -> None:
@@ -804,7 +854,6 @@ class ManifestLog:
                 last_commit_at=now,
                 source=prev.source if prev is not None else None,
             )
-        next_step = base.next_step + len(append)
         new_base = base.base_step if base_step is None else max(base.base_step, base_step)
         segments = cut_below(base.segments, new_base)
         with self._merge_lock:
@@ -823,22 +872,9 @@ class ManifestLog:
             tail = tail[new_base - tail_start :]
             tail_start = new_base
         if self._tail_full(tail):
-            before = {ref.key for ref in segments}
-            segments = self._segments.roll(
-                base.namespace_id,
-                segments,
-                tail,
-                tail_start,
-                base_step=new_base,
-                max_segment_tgbs=self.max_segment_tgbs,
-                fanout=self.merge_fanout,
-                merge=not self.deferred_merges,
+            segments, tail, tail_start = self._roll(
+                base.namespace_id, segments, tail, tail_start, new_base, now
             )
-            with self._merge_lock:
-                self._rolled = segments[-1].key if segments else None
-            if segments and segments[-1].key not in before:
-                self.last_commit_bytes += segments[-1].bytes  # written inside the window
-            tail, tail_start = (), next_step
         return Manifest(
             namespace_id=base.namespace_id,
             mesh=base.mesh,
@@ -853,6 +889,54 @@ class ManifestLog:
             producers=states,
             sealed=base.sealed or seal,
         )
+
+    def _roll(
+        self,
+        namespace_id: str,
+        segments: tuple[SegmentRef, ...],
+        tail: tuple[TgbDescriptor, ...],
+        tail_start: int,
+        base_step: int,
+        now: float,
+    ) -> tuple[tuple[SegmentRef, ...], tuple[TgbDescriptor, ...], int]:
+        """Roll the full ``tail`` into a segment: ``(references, tail, tail_start)`` after it.
+
+        What the last attempt rolled is reused when ``tail`` starts with it (:class:`_Roll`);
+        the descriptors after that are rolled into one more segment if they fill a tail
+        themselves, else they stay inline.
+        """
+        last = self._last_roll
+        reused = None
+        if last is not None:
+            reused = last.reuse(namespace_id, segments, tail, tail_start, base_step, now)
+        origin, written_at, done = segments, now, 0
+        if reused is not None:
+            assert last is not None
+            _log.info("commit reuses segment %s of its previous attempt", reused[-1].key)
+            origin, written_at, done = last.before, last.written_at, len(last.tail)
+            segments = reused
+        rest = tail[done:]
+        if reused is None or self._tail_full(rest):
+            before = segments
+            segments = self._segments.roll(
+                namespace_id,
+                segments,
+                rest,
+                tail_start + done,
+                base_step=base_step,
+                max_segment_tgbs=self.max_segment_tgbs,
+                fanout=self.merge_fanout,
+                merge=not self.deferred_merges,
+            )
+            if segments and segments[-1] not in before:
+                self.last_commit_bytes += segments[-1].bytes  # written inside the window
+            done = len(tail)
+            self._last_roll = _Roll(
+                namespace_id, origin, tail, tail_start, base_step, segments, written_at
+            )
+        with self._merge_lock:
+            self._rolled = segments[-1].key if segments else None
+        return segments, tail[done:], tail_start + done
 
     def _tail_full(self, tail: Sequence[TgbDescriptor]) -> bool:
         """Whether ``tail`` reaches ``tail_limit`` descriptors or ``tail_bytes_limit`` bytes."""
