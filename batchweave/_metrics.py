@@ -30,6 +30,7 @@ from __future__ import annotations
 import errno
 import itertools
 import math
+import socket
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator
@@ -46,6 +47,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from batchweave._checks import as_int
 from batchweave._consumer import Consumer
 from batchweave._fork import current_pid
 from batchweave._lifecycle import Reclaimer, ReclaimReport
@@ -448,19 +450,55 @@ def start_metrics_server(
     Binds to loopback by default: expose it deliberately (``addr="0.0.0.0"``) only on a trusted
     network. The BatchWeave metrics are registered in ``registry`` first, so the endpoint shows
     them even before anything is tracked.
+
+    A ``port`` that is no integer (``"9100"``) or an ``addr`` that is no string is a
+    ``TypeError``, a port outside ``0..65535`` a ``ValueError``, before anything is registered.
+    An address that cannot be served on (taken, not of this machine, not resolvable) is an
+    ``OSError`` naming ``addr:port`` and what to change.
     """
+    port = as_int("port", port)
+    if not 0 <= port <= _MAX_PORT:
+        raise ValueError(
+            f"port must be a TCP port in 0..{_MAX_PORT} (0: any free port), got {port}"
+        )
+    if not isinstance(addr, str):
+        raise TypeError(
+            f"addr must be a str, the IP address or host name of this machine to serve on "
+            f"(e.g. '127.0.0.1'), got the {type(addr).__name__} {addr!r}"
+        )
     reg = REGISTRY if registry is None else registry
     metrics(reg)
     try:
         server, thread = start_http_server(port, addr=addr, registry=reg)
     except OSError as exc:
+        raise _bind_error(exc, addr, port) from exc
+    return MetricsServer(server, thread)
+
+
+_MAX_PORT = 65535
+_LOCAL_ADDRESSES = (
+    "addr must be an IP address or host name of this machine: '127.0.0.1' (loopback, the "
+    "default), '0.0.0.0' (every interface) or one of its interfaces' addresses"
+)
+
+
+def _bind_error(exc: OSError, addr: str, port: int) -> OSError:
+    """``exc`` (from serving on ``addr:port``) as an error of the same kind (errno, and
+    ``socket.gaierror`` for an address that does not resolve) saying what to change."""
+    if isinstance(exc, socket.gaierror):
+        hint = f"; {addr!r} does not resolve: {_LOCAL_ADDRESSES}"
+    elif exc.errno == errno.EADDRINUSE:
         hint = (
             "; another process (or a metrics server not closed) holds it: pick another port, or "
             "0 for any free one"
-            if exc.errno == errno.EADDRINUSE
-            else ""
         )
-        raise OSError(
-            exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}{hint}"
-        ) from exc
-    return MetricsServer(server, thread)
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        hint = f"; no interface of this machine has the address {addr!r}: {_LOCAL_ADDRESSES}"
+    elif exc.errno == errno.EACCES:
+        hint = "; a port below 1024 needs privileges: pick a port of 1024 or more, or 0"
+    else:
+        hint = ""
+    message = f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}{hint}"
+    if isinstance(exc, socket.gaierror):
+        return socket.gaierror(exc.errno, message)
+    return OSError(exc.errno, message)  # a PermissionError for EACCES, as raised

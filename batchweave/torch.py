@@ -82,13 +82,32 @@ def to_tensors(item: Any) -> Any:
 
 
 def _writable(item: Any) -> Any:
-    """``item`` with every read-only numpy array (in dicts, lists and tuples) replaced by a copy."""
+    """``item`` with every read-only numpy array (in dicts, lists and tuples) replaced by a copy.
+
+    Containers are rebuilt as ``default_convert`` rebuilds them, keeping their type: a dict
+    subclass as an updated copy, a namedtuple from its fields (``type(item)(*values)``: it takes
+    no iterable); one that cannot be rebuilt so becomes a plain dict or list.
+    """
     if isinstance(item, np.ndarray):
         return item if item.flags.writeable else item.copy()
     if isinstance(item, dict):
-        return {key: _writable(value) for key, value in item.items()}
+        entries = {key: _writable(value) for key, value in item.items()}
+        if type(item) is dict:
+            return entries
+        try:
+            clone = copy.copy(item)
+            clone.update(entries)
+            return clone
+        except TypeError:
+            return entries
+    if isinstance(item, tuple) and hasattr(item, "_fields"):  # a namedtuple
+        return type(item)(*(_writable(value) for value in item))
     if isinstance(item, list | tuple):
-        return type(item)(_writable(value) for value in item)
+        values = [_writable(value) for value in item]
+        try:
+            return type(item)(values)
+        except TypeError:
+            return values
     return item
 
 
@@ -421,13 +440,7 @@ def _check_dataloader_options(dataset: WeaveDataset, options: Mapping[str, Any])
     try:
         with warnings.catch_warnings():  # torch's advice on num_workers comes with each iter()
             warnings.simplefilter("ignore")
-            loader = DataLoader(dataset, batch_size=None, **options)
-            if loader.num_workers == 0 and loader.timeout > 0:
-                # torch asserts this only when iter() makes the single-process iterator
-                raise ValueError(
-                    f"timeout={options.get('timeout')!r} applies only to worker processes, and "
-                    "num_workers is 0; drop the timeout or set num_workers"
-                )
+            DataLoader(dataset, batch_size=None, **options)
     except (TypeError, ValueError) as exc:
         message = f"WeaveLoader: torch.utils.data.DataLoader refuses these options: {exc}"
         if isinstance(exc, TypeError):
@@ -524,7 +537,14 @@ class WeaveLoader:
         stop = self._stop_event()
         dataset.stop_event = stop  # pickled into (or forked with) this iteration's workers
         dataset._loader_pid = os.getpid()
-        loader = DataLoader(dataset, batch_size=None, **self.dataloader_options)
+        options = dict(self.dataloader_options)
+        if not options.get("num_workers", 0) and options.get("timeout"):
+            # torch takes a timeout only with workers (its single-process iterator asserts it
+            # is 0): without them it bounds the consumer's waits, as it does for state_dict().
+            timeout = options.pop("timeout")
+            if dataset.consumer_options.get("timeout") is None:
+                dataset.consumer_options = {**dataset.consumer_options, "timeout": timeout}
+        loader = DataLoader(dataset, batch_size=None, **options)
         batches = iter(loader)
         self._loops += 1
         try:

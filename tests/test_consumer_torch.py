@@ -11,6 +11,7 @@ wait that would never end fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import collections
 import pickle
 import socket
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import boto3
 import numpy as np
 import pytest
+import torch
 from fake_time import FakeTime
 from test_consumer import parse, produce
 from test_consumer import take as take_steps
@@ -37,7 +39,7 @@ from batchweave import (
 )
 from batchweave._manifest._log import ManifestLog
 from batchweave._store import _obstore
-from batchweave.torch import WeaveDataset, WeaveLoader
+from batchweave.torch import WeaveDataset, WeaveLoader, to_tensors
 
 MESH = Mesh(dp=2, cp=2)
 STEPS = 9
@@ -186,16 +188,6 @@ def test_loader_refuses_options_that_break_step_order(
         WeaveLoader(dataset, num_workers=2, persistent_workers=True)
     with pytest.raises(TypeError, match="stride"):
         WeaveDataset(namespace[0], "run", mesh=MESH, dp_rank=0, cp_rank=0, stride=2)
-
-
-def test_loader_refuses_a_timeout_without_workers_when_made(
-    namespace: tuple[str, list[tuple[int, Any]]],
-) -> None:
-    # Before: accepted, then torch's bare AssertionError from the first iter().
-    dataset = WeaveDataset(namespace[0], "run", mesh=MESH, dp_rank=0, cp_rank=0)
-    with pytest.raises(ValueError, match=r"timeout=5(\.0)? applies only to worker processes"):
-        WeaveLoader(dataset, timeout=5)
-    WeaveLoader(dataset, timeout=5, num_workers=1).close()
 
 
 def test_dataset_refuses_environ_naming_how_to_pass_other_coordinates(
@@ -437,4 +429,38 @@ def test_without_a_timeout_state_dict_waits_for_the_store_to_come_back(
     assert store.failures == 20
     assert fake.now > 5.0  # it waited (backing off) rather than giving up
     assert state["namespace_id"] == ManifestLog(store, NS).latest().namespace_id
+    loader.close()
+
+
+_Pair = collections.namedtuple("_Pair", "tokens labels")
+
+
+def test_to_tensors_converts_namedtuples_and_keeps_container_types() -> None:
+    # Before: copying the read-only arrays rebuilt a namedtuple with type(item)(generator),
+    # a TypeError (missing field), where torch's default_convert returns the namedtuple.
+    frozen = np.arange(3.0)
+    frozen.flags.writeable = False
+    out = to_tensors(_Pair(frozen, [frozen]))
+    assert isinstance(out, _Pair)
+    assert isinstance(out.tokens, torch.Tensor)
+    assert isinstance(out.labels[0], torch.Tensor)
+    out.tokens.add_(1)  # a copy, not a view of the read-only array
+    assert frozen.tolist() == [0.0, 1.0, 2.0]
+    ordered = to_tensors(collections.OrderedDict(x=frozen))
+    assert type(ordered) is collections.OrderedDict
+    assert torch.equal(ordered["x"], torch.arange(3.0, dtype=torch.float64))
+
+
+def test_a_loader_without_workers_takes_the_dataloader_timeout_as_the_consumers(
+    store: OutageStore, fake: FakeTime
+) -> None:
+    # Before: torch's bare AssertionError ("requires timeout == 0") from the first iter().
+    loader = _outage_loader(store, fake, timeout=5.0)
+    assert [step for step, _ in loader] == [0, 1]  # the two TGBs produced
+    loader = _outage_loader(store, fake, timeout=5.0)
+    store.down()
+    started = fake.now
+    with pytest.raises(ConsumerTimeout):
+        next(iter(loader))
+    assert fake.now - started == pytest.approx(5.0)
     loader.close()

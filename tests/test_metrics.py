@@ -288,3 +288,32 @@ def test_metrics_port_in_use_names_the_address(registry: CollectorRegistry) -> N
     first.close()  # closing twice is harmless, and the port is free again
     with bw.start_metrics_server(first.port, registry=registry) as again:
         assert again.port == first.port
+
+
+@pytest.mark.parametrize(
+    ("port", "addr", "error", "match"),
+    [
+        (70000, "127.0.0.1", ValueError, r"port must be a TCP port in 0\.\.65535 .*got 70000"),
+        (-1, "127.0.0.1", ValueError, r"port must be a TCP port in 0\.\.65535 .*got -1"),
+        ("9100", "127.0.0.1", TypeError, r"port must be an integer, got the str '9100'"),
+        (9100.0, "127.0.0.1", TypeError, r"port must be an integer, got the float"),
+        (True, "127.0.0.1", TypeError, r"port must be an integer, got the bool"),
+        (0, None, TypeError, r"addr must be a str.*got the NoneType None"),
+    ],
+)
+def test_metrics_server_refuses_a_bad_port_or_addr_naming_it(
+    registry: CollectorRegistry, port: object, addr: object, error: type[Exception], match: str
+) -> None:
+    # Before: OverflowError for 70000, "Servname not supported" for -1.
+    with pytest.raises(error, match=match):
+        bw.start_metrics_server(port, addr, registry=registry)  # type: ignore[arg-type]
+
+
+def test_metrics_server_on_an_address_it_cannot_bind_says_what_addr_must_be(
+    registry: CollectorRegistry,
+) -> None:
+    # Before: "Cannot assign requested address" alone. A numeric address of TEST-NET-1 (RFC
+    # 5737): no name lookup, and binding sends nothing.
+    with pytest.raises(OSError, match=r"192\.0\.2\.1:0.*no interface of this machine") as info:
+        bw.start_metrics_server(0, "192.0.2.1", registry=registry)
+    assert "addr must be an IP address or host name of this machine" in str(info.value)

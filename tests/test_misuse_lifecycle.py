@@ -146,6 +146,39 @@ def test_the_hook_refuses_a_bad_checkpoint_id_on_every_rank(rank: int) -> None:
     assert not consumer.asked
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_hook_refuses_what_is_no_consumer_or_no_watermarks_on_every_rank(rank: int) -> None:
+    # Before: checkpoint_hook(None, ...) raised "'NoneType' object has no attribute
+    # 'resume_tgb_step'" on rank 0 alone; rank 1 returned None.
+    store = bw.CountingStore(bw.MemoryStore())
+    marks = bw.Watermarks(store, NS)
+    hook = bw.checkpoint_hook
+    wanted = (
+        r"consumer must be a batchweave\.Consumer, a batchweave\.torch\.WeaveLoader, or a reader "
+        r"with a resume_tgb_step\(state\) method and a manifest_version attribute, got the "
+    )
+    refused(
+        lambda: hook(None, marks, "ck", rank=rank),  # type: ignore[arg-type]
+        TypeError,
+        wanted + "NoneType None",
+        store,
+    )
+    refused(
+        lambda: hook(marks, _Resumable(), "ck", rank=rank),  # type: ignore[arg-type]
+        TypeError,
+        wanted + "Watermarks",
+        store,
+    )
+    consumer = _Resumable()
+    refused(
+        lambda: hook(consumer, None, "ck", rank=rank),  # type: ignore[arg-type]
+        TypeError,
+        r"watermarks must be a batchweave\.Watermarks .*got the NoneType None",
+        store,
+    )
+    assert not consumer.asked
+
+
 # -- Reclaimer -------------------------------------------------------------------------------
 
 

@@ -40,9 +40,29 @@ def test_ids_that_are_not_a_sequence_of_slices_are_refused(ids: object) -> None:
         sample_ids_metadata(ids)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("ids", "needle"),
+    [
+        ([["a"], [b"doc-1"]], r"slice 1 holds the bytes b'doc-1'.*decode bytes first"),
+        ([[None]], r"slice 0 holds the NoneType None, which is no sample id"),
+        ([["a", [1, 2]]], r"slice 0 holds the list \[1, 2\]"),
+        ([[True]], r"slice 0 holds the bool True"),
+        ([[np.bool_(False)]], r"slice 0 holds the bool"),
+        ([[b"x" * 500]], r"b'xxx+\.\.\., which is no sample id"),
+    ],
+)
+def test_an_id_that_is_no_str_int_or_float_is_refused(ids: list, needle: str) -> None:
+    # Before: str() of any object was recorded (b"doc-1" as "b'doc-1'", None as "None") and
+    # the export showed that text; the reader takes strings and numbers only, so does the writer.
+    with pytest.raises(ValueError, match=needle) as info:
+        sample_ids_metadata(ids)
+    assert "a sample id is a str, an int or a float" in str(info.value)
+    assert len(str(info.value)) < 300
+
+
 def test_valid_ids_are_encoded_as_strings() -> None:
-    ids = [("doc-1", 2), np.array([3, 4]), []]
-    assert sample_ids_metadata(ids) == '[["doc-1","2"],["3","4"],[]]'
+    ids = [("doc-1", 2), np.array([3, 4]), [], [1.5, np.float32(0.5), np.str_("x")]]
+    assert sample_ids_metadata(ids) == '[["doc-1","2"],["3","4"],[],["1.5","0.5","x"]]'
 
 
 def _data_objects(store: bw.ObjectStore) -> list[str]:

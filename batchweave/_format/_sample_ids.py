@@ -12,6 +12,7 @@ the history reader refuses one already stored, both with :func:`parse_sample_ids
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
@@ -21,14 +22,18 @@ SAMPLE_IDS_KEY: Final = "batchweave.sample_ids"
 """TGB metadata key holding a JSON list (one entry per slice) of lists of sample ids."""
 
 _NOT_A_SEQUENCE = (str, bytes, bytearray, memoryview)
+_SHOWN_CHARS = 100  # of a refused id's repr
 
 
-def sample_ids_metadata(ids: Sequence[Sequence[int | str]]) -> str:
+def sample_ids_metadata(ids: Sequence[Sequence[int | float | str]]) -> str:
     """Encode per-slice sample ids (one sequence per slice, ``(d, c)`` order) for TGB metadata.
 
     Raises ``ValueError`` naming the slice when an entry is not a sequence of ids: a string
     (``"doc-17"``) would otherwise be split into characters. For one id per slice, pass
-    ``[[i] for i in ids]``.
+    ``[[i] for i in ids]``. An id is a string or a number (``int`` or ``float``, NumPy scalars
+    included), the ids :func:`parse_sample_ids` reads back; anything else is a ``ValueError``
+    naming the slice and the id: ``str()`` would record ``b"doc-1"`` as ``"b'doc-1'"``, ``None``
+    as ``"None"`` (decode bytes first: ``.decode()``). A bool is no id either.
     """
     if isinstance(ids, _NOT_A_SEQUENCE) or not isinstance(ids, Iterable):
         raise ValueError(
@@ -42,12 +47,28 @@ def sample_ids_metadata(ids: Sequence[Sequence[int | str]]) -> str:
                 f"{slice_ids!r:.100} (a string would be split into characters); give one list "
                 "per slice in (d, c) order, e.g. [[i] for i in ids] for one id per slice"
             )
-        encoded.append([str(i) for i in slice_ids])
+        encoded.append([_encoded_id(j, i) for i in slice_ids])
     return json.dumps(encoded, separators=(",", ":"))
 
 
 def _is_id(value: Any) -> bool:
+    """A sample id as stored (JSON): a string or a number, not a bool."""
     return isinstance(value, str | int | float) and not isinstance(value, bool)
+
+
+def _encoded_id(slice_: int, value: object) -> str:
+    """``value`` as :func:`sample_ids_metadata` stores it: a string, or a number (NumPy integer
+    and floating scalars too); anything else is refused rather than stored as its ``str()``."""
+    if isinstance(value, str | numbers.Real) and not isinstance(value, bool):
+        return str(value)
+    shown = repr(value)
+    if len(shown) > _SHOWN_CHARS:
+        shown = f"{shown[:_SHOWN_CHARS]}..."
+    hint = "; decode bytes first, e.g. id.decode()" if isinstance(value, bytes | bytearray) else ""
+    raise ValueError(
+        f"sample_ids_metadata: slice {slice_} holds the {type(value).__name__} {shown}, which is "
+        f"no sample id: a sample id is a str, an int or a float{hint}"
+    )
 
 
 def parse_sample_ids(raw: str, slices: int) -> list[tuple[str, ...]]:

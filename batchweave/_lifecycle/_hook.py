@@ -55,8 +55,10 @@ def checkpoint_hook(
     step that resuming from the consumer's state reads first: pass the ``state`` that went into
     the checkpoint if the loop may have advanced the consumer since (asynchronous
     checkpointing); by default the consumer's current state is used. ``consumer`` may also be a
-    ``batchweave.torch.WeaveLoader`` (anything with ``resume_tgb_step`` and
-    ``manifest_version``). Returns the recorded :class:`Watermark` on rank 0.
+    ``batchweave.torch.WeaveLoader`` (anything with a ``resume_tgb_step`` method and a
+    ``manifest_version`` attribute); anything else (``None``), or ``watermarks`` that are no
+    :class:`Watermarks`, is a ``TypeError`` on every rank. Returns the recorded
+    :class:`Watermark` on rank 0.
 
     Call it again right after restoring a checkpoint (``consumer.load_state_dict(state)``, then
     this hook with that ``state``): a process killed between writing the checkpoint and this
@@ -77,6 +79,7 @@ def checkpoint_hook(
     """
     # On every rank, like the checks below: rank 0 alone raising would leave the others waiting
     # for it at the next collective.
+    _check_arguments(consumer, watermarks)
     validate_checkpoint_id(checkpoint_id)
     namespace = getattr(consumer, "namespace", None)
     if namespace is not None and namespace != watermarks.namespace:
@@ -110,6 +113,26 @@ def checkpoint_hook(
         reader_id = _reader_namespace_id(consumer, parsed)
         _check_same_namespace(consumer, namespace, watermarks, reader_id)
     return watermarks.record(checkpoint_id, step, version=consumer.manifest_version)
+
+
+def _check_arguments(consumer: object, watermarks: object) -> None:
+    """``TypeError`` unless ``consumer`` is a reader the hook can ask for a step (what
+    :class:`Resumable` describes) and ``watermarks`` a :class:`Watermarks`: else ``None`` (a
+    consumer not made yet) would fail on rank 0 alone, with ``'NoneType' object has no attribute
+    'resume_tgb_step'``."""
+    if not callable(getattr(consumer, "resume_tgb_step", None)) or not hasattr(
+        consumer, "manifest_version"
+    ):
+        raise TypeError(
+            "checkpoint_hook: consumer must be a batchweave.Consumer, a "
+            "batchweave.torch.WeaveLoader, or a reader with a resume_tgb_step(state) method and "
+            f"a manifest_version attribute, got the {type(consumer).__name__} {consumer!r:.100}"
+        )
+    if not isinstance(watermarks, Watermarks):
+        raise TypeError(
+            "checkpoint_hook: watermarks must be a batchweave.Watermarks (Watermarks(store, "
+            f"namespace)), got the {type(watermarks).__name__} {watermarks!r:.100}"
+        )
 
 
 def _check_state(
