@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import os
 
 from batchweave._errors import InvalidKey
-from batchweave._store._base import validate_key
+from batchweave._store._base import check_store, validate_key  # the store layer uses both too
 
 __all__ = [
     "MAX_NAMESPACE_BYTES",
@@ -47,18 +46,6 @@ def check_at_least(minimum: int, **values: int) -> None:
     for name, value in values.items():
         if value < minimum:
             raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def check_store(store: object) -> None:
-    """Refuse a store URL or path where an opened store is needed, saying how to open it.
-
-    Without this a URL string fails deep inside with ``'str' object has no attribute ...``.
-    """
-    if isinstance(store, str | bytes | os.PathLike):
-        raise TypeError(
-            f"expected an opened store, got the {type(store).__name__} {store!r}; open it "
-            "first (store = batchweave.open_store(url)) and pass the store"
-        )
 
 
 def check_key_name(name: str, value: str) -> None:

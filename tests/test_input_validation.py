@@ -264,3 +264,64 @@ def test_numpy_degrees_are_accepted_and_stored_meshes_still_decode_as_before() -
     # The constructor is stricter than the decoder: True is no degree (before: Mesh(dp=1)).
     with pytest.raises(TypeError, match="dp must be an integer, got the bool True"):
         bw.Mesh(dp=True)
+
+
+# -- a URL (or anything else) where an opened store is needed ------------------------------------
+
+
+_STORE_TAKERS: dict[str, Callable[[Any], object]] = {
+    "ensure_conditional_writes": bw.ensure_conditional_writes,
+    "read_footer": lambda store: bw.read_footer(store, "k"),
+    "read_slice": lambda store: bw.read_slice(
+        store, "k", bw.encode_tgb([b"abc", b"defg"], MESH).footer, 0
+    ),
+    "StoreWrapper": bw.StoreWrapper,
+    "CountingStore": bw.CountingStore,
+    "FaultInjectingStore": lambda store: bw.FaultInjectingStore(store, seed=1),
+}
+"""The store-layer and format-layer entry points taking an opened store."""
+
+
+@pytest.mark.parametrize("name", list(_STORE_TAKERS))
+def test_store_and_format_calls_refuse_a_url_or_non_store(name: str, tmp_path: Path) -> None:
+    # Before: AttributeError: 'str' object has no attribute 'url' (or 'get_range', ...).
+    call = _STORE_TAKERS[name]
+    with pytest.raises(TypeError, match=r"open it first \(store = batchweave.open_store\(url\)\)"):
+        call(tmp_path.as_uri())
+    with pytest.raises(TypeError, match="expected an opened store, got the PosixPath"):
+        call(tmp_path)
+    for other in (None, 3, object()):
+        with pytest.raises(TypeError, match=r"expected an opened store \(a batchweave.ObjectStore"):
+            call(other)
+    assert not any(tmp_path.iterdir())  # nothing was opened or written
+
+
+def test_check_store_is_one_implementation_the_store_layer_shares() -> None:
+    from batchweave._store._base import check_store
+
+    assert checks.check_store is check_store
+    check_store(bw.MemoryStore())  # an opened store passes
+    check_store(bw.CountingStore(bw.MemoryStore()))
+
+
+@pytest.mark.parametrize("rng", [(0, 3), [0, 3], slice(0, 3), range(3), 3, None, "0-3"], ids=repr)
+def test_get_range_refuses_what_is_not_a_byte_range_naming_the_types(rng: object) -> None:
+    # Before: AttributeError: 'tuple' object has no attribute 'length' (the Suffix branch).
+    store = bw.MemoryStore()
+    store.put("k", b"0123456789")
+    for target in (store, bw.CountingStore(store), bw.FaultInjectingStore(store, seed=1)):
+        for key in ("k", "missing"):  # refused before the object is looked up
+            with pytest.raises(TypeError, match=r"must be a Bounded, Offset or Suffix, got the"):
+                target.get_range(key, rng)  # type: ignore[arg-type]
+    counting = bw.CountingStore(store)
+    with pytest.raises(TypeError):
+        counting.get_range("k", rng)  # type: ignore[arg-type]
+    assert counting.snapshot().requests == 0  # a refused argument is no request
+
+
+def test_resolve_range_refuses_a_non_range_for_custom_stores() -> None:
+    from batchweave._store._base import resolve_range
+
+    assert resolve_range(bw.Suffix(3), 10) == (7, 10)
+    with pytest.raises(TypeError, match=r"must be a Bounded, Offset or Suffix"):
+        resolve_range((0, 3), 10)  # type: ignore[arg-type]

@@ -34,7 +34,7 @@ from batchweave._format._tgb import (
     TgbFooter,
     trusted_entry,
 )
-from batchweave._store._base import Bounded, ObjectStore, Suffix
+from batchweave._store._base import Bounded, ObjectStore, Suffix, check_store
 
 __all__ = [
     "FOOTER_READ_GUESS",
@@ -333,6 +333,7 @@ def read_footer(
     manifest): exactly one bounded range read of footer plus trailer. Without: one suffix read of
     :data:`FOOTER_READ_GUESS` bytes, and a second suffix read only if the footer is larger.
     """
+    check_store(store)
     if (footer_offset is None) != (footer_length is None):
         raise ValueError("give both footer_offset and footer_length, or neither")
     if footer_offset is not None and footer_length is not None:
@@ -440,6 +441,7 @@ def read_slice(store: ObjectStore, key: str, footer: TgbFooter, index: SliceInde
 
     An empty stored slice (possible only for an uncompressed empty raw payload) needs no read.
     """
+    check_store(store)
     rng = slice_range(footer, index)
     raw = store.get_range(key, rng) if rng.end > rng.start else b""
     return decode_slice(raw, footer, index, key=key)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import enum
 import operator
+import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,9 @@ __all__ = [
     "Offset",
     "PutMode",
     "Suffix",
+    "check_keys",
+    "check_range",
+    "check_store",
     "validate_key",
 ]
 
@@ -107,6 +111,20 @@ def _set_offsets(rng: object, *fields: str) -> None:
 
 
 ByteRange = Bounded | Offset | Suffix
+_RANGE_TYPES = (Bounded, Offset, Suffix)
+
+
+def check_range(rng: object) -> None:
+    """Refuse anything but a :data:`ByteRange` with a ``TypeError`` naming the range types.
+
+    Every backend's ``get_range`` calls it before any request: a tuple such as ``(0, 3)`` would
+    otherwise fail deep inside with ``'tuple' object has no attribute 'length'``.
+    """
+    if not isinstance(rng, _RANGE_TYPES):
+        raise TypeError(
+            f"a byte range must be a Bounded, Offset or Suffix, got the {type(rng).__name__} "
+            f"{rng!r}; e.g. get_range(key, Bounded(0, 3)) for bytes [0, 3)"
+        )
 
 
 def resolve_range(rng: ByteRange, size: int) -> tuple[int, int]:
@@ -115,7 +133,29 @@ def resolve_range(rng: ByteRange, size: int) -> tuple[int, int]:
         return min(rng.start, size), min(rng.end, size)
     if isinstance(rng, Offset):
         return min(rng.start, size), size
+    check_range(rng)  # a custom store may resolve without checking first
     return max(0, size - rng.length), size
+
+
+def check_keys(keys: object) -> None:
+    """Refuse a ``delete_many`` argument that is not an iterable of keys, with a ``TypeError``.
+
+    A single key (``delete_many("ab")``) is refused, not iterated: its characters would be
+    deleted as the one-character keys ``"a"`` and ``"b"``. Every backend's ``delete_many`` calls
+    it first; the keys themselves are checked by :func:`validate_key`.
+    """
+    if isinstance(keys, str | bytes | bytearray | memoryview):
+        raise TypeError(
+            f"delete_many takes an iterable of keys, got the single {type(keys).__name__} "
+            f"{keys!r}; pass a list of keys, e.g. delete_many([key])"
+        )
+    try:
+        iter(keys)  # type: ignore[call-overload]  # the same iterator for a generator: no item read
+    except TypeError:
+        raise TypeError(
+            f"delete_many takes an iterable of keys, got the {type(keys).__name__} {keys!r}; "
+            "pass a list of keys, e.g. delete_many([key])"
+        ) from None
 
 
 _FORBIDDEN_CHAR = re.compile(r"[\x00-\x1f\x7f\\\ud800-\udfff\ufffe\uffff]")
@@ -255,3 +295,22 @@ class ObjectStore(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+def check_store(store: object) -> None:
+    """Refuse anything but an opened :class:`ObjectStore` with a ``TypeError``.
+
+    A store URL or path (the common mistake) gets a message saying how to open it: without this
+    a URL string fails deep inside with ``'str' object has no attribute ...``.
+    """
+    if isinstance(store, ObjectStore):
+        return
+    if isinstance(store, str | bytes | os.PathLike):
+        raise TypeError(
+            f"expected an opened store, got the {type(store).__name__} {store!r}; open it "
+            "first (store = batchweave.open_store(url)) and pass the store"
+        )
+    raise TypeError(
+        f"expected an opened store (a batchweave.ObjectStore), got the {type(store).__name__} "
+        f"{store!r}; open one with batchweave.open_store(url)"
+    )

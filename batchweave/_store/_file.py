@@ -31,6 +31,8 @@ from batchweave._store._base import (
     ObjectMeta,
     ObjectStore,
     PutMode,
+    check_keys,
+    check_range,
     resolve_range,
     validate_key,
 )
@@ -515,6 +517,7 @@ class FileStore(ObjectStore):
     def get_range(self, key: str, rng: ByteRange) -> bytes:
         # try/except rather than ``with self._errors(...)``: a consumer's steps are often single
         # ranges of this call, and the context manager costs a microsecond each.
+        check_range(rng)
         try:
             fd = self._open_for_read(key)
             try:
@@ -646,6 +649,7 @@ class FileStore(ObjectStore):
     # -- deletes -----------------------------------------------------------------------------
 
     def delete_many(self, keys: Iterable[str]) -> None:
+        check_keys(keys)
         for key in keys:
             if self._proc_fd and _PUBLISH_AT:
                 path = self._lexical_path(key)

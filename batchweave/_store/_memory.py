@@ -14,6 +14,8 @@ from batchweave._store._base import (
     ObjectMeta,
     ObjectStore,
     PutMode,
+    check_keys,
+    check_range,
     resolve_range,
     validate_key,
 )
@@ -69,6 +71,7 @@ class MemoryStore(ObjectStore):
         return self._entry(key)[0]
 
     def get_range(self, key: str, rng: ByteRange) -> bytes:
+        check_range(rng)
         data = self._entry(key)[0]
         start, end = resolve_range(rng, len(data))
         return data[start:end]
@@ -99,6 +102,7 @@ class MemoryStore(ObjectStore):
             cursor, inclusive = page[-1].key, False
 
     def delete_many(self, keys: Iterable[str]) -> None:
+        check_keys(keys)
         for key in keys:
             validate_key(key)
             with self._lock:

@@ -42,6 +42,8 @@ from batchweave._store._base import (
     ObjectMeta,
     Offset,
     PutMode,
+    check_keys,
+    check_range,
     resolve_range,
     validate_key,
 )
@@ -702,6 +704,7 @@ class ObstoreS3Store(S3Location):
             raise self._not_s3(op, key, "no ETag and no Last-Modified in a 200 response")
 
     def get_range(self, key: str, rng: ByteRange) -> bytes:
+        check_range(rng)
         self._check_process()
         full = self._key(key)
         if isinstance(rng, Bounded):
@@ -843,6 +846,7 @@ class ObstoreS3Store(S3Location):
         self._listing_checked = True
 
     def delete_many(self, keys: Iterable[str]) -> None:
+        check_keys(keys)
         paths = [self._key(k) for k in keys]
         if not paths:
             return

@@ -25,7 +25,7 @@ from batchweave._errors import (
     StoreUnavailable,
     TransientStoreError,
 )
-from batchweave._store._base import ObjectStore
+from batchweave._store._base import ObjectStore, check_store
 from batchweave._store._file import FileStore, check_root
 from batchweave._store._memory import MemoryStore
 from batchweave._store._obstore import ObstoreS3Store
@@ -400,6 +400,7 @@ def ensure_conditional_writes(store: ObjectStore) -> None:
     accepts connections but never answers raises ``StoreUnavailable`` saying so within about
     ``probe_timeout`` (plus the connect time), not after ``read_timeout`` x ``max_attempts``.
     """
+    check_store(store)  # a URL string: open_store(url) probes it already
     with _verified_lock:
         ref = _verified.get(id(store))
         if ref is not None and ref() is store:

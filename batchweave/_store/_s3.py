@@ -46,6 +46,8 @@ from batchweave._store._base import (
     Offset,
     PutMode,
     Suffix,
+    check_keys,
+    check_range,
     resolve_range,
 )
 from batchweave._store._s3_location import (
@@ -646,6 +648,7 @@ class S3Store(S3Location):
             raise self._translate(exc, op="get", key=key) from exc
 
     def get_range(self, key: str, rng: ByteRange) -> bytes:
+        check_range(rng)
         full = self._key(key)
         if isinstance(rng, Bounded) and rng.start == rng.end:
             self.head(key)  # an empty range still requires the object to exist
@@ -720,6 +723,7 @@ class S3Store(S3Location):
             extra = {"ContinuationToken": token}
 
     def delete_many(self, keys: Iterable[str]) -> None:
+        check_keys(keys)
         it = iter(keys)
         while batch := [self._key(k) for k in itertools.islice(it, DELETE_BATCH)]:
             try:

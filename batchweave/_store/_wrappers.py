@@ -20,7 +20,15 @@ from dataclasses import dataclass
 from typing import Literal, NoReturn
 
 from batchweave._errors import AmbiguousWriteError, ObjectExists, TransientStoreError
-from batchweave._store._base import ByteRange, ObjectMeta, ObjectStore, PutMode
+from batchweave._store._base import (
+    ByteRange,
+    ObjectMeta,
+    ObjectStore,
+    PutMode,
+    check_keys,
+    check_range,
+    check_store,
+)
 
 __all__ = ["CountingStore", "FaultInjectingStore", "StoreCounts", "StoreWrapper"]
 
@@ -40,6 +48,7 @@ class StoreWrapper(ObjectStore):
     """
 
     def __init__(self, inner: ObjectStore) -> None:
+        check_store(inner)
         self.inner = inner
         self.url = inner.url
 
@@ -59,6 +68,7 @@ class StoreWrapper(ObjectStore):
         return self.inner.list(prefix, start_after=start_after)
 
     def delete_many(self, keys: Iterable[str]) -> None:
+        check_keys(keys)
         self.inner.delete_many(keys)
 
     def close(self) -> None:
@@ -166,6 +176,7 @@ class CountingStore(StoreWrapper):
         return data
 
     def get_range(self, key: str, rng: ByteRange) -> bytes:
+        check_range(rng)  # a refused argument is no request
         self._add(range_gets=1)
         data = self.inner.get_range(key, rng)
         self._add(range_bytes=len(data))
@@ -196,6 +207,7 @@ class CountingStore(StoreWrapper):
             yield meta
 
     def delete_many(self, keys: Iterable[str]) -> None:
+        check_keys(keys)
         materialized = list(keys)
         if materialized:
             pages = -(-len(materialized) // LIST_PAGE_SIZE)
@@ -408,6 +420,7 @@ class FaultInjectingStore(StoreWrapper):
         return self.inner.get(key)
 
     def get_range(self, key: str, rng: ByteRange) -> bytes:
+        check_range(rng)  # before a scripted fault is spent on a call that cannot run
         self._read_op("get_range", key)
         return self.inner.get_range(key, rng)
 
@@ -420,6 +433,7 @@ class FaultInjectingStore(StoreWrapper):
         yield from self.inner.list(prefix, start_after=start_after)
 
     def delete_many(self, keys: Iterable[str]) -> None:
+        check_keys(keys)
         materialized = list(keys)
         first = materialized[0] if materialized else ""
         fault = self._before("delete_many", first)
