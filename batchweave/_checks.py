@@ -153,6 +153,21 @@ def as_int(name: str, value: object) -> int:
     )
 
 
+MAX_INT64 = 2**63 - 1
+"""Largest offset or sample count a producer writes: a signed 64-bit integer, as exported
+membership histories (Arrow ``int64``) and most tools store it."""
+
+
+def check_int64(name: str, value: int) -> int:
+    """``value`` if it fits a signed 64-bit integer, else ``ValueError`` naming ``name``."""
+    if value > MAX_INT64:
+        raise ValueError(
+            f"{name} must be at most 2**63 - 1 (a signed 64-bit integer, as exports store it), "
+            f"got {value}"
+        )
+    return value
+
+
 def as_count(name: str, value: object, minimum: int) -> int:
     """``value`` as a plain ``int`` of at least ``minimum``: ``TypeError`` or ``ValueError``.
 

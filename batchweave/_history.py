@@ -271,6 +271,22 @@ MEMBERSHIP_SCHEMA = pa.schema(
 """Columns of an exported membership history (Lance dataset or Parquet file)."""
 
 
+def _too_large(rows: list[MembershipRow], exc: Exception) -> FormatError:
+    """The error of ``rows`` that Arrow refused (``exc``): a value beyond its 64-bit column,
+    which no producer writes (offsets and sample counts are checked), named with its step."""
+    for row in rows:
+        for name in ("epoch", "offset", "bytes", "samples"):
+            value = getattr(row, name)
+            if not -(2**63) <= value < 2**63:
+                return FormatError(
+                    f"step {row.step}, slice ({row.dp}, {row.cp}): {name} {value} does not fit "
+                    "the history's 64-bit column; the manifest was not written by this "
+                    f"BatchWeave (its producers write at most 2**63 - 1). Export a window "
+                    f"without step {row.step} (start/stop)"
+                )
+    return FormatError(f"the membership history cannot be written as Arrow: {exc}")
+
+
 def membership_batches(
     store: ObjectStore,
     namespace: str,
@@ -289,8 +305,12 @@ def membership_batches(
         columns["sample_ids"] = [
             None if row.sample_ids is None else list(row.sample_ids) for row in buffer
         ]
+        rows = list(buffer)
         buffer.clear()
-        return pa.RecordBatch.from_pydict(columns, schema=MEMBERSHIP_SCHEMA)
+        try:
+            return pa.RecordBatch.from_pydict(columns, schema=MEMBERSHIP_SCHEMA)
+        except (OverflowError, pa.ArrowInvalid) as exc:
+            raise _too_large(rows, exc) from exc
 
     for row in iter_membership(store, namespace, start=start, stop=stop, progress=progress):
         buffer.append(row)

@@ -13,7 +13,7 @@ import pytest
 
 import batchweave as bw
 import batchweave._format._tgb_write as tgb
-from batchweave import MemoryStore, Mesh
+from batchweave import MemoryStore, Mesh, _history
 from batchweave._history import SAMPLE_IDS_KEY, iter_membership
 from batchweave._manifest import Committed, ManifestLog
 
@@ -126,3 +126,40 @@ def test_a_segment_reclaimed_while_reading_is_step_reclaimed() -> None:
     store.delete_many([log.key(ref.key)])
     with pytest.raises(bw.StepReclaimed, match="Export again"):
         list(iter_membership(store, "ns", manifest=held))
+
+
+def test_offsets_and_sample_counts_beyond_int64_are_refused_when_written() -> None:
+    # Before: accepted, then `batchweave export` died in pyarrow ("Python int too large to
+    # convert to C long"): the history's columns are int64.
+    store = MemoryStore()
+    mesh = Mesh(dp=1)
+    with bw.Producer(store, "run", producer_id="p", mesh=mesh, policy="naive") as producer:
+        with pytest.raises(bw.OffsetOrderError, match=r"offset must be at most 2\*\*63 - 1"):
+            producer.append([b"x"], offset=2**63)
+        producer.append([b"x"], offset=2**63 - 1)  # the largest is fine
+    builder = bw.TgbBuilder(mesh)
+    with pytest.raises(ValueError, match=r"slice \(0, 0\): sample_count must be at most 2\*\*63"):
+        builder.set_slice(0, 0, b"x", sample_count=2**63)
+
+
+def test_a_forged_value_beyond_int64_is_a_format_error_naming_the_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A manifest not written by BatchWeave may still hold one: export names it, no traceback.
+    row = _history.MembershipRow(
+        step=7,
+        dp=0,
+        cp=0,
+        producer_id="p",
+        epoch=2**70,
+        offset=0,
+        key="k",
+        bytes=1,
+        samples=1,
+        sample_ids=None,
+    )
+    monkeypatch.setattr(_history, "iter_membership", lambda *args, **kwargs: iter([row]))
+    with pytest.raises(
+        bw.FormatError, match=r"step 7, slice \(0, 0\): epoch 1180591620717411303424"
+    ):
+        list(_history.membership_batches(MemoryStore(), "run"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any, NamedTuple
 
-from batchweave._checks import as_count
+from batchweave._checks import as_count, check_int64
 from batchweave._errors import FormatError
 from batchweave._format._checksum import (
     DEFAULT_CHECKSUM_ALGO,
@@ -129,7 +129,9 @@ class TgbBuilder:
         else:
             # Checked here: the footer's model would take "3" or 3.0 as 3.
             try:
-                sample_count = as_count("sample_count", sample_count, 0)
+                sample_count = check_int64(
+                    "sample_count", as_count("sample_count", sample_count, 0)
+                )
             except (TypeError, ValueError) as exc:
                 d, c = divmod(index, self._mesh.cp)
                 raise type(exc)(f"slice ({d}, {c}): {exc}") from None

@@ -6,7 +6,7 @@ argument, so a wrong one is refused before the namespace is created or the epoch
 
 from __future__ import annotations
 
-from batchweave._checks import as_int, check_key_name, check_namespace
+from batchweave._checks import as_int, check_int64, check_key_name, check_namespace
 from batchweave._errors import OffsetOrderError
 from batchweave._manifest._models import check_source
 from batchweave._mesh import Mesh, check_mesh
@@ -65,4 +65,7 @@ def as_offset(value: object) -> int:
         raise OffsetOrderError(str(exc)) from None
     if offset < 0:
         raise OffsetOrderError(f"offset must be a non-negative int, got {offset}")
-    return offset
+    try:
+        return check_int64("offset", offset)
+    except ValueError as exc:
+        raise OffsetOrderError(str(exc)) from None
