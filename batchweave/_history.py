@@ -36,7 +36,7 @@ from batchweave._format._checksum import checksum
 from batchweave._format._sample_ids import SAMPLE_IDS_KEY, parse_sample_ids, sample_ids_metadata
 from batchweave._format._tgb import TRAILER_SIZE, TgbFooter
 from batchweave._format._tgb_read import parse_footer
-from batchweave._manifest._log import ManifestLog
+from batchweave._manifest._log import ManifestLog, check_tiling
 from batchweave._manifest._models import Manifest, TgbDescriptor, TgbObjectRef
 from batchweave._manifest._segments import find_segment
 from batchweave._store._base import Bounded, ObjectStore
@@ -228,6 +228,7 @@ def iter_membership(
     cp = manifest.mesh.cp
     total = max(0, last - first)
     for done, (step, desc) in enumerate(_descriptors(log, manifest, first, last), 1):
+        check_tiling(desc, manifest, step, repr(namespace))
         for ref in desc.objects:
             key = log.key(ref.key)
             try:

@@ -66,7 +66,7 @@ def test_an_open_consumer_refuses_a_state_reclaimed_since_it_opened() -> None:
         opened.load_state_dict(early)
     assert str(open_error.value) == str(fresh_error.value)
     assert "step 1 needs TGB step 1" in str(open_error.value)
-    assert "can still read is step 5" in str(open_error.value)
+    assert "set the step of the state you loaded to 5" in str(open_error.value)
     # a refused state changes nothing: the consumer goes on from where it was
     assert [s for s, _ in take(opened, 4)] == [6, 7, 8, 9]
     fresh.close()
@@ -139,7 +139,7 @@ def test_a_loader_checks_a_loaded_state_against_the_latest_manifest(tmp_path: Pa
     assert [int(s) for s, _ in take(loader, 6)] == list(range(6))
     early = {**loader.state_dict(), "step": 1}
     _reclaim_below(store, 5)
-    with pytest.raises(StepReclaimed, match="can still read is step 5"):
+    with pytest.raises(StepReclaimed, match="set the step of the state you loaded to 5"):
         loader.load_state_dict(early)
     loader.load_state_dict({**early, "step": 5})
     assert [int(s) for s, _ in loader] == list(range(5, 10))

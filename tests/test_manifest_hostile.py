@@ -115,7 +115,7 @@ def test_any_json_in_a_slice_table_field_is_accepted_or_a_validation_error(
 def test_a_segment_reused_under_another_reference_is_not_served_from_the_cache() -> None:
     store = MemoryStore()
     log = ManifestLog(store, NS, tail_limit=4, merge_fanout=2)
-    head = grow(log, log.create_or_open(MESH), 12)
+    head = grow(log, log.create_or_open(Mesh(dp=8)), 12)  # the helper's descriptors: 8 slices
     assert [(r.first_step, r.count) for r in head.segments] == [(0, 8), (8, 4)]
     first, second = head.segments
     assert log.descriptor(head, 0).offset == 0  # caches the segment of steps 0..7
@@ -157,3 +157,44 @@ def test_a_segment_object_replaced_by_a_huge_one_is_refused_without_downloading_
         ManifestLog(store, NS).descriptor(head, 8)
     # One byte past the size the reference records is enough to tell: not the whole object.
     assert store.snapshot().range_bytes + store.snapshot().get_bytes <= second.bytes + 1
+
+
+@pytest.mark.parametrize("with_table", [True, False])
+@pytest.mark.parametrize("first_slice", [1, 0])
+def test_objects_that_do_not_tile_the_mesh_are_refused_by_readers(
+    with_table: bool, first_slice: int
+) -> None:
+    # Before: an object reference saying first_slice=1 (valid JSON, valid checksum) made rank 1
+    # receive rank 0's slice, silently, and export label rows with shifted ranks. first_slice=0
+    # with slice_count=1 leaves slice 1 in no object: rank 0 would read on, rank 1 fail.
+    from batchweave import Consumer, Producer
+    from batchweave._history import iter_membership
+    from batchweave.cli._verify import verify_namespace
+
+    store = MemoryStore()
+    mesh = Mesh(dp=2)
+    with Producer(store, "ns", producer_id="p", mesh=mesh, policy="naive") as producer:
+        producer.append([b"rank0", b"rank1"], offset=0)
+        producer.seal()
+    key = max(m.key for m in store.list("ns/_manifests/"))  # the newest version
+    data = store.get(key)
+    doc = json.loads(data[data.index(b"\n") + 1 :])
+    ref = doc["tail"][0]["objects"][0]
+    if first_slice:
+        ref["first_slice"] = first_slice
+    else:
+        ref["slice_count"] = 1
+        with_table = False  # the table must have slice_count entries
+    if not with_table:
+        ref.pop("slices", None)
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    header = f"batchweave-manifest crc32c={body_checksum(body):08x} length={len(body)}\n"
+    store.put(key, header.encode() + body)
+    for rank in range(2):
+        consumer = Consumer(store, "ns", mesh=mesh, dp_rank=rank)
+        with pytest.raises(FormatError, match=r"step 0 .*objects .* slices"):
+            next(consumer)
+        consumer.close()
+    with pytest.raises(FormatError, match=r"step 0 .*objects .* slices"):
+        list(iter_membership(store, "ns"))
+    assert any("step 0: objects" in p for p in verify_namespace(store, "ns").problems)

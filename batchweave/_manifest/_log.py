@@ -216,6 +216,18 @@ def _check_retire(
         )
 
 
+def check_tiling(desc: TgbDescriptor, manifest: Manifest, step: int, where: str) -> None:
+    """Refuse ``desc``, the TGB at ``step`` of ``manifest`` (of ``where``), with a
+    :class:`FormatError` unless its objects hold the mesh's slices in order."""
+    problem = desc.tiling_problem(manifest.mesh.slices)
+    if problem is not None:
+        raise FormatError(
+            f"{where}: step {step} (manifest version {manifest.version}): {problem}; it was not "
+            "written by BatchWeave (or was edited), and reading it would give ranks the wrong "
+            "slices. Run `batchweave verify`; restore the namespace from a backup"
+        )
+
+
 def _went_back(seen: Manifest, new: Manifest) -> str | None:
     """How ``new`` contradicts ``seen``, the newest version a client saw; ``None`` if it does not.
 
@@ -655,12 +667,19 @@ class ManifestLog:
     # -- steps -------------------------------------------------------------------------------
 
     def descriptor(self, manifest: Manifest, step: int) -> TgbDescriptor:
-        """The TGB at ``step`` in ``manifest``: at most one (cached) segment read."""
+        """The TGB at ``step`` in ``manifest``: at most one (cached) segment read.
+
+        :class:`FormatError` if its objects do not hold the mesh's slices in order (see
+        :meth:`TgbDescriptor.tiling_problem`): no writer of this library makes one.
+        """
         self._check_step(manifest, step)
         if step >= manifest.tail_start:
-            return manifest.tail[step - manifest.tail_start]
-        ref = find_segment(manifest.segments, step)
-        return self._segments.read(ref, manifest.namespace_id).tgbs[step - ref.first_step]
+            desc = manifest.tail[step - manifest.tail_start]
+        else:
+            ref = find_segment(manifest.segments, step)
+            desc = self._segments.read(ref, manifest.namespace_id).tgbs[step - ref.first_step]
+        check_tiling(desc, manifest, step, self._where)
+        return desc
 
     def descriptors(
         self, manifest: Manifest, start: int, stop: int

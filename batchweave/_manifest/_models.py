@@ -312,6 +312,22 @@ class TgbDescriptor(BaseModel):
     samples: int | None = Field(default=None, ge=0)
     """Total sample count over all slices, when the producer knows it."""
 
+    def tiling_problem(self, slices: int) -> str | None:
+        """What is wrong with how the objects hold a TGB of ``slices`` slices, or ``None``.
+
+        The objects must hold slices ``0 .. slices - 1`` in order, each once. The schema cannot
+        check it (a descriptor does not know the mesh); a reader must, or a rank would read
+        another rank's slice from an object that says it starts later than it does.
+        """
+        expected = 0
+        for ref in self.objects:
+            if ref.first_slice != expected:
+                return f"objects do not cover slices contiguously at slice {expected}"
+            expected += ref.slice_count
+        if expected != slices:
+            return f"objects hold {expected} slices, the mesh has {slices}"
+        return None
+
 
 class SegmentRef(BaseModel):
     """A manifest's pointer to an immutable segment object holding a run of descriptors."""

@@ -121,13 +121,9 @@ def _check_versions(log: ManifestLog, latest: Manifest, report: VerifyReport) ->
 
 
 def _check_object_set(step: int, desc: TgbDescriptor, slices: int) -> str | None:
-    expected = 0
-    for ref in desc.objects:
-        if ref.first_slice != expected:
-            return f"step {step}: objects do not cover slices contiguously at slice {expected}"
-        expected += ref.slice_count
-    if expected != slices:
-        return f"step {step}: objects hold {expected} slices, the mesh has {slices}"
+    problem = desc.tiling_problem(slices)
+    if problem is not None:
+        return f"step {step}: {problem}"
     if desc.bytes != sum(ref.size for ref in desc.objects):
         return f"step {step}: descriptor says {desc.bytes} bytes, its objects sum to another size"
     return None
