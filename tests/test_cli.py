@@ -590,10 +590,10 @@ def test_export_overwrite_replaces_only_a_parquet_file_or_a_lance_dataset(
     target = tmp_path / "real.parquet"
     target.write_bytes(b"PAR1 the user's own file")
     if kind == "symlink":
-        dest, needle = tmp_path / "link.parquet", "is a symbolic link or a special file"
+        dest, needle = tmp_path / "link.parquet", "is a symbolic link;"
         dest.symlink_to(target)
     elif kind == "fifo":
-        dest, needle = tmp_path / "pipe.parquet", "is a symbolic link or a special file"
+        dest, needle = tmp_path / "pipe.parquet", "is a FIFO (named pipe);"
         os.mkfifo(dest)
     else:
         dest, needle = tmp_path / "notes", "is a directory holding other files"
@@ -630,3 +630,101 @@ def test_demo_metrics_ports_must_fit_below_65536(port: int, ok: bool) -> None:
     else:
         with pytest.raises(CliFailure, match=r"past 65535; pick a port at most 65528"):
             _check_demo(config)
+
+
+# -- what a command says about its own arguments -------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["symlink", "dangling symlink", "fifo", "foreign directory"])
+def test_export_refuses_what_overwrite_would_refuse_without_advising_overwrite(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Before: "X exists; pass --overwrite to replace it", then --overwrite refused X."""
+    target = tmp_path / "real.parquet"
+    target.write_bytes(b"PAR1")
+    needles = {
+        "symlink": ("link.parquet", "is a symbolic link;"),
+        "dangling symlink": ("dangling.parquet", "is a dangling symbolic link;"),
+        "fifo": ("pipe.parquet", "is a FIFO (named pipe);"),
+        "foreign directory": ("notes", "is a directory holding other files, not a Lance dataset"),
+    }
+    name, needle = needles[kind]
+    dest = tmp_path / name
+    if kind == "symlink":
+        dest.symlink_to(target)
+    elif kind == "dangling symlink":
+        dest.symlink_to(tmp_path / "nowhere.parquet")
+    elif kind == "fifo":
+        os.mkfifo(dest)
+    else:
+        dest.mkdir()
+        (dest / "notes.txt").write_text("mine")
+
+    def no_store(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the store was opened")
+
+    monkeypatch.setattr(cli_app, "_open", no_store)
+    for extra in ([], ["--overwrite"]):
+        result = invoke("export", str(root), NAMESPACE, str(dest), *extra)
+        assert result.exit_code == 2, result.output
+        assert needle in result.output
+        assert "pass --overwrite" not in result.output
+        assert "choose another destination" in result.output
+
+
+def test_export_under_a_regular_file_says_it_is_a_file(root: Path, tmp_path: Path) -> None:
+    """Before: "directory afile does not exist; create it first" (it exists, as a file)."""
+    (tmp_path / "afile").write_text("")
+    for dest in (tmp_path / "afile" / "x.parquet", tmp_path / "afile" / "sub" / "x.parquet"):
+        result = invoke("export", str(root), NAMESPACE, str(dest))
+        assert result.exit_code == 2
+        text = " ".join(result.output.split())
+        assert f"{tmp_path / 'afile'} is a file, not a directory" in text
+        assert "does not exist" not in text
+    missing = invoke("export", str(root), NAMESPACE, str(tmp_path / "nodir" / "x.parquet"))
+    assert f"directory {tmp_path / 'nodir'} does not exist; create it first" in missing.output
+
+
+def test_a_missing_namespace_is_shown_quoted(root: Path) -> None:
+    """Before: the namespace appeared only inside the URL, where a trailing space is invisible."""
+    publish(root, steps=2)
+    proc = run("inspect", str(root), f"{NAMESPACE} ", check=2)
+    line = proc.stderr.strip()
+    assert line.startswith(f"batchweave: error: NamespaceNotFound: namespace '{NAMESPACE} '")
+    assert "starts or ends with whitespace" in line
+    plain = run("verify", str(root), "runs/other", check=2).stderr
+    assert plain.startswith("batchweave: error: NamespaceNotFound: namespace 'runs/other': no ")
+    assert "whitespace" not in plain
+
+
+def test_a_bad_value_from_the_environment_names_the_variable(root: Path) -> None:
+    """Before: "Invalid value for '--probe-timeout'", a flag the user never passed."""
+    result = CliRunner().invoke(
+        cli, ["inspect", str(root), NAMESPACE], env={"BATCHWEAVE_PROBE_TIMEOUT": "abc"}
+    )
+    assert result.exit_code == 2
+    assert "BATCHWEAVE_PROBE_TIMEOUT" in result.output
+    assert "'--probe-timeout'" in result.output
+
+
+def test_help_names_every_s3_environment_variable() -> None:
+    text = " ".join(CliRunner().invoke(cli, ["inspect", "--help"]).output.split())
+    for option, variable in (
+        ("--endpoint-url", "BATCHWEAVE_ENDPOINT_URL"),
+        ("--region", "BATCHWEAVE_REGION"),
+        ("--profile", "BATCHWEAVE_PROFILE"),
+        ("--probe-timeout", "BATCHWEAVE_PROBE_TIMEOUT"),
+    ):
+        after = text.split(option, 1)[1].split(" --", 1)[0]
+        assert variable in after, (option, after)
+
+
+def test_python_dash_m_batchweave_runs_the_cli() -> None:
+    """Before: "No module named batchweave.__main__"."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchweave", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Usage: batchweave ")
+    for command in ("check", "demo", "inspect", "verify", "reclaim", "seal", "export"):
+        assert command in proc.stdout

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -438,3 +439,146 @@ def test_an_endpoint_lost_after_the_first_check_names_the_objects_left_behind(ro
     left = leftovers(root)
     assert any(p.is_file() for p in left)
     assert f"may remain under {SCRATCH_PREFIX}" in str(info.value)
+
+
+# -- an endpoint that stops answering mid-run ---------------------------------------------------
+
+
+def read_timeout(op: str, key: str) -> BaseException:
+    return bw.StoreTimeout(f"{op} {key!r}: did not answer within read_timeout=1 s (test)")
+
+
+def write_timeout(op: str, key: str) -> BaseException:
+    exc = bw.AmbiguousWriteError(f"{op} {key!r}: did not answer within read_timeout=1 s (test)")
+    exc.timed_out = True
+    return exc
+
+
+class StopsAnswering(StoreWrapper):
+    """An endpoint that stops answering at the first ``operation`` on a key holding ``marker``:
+    that request and every later one time out (``error``), as on a hung server. Requests made
+    after that are recorded in ``after`` (a cleanup that should not have been tried)."""
+
+    def __init__(
+        self,
+        inner: bw.ObjectStore,
+        operation: str,
+        marker: str,
+        error: Callable[[str, str], BaseException] = read_timeout,
+    ) -> None:
+        super().__init__(inner)
+        self.operation, self.marker, self.error = operation, marker, error
+        self.silent = False
+        self.first = ""
+        self.after: list[str] = []
+        self.lock = threading.Lock()
+
+    def _request(self, op: str, key: str) -> None:
+        with self.lock:
+            if self.silent:
+                self.after.append(f"{op} {key}")
+                raise self.error(op, key)
+            if op == self.operation and self.marker in key:
+                self.silent = True
+                self.first = f"{op} {key}"
+                raise self.error(op, key)
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        self._request("put", key)
+        self.inner.put(key, data, mode=mode)
+
+    def get(self, key: str) -> bytes:
+        self._request("get", key)
+        return self.inner.get(key)
+
+    def get_range(self, key: str, rng: Any) -> bytes:
+        self._request("get_range", key)
+        return self.inner.get_range(key, rng)
+
+    def head(self, key: str) -> ObjectMeta:
+        self._request("head", key)
+        return self.inner.head(key)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        self._request("list", prefix)
+        return self.inner.list(prefix, start_after=start_after)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        self._request("delete_many", keys[0] if keys else "")
+        self.inner.delete_many(keys)
+
+
+# Where the endpoint goes silent: a check (a read, a write, a delete), the race's threads, the
+# latency measurements, and the final cleanup. Before, each timeout was a FAIL row or a failed
+# latency row and the run went on (each further request waiting as long again in the CLI, 60 s
+# x 5 attempts), its cleanup too, and the store was reported as failing checks (exit 1).
+SILENT_AT = {
+    "ranged-get-read": ("get_range", "/object", read_timeout),
+    "overwrite-write": ("put", "/overwrite", write_timeout),
+    "delete": ("delete_many", "/delete", read_timeout),
+    "race-write": ("put", "/race/", write_timeout),
+    "latency-read": ("head", "/object", read_timeout),
+    "latency-write": ("put", "/latency/create-", write_timeout),
+    "final-cleanup": ("list", "check-", read_timeout),
+}
+
+
+@pytest.mark.parametrize("where", list(SILENT_AT))
+def test_an_endpoint_that_stops_answering_stops_the_check_with_exit_2_naming_the_prefix(
+    root: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    operation, marker, error = SILENT_AT[where]
+    stores: list[StopsAnswering] = []
+
+    def silent(store: bw.ObjectStore) -> bw.ObjectStore:
+        stores.append(StopsAnswering(store, operation, marker, error))
+        return stores[-1]
+
+    inject(monkeypatch, silent)
+    result = invoke("check", str(root), "--requests", "2")
+    assert result.exit_code == 2, result.output  # the store could not be checked: not exit 1
+    assert result.stdout == ""  # no table of FAIL rows
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line.startswith("batchweave: error: StoreTimeout: "), line
+    if error is write_timeout:
+        assert "AmbiguousWriteError" in line
+    scratch = next(p for p in root.rglob("check-*") if p.is_dir())
+    assert f"may remain under _batchweave/{scratch.name}/ in {root.as_uri()}" in line
+    assert "delete them once the store answers" in line
+    assert "warning" not in result.stderr
+    [store] = stores
+    # Stopped at the first timeout: no further request, no cleanup. (The race's other threads
+    # sent their creates of the same key at the same moment.)
+    assert [r for r in store.after if r != store.first] == []
+    assert any(p.is_file() for p in leftovers(root))  # left for the operator, as the line says
+
+
+def test_the_check_function_raises_store_timeout_without_a_cleanup(root: Path) -> None:
+    store = StopsAnswering(bw.open_store(root.as_uri()), "get_range", "/object")
+    with pytest.raises(bw.StoreTimeout) as info:
+        check_store(store, requests=1)
+    assert store.after == []
+    assert f"may remain under {SCRATCH_PREFIX}" in str(info.value)
+    assert "the check stopped at the first request the endpoint did not answer" in str(info.value)
+
+
+def test_a_write_that_failed_without_timing_out_is_still_a_failed_check(root: Path) -> None:
+    # Only a timed-out write means the endpoint stopped answering; an ambiguous write after a
+    # reset or a 5xx is the store's failure, one row, and the run goes on and cleans up.
+    def reset(op: str, key: str) -> BaseException:
+        return bw.AmbiguousWriteError(f"{op} {key!r}: connection reset (test)")
+
+    class OneReset(StopsAnswering):
+        def _request(self, op: str, key: str) -> None:
+            if not self.silent and op == self.operation and self.marker in key:
+                self.silent = True
+                raise self.error(op, key)
+
+    store = OneReset(bw.open_store(root.as_uri()), "put", "/overwrite", reset)
+    report = check_store(store, requests=1)
+    assert [c.name for c in report.failed] == ["overwrite"]
+    assert "connection reset" in report.failed[0].detail
+    assert leftovers(root) == []

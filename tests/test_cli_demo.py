@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -334,6 +335,33 @@ def test_demo_refuses_a_bad_namespace_before_making_any_directory(
 
 def test_demo_defaults_pass_the_argument_check() -> None:
     _check(DemoConfig())
+
+
+@pytest.mark.parametrize(("taken", "role"), [(0, "the demo's reclaimer"), (2, "producer 1")])
+def test_a_metrics_port_in_use_is_refused_before_starting(
+    tmp_path: Path, taken: int, role: str
+) -> None:
+    # Before: a taken worker port (P+2, producer 1's) ran the demo, whose producer exited with
+    # status 1: "FAILED producer 1 exited with status 1", exit 1 as for a failed check; a taken
+    # P was an error advising port 0, which --metrics-port refuses.
+    with socket.create_server(("127.0.0.1", 0)) as holder:
+        busy = holder.getsockname()[1]
+        port = busy - taken
+        proc = subprocess.run(
+            [sys.executable, "-m", "batchweave.cli", "demo", "--metrics-port", str(port)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    said = " ".join(proc.stderr.split())
+    assert said.startswith(f"batchweave: error: --metrics-port {port}: ")
+    assert f"port {busy} (metrics of {role}) is in use" in said
+    assert "pick a --metrics-port whose 8 ports from it are all free" in said
+    assert "0 for any" not in said  # start_metrics_server's advice, refused by the option
+    assert "--metrics-port 0" not in said
+    assert list(tmp_path.iterdir()) == []  # refused before making anything
 
 
 # -- stopped from outside: SIGTERM, SIGKILL -------------------------------------------------------

@@ -5,13 +5,24 @@ They skip the conditional-write probe (read-only credentials), so before they wa
 ``TransientStoreError`` with no advice. Now a reachability check through the probe's client
 fails them within about ``--probe-timeout`` with ``StoreUnavailable`` naming the endpoint.
 Only 127.0.0.1 is contacted.
+
+``batchweave check`` against an endpoint that stops answering mid-run (a proxy in front of the
+session's moto server that goes silent): it stops at the first timeout (exit 2, naming the
+scratch prefix, no cleanup against the silent endpoint), and SIGTERM ends it within about
+``--probe-timeout``, not after its requests' 60 s x 5 attempts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +30,9 @@ from test_environment_errors import SECRET, _credentials, _everything_said, fake
 
 import batchweave as bw
 from batchweave.cli import _common
+from batchweave.cli._app import EXIT_TERMINATED
+from batchweave.cli._check import SCRATCH_PREFIX, check_store
+from batchweave.testing import S3Endpoint
 
 PROBE_TIMEOUT = 0.5
 BOUND = 15.0
@@ -90,3 +104,159 @@ def test_the_reachability_check_passes_any_answer(aws_env: pytest.MonkeyPatch, k
         _common._check_reachable(store)
         store.close()
         assert [line.split()[0] for line in endpoint.request_lines] == ["HEAD"]
+
+
+# -- batchweave check: the endpoint stops answering mid-run ---------------------------------------
+
+
+class GoesSilent:
+    """A TCP proxy on 127.0.0.1 to ``upstream`` that stops answering when :meth:`hang` is called:
+    from then on no byte is forwarded either way and new connections are accepted and never
+    answered, as a hung (SIGSTOPped) server. ``requests_after`` counts the requests that
+    reached it after the hang (a cleanup that waits for the silent endpoint)."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.removeprefix("http://").rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.hung = threading.Event()
+        self.requests_after: list[bytes] = []
+        self._stopped = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def hang(self) -> None:
+        self.hung.set()
+
+    def _keep(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed by stop()
+            self._keep(conn)
+            if self.hung.is_set():
+                threading.Thread(target=self._swallow, args=(conn,), daemon=True).start()
+                continue
+            upstream = socket.create_connection(self._upstream)
+            self._keep(upstream)
+            threading.Thread(target=self._pipe, args=(conn, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, conn, False), daemon=True).start()
+
+    def _swallow(self, conn: socket.socket) -> None:
+        """Read what a client sends after the hang, never answer."""
+        with contextlib.suppress(OSError):
+            while data := conn.recv(65536):
+                self.requests_after.append(data.split(b"\r\n", 1)[0])
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if self.hung.is_set():
+                    if from_client:
+                        self.requests_after.append(data.split(b"\r\n", 1)[0])
+                    continue  # held: never forwarded, never answered
+                dst.sendall(data)
+            if not self.hung.is_set():
+                dst.close()
+
+    def stop(self) -> None:
+        self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
+
+
+@contextlib.contextmanager
+def goes_silent(endpoint: S3Endpoint) -> Iterator[GoesSilent]:
+    proxy = GoesSilent(endpoint.endpoint_url)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.moto_server
+def test_check_stops_at_the_first_timeout_and_names_the_prefix_without_a_cleanup(
+    moto_endpoint: S3Endpoint, s3_bucket: str, s3_prefix: str
+) -> None:
+    # Before: each timeout was a FAIL row ("ranged get FAIL StoreTimeout", "delete FAIL
+    # AmbiguousWriteError"), the run went on request after request, ran its cleanup against
+    # the silent endpoint, and reported the store as failing checks (exit 1).
+    with goes_silent(moto_endpoint) as proxy:
+        options = {**moto_endpoint.store_options(), "endpoint_url": proxy.url}
+        store = bw.open_store(
+            f"s3://{s3_bucket}/{s3_prefix}", **options, read_timeout=0.5, max_attempts=1
+        )
+
+        def progress(done: int, total: int) -> None:
+            if done == 3:  # conditional create, overwrite and get passed; objects exist
+                proxy.hang()
+
+        started = time.monotonic()
+        with pytest.raises(bw.StoreTimeout) as info:
+            check_store(store, requests=3, progress=progress)
+        elapsed = time.monotonic() - started
+        store.close()
+        assert proxy.requests_after[1:] == []  # the request that timed out, and nothing after
+    said = str(info.value)
+    assert "did not answer" in said
+    assert f"may remain under {SCRATCH_PREFIX}" in said
+    assert f"in s3://{s3_bucket}/{s3_prefix}" in said
+    assert elapsed < 10.0
+    listed = moto_endpoint.client().list_objects_v2(Bucket=s3_bucket, Prefix=s3_prefix)
+    assert listed.get("KeyCount", 0) > 0  # left for the operator, as the message says
+
+
+@pytest.mark.moto_server
+def test_sigterm_ends_a_check_waiting_for_a_silent_endpoint_within_probe_timeout(
+    moto_endpoint: S3Endpoint, s3_bucket: str, s3_prefix: str, aws_env: pytest.MonkeyPatch
+) -> None:
+    # Before: the CLI's requests wait 60 s x 5 attempts; after SIGTERM its cleanup waited as
+    # long again for each request to the silent endpoint (the reviewer's run: still running 4
+    # minutes after SIGTERM). Now the cleanup waits at most --probe-timeout per request.
+    aws_env.setenv("AWS_ACCESS_KEY_ID", moto_endpoint.access_key_id)
+    aws_env.setenv("AWS_SECRET_ACCESS_KEY", moto_endpoint.secret_access_key)
+    aws_env.setenv("AWS_DEFAULT_REGION", moto_endpoint.region)
+    client = moto_endpoint.client()
+    with goes_silent(moto_endpoint) as proxy:
+        args = ["check", f"s3://{s3_bucket}/{s3_prefix}", "--endpoint-url", proxy.url]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "batchweave.cli", *args, "--requests", "10000",
+             "--probe-timeout", "0.5"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while not client.list_objects_v2(Bucket=s3_bucket, Prefix=s3_prefix).get("KeyCount"):
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "the check wrote nothing"
+                time.sleep(0.05)
+            proxy.hang()
+            time.sleep(1.0)  # the check now waits for an answer that never comes
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            try:
+                stdout, stderr = proc.communicate(timeout=BOUND)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"batchweave check still running {BOUND} s after SIGTERM")
+            took = time.monotonic() - signalled
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == EXIT_TERMINATED, stderr
+    assert "terminated (SIGTERM)" in stderr
+    # The cleanup could not reach the endpoint: a warning names the prefix to delete.
+    assert f"warning: removing {SCRATCH_PREFIX}" in stderr
+    assert "delete the objects under that prefix by hand" in stderr
+    assert stdout == ""
+    assert took < BOUND

@@ -19,7 +19,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from batchweave._errors import BatchWeaveError
+from batchweave._errors import BatchWeaveError, NamespaceNotFound
 from batchweave._history import write_parquet
 from batchweave._lifecycle import Reclaimer
 from batchweave._manifest._log import ManifestLog
@@ -36,6 +36,7 @@ from batchweave.cli._common import (
     deferred_interrupt,
     discard_stdout,
     echo_json,
+    namespace_named,
     one_line,
     open_cli_store,
     out_console,
@@ -98,7 +99,10 @@ class _Group(click.Group):
         except (BatchWeaveError, CliFailure, OSError, ValueError) as exc:
             if debug_enabled() or isinstance(exc, click.ClickException):
                 raise
-            click.echo(f"batchweave: error: {one_line(exc)}", err=True)
+            line = one_line(exc)
+            if isinstance(exc, NamespaceNotFound):
+                line = namespace_named(ctx, line)
+            click.echo(f"batchweave: error: {line}", err=True)
             ctx.exit(EXIT_USAGE)
 
 
@@ -141,7 +145,9 @@ def check_command(store: str, requests: int, as_json: bool, **options: Any) -> N
     """Check that STORE can carry BatchWeave (conditional create, ranges, listing, deletes, a
     create race) and time its requests, under a scratch prefix removed afterwards.
 
-    Exit status 0 when every required check passes, 1 when one fails.
+    Exit status 0 when every required check passes, 1 when one fails, 2 when the store could
+    not be checked (unreachable, or it stopped answering mid-run: the error names the scratch
+    prefix left behind).
     """
     st = _open(store, options, writes=False)  # the checks probe conditional writes themselves
     try:
@@ -443,15 +449,15 @@ def export(
         raise CliFailure(f"--stop {stop} must be greater than --start {start}")
     if fmt == "auto":
         fmt = "parquet" if destination.suffix == ".parquet" else "lance"
-    if (destination.exists() or destination.is_symlink()) and not overwrite:
-        raise CliFailure(f"{destination} exists; pass --overwrite to replace it")
     # --overwrite replaces a file with a file and a dataset with a dataset: refuse the wrong
-    # kind now, not after reading the whole history.
-    if destination.is_symlink() or (destination.exists() and not _file_or_dir(destination)):
+    # kind now, not after reading the whole history, and before advising --overwrite, which
+    # would refuse it too.
+    special = _special_kind(destination)
+    if special is not None:
         raise CliFailure(
-            f"{destination} is a symbolic link or a special file (a FIFO, a device); "
-            "--overwrite replaces only a regular Parquet file or a Lance dataset directory: "
-            "choose another destination"
+            f"{destination} is {special}; export writes only a new path, a regular Parquet "
+            "file or a Lance dataset directory (--overwrite replaces only those): choose "
+            "another destination"
         )
     if fmt == "lance" and destination.is_dir() and not _lance_or_empty(destination):
         raise CliFailure(
@@ -468,8 +474,10 @@ def export(
             f"{destination} is a file; a Lance dataset is a directory: choose another "
             "destination, remove the file, or pass --format parquet"
         )
+    if destination.exists() and not overwrite:
+        raise CliFailure(f"{destination} exists; pass --overwrite to replace it")
     if not destination.parent.is_dir():
-        raise CliFailure(f"directory {destination.parent} does not exist; create it first")
+        _refuse_missing_parent(destination)
     st = _open(store, options, writes=False)
     _check_export_range(ManifestLog(st, namespace).latest(), start, stop)
     if fmt == "parquet":
@@ -512,10 +520,35 @@ def export(
     click.echo(f"exported {rows} rows ({fmt}) to {destination}")
 
 
-def _file_or_dir(path: Path) -> bool:
-    """Whether ``path`` is a regular file or a directory (not a FIFO, socket or device)."""
-    mode = path.lstat().st_mode
-    return stat.S_ISREG(mode) or stat.S_ISDIR(mode)
+def _refuse_missing_parent(destination: Path) -> None:
+    """Say why ``destination``'s directory is not one: a file in the way, or missing."""
+    for ancestor in destination.parents:
+        if ancestor.is_dir():
+            break
+        if ancestor.exists() or ancestor.is_symlink():
+            raise CliFailure(
+                f"{ancestor} is a file, not a directory: {destination} cannot be created under "
+                "it; choose another destination"
+            )
+    raise CliFailure(f"directory {destination.parent} does not exist; create it first")
+
+
+def _special_kind(path: Path) -> str | None:
+    """What ``path`` is if it is neither absent, a regular file nor a directory: a symbolic
+    link (dangling or not), a FIFO, a socket or a device; ``None`` otherwise."""
+    try:
+        mode = path.lstat().st_mode
+    except (FileNotFoundError, NotADirectoryError):  # absent (or under a file: see below)
+        return None
+    if stat.S_ISLNK(mode):
+        return "a symbolic link" if path.exists() else "a dangling symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return None
 
 
 def _lance_or_empty(directory: Path) -> bool:

@@ -2,22 +2,24 @@
 
 Everything happens under one scratch prefix, ``_batchweave/check-<uuid>/`` below the store URL's
 prefix, which is removed at the end, also after a failure, Ctrl-C or SIGTERM; no other key is
-read or written. Each named check is one row (ok/FAIL and a one-line detail); a check BatchWeave
-does not rely on is reported as ``warn`` and never fails the store. Then small requests are timed
-(p50/p95) and the commit's fragile window that DAC will measure is derived from them
-(``docs/dac.md``).
+read or written. An endpoint that stops answering (unreachable, or a request that timed out) is
+no failed check: the run stops at once, without a cleanup that would wait for it as long again,
+and the error names the prefix to delete (see :func:`check_store`). Each named check is one row
+(ok/FAIL and a one-line detail); a check BatchWeave does not rely on is reported as ``warn`` and
+never fails the store. Then small requests are timed (p50/p95) and the commit's fragile window
+that DAC will measure is derived from them (``docs/dac.md``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -33,12 +35,14 @@ from batchweave._errors import (
     ObjectExists,
     ObjectNotFound,
     StoreError,
+    StoreTimeout,
     StoreUnavailable,
 )
 from batchweave._policy import DEFAULT_CONFLICT_BUDGET, DEFAULT_DUTY_BUDGET, dac_gap
 from batchweave._stats import nearest_rank
 from batchweave._store._base import Bounded, ByteRange, ObjectStore, Offset, PutMode, Suffix
 from batchweave._store._open import PROBE_FIRST, probe_conditional_writes
+from batchweave._store._s3_location import S3Location
 from batchweave.cli._common import deferred_interrupt, one_line
 
 __all__ = [
@@ -150,6 +154,15 @@ class StoreCheckReport:
 
 class _Failed(Exception):
     """A check found the store wrong: the message says what and what to do."""
+
+
+def _stopped_answering(exc: BaseException) -> bool:
+    """Whether ``exc`` says the endpoint is out of reach or stopped answering, not that the
+    store did something wrong: ``StoreUnavailable``, ``StoreTimeout``, or a write whose last
+    attempt timed out (``AmbiguousWriteError.timed_out``). The check stops at the first one."""
+    if isinstance(exc, StoreUnavailable | StoreTimeout):
+        return True
+    return isinstance(exc, AmbiguousWriteError) and exc.timed_out
 
 
 class _Run:
@@ -390,12 +403,13 @@ def _create_race(run: _Run, threads: int, rounds: int) -> str:
                 run.store.put(key, payload, mode=PutMode.CREATE)
             except (ObjectExists, ConcurrentWriteConflict):
                 return "lost"
-            except AmbiguousWriteError:
+            except AmbiguousWriteError as exc:
+                if exc.timed_out:
+                    raise  # the endpoint stopped answering: no outcome to decide
                 return "ambiguous"  # decided below by reading the object back
             return "won"
 
-        with ThreadPoolExecutor(threads) as pool:
-            outcomes = list(pool.map(attempt, payloads))
+        outcomes = _on_threads([functools.partial(attempt, p) for p in payloads])
         stored = run.store.get(key)
         winners = [
             p
@@ -420,6 +434,37 @@ def _create_race(run: _Run, threads: int, rounds: int) -> str:
     )
 
 
+def _on_threads(calls: Sequence[Callable[[], str]]) -> list[str]:
+    """Run each call on a thread of its own; their results in order, or the first error.
+
+    Daemon threads, not a ``ThreadPoolExecutor``: a Ctrl-C or SIGTERM while they wait for a
+    silent endpoint interrupts the join at once, and the process may exit without waiting for
+    them (the interpreter joins an executor's threads at exit, as long as their requests take).
+    """
+    results: list[str | BaseException] = ["" for _ in calls]
+
+    def work(index: int) -> None:
+        try:
+            results[index] = calls[index]()
+        except BaseException as exc:
+            results[index] = exc
+
+    threads = [
+        threading.Thread(target=work, args=(i,), name=f"batchweave-check-{i}", daemon=True)
+        for i in range(len(calls))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    outcomes: list[str] = []
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+        outcomes.append(result)
+    return outcomes
+
+
 # -- latency ------------------------------------------------------------------------------------
 
 
@@ -430,9 +475,9 @@ def _time(run: _Run, operation: str, requests: int, call: Callable[[int], object
             start = run.clock()
             call(i)
             seconds.append(run.clock() - start)
-    except StoreUnavailable:
-        raise
     except StoreError as exc:
+        if _stopped_answering(exc):
+            raise
         return Latency(operation, len(seconds), None, None, error=one_line(exc))
     seconds.sort()
     return Latency(
@@ -497,14 +542,39 @@ def _dac_estimate(latency: Sequence[Latency]) -> DacEstimate | None:
 # -- the run ------------------------------------------------------------------------------------
 
 
-def _cleanup(run: _Run) -> CheckResult:
-    """Delete everything under the scratch prefix and confirm nothing is left."""
+@contextlib.contextmanager
+def _answering_within_probe_timeout(store: ObjectStore) -> Iterator[ObjectStore]:
+    """``store`` as its conditional-write probe sees it: an S3 store through a client that waits
+    at most ``probe_timeout`` for each answer and does not retry a request that timed out.
+
+    For the cleanup, which also runs after Ctrl-C or SIGTERM, when the interrupted request may
+    have been waiting for an endpoint that stopped answering: through the store's own client
+    (``read_timeout`` x ``max_attempts``, 60 s x 5 in the CLI) it kept the command waiting for
+    minutes per request after the signal.
+    """
+    view = store._probe_view() if isinstance(store, S3Location) else None
     try:
-        keys = set(run.written)
-        keys.update(m.key for m in run.store.list(run.scratch))
-        run.store.delete_many(sorted(keys))
-        left = [m.key for m in run.store.list(run.scratch)]
+        yield store if view is None else view
+    finally:
+        if view is not None:
+            view.close()
+
+
+def _cleanup(run: _Run, *, outage_raises: bool = False) -> CheckResult:
+    """Delete everything under the scratch prefix and confirm nothing is left.
+
+    With ``outage_raises``, an endpoint that stopped answering (:func:`_stopped_answering`)
+    is raised as :func:`_endpoint_lost` instead of being the cleanup's failed row.
+    """
+    try:
+        with _answering_within_probe_timeout(run.store) as store:
+            keys = set(run.written)
+            keys.update(m.key for m in store.list(run.scratch))
+            store.delete_many(sorted(keys))
+            left = [m.key for m in store.list(run.scratch)]
     except StoreError as exc:
+        if outage_raises and _stopped_answering(exc):
+            raise _endpoint_lost(run, exc) from exc
         return CheckResult(
             "cleanup",
             False,
@@ -524,50 +594,73 @@ def _cleanup(run: _Run) -> CheckResult:
 def _run_check(
     run: _Run, name: str, check: Callable[[_Run], str], required: bool, *, first: bool
 ) -> CheckResult:
-    """One check's row. A store error is the check's failure, except ``StoreUnavailable`` and
-    any error of the ``first`` check (credentials, bucket, endpoint): the store could not be
-    checked at all, and :func:`check_store` raises it."""
+    """One check's row. A store error is the check's failure, except an endpoint that stopped
+    answering (:func:`_stopped_answering`) and any error of the ``first`` check (credentials,
+    bucket, endpoint): the store could not be checked at all, and :func:`check_store` raises
+    it."""
     try:
         detail = check(run)
     except _Failed as exc:
         return CheckResult(name, False, str(exc), required)
-    except StoreUnavailable:
-        raise
     except StoreError as exc:
-        if first:
+        if first or _stopped_answering(exc):
             raise
         return CheckResult(name, False, one_line(exc), required)
     return CheckResult(name, True, detail, required)
+
+
+def _endpoint_lost(run: _Run, exc: StoreError) -> StoreError:
+    """The error ending a check whose endpoint stopped answering (``exc``), naming the scratch
+    prefix left behind: ``StoreUnavailable`` stays one, a timeout is a ``StoreTimeout``."""
+    text = str(exc) if isinstance(exc, StoreUnavailable | StoreTimeout) else one_line(exc)
+    where = (
+        f"the check stopped at the first request the endpoint did not answer; objects of this "
+        f"check may remain under {run.scratch} in {run.store.url}: delete them once the store "
+        "answers"
+    )
+    if isinstance(exc, StoreUnavailable):
+        return StoreUnavailable(f"{text} ({where})")
+    return StoreTimeout(f"{text} ({where})")
 
 
 @contextlib.contextmanager
 def _removed_on_failure(run: _Run) -> Iterator[None]:
     """Remove the scratch prefix if the body raises or is interrupted, then let the error go on.
 
-    Not after ``StoreUnavailable``: the cleanup would wait for the endpoint as long again, so
-    the error names the prefix instead (when something was written). Nor after a store error
-    before the first create landed (credentials that cannot write): there is nothing to remove.
+    Not after the endpoint stopped answering (:func:`_stopped_answering`): the cleanup would
+    wait for it as long again, so the error names the prefix instead (when something may have
+    been written). Nor after a store error before the first create landed (credentials that
+    cannot write): there is nothing to remove. After Ctrl-C or SIGTERM the cleanup waits at
+    most ``probe_timeout`` per request (:func:`_answering_within_probe_timeout`): the signal
+    may have interrupted a request to an endpoint that stopped answering.
     """
     try:
         yield
-    except StoreUnavailable as exc:
-        if run.landed:
-            raise StoreUnavailable(
-                f"{exc} (objects of this check may remain under {run.scratch}: delete them once "
-                "the store answers)"
-            ) from exc
-        raise
-    except BaseException as exc:
-        if not run.landed and isinstance(exc, StoreError):
+    except StoreError as exc:
+        if _stopped_answering(exc):
+            # A timed-out write may have landed even before the first create was confirmed.
+            if run.landed or not isinstance(exc, StoreUnavailable):
+                raise _endpoint_lost(run, exc) from exc
             raise
-        # Failed or interrupted (Ctrl-C, SIGTERM). A second Ctrl-C during the cleanup stops it
-        # at once.
-        with deferred_interrupt() as interrupted:
-            outcome = _cleanup(run)
-        if not outcome.ok:
-            click.echo(f"batchweave: warning: {outcome.detail}", err=True)
-        interrupted()
+        if not run.landed:
+            raise
+        _clean_up_and_warn(run)
         raise
+    except BaseException:
+        # Failed or interrupted (Ctrl-C, SIGTERM).
+        _clean_up_and_warn(run)
+        raise
+
+
+def _clean_up_and_warn(run: _Run) -> None:
+    """The cleanup after a failure or an interrupt; a failed cleanup is a warning naming the
+    prefix. A Ctrl-C or SIGTERM during it is deferred to its end; a second one stops it at once.
+    """
+    with deferred_interrupt() as interrupted:
+        outcome = _cleanup(run)
+    if not outcome.ok:
+        click.echo(f"batchweave: warning: {outcome.detail}", err=True)
+    interrupted()
 
 
 def check_store(
@@ -582,12 +675,14 @@ def check_store(
     """Run every check and latency measurement against ``store`` under a fresh scratch prefix.
 
     ``progress(done, total)`` is called after each step. The scratch prefix is removed at the
-    end, also when a check raises or the run is interrupted. ``StoreUnavailable`` (the endpoint
-    is unreachable; no cleanup is tried, the message names the prefix if objects were written),
-    and any error of the first check other than ignored conditional writes (missing
-    credentials or bucket, credentials that cannot read, an endpoint that is no object store),
-    is raised, after that cleanup: the store could not be checked, which is not the same as
-    failing a check.
+    end, also when a check raises or the run is interrupted. An endpoint that stops answering
+    ends the run at its first such request, cleanup included: ``StoreUnavailable`` (unreachable)
+    or ``StoreTimeout`` (a request, or a write, that timed out), raised without a cleanup, which
+    would wait for the endpoint as long again; the message names the scratch prefix if objects
+    may have been written. Any error of the first check other than ignored conditional writes
+    (missing credentials or bucket, credentials that cannot read, an endpoint that is no object
+    store) is raised after the cleanup. Either way the store could not be checked, which is not
+    the same as failing a check.
     """
     if requests < 1:
         raise ValueError(f"requests must be at least 1, got {requests}")
@@ -625,7 +720,7 @@ def check_store(
         for operation, call in plan:
             latency.append(_time(run, operation, requests, call))
             step()
-    results.append(_cleanup(run))
+    results.append(_cleanup(run, outage_raises=True))
     step()
     conditional_ok = results[0].ok
     return StoreCheckReport(

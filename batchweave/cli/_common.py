@@ -29,6 +29,7 @@ from batchweave._store._s3_location import S3Location
 __all__ = [
     "DEBUG_ENV",
     "MEMORY_STORE_REFUSAL",
+    "NAMESPACE_META",
     "S3_OPTIONS",
     "CliFailure",
     "FiniteFloat",
@@ -38,6 +39,7 @@ __all__ = [
     "discard_stdout",
     "echo_json",
     "err_console",
+    "namespace_named",
     "one_line",
     "open_cli_store",
     "out_console",
@@ -189,13 +191,39 @@ def store_url(location: str) -> str:
     return Path(location).expanduser().resolve().as_uri()
 
 
+NAMESPACE_META = "batchweave.namespace"
+"""``click.Context.meta`` key: the namespace the running command was given (see
+:func:`namespace_named`)."""
+
+
 def validate_namespace(namespace: str) -> str:
-    """Check ``namespace`` is a usable relative prefix (raises ``InvalidKey``)."""
+    """Check ``namespace`` is a usable relative prefix (raises ``InvalidKey``).
+
+    Also remembers it for the command group's error line (:func:`namespace_named`).
+    """
     cleaned = namespace.strip("/")
     if not cleaned:
         raise CliFailure(f"namespace {namespace!r} is empty; name one, e.g. runs/job-42")
     check_key_name("namespace", cleaned)  # names the namespace, as the library's clients do
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.meta[NAMESPACE_META] = cleaned
     return cleaned
+
+
+def namespace_named(ctx: click.Context, message: str) -> str:
+    """``message`` (a ``NamespaceNotFound``'s one line) with the command's namespace quoted in
+    front: the library's message shows it inside a URL, where a trailing space is invisible."""
+    namespace = ctx.meta.get(NAMESPACE_META)
+    if not isinstance(namespace, str):
+        return message
+    spaces = (
+        " (it starts or ends with whitespace: check the quoting)"
+        if namespace != namespace.strip()
+        else ""
+    )
+    kind, _, rest = message.partition(": ")
+    return f"{kind}: namespace {namespace!r}{spaces}: {rest}"
 
 
 S3_OPTIONS = ("endpoint_url", "region", "profile", "addressing_style", "probe_timeout")
@@ -204,14 +232,25 @@ S3_OPTIONS = ("endpoint_url", "region", "profile", "addressing_style", "probe_ti
 
 def store_options(func: F) -> F:
     """Add the S3 endpoint options every store-using command accepts."""
+    # show_envvar: --help names each variable, and so does click's message for a bad value
+    # (``Invalid value for '--probe-timeout' (env var: 'BATCHWEAVE_PROBE_TIMEOUT')``), which
+    # otherwise blamed only a flag the user may never have typed.
     decorators = [
         click.option(
             "--endpoint-url",
             envvar="BATCHWEAVE_ENDPOINT_URL",
-            help="S3 endpoint (MinIO, SeaweedFS, Ceph RGW); env BATCHWEAVE_ENDPOINT_URL.",
+            show_envvar=True,
+            help="S3 endpoint (MinIO, SeaweedFS, Ceph RGW).",
         ),
-        click.option("--region", envvar="BATCHWEAVE_REGION", help="S3 region."),
-        click.option("--profile", envvar="BATCHWEAVE_PROFILE", help="AWS config profile."),
+        click.option(
+            "--region",
+            envvar="BATCHWEAVE_REGION",
+            show_envvar=True,
+            help="S3 region (any name for self-hosted servers).",
+        ),
+        click.option(
+            "--profile", envvar="BATCHWEAVE_PROFILE", show_envvar=True, help="AWS config profile."
+        ),
         click.option(
             "--addressing-style",
             type=click.Choice(["auto", "path", "virtual"]),
@@ -220,10 +259,10 @@ def store_options(func: F) -> F:
         click.option(
             "--probe-timeout",
             envvar="BATCHWEAVE_PROBE_TIMEOUT",
+            show_envvar=True,
             type=FiniteFloat(min=0, min_open=True),
             help="Seconds the conditional-write probe (read-only commands: a reachability "
-            "check) waits for each S3 answer (default 10; larger for a slow server); env "
-            "BATCHWEAVE_PROBE_TIMEOUT.",
+            "check) waits for each S3 answer (default 10; larger for a slow server).",
         ),
     ]
     for decorator in reversed(decorators):

@@ -20,12 +20,14 @@ done it seals the namespace; consumers then finish. Finally it checks:
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -144,6 +146,8 @@ def _check(config: DemoConfig) -> None:
                 f"the ports after it, up to {config.metrics_port + workers}, past 65535; pick "
                 f"a port at most {65535 - workers}"
             )
+        else:
+            problems.extend(_busy_metrics_ports(config))
     if config.store is not None and store_url(config.store).lower().startswith("memory:"):
         problems.append(f"--store {config.store}: {MEMORY_STORE_REFUSAL}")
     if config.namespace is not None:
@@ -155,6 +159,80 @@ def _check(config: DemoConfig) -> None:
             "the demo generates its corpus as a Lance dataset and needs pylance: "
             "pip install 'batchweave[lance]'"
         )
+
+
+METRICS_ADDR = "127.0.0.1"
+"""Where the demo's metrics servers listen (``start_metrics_server``'s default address)."""
+
+
+def _metrics_ports(config: DemoConfig) -> list[tuple[int, str]]:
+    """Every port the demo serves metrics on, with what serves there (``_demo_work``'s slots:
+    the reclaimer on ``P``, producer ``i`` on ``P + 1 + i``, then each consumer rank)."""
+    port = config.metrics_port
+    if port is None:
+        return []
+    ports = [(port, "the demo's reclaimer")]
+    ports += [(port + 1 + i, f"producer {i}") for i in range(config.producers)]
+    ranks = config.dp * config.cp
+    first_rank = port + 1 + config.producers
+    ports += [(first_rank + r, f"consumer rank {r}") for r in range(ranks)]
+    return ports
+
+
+def _port_problem(port: int) -> str | None:
+    """Why ``port`` cannot be served on at :data:`METRICS_ADDR` (bound, then closed at once),
+    or ``None``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As the metrics server binds (http.server sets SO_REUSEADDR): a port some connection
+        # left in TIME_WAIT is free for it.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((METRICS_ADDR, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "is in use (another process, or an earlier demo still running, holds it)"
+            if exc.errno == errno.EACCES:
+                return "needs privileges (a port below 1024)"
+            return f"cannot be served on: {exc.strerror or exc}"
+    return None
+
+
+def _free_block(start: int, count: int, tries: int = 20) -> int | None:
+    """A port from ``start`` on whose ``count`` ports are all free now, or ``None``."""
+    first = start
+    for _ in range(tries):
+        if first + count - 1 > 65535:
+            return None
+        taken = [p for p in range(first, first + count) if _port_problem(p) is not None]
+        if not taken:
+            return first
+        first = taken[-1] + 1
+    return None
+
+
+def _busy_metrics_ports(config: DemoConfig) -> list[str]:
+    """The metrics ports that cannot be served on, found before anything starts.
+
+    A worker whose port was taken exited with status 1 at its start, which the demo then
+    reported as a failed run (exit 1, "a check failed"); and ``start_metrics_server``'s advice
+    for a taken port, 0, is a value ``--metrics-port`` refuses.
+    """
+    ports = _metrics_ports(config)
+    busy = [
+        f"port {port} (metrics of {role}) {problem}"
+        for port, role in ports
+        if (problem := _port_problem(port)) is not None
+    ]
+    if not busy:
+        return []
+    first, last = ports[0][0], ports[-1][0]
+    free = _free_block(max(last + 1, 1024), len(ports))
+    hint = f" (now {free}..{free + len(ports) - 1} are)" if free is not None else ""
+    return [
+        f"--metrics-port {first}: the demo serves metrics on {METRICS_ADDR} ports {first}.."
+        f"{last}, and {'; '.join(busy)}; pick a --metrics-port whose {len(ports)} ports from it "
+        f"are all free{hint}, or stop what holds the port"
+    ]
 
 
 def _lag_problems(config: DemoConfig) -> list[str]:
