@@ -621,6 +621,21 @@ def test_export_overwrite_into_an_empty_directory_writes_a_dataset(
     assert lance.dataset(str(dest)).count_rows() > 0
 
 
+def test_a_failed_export_into_an_empty_directory_keeps_the_directory(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI removed the user's own (empty) directory when the export failed."""
+    store = publish(root)
+    bw.Watermarks(store, NAMESPACE).record("ckpt-8", step=8)
+    reclaim_after(history, monkeypatch, store, 3)  # the export fails part way
+    dest = tmp_path / "empty"
+    dest.mkdir()
+    result = invoke("export", str(root), NAMESPACE, str(dest), "--overwrite")
+    assert result.exit_code == 2
+    assert dest.is_dir()
+    assert list(dest.iterdir()) == []  # what the export wrote is gone, the directory is not
+
+
 @pytest.mark.parametrize(("port", "ok"), [(65528, True), (65529, False), (65535, False)])
 def test_demo_metrics_ports_must_fit_below_65536(port: int, ok: bool) -> None:
     """``--metrics-port 65535`` passed: the workers' ports after it do not exist."""

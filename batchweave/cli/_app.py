@@ -9,7 +9,6 @@ stderr; 130 interrupted (Ctrl-C); 141 stdout closed by its reader (``| head``); 
 
 from __future__ import annotations
 
-import shutil
 import stat
 from dataclasses import asdict
 from pathlib import Path
@@ -493,30 +492,23 @@ def export(
                 f"exporting to Lance needs pylance ({exc}); pip install 'batchweave[lance]' "
                 "or use --format parquet"
             ) from exc
-        # An empty directory counts as created here: it holds nothing a failure could spoil.
-        created = not destination.exists() or not any(destination.iterdir())
-        try:
-            with progress_bar("exporting") as progress, deferred_interrupt() as check:
+        # export_history removes what a failed or interrupted export wrote (a directory it
+        # created, or the contents it put in an empty one), never a directory of the user's.
+        with progress_bar("exporting") as progress, deferred_interrupt() as check:
 
-                def step_done(done: int, total: int) -> None:
-                    check()  # on Lance's thread: Ctrl-C stops the write from inside
-                    progress(done, total)
+            def step_done(done: int, total: int) -> None:
+                check()  # on Lance's thread: Ctrl-C stops the write from inside
+                progress(done, total)
 
-                rows = export_history(
-                    st,
-                    namespace,
-                    destination,
-                    start=start,
-                    stop=stop,
-                    mode="overwrite" if overwrite else "create",
-                    progress=step_done,
-                )
-        except BaseException:
-            # Lance creates the dataset directory before its first commit: a failed or
-            # interrupted export would leave one that a re-run refuses as "exists".
-            if created:
-                shutil.rmtree(destination, ignore_errors=True)
-            raise
+            rows = export_history(
+                st,
+                namespace,
+                destination,
+                start=start,
+                stop=stop,
+                mode="overwrite" if overwrite else "create",
+                progress=step_done,
+            )
     click.echo(f"exported {rows} rows ({fmt}) to {destination}")
 
 
