@@ -288,6 +288,24 @@ def _too_large(rows: list[MembershipRow], exc: Exception) -> FormatError:
     return FormatError(f"the membership history cannot be written as Arrow: {exc}")
 
 
+BATCH_SAMPLE_ID_BYTES = 256 << 20
+"""Sample-id bytes after which :func:`membership_batches` ends a batch before ``batch_rows``.
+
+``sample_ids`` is ``list<string>``, whose offsets are 32-bit: a batch must hold under 2 GiB of
+id text and under 2**31 ids (a row-count cut alone let 8,192 rows of long ids overflow it, a raw
+pyarrow ``TypeError``). Each id counts its UTF-8 bytes plus 4 (its offset); a batch ends once
+its ids reach this budget, and the row that reached it adds at most one footer's worth of text
+and ids (``MAX_FOOTER_LENGTH``, 256 MiB of JSON, never shorter than the UTF-8 it holds), so no
+batch comes near either limit. The schema is unchanged: only batch boundaries move."""
+
+
+def _sample_id_bytes(ids: tuple[str, ...] | None) -> int:
+    """What ``ids`` add to a batch's ``sample_ids`` column: their UTF-8 bytes, 4 per offset."""
+    if ids is None:
+        return 0
+    return sum(len(i) if i.isascii() else len(i.encode("utf-8")) for i in ids) + 4 * len(ids)
+
+
 def membership_batches(
     store: ObjectStore,
     namespace: str,
@@ -297,9 +315,12 @@ def membership_batches(
     batch_rows: int = 8192,
     progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[pa.RecordBatch]:
-    """:func:`iter_membership` as Arrow record batches of at most ``batch_rows`` rows."""
+    """:func:`iter_membership` as Arrow record batches of at most ``batch_rows`` rows, ended
+    early once their sample ids reach :data:`BATCH_SAMPLE_ID_BYTES` (Arrow's 32-bit string
+    offsets hold under 2 GiB per batch)."""
     names = MEMBERSHIP_SCHEMA.names
     buffer: list[MembershipRow] = []
+    id_bytes = 0
 
     def flush() -> pa.RecordBatch:
         columns = {name: [getattr(row, name) for row in buffer] for name in names}
@@ -315,7 +336,9 @@ def membership_batches(
 
     for row in iter_membership(store, namespace, start=start, stop=stop, progress=progress):
         buffer.append(row)
-        if len(buffer) >= batch_rows:
+        id_bytes += _sample_id_bytes(row.sample_ids)
+        if len(buffer) >= batch_rows or id_bytes >= BATCH_SAMPLE_ID_BYTES:
+            id_bytes = 0
             yield flush()
     if buffer:
         yield flush()

@@ -124,10 +124,10 @@ class LanceSource:
         self._rows_per_epoch = len(range(shard, total, num_shards))
         if self._rows_per_epoch == 0:
             raise ValueError(
-                f"shard {shard} of {num_shards} of dataset {self.dataset.uri!r} (version "
+                f"shard {shard} of {num_shards} of dataset {self._shown_uri!r} (version "
                 f"{self.version}, {total} rows) holds no rows; use at most {total} shards"
                 if total
-                else f"dataset {self.dataset.uri!r} (version {self.version}) has no rows"
+                else f"dataset {self._shown_uri!r} (version {self.version}) has no rows"
             )
         self._perm_cache: tuple[int, np.ndarray] | None = None
 
@@ -138,13 +138,20 @@ class LanceSource:
             self.dataset.scanner(columns=columns, limit=0).projected_schema  # noqa: B018
         except (ValueError, OSError) as exc:
             raise ValueError(
-                f"columns {columns} of dataset {self.dataset.uri!r}: {exc}; the dataset has "
-                f"columns {self.dataset.schema.names}"
+                f"columns {columns} of dataset {self._shown_uri!r}: "
+                f"{_scrubbed(str(exc), self.dataset.uri)}; the dataset has columns "
+                f"{self.dataset.schema.names}"
             ) from None
+
+    @property
+    def _shown_uri(self) -> str:
+        """The dataset's URI for messages and the repr: without user info or query, which can
+        hold credentials (``s3://KEY:SECRET@bucket/...``, ``?x-amz-security-token=...``)."""
+        return _uri_identity(self.dataset.uri)
 
     def __repr__(self) -> str:
         return (
-            f"LanceSource({self.dataset.uri!r}, version={self.version}, "
+            f"LanceSource({self._shown_uri!r}, version={self.version}, "
             f"rows_per_batch={self.rows_per_batch}, seed={self.seed}, "
             f"shard={self.shard}/{self.num_shards})"
         )
@@ -165,7 +172,7 @@ class LanceSource:
         shuffle = bool(self.shuffle)
         columns = None if self.columns is None else [str(c) for c in self.columns]
         text = (
-            f"lance:{_uri_identity(self.dataset.uri)!r} version={self.version} "
+            f"lance:{self._shown_uri!r} version={self.version} "
             f"rows_per_batch={self.rows_per_batch} seed={self.seed if shuffle else '-'} "
             f"shuffle={shuffle} shard={self.shard}/{self.num_shards} epochs={self.epochs} "
             f"columns={columns!r}"
@@ -236,7 +243,7 @@ class LanceSource:
         rows = self.indices(offset)
         if self.dataset.version != self.version:
             raise RuntimeError(
-                f"dataset {self.dataset.uri!r} moved from version {self.version} to "
+                f"dataset {self._shown_uri!r} moved from version {self.version} to "
                 f"{self.dataset.version} while {self!r} reads it (an insert, delete or checkout "
                 f"on source.dataset): batch {offset} would read other rows than before; build "
                 f"a new source with version={self.version}"
@@ -273,11 +280,19 @@ class LanceSource:
 
 def _uri_identity(uri: str) -> str:
     """``uri`` as :attr:`LanceSource.source_id` names it: a local path made absolute, a URL
-    without user info and query (no credentials in manifests or messages)."""
+    without user info and query (no credentials in manifests, messages or reprs)."""
     if "://" not in uri:
         return os.path.abspath(uri)
     parts = urlsplit(uri)
     return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+
+
+def _scrubbed(text: str, uri: str) -> str:
+    """``text`` (a Lance error message) with ``uri`` named as :func:`_uri_identity` does, should
+    Lance quote the URI it was given, credentials included."""
+    if "://" not in uri:
+        return text
+    return text.replace(uri, _uri_identity(uri))
 
 
 def _batch_offset(offset: object) -> int:
@@ -351,9 +366,9 @@ def _open(
         if version is not None and version != dataset.version:
             # Silently reading another version would map offsets to other rows on resume.
             raise ValueError(
-                f"dataset {dataset.uri!r} is open at version {dataset.version}, not the "
-                f"version={version} asked for; pass its path with version={version}, or "
-                f"dataset.checkout_version({version})"
+                f"dataset {_uri_identity(dataset.uri)!r} is open at version {dataset.version}, "
+                f"not the version={version} asked for; pass its path with version={version}, "
+                f"or dataset.checkout_version({version})"
             )
         # A copy with a handle of its own: the caller's insert/delete/checkout on the object
         # passed in do not reach it.
@@ -371,9 +386,9 @@ def _open(
         except (ValueError, OSError):
             raise exc from None
         raise ValueError(
-            f"dataset {uri!r} has no version {version} (the newest is {newest.version}; "
-            "cleanup_old_versions removes old ones); resume with the version the run started "
-            f"on, or start a new run: {exc}"
+            f"dataset {_uri_identity(uri)!r} has no version {version} (the newest is "
+            f"{newest.version}; cleanup_old_versions removes old ones); resume with the version "
+            f"the run started on, or start a new run: {_scrubbed(str(exc), uri)}"
         ) from exc
 
 

@@ -9,13 +9,19 @@ did are made here with its check switched off.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pyarrow as pa
 import pytest
+from click.testing import CliRunner
 
 import batchweave as bw
 import batchweave._format._tgb_write as tgb
 from batchweave import MemoryStore, Mesh, _history
 from batchweave._history import SAMPLE_IDS_KEY, iter_membership
 from batchweave._manifest import Committed, ManifestLog
+from batchweave.cli._app import cli
 
 
 @pytest.fixture
@@ -163,3 +169,98 @@ def test_a_forged_value_beyond_int64_is_a_format_error_naming_the_step(
         bw.FormatError, match=r"step 7, slice \(0, 0\): epoch 1180591620717411303424"
     ):
         list(_history.membership_batches(MemoryStore(), "run"))
+
+
+# -- Sample ids that are not valid Unicode -----------------------------------------------------
+
+
+@pytest.mark.usefixtures("unchecked_writer")
+def test_a_stored_lone_surrogate_id_is_found_by_verify_and_named_by_export(
+    tmp_path: Path,
+) -> None:
+    """Before: JSON escapes a lone surrogate (``os.fsdecode`` of a non-UTF-8 file name) to
+    ASCII, so ``verify`` said OK, and every export then died with a bare ``UnicodeEncodeError``
+    naming no step. The encoder now refuses it (``tests/test_sample_ids.py``); an object written
+    without that check is a FormatError naming the object, for verify and export alike."""
+    store = bw.open_store((tmp_path / "store").as_uri())
+    bad = b"doc-\xff".decode("utf-8", "surrogateescape")
+    with bw.Producer(store, "h", producer_id="p", mesh=Mesh(dp=2)) as p:
+        p.append([b"x", b"y"], offset=0, metadata={SAMPLE_IDS_KEY: json.dumps([["a"], [bad]])})
+    needle = (
+        r"object '.*\.tgb': metadata 'batchweave.sample_ids' entry 1 holds the id 'doc-\\udcff'"
+    )
+    with pytest.raises(bw.FormatError, match=needle):
+        list(iter_membership(store, "h"))
+    dest = tmp_path / "h.parquet"
+    with pytest.raises(bw.FormatError, match=needle):
+        _history.write_parquet(store, "h", str(dest))
+    assert list(tmp_path.glob("h.parquet*")) == []
+    root = str(tmp_path / "store")
+    verify = CliRunner().invoke(cli, ["verify", root, "h", "--footers-only", "--json"])
+    assert verify.exit_code == 1, verify.output
+    [problem] = json.loads(verify.output)["problems"]
+    assert problem.startswith("step 0 (p offset 0): ")
+    assert "holds the id 'doc-\\udcff', which is not valid Unicode" in problem
+    export = CliRunner().invoke(cli, ["export", root, "h", str(dest)])
+    assert export.exit_code == 2
+    assert "not valid Unicode" in export.output
+    assert "UnicodeEncodeError" not in export.output
+
+
+# -- Batches stay under Arrow's 2 GiB of string data -------------------------------------------
+
+
+def _rows_with_ids(count: int, ids_per_row: int, chars: int) -> list[_history.MembershipRow]:
+    return [
+        _history.MembershipRow(
+            step=i,
+            dp=0,
+            cp=0,
+            producer_id="p",
+            epoch=0,
+            offset=i,
+            key=f"k{i}",
+            bytes=1,
+            samples=ids_per_row,
+            sample_ids=tuple(f"{i}-{j}-".ljust(chars, "x") for j in range(ids_per_row)),
+        )
+        for i in range(count)
+    ]
+
+
+def test_batches_end_when_their_sample_ids_reach_the_byte_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: batches were cut at 8,192 rows only, and ``sample_ids`` (``list<string>``, 32-bit
+    offsets) holding over 2 GiB of text in one batch died with a raw pyarrow ``TypeError``
+    ("Cannot convert pyarrow.lib.ChunkedArray to pyarrow.lib.Array"). Now a batch also ends once
+    its ids reach ``BATCH_SAMPLE_ID_BYTES`` (256 MiB); here a budget of 1,000 bytes stands in
+    for it, 2 GiB of ids being too much for a test."""
+    assert 0 < _history.BATCH_SAMPLE_ID_BYTES <= (2**31 - 1) // 4
+    rows = _rows_with_ids(10, ids_per_row=4, chars=96)  # 4 * (96 + 4) = 400 bytes a row
+    monkeypatch.setattr(_history, "iter_membership", lambda *args, **kwargs: iter(rows))
+    monkeypatch.setattr(_history, "BATCH_SAMPLE_ID_BYTES", 1_000)
+    batches = list(_history.membership_batches(MemoryStore(), "run"))
+    assert [b.num_rows for b in batches] == [3, 3, 3, 1]
+    assert all(b.schema == _history.MEMBERSHIP_SCHEMA for b in batches)
+    table = pa.Table.from_batches(batches)
+    assert table.column("sample_ids").to_pylist() == [list(r.sample_ids or ()) for r in rows]
+    # Rows without ids count nothing: only batch_rows ends their batches.
+    plain = [_history.MembershipRow(**{**vars(r), "sample_ids": None}) for r in rows]
+    monkeypatch.setattr(_history, "iter_membership", lambda *args, **kwargs: iter(plain))
+    sizes = [b.num_rows for b in _history.membership_batches(MemoryStore(), "run", batch_rows=4)]
+    assert sizes == [4, 4, 2]
+    # Non-ASCII ids count their UTF-8 bytes; a row over the budget is a batch of its own.
+    wide = _rows_with_ids(3, ids_per_row=1, chars=1)
+    wide = [_history.MembershipRow(**{**vars(r), "sample_ids": ("é" * 600,)}) for r in wide]
+    monkeypatch.setattr(_history, "iter_membership", lambda *args, **kwargs: iter(wide))
+    assert [b.num_rows for b in _history.membership_batches(MemoryStore(), "run")] == [1, 1, 1]
+
+
+def test_many_empty_ids_end_a_batch_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ids' offsets are 32-bit as well: empty ids, no text at all, still count 4 bytes."""
+    rows = _rows_with_ids(5, ids_per_row=100, chars=0)
+    rows = [_history.MembershipRow(**{**vars(r), "sample_ids": ("",) * 100}) for r in rows]
+    monkeypatch.setattr(_history, "iter_membership", lambda *args, **kwargs: iter(rows))
+    monkeypatch.setattr(_history, "BATCH_SAMPLE_ID_BYTES", 800)
+    assert [b.num_rows for b in _history.membership_batches(MemoryStore(), "run")] == [2, 2, 1]

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import pytest
 
 from batchweave._dac_sim import simulate
 from batchweave.lance import LanceSource
+from batchweave.testing import S3Endpoint
 
 ROWS = 103
 
@@ -220,6 +222,53 @@ def test_a_version_that_does_not_exist_names_the_dataset_and_the_newest(dataset:
     with pytest.raises(ValueError, match=r"has no version 99 \(the newest is 1") as info:
         LanceSource(dataset, rows_per_batch=4, version=99)
     assert dataset in str(info.value)
+
+
+@pytest.mark.moto_server
+# The fixture's server is a child process (fork + exec), started after lance is imported.
+@pytest.mark.filterwarnings("ignore:lance is not fork-safe:UserWarning")
+def test_credentials_in_the_uri_appear_in_no_repr_or_message(
+    moto_endpoint: S3Endpoint, s3_bucket: str, s3_prefix: str, aws_env: pytest.MonkeyPatch
+) -> None:
+    """Before: ``source_id`` dropped the URI's user info and query, but the repr and every
+    message (unknown columns, too many shards, a missing version, a batch past the end, a moved
+    version) printed the URI as given, secret included."""
+    aws_env.setenv("AWS_ACCESS_KEY_ID", moto_endpoint.access_key_id)
+    aws_env.setenv("AWS_SECRET_ACCESS_KEY", moto_endpoint.secret_access_key)
+    aws_env.setenv("AWS_DEFAULT_REGION", moto_endpoint.region)
+    options = {
+        "aws_endpoint": moto_endpoint.endpoint_url,
+        "aws_allow_http": "true",
+        "aws_access_key_id": moto_endpoint.access_key_id,
+        "aws_secret_access_key": moto_endpoint.secret_access_key,
+        "aws_region": moto_endpoint.region,
+    }
+    remote: dict[str, Any] = {"storage_options": options}
+    plain = f"s3://{s3_bucket}/{s3_prefix}/c.lance"
+    lance.write_dataset(pa.table({"id": list(range(10))}), plain, storage_options=options)
+    for uri in (
+        f"s3://AKIAKEYID:SECRETKEY@{s3_bucket}/{s3_prefix}/c.lance",
+        f"{plain}?x-amz-security-token=SECRETTOKEN",
+    ):
+        source = LanceSource(uri, rows_per_batch=3, epochs=1, storage_options=options)
+        shown: list[str] = [repr(source), source.source_id]
+        for call in (
+            partial(source.take, 100),
+            partial(LanceSource, uri, rows_per_batch=3, columns=["nope"], **remote),
+            partial(LanceSource, uri, rows_per_batch=3, shard=20, num_shards=30, **remote),
+            partial(LanceSource, uri, rows_per_batch=3, version=7, **remote),
+            partial(LanceSource, source.dataset, rows_per_batch=3, version=7),
+        ):
+            with pytest.raises((ValueError, IndexError)) as info:
+                call()
+            shown.append(str(info.value))
+        source.dataset.insert(pa.table({"id": [10]}))  # the source's own handle moves
+        with pytest.raises(RuntimeError, match=r"moved from version \d+ to") as moved:
+            source.take(0)
+        shown.append(str(moved.value))
+        for text in shown:
+            assert plain in text, text
+            assert "SECRET" not in text, text
 
 
 # -- LanceSource: shapes and arguments ---------------------------------------------------------

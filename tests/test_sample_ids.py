@@ -10,6 +10,9 @@ with the validator the history reader uses, before anything is uploaded.
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 
@@ -136,3 +139,50 @@ def test_reader_and_writer_share_one_validator() -> None:
     deep = footer.model_copy(update={"metadata": {SAMPLE_IDS_KEY: "[" * 5_000 + "]" * 5_000}})
     with pytest.raises(bw.FormatError, match="is not JSON"):
         history._sample_ids(deep, "k")
+
+
+# -- Sample ids that are not valid Unicode (a lone surrogate) ----------------------------------
+
+_SURROGATE_ID = b"doc-\xff".decode("utf-8", "surrogateescape")  # os.fsdecode of a non-UTF-8 name
+
+
+def test_an_id_with_a_lone_surrogate_is_refused_naming_the_slice_and_the_id() -> None:
+    # Before: accepted (JSON escapes it to ASCII), verify said OK, and every export of the
+    # namespace then failed with a bare UnicodeEncodeError naming no step.
+    with pytest.raises(ValueError, match=r"slice 1 holds the id 'doc-\\udcff'") as info:
+        sample_ids_metadata([["ok"], ["fine", _SURROGATE_ID]])
+    message = str(info.value)
+    assert "sample ids must be valid Unicode text" in message
+    assert "errors='replace'" in message
+    assert "os.fsencode(name).hex()" in message
+    assert sample_ids_metadata([[os.fsencode(_SURROGATE_ID).hex()]]) == '[["646f632dff"]]'
+    replaced = os.fsencode(_SURROGATE_ID).decode("utf-8", errors="replace")
+    assert sample_ids_metadata([[replaced]]) == '[["doc-\\ufffd"]]'
+    # Valid non-ASCII text (a surrogate pair in JSON included) is an id like any other.
+    assert json.loads(sample_ids_metadata([["dóc-😀"]])) == [["dóc-😀"]]
+
+
+def test_append_refuses_a_caller_built_value_holding_an_escaped_lone_surrogate() -> None:
+    store = bw.MemoryStore()
+    raw = json.dumps([[_SURROGATE_ID], ["b"]])  # '\\udcff': valid JSON, ASCII, not UTF-8 text
+    assert raw.isascii()
+    with bw.Producer(store, "ids", producer_id="p", mesh=bw.Mesh(dp=2)) as producer:
+        with pytest.raises(ValueError, match=r"entry 0 holds the id 'doc-\\udcff'") as info:
+            producer.append([b"a", b"b"], offset=0, metadata={SAMPLE_IDS_KEY: raw})
+        assert "not valid Unicode" in str(info.value)
+        assert _data_objects(store) == []
+        with pytest.raises(ValueError, match="not valid Unicode"):
+            bw.encode_tgb([b"a", b"b"], bw.Mesh(dp=2), metadata={SAMPLE_IDS_KEY: raw})
+        # A surrogate pair escaped in JSON is one valid character.
+        producer.append(
+            [b"a", b"b"], offset=0, metadata={SAMPLE_IDS_KEY: '[["\\ud83d\\ude00"], []]'}
+        )
+    assert [row.sample_ids for row in iter_membership(store, "ids")] == [("😀",), ()]
+
+
+def test_the_reader_refuses_a_stored_lone_surrogate_as_a_format_error_naming_the_object() -> None:
+    footer = bw.encode_tgb([b"a", b"b"], bw.Mesh(dp=2)).footer
+    raw = json.dumps([["x"], [_SURROGATE_ID]])
+    stored = footer.model_copy(update={"metadata": {SAMPLE_IDS_KEY: raw}})
+    with pytest.raises(bw.FormatError, match=r"object 'k': .* entry 1 holds the id 'doc-\\udcff'"):
+        history._sample_ids(stored, "k")

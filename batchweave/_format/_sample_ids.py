@@ -33,7 +33,9 @@ def sample_ids_metadata(ids: Sequence[Sequence[int | float | str]]) -> str:
     ``[[i] for i in ids]``. An id is a string or a number (``int`` or ``float``, NumPy scalars
     included), the ids :func:`parse_sample_ids` reads back; anything else is a ``ValueError``
     naming the slice and the id: ``str()`` would record ``b"doc-1"`` as ``"b'doc-1'"``, ``None``
-    as ``"None"`` (decode bytes first: ``.decode()``). A bool is no id either.
+    as ``"None"`` (decode bytes first: ``.decode()``). A bool is no id either, nor a string
+    that is not valid Unicode (a lone surrogate, as ``os.fsdecode`` gives for a file name that
+    is not UTF-8): JSON would store it escaped, but no export could write it as UTF-8 text.
     """
     if isinstance(ids, _NOT_A_SEQUENCE) or not isinstance(ids, Iterable):
         raise ValueError(
@@ -52,18 +54,48 @@ def sample_ids_metadata(ids: Sequence[Sequence[int | float | str]]) -> str:
 
 
 def _is_id(value: Any) -> bool:
-    """A sample id as stored (JSON): a string or a number, not a bool."""
-    return isinstance(value, str | int | float) and not isinstance(value, bool)
+    """A sample id as stored (JSON): a string of valid Unicode or a number, not a bool."""
+    if isinstance(value, str):
+        return _is_text(value)
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_text(value: str) -> bool:
+    """Whether ``value`` is valid Unicode: encodable as UTF-8, as every export writes it (a
+    lone surrogate is not; JSON escapes one, so a footer can hold it)."""
+    if value.isascii():  # O(1) in CPython: the common case costs no copy
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut to :data:`_SHOWN_CHARS` characters, for a message."""
+    shown = repr(value)
+    return f"{shown[:_SHOWN_CHARS]}..." if len(shown) > _SHOWN_CHARS else shown
+
+
+_NOT_TEXT_HINT = (
+    "sample ids must be valid Unicode text (an export writes them as UTF-8): decode file names "
+    "with errors='replace' (os.fsencode(name).decode('utf-8', errors='replace')) or record "
+    "os.fsencode(name).hex()"
+)
 
 
 def _encoded_id(slice_: int, value: object) -> str:
     """``value`` as :func:`sample_ids_metadata` stores it: a string, or a number (NumPy integer
     and floating scalars too); anything else is refused rather than stored as its ``str()``."""
+    if isinstance(value, str) and not _is_text(value):
+        raise ValueError(
+            f"sample_ids_metadata: slice {slice_} holds the id {_shown(value)}, which is not "
+            f"valid Unicode (it holds a lone surrogate); {_NOT_TEXT_HINT}"
+        )
     if isinstance(value, str | numbers.Real) and not isinstance(value, bool):
         return str(value)
-    shown = repr(value)
-    if len(shown) > _SHOWN_CHARS:
-        shown = f"{shown[:_SHOWN_CHARS]}..."
+    shown = _shown(value)
     hint = "; decode bytes first, e.g. id.decode()" if isinstance(value, bytes | bytearray) else ""
     raise ValueError(
         f"sample_ids_metadata: slice {slice_} holds the {type(value).__name__} {shown}, which is "
@@ -75,7 +107,8 @@ def parse_sample_ids(raw: str, slices: int) -> list[tuple[str, ...]]:
     """The per-slice ids ``raw`` (a :data:`SAMPLE_IDS_KEY` value) holds for ``slices`` slices.
 
     Raises ``ValueError`` unless ``raw`` is a JSON list of exactly ``slices`` lists of ids
-    (strings or numbers, as :func:`sample_ids_metadata` writes them); the message starts with
+    (strings of valid Unicode or numbers, as :func:`sample_ids_metadata` writes them: a lone
+    surrogate, which JSON escapes, could not be exported as UTF-8); the message starts with
     ``metadata 'batchweave.sample_ids'`` for the caller to prefix with the object or append.
     """
     what = f"metadata {SAMPLE_IDS_KEY!r}"
@@ -94,6 +127,13 @@ def parse_sample_ids(raw: str, slices: int) -> list[tuple[str, ...]]:
     # list of ids (strings or numbers, as sample_ids_metadata writes them) is one slice's ids.
     for j, entry in enumerate(parsed):
         if not isinstance(entry, list) or not all(_is_id(i) for i in entry):
+            if isinstance(entry, list):
+                for i in entry:
+                    if isinstance(i, str) and not _is_text(i):
+                        raise ValueError(
+                            f"{what} entry {j} holds the id {_shown(i)}, which is not valid "
+                            f"Unicode (a lone surrogate, escaped in the JSON); {_NOT_TEXT_HINT}"
+                        )
             raise ValueError(
                 f"{what} entry {j} must be a list of sample ids (strings or numbers), got "
                 f"{entry!r:.100}"
