@@ -91,6 +91,7 @@ def _back_to_back(lengths: tuple[int, ...]) -> tuple[int, ...]:
 
 
 _INT_COLUMNS = ("lengths", "uncompressed_lengths", "sample_counts")
+_TUPLE_COLUMNS = (*_INT_COLUMNS, "checksums")
 _PACKED = {4: "I", 8: "Q"}
 """struct format of a packed checksum, by width in bytes."""
 
@@ -129,7 +130,11 @@ class SliceTable(BaseModel):
             return data  # a model instance
         # What this hook returns is validated as Python input, where strict mode (persisted
         # JSON is decoded strictly) takes no list for a tuple: JSON arrays become tuples here.
-        data = {name: tuple(v) if isinstance(v, list) else v for name, v in data.items()}
+        data = dict(data)
+        for name in _TUPLE_COLUMNS:
+            value = data.get(name)
+            if isinstance(value, list):
+                data[name] = tuple(value)
         if "count" not in data:
             return data  # format 2: one list per column
         count = data.pop("count")
@@ -191,7 +196,7 @@ class SliceTable(BaseModel):
     @property
     def payload_length(self) -> int:
         """Bytes before the footer: where the object's footer starts."""
-        return self.offsets[-1] + self.lengths[-1]
+        return sum(self.lengths)
 
     def span(self, index: int) -> SliceSpan:
         """Slice ``index``'s location and checksum, without building a :class:`SliceEntry`."""
