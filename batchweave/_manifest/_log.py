@@ -291,7 +291,8 @@ class _Roll:
         with it: same references, start and base step, ``tail`` beginning with the rolled
         descriptors, and the segment young enough that no reclaimer deleted it as an orphan."""
         if (
-            not 0 <= now - self.written_at <= PREPARED_MERGE_MAX_AGE
+            not self.after
+            or not 0 <= now - self.written_at <= PREPARED_MERGE_MAX_AGE
             or (namespace_id, tail_start, base_step)
             != (self.namespace_id, self.tail_start, self.base_step)
             or len(tail) < len(self.tail)
