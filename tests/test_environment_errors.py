@@ -16,7 +16,10 @@ import contextlib
 import http.client
 import http.server
 import logging
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -330,6 +333,188 @@ def test_a_404_page_is_a_wrong_endpoint_not_a_missing_object(
             )
         assert not isinstance(info.value, bw.ObjectNotFound)
         assert "did not answer like an S3 server" in str(info.value)
+
+
+# -- a web server's refusal of a write (no S3 XML error in it) ---------------------------------
+
+_NGINX_405 = (
+    b"<html>\r\n<head><title>405 Not Allowed</title></head>\r\n<body>\r\n<center><h1>405 Not "
+    b"Allowed</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n"
+)
+"""nginx's answer to a PUT to a static site (not well-formed XML: ``<hr>`` is never closed)."""
+
+_REFUSALS = {
+    "nginx-405": _reply("405 Not Allowed", _NGINX_405),
+    # Well-formed XML: botocore parses it and finds no error code at all.
+    "xhtml-405": _reply("405 Method Not Allowed", b"<!DOCTYPE html><html><body>no</body></html>"),
+    "empty-405": _reply("405 Method Not Allowed", b""),
+    "400": _reply("400 Bad Request", b"<html><body>Bad Request</body></html>"),
+    # S3 refuses with XML AccessDenied; a web server's 403 page is no word on the credentials.
+    "403": _reply("403 Forbidden", b"<html><body>Forbidden</body></html>"),
+    "411": _reply("411 Length Required", b"<html><body>Length Required</body></html>"),
+    "413": _reply("413 Request Entity Too Large", b"<html><body>Too Large</body></html>"),
+    "501": _reply("501 Not Implemented", b"<html><body>Not Implemented</body></html>"),
+}
+
+
+@contextlib.contextmanager
+def _refusing(kind: str) -> Iterator[FakeEndpoint]:
+    server = FakeEndpoint(_REFUSALS[kind])
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _refusal_said(kind: str, exc: BaseException, url: str) -> None:
+    """``exc`` is the read path's "not an S3 server" error, naming the endpoint."""
+    assert type(exc) is bw.StoreError, repr(exc)  # not AccessDenied, ambiguous, unsupported
+    said = str(exc)
+    assert "did not answer like an S3 server" in said
+    assert "check that endpoint_url is the address of the S3 API" in said
+    assert url in said
+    if kind == "501":
+        assert "a gateway that does not implement this request" in said
+    assert SECRET not in _everything_said(exc)
+
+
+@pytest.mark.parametrize("kind", sorted(_REFUSALS))
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_web_servers_refusal_of_the_probe_says_not_s3_and_deletes_nothing(
+    aws_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, client: str, kind: str
+) -> None:
+    # Before: a bare "StoreError: ... 405 Method Not Allowed" (400, 411, 413 alike), AccessDenied
+    # for a 403 page, and for a 501 "AmbiguousWriteError: ...; the write may have landed, read
+    # it back" (obstore: ConditionalWritesUnsupported) followed by a logged "could not delete
+    # the probe object": nothing that named the wrong endpoint.
+    with caplog.at_level(logging.WARNING, "batchweave.store"), _refusing(kind) as page:
+        with pytest.raises(bw.StoreError) as info:
+            bw.open_store(
+                "s3://bucket/p", s3_client=client, endpoint_url=page.url, **_credentials()
+            )
+        requests = list(page.request_lines)
+    _refusal_said(kind, info.value, page.url)
+    # One PUT: not retried, not read back, no probe object to delete.
+    assert [line.split(" ", 1)[0] for line in requests] == ["PUT"], requests
+    assert not [r for r in caplog.records if "could not delete" in r.getMessage()]
+
+
+@pytest.mark.parametrize("kind", ["nginx-405", "403", "501"])
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_web_servers_refusal_is_not_s3_for_every_request_but_a_head(
+    aws_env: pytest.MonkeyPatch, client: str, kind: str
+) -> None:
+    with _refusing(kind) as page:
+        store = bw.open_store(
+            "s3://bucket/p", s3_client=client, verify_conditional_writes=False,
+            endpoint_url=page.url, **_credentials(),
+        )  # fmt: skip
+        calls: dict[str, Callable[[], object]] = {
+            "put": lambda: store.put("k", b"v"),
+            "put_if_absent": lambda: store.put_if_absent("k", b"v"),
+            "get": lambda: store.get("k"),
+            "list": lambda: list(store.list()),
+            "delete": lambda: store.delete_many(["k"]),
+        }
+        for op, call in calls.items():
+            with pytest.raises(bw.StoreError) as info:
+                call()
+            _refusal_said(kind, info.value, page.url)
+            assert f"to a {op}" in str(info.value), op
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_s3s_own_answers_without_an_error_code_keep_their_meaning(
+    aws_env: pytest.MonkeyPatch, client: str
+) -> None:
+    # A reply to a HEAD has no body, S3's neither: a bare 403 is S3 refusing the credentials.
+    # A 429 page is a proxy throttling in front of S3, a 502/504 page a gateway whose S3 is down.
+    def opened(server: FakeEndpoint) -> bw.ObjectStore:
+        return bw.open_store(
+            "s3://bucket/p", s3_client=client, verify_conditional_writes=False,
+            endpoint_url=server.url, **_credentials(), max_attempts=1,
+        )  # fmt: skip
+
+    denied = FakeEndpoint(_reply("403 Forbidden", b""))
+    try:
+        with pytest.raises(bw.AccessDenied):
+            opened(denied).head("k")
+    finally:
+        denied.stop()
+    throttled = FakeEndpoint(_reply("429 Too Many Requests", b"<html>slow down</html>"))
+    try:
+        with pytest.raises(bw.TransientStoreError):
+            opened(throttled).put("k", b"v")
+    finally:
+        throttled.stop()
+    for status in ("502 Bad Gateway", "504 Gateway Timeout"):
+        gateway = FakeEndpoint(_reply(status, f"<html><body>{status}</body></html>".encode()))
+        try:
+            store = opened(gateway)
+            with pytest.raises(bw.AmbiguousWriteError):
+                store.put_if_absent("k", b"v")
+            with pytest.raises(bw.TransientStoreError):
+                list(store.list())
+        finally:
+            gateway.stop()
+
+
+class _WriteGatewayReadPage(http.server.BaseHTTPRequestHandler):
+    """A PUT gets a gateway's 502 page (its outcome unknown), a HEAD a web page's 200 (no
+    Last-Modified, no ETag), a delete 405: the probe's read-back shows the endpoint is no S3."""
+
+    requests: list[str]
+
+    def do_PUT(self) -> None:
+        self.requests.append("PUT")
+        self.send_error(502)
+
+    def do_HEAD(self) -> None:
+        self.requests.append("HEAD")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:
+        self.requests.append(self.command)
+        self.send_error(405)
+
+    do_DELETE = do_POST  # noqa: N815 (http.server names)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_probe_whose_read_back_is_not_s3_deletes_nothing(
+    aws_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, client: str
+) -> None:
+    # Before: the probe went on to delete its object, and logged "could not delete the probe
+    # object ... did not answer like an S3 server" above the error that already said so.
+    requests: list[str] = []
+    handler = type("Handler", (_WriteGatewayReadPage,), {"requests": requests})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with (
+            caplog.at_level(logging.WARNING, "batchweave.store"),
+            pytest.raises(bw.StoreError, match="did not answer like an S3 server") as info,
+        ):
+            bw.open_store(
+                "s3://bucket/p", s3_client=client, endpoint_url=url, **_credentials(),
+                max_attempts=1,
+            )  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    assert type(info.value) is bw.StoreError
+    assert isinstance(info.value.__cause__, bw.AmbiguousWriteError)
+    assert requests[-1] == "HEAD", requests  # read back, nothing deleted
+    assert not [r for r in caplog.records if "could not delete" in r.getMessage()]
 
 
 def test_a_redirecting_endpoint_is_named_not_a_recursion_error(
@@ -1125,6 +1310,29 @@ def test_cli_against_a_web_page_says_so_and_shows_no_secret(aws_env: pytest.Monk
             assert "did not answer like an S3 server" in out or "object store" in out, out
             assert SECRET not in out
             assert TOKEN not in out
+
+
+@pytest.mark.parametrize("kind", ["nginx-405", "403", "501"])
+@pytest.mark.parametrize("command", ["check", "seal"])
+def test_cli_against_a_web_servers_refusal_says_so_in_one_line(
+    aws_env: pytest.MonkeyPatch, command: str, kind: str
+) -> None:
+    # Before: "StoreError: ... 405 Method Not Allowed", "AccessDenied", or for a 501 an
+    # AmbiguousWriteError below a second stderr line "could not delete the probe object ...".
+    # A child process: its stderr is all the user sees, the logged warning included.
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "AKIDENVAUDIT", "AWS_SECRET_ACCESS_KEY": SECRET}
+    env |= {"BATCHWEAVE_REGION": "us-east-1"}
+    args = [command, "s3://bucket/p", *(["runs/a"] if command == "seal" else [])]
+    with _refusing(kind) as page:
+        proc = subprocess.run(
+            [sys.executable, "-m", "batchweave.cli", *args, "--endpoint-url", page.url],
+            capture_output=True, text=True, env=env, timeout=60,
+        )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("batchweave: error: StoreError: "), proc.stderr
+    assert "did not answer like an S3 server" in proc.stderr
+    assert SECRET not in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("command", ["check", "seal"])

@@ -1,5 +1,6 @@
 """Every backend passes the shipped conformance suite: memory, file, moto (in-process and over
-HTTP) and SeaweedFS.
+HTTP) and SeaweedFS. (The wrappers run it in ``test_store_wrappers.py``; the suite includes the
+argument checks every backend and wrapper makes before any request.)
 
 The helpers a custom store builds on are public and agree with the suite: ``validate_key``
 refuses exactly the keys the suite expects every store to refuse (and returns legal ones
@@ -8,7 +9,7 @@ unchanged), and ``ensure_conditional_writes`` runs on any ``ObjectStore``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
@@ -22,51 +23,20 @@ from batchweave.testing import S3Endpoint, StoreTests, serialize_moto_puts
 from batchweave.testing._store_tests import INVALID_KEYS, ODD_KEYS
 
 
-class ArgumentChecks:
-    """Arguments every backend (and wrapper) refuses before any request; mixed into each suite.
-
-    Needs a ``store`` fixture yielding a fresh, empty store, as :class:`StoreTests` does.
-    """
-
-    def test_delete_many_refuses_a_single_key_instead_of_iterating_it(
-        self, store: ObjectStore
-    ) -> None:
-        # Before: delete_many("ab") deleted the keys "a" and "b" and kept "ab" (data loss).
-        for key in ("a", "b", "ab"):
-            store.put(key, b"x")
-        for single in ("ab", b"ab", bytearray(b"ab"), None, 3):
-            with pytest.raises(
-                TypeError, match=r"pass a list of keys, e\.g\. delete_many\(\[key\]\)"
-            ):
-                store.delete_many(single)  # type: ignore[arg-type]
-        assert [m.key for m in store.list()] == ["a", "ab", "b"]
-        store.delete_many(key for key in ["ab"])  # any iterable of keys, a generator too
-        store.delete_many(("a",))
-        assert [m.key for m in store.list()] == ["b"]
-
-    def test_get_range_refuses_a_tuple_naming_the_range_types(self, store: ObjectStore) -> None:
-        # Before: AttributeError: 'tuple' object has no attribute 'length'.
-        store.put("k", b"0123456789")
-        for key in ("k", "missing"):
-            with pytest.raises(TypeError, match=r"must be a Bounded, Offset or Suffix"):
-                store.get_range(key, (0, 3))  # type: ignore[arg-type]
-        assert store.get_range("k", bw.Bounded(0, 3)) == b"012"
-
-
-class TestMemoryStore(ArgumentChecks, StoreTests):
+class TestMemoryStore(StoreTests):
     @pytest.fixture
     def store(self) -> ObjectStore:
         return MemoryStore()
 
 
-class TestFileStore(ArgumentChecks, StoreTests):
+class TestFileStore(StoreTests):
     @pytest.fixture
     def store(self, tmp_path: Path) -> Iterator[ObjectStore]:
         with FileStore(tmp_path / "root") as store:
             yield store
 
 
-class TestMotoInProcessStore(ArgumentChecks, StoreTests):
+class TestMotoInProcessStore(StoreTests):
     @pytest.fixture
     def store(self, s3_bucket: str) -> Iterator[ObjectStore]:
         serialize_moto_puts()  # moto's own create is check-then-set; see batchweave.testing._moto
@@ -76,7 +46,7 @@ class TestMotoInProcessStore(ArgumentChecks, StoreTests):
                 yield store
 
 
-class MotoServerSuite(ArgumentChecks, StoreTests):
+class MotoServerSuite(StoreTests):
     """The suite on the moto server through ``backend`` (an S3 store class)."""
 
     backend: type[S3Store] | type[ObstoreS3Store] = S3Store
@@ -90,7 +60,7 @@ class MotoServerSuite(ArgumentChecks, StoreTests):
             yield store
 
 
-class SeaweedFSSuite(ArgumentChecks, StoreTests):
+class SeaweedFSSuite(StoreTests):
     """The suite on SeaweedFS through ``backend`` (an S3 store class)."""
 
     backend: type[S3Store] | type[ObstoreS3Store] = S3Store
@@ -123,17 +93,6 @@ class TestMotoServerStore(MotoServerSuite):
 @pytest.mark.seaweedfs
 class TestSeaweedFSStore(SeaweedFSSuite):
     pass
-
-
-@pytest.mark.parametrize(
-    "wrapper", [bw.StoreWrapper, bw.CountingStore, bw.FaultInjectingStore], ids=lambda w: w.__name__
-)
-class TestWrapperArgumentChecks(ArgumentChecks):
-    """The wrappers refuse on their own: ``CountingStore`` used to make ``list("ab")`` of it."""
-
-    @pytest.fixture
-    def store(self, wrapper: Callable[[ObjectStore], ObjectStore]) -> ObjectStore:
-        return wrapper(MemoryStore())
 
 
 # -- helpers for custom stores -----------------------------------------------------------------

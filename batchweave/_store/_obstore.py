@@ -55,6 +55,7 @@ from batchweave._store._s3_location import (
     ClientOptions,
     S3Location,
     check_endpoint,
+    not_s3_status,
     refuse_unusable_credential,
 )
 
@@ -145,6 +146,9 @@ class _Reply(NamedTuple):
     """S3's ``<Code>`` and ``<Message>`` from its XML reply, for messages."""
     key: str | None
     """The failed key a DeleteObjects result names (full path), if it names one."""
+    quoted: bool
+    """Whether object_store quoted the server's reply (its body, maybe empty): then no ``code``
+    means the reply was not S3's XML error (a web server's page)."""
 
 
 def _xml_field(body: str, name: str) -> str | None:
@@ -496,6 +500,7 @@ class ObstoreS3Store(S3Location):
             code=code or None,
             said=said,
             key=key,
+            quoted=reply is not None,
         )
 
     def _translate(
@@ -563,6 +568,16 @@ class ObstoreS3Store(S3Location):
             return ObjectExists(detail)
         if isinstance(exc, (errors.NotFoundError, FileNotFoundError)):
             return ObjectNotFound(detail)
+        # A write's last attempt tells about that attempt only: an earlier one may have landed.
+        # put() knows (it makes the attempts); if object_store retried, it does not say why (a
+        # 5xx or a timeout as well as a 429 or a refused connection): assume one may have.
+        retried = (found := _RETRIES.search(text)) is not None and int(found.group(1)) > 0
+        retried = retried if landed is None else landed or retried
+        if status is not None and reply.quoted and code is None and not (write and retried):
+            # An error reply that is not S3's XML (as on boto3: see not_s3_status).
+            why = not_s3_status(op, status)
+            if why is not None:
+                return self._not_s3(op, key, why)
         denied = (errors.PermissionDeniedError, errors.UnauthenticatedError, PermissionError)
         # (object_store reports a 401/403 to a listing, and a key's refusal in a DeleteObjects
         # result, as a generic error.)
@@ -582,11 +597,6 @@ class ObstoreS3Store(S3Location):
                 f"{what}: {self._endpoint_shown} accepted the connection but {within} (an "
                 "overloaded or hung server, or not an S3 server on that port)"
             )
-        # A write's last attempt tells about that attempt only: an earlier one may have landed.
-        # put() knows (it makes the attempts); if object_store retried, it does not say why (a
-        # 5xx or a timeout as well as a 429 or a refused connection): assume one may have.
-        retried = (found := _RETRIES.search(text)) is not None and int(found.group(1)) > 0
-        retried = retried if landed is None else landed or retried
         if status is not None and status < 500 and not (write and retried):
             # A definite answer, also to a write: refused, nothing was stored (as on boto3).
             # Classified by status and code only: the words of the reply and of object_store's
@@ -665,10 +675,12 @@ class ObstoreS3Store(S3Location):
     def _put_attempt_failed(self, exc: Exception, full: str, *, create: bool) -> tuple[bool, bool]:
         """``(retry, may_have_landed)`` for a failed PUT attempt, retried as object_store does:
         a 5xx, a 429, a transport failure before the request was sent, and a timeout or an
-        interrupted exchange only for an overwrite (a create is not idempotent)."""
+        interrupted exchange only for an overwrite (a create is not idempotent). Not a 501, as
+        on boto3: the server does not implement the request, so it stored nothing and will not."""
         reply = self._read_error(exc, [full])
         if reply.status is not None:
-            return reply.status >= 500 or reply.status == 429, reply.status >= 500
+            server_error = reply.status >= 500 and reply.status != 501
+            return server_error or reply.status == 429, server_error
         found = _HTTP_KIND.search(reply.text)
         kind = found.group(1) if found is not None else None
         if kind == "Connect":

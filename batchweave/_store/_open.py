@@ -438,7 +438,8 @@ def probe_conditional_writes(store: ObjectStore, key: str, *, delete: bool) -> N
     seconds. With ``delete``, ``key`` is deleted afterwards, but not after ``StoreUnavailable``:
     an endpoint that is unreachable, or did not answer within the probe's timeout, would only
     keep the caller waiting as long again. Nor if the store refused the first create (a missing
-    bucket, no permission): then there is no probe object to delete.
+    bucket, no permission, an endpoint that is not an S3 server), or refused to read back a first
+    create whose outcome was unknown: then there is no probe object, or no store, to delete from.
     """
     view = store._probe_view() if isinstance(store, S3Location) else None
     target = store if view is None else view
@@ -451,7 +452,13 @@ def probe_conditional_writes(store: ObjectStore, key: str, *, delete: bool) -> N
             except ObjectExists:
                 pass  # our own retried first attempt landed: all the probe needs
             except AmbiguousWriteError as exc:
-                _read_back_probe(target, key, exc)
+                try:
+                    _read_back_probe(target, key, exc)
+                except StoreError as failed:
+                    # A plain StoreError: the read-back was refused outright (an endpoint that
+                    # is not an S3 server); a delete would be too, its warning only repeating it.
+                    refused = type(failed) is StoreError
+                    raise
             except (TransientStoreError, StoreUnavailable):
                 raise  # the create may have landed (or the store is out of reach: see below)
             except AccessDenied as exc:
@@ -462,7 +469,9 @@ def probe_conditional_writes(store: ObjectStore, key: str, *, delete: bool) -> N
                     "that check: open_store(url, verify_conditional_writes=False))"
                 ) from exc
             except StoreError:
-                refused = True  # a definite refusal (a missing bucket)
+                # A definite refusal: a missing bucket, or an endpoint that did not answer like an
+                # S3 server (a web server's 405 to a PUT, a 501): no probe object to delete.
+                refused = True
                 raise
             _create_second(target, key)
     except StoreUnavailable:

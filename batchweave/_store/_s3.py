@@ -58,6 +58,7 @@ from batchweave._store._s3_location import (
     ClientOptions,
     S3Location,
     check_endpoint,
+    not_s3_status,
     redact_url,
     refuse_unusable_credential,
 )
@@ -474,15 +475,16 @@ class S3Store(S3Location):
         """Note a PutObject attempt that may have landed (``put_maybe_landed``).
 
         Every attempt may have, except one that could not connect (``ConnectionError``: nothing
-        was sent) and one answered below 500: a 4xx is a definite refusal of that attempt (429
-        included), a redirect stores nothing. A read timeout, a reset after sending, a 5xx may
-        all come after the object was stored.
+        was sent) and one answered below 500 or with 501: a 4xx is a definite refusal of that
+        attempt (429 included), a redirect stores nothing, a 501 says the server does not
+        implement the request. A read timeout, a reset after sending, another 5xx may all come
+        after the object was stored.
         """
         if caught_exception is not None:
             landed = not isinstance(caught_exception, bex.ConnectionError)
         else:
             status = getattr(response[0], "status_code", None) if response else None
-            landed = not (isinstance(status, int) and status < 500)
+            landed = not (isinstance(status, int) and (status < 500 or status == 501))
         if landed:
             self._local.put_maybe_landed = True
 
@@ -592,7 +594,7 @@ class S3Store(S3Location):
         self, code: str, status: int, detail: str, *, op: str, key: str | None, landed: bool = False
     ) -> StoreError:
         """The error for S3's answer ``code``/``status``; ``landed``: an earlier attempt of this
-        write may have landed (a 4xx refuses only the last attempt)."""
+        write may have landed (a 4xx or 501 refuses only the last attempt)."""
         # Only the conditional PUT asks a condition: a 412 or 409 to another request is no
         # answer about the key (and a plain StoreError below).
         if op == "put_if_absent" and (code == "PreconditionFailed" or status == 412):
@@ -607,6 +609,12 @@ class S3Store(S3Location):
             )
         if code in _NOT_FOUND or status == 404:
             return ObjectNotFound(detail)
+        # botocore makes the code the bare status (or leaves it empty) when the body is not
+        # S3's XML error. Such a 4xx or 501 refuses only the last attempt of a write: after an
+        # earlier one that may have landed, it stays ambiguous below.
+        why = not_s3_status(op, status) if code in ("", str(status)) else None
+        if why is not None and not landed:
+            return self._not_s3(op, key, why)
         if code in _DENIED or status == 403:
             return self._denied(detail)
         if code == "NotImplemented" and op == "put_if_absent":

@@ -14,6 +14,7 @@ import operator
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from http import HTTPStatus
 from urllib.parse import urlsplit
 
 from batchweave._errors import (
@@ -34,6 +35,7 @@ __all__ = [
     "ClientOptions",
     "S3Location",
     "check_endpoint",
+    "not_s3_status",
     "check_s3_arguments",
     "redact_url",
     "refuse_unusable_credential",
@@ -581,3 +583,38 @@ class S3Location(ObjectStore):
             f"{detail}: bucket {self.bucket!r} does not exist at "
             f"{self._endpoint_shown}; create it or fix the store URL"
         )
+
+
+_S3_ANSWERS_WITHOUT_CODE = frozenset({404, 429})
+"""Error statuses an S3 endpoint may send without S3's XML error code (see
+:func:`not_s3_status`): a 404 is a missing object (to a bucket operation it is checked on its own),
+a 429 a proxy or rate limiter in front of S3 throttling (transient)."""
+
+
+def not_s3_status(op: str, status: int) -> str | None:
+    """Why an error reply with HTTP ``status`` to ``op``, whose body is not S3's XML error (no
+    error code in it), shows that the endpoint is not an S3 server; ``None`` if it does not.
+
+    S3 answers every request but a HEAD with an XML ``<Error>`` naming its code; a 4xx or a 501
+    without one is a web server's, console's or proxy's page (nginx answers a PUT with 405, a
+    request without Content-Length with 411, a large body with 413). Not: a HEAD (no reply to a
+    HEAD has a body, S3's neither), a 404 or 429 (:data:`_S3_ANSWERS_WITHOUT_CODE`), and a 5xx
+    other than 501: a gateway's error page while S3 behind it is down, which stays transient.
+    Both S3 backends apply it, each reading "no error code" from its client's reply.
+    """
+    if (
+        op == "head"
+        or status in _S3_ANSWERS_WITHOUT_CODE
+        or not (400 <= status < 500 or status == 501)
+    ):
+        return None
+    try:
+        answer = f"{status} {HTTPStatus(status).phrase}"
+    except ValueError:  # a status Python has no name for
+        answer = str(status)
+    if status == 501:
+        return (
+            f"{answer} to a {op}, without S3's XML error: not an S3 server, or a gateway that "
+            "does not implement this request"
+        )
+    return f"{answer} to a {op}, without S3's XML error: a web server, console or proxy answered"

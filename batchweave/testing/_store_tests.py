@@ -15,8 +15,9 @@ Subclass it in a pytest module and provide a ``store`` fixture that yields a fre
 
 Every behaviour the rest of BatchWeave relies on is pinned here: atomic create-if-absent under
 contention, byte-range semantics, lexicographic listing with ``start_after`` and pagination,
-idempotent bulk deletion, large and empty objects, odd key characters, key validation and the
-error types.
+idempotent bulk deletion, large and empty objects, odd key characters, key validation, the
+argument checks every built-in store makes before any request (``delete_many`` refuses a single
+key, ``get_range`` anything but a ``ByteRange``) and the error types.
 """
 
 from __future__ import annotations
@@ -287,6 +288,15 @@ class StoreTests:
 
         check()
 
+    def test_get_range_refuses_a_tuple_naming_the_range_types(self, store: ObjectStore) -> None:
+        # A tuple such as (0, 3) is no ByteRange: refused before any request (``check_range``),
+        # for a missing key too, not failed deep inside ('tuple' has no attribute 'length').
+        store.put("k", b"0123456789")
+        for key in ("k", "missing"):
+            with pytest.raises(TypeError, match=r"must be a Bounded, Offset or Suffix"):
+                store.get_range(key, (0, 3))  # type: ignore[arg-type]
+        assert store.get_range("k", Bounded(0, 3)) == b"012"
+
     # -- listing -----------------------------------------------------------------------------
 
     def test_list_order_prefix_and_start_after(self, store: ObjectStore) -> None:
@@ -359,6 +369,23 @@ class StoreTests:
             store.get("d/1")
         assert store.get("d/2") == b"2"
         assert [m.key for m in store.list()] == ["d/2"]
+
+    def test_delete_many_refuses_a_single_key_instead_of_iterating_it(
+        self, store: ObjectStore
+    ) -> None:
+        # A single key is refused (``check_keys``), not iterated: delete_many("ab") would delete
+        # the keys "a" and "b" and keep "ab".
+        for key in ("a", "b", "ab"):
+            store.put(key, b"x")
+        for single in ("ab", b"ab", bytearray(b"ab"), None, 3):
+            with pytest.raises(
+                TypeError, match=r"pass a list of keys, e\.g\. delete_many\(\[key\]\)"
+            ):
+                store.delete_many(single)  # type: ignore[arg-type]
+        assert [m.key for m in store.list()] == ["a", "ab", "b"]
+        store.delete_many(key for key in ["ab"])  # any iterable of keys, a generator too
+        store.delete_many(("a",))
+        assert [m.key for m in store.list()] == ["b"]
 
     # -- sizes -------------------------------------------------------------------------------
 
