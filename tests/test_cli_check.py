@@ -8,6 +8,7 @@ is the CLI's usual one-line error (exit 2); credentials never appear in the outp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -23,7 +24,7 @@ from click.testing import CliRunner, Result
 import batchweave as bw
 from batchweave import ObjectMeta, PutMode, StoreWrapper
 from batchweave._policy import dac_gap
-from batchweave.cli import _app
+from batchweave.cli import _app, _check
 from batchweave.cli._app import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED, cli
 from batchweave.cli._check import SCRATCH_PREFIX, check_store
 from batchweave.cli._common import Terminated, open_cli_store
@@ -311,6 +312,27 @@ def test_an_interrupted_check_removes_its_scratch_prefix(
     result = invoke("check", str(root), "--requests", "2")
     assert result.exit_code == status, result.output
     assert "the command is safe to run again" in result.output
+    assert leftovers(root) == []
+
+
+def test_the_cleanup_of_a_run_that_went_well_waits_as_long_as_every_other_check(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The final cleanup ran through the probe client (``probe_timeout`` per answer, no retry
+    of a timeout): a store slower than that at deleting failed ``check`` after every check
+    passed. Only the cleanup after a failure or an interrupt needs the short wait."""
+    used: list[str] = []
+
+    @contextlib.contextmanager
+    def probe_view(store: bw.ObjectStore) -> Iterator[bw.ObjectStore]:
+        used.append("probe view")
+        raise bw.StoreTimeout("the probe client did not get an answer within probe_timeout")
+        yield store  # pragma: no cover
+
+    monkeypatch.setattr(_check, "_answering_within_probe_timeout", probe_view)
+    report = check_store(bw.open_store(root.as_uri()), requests=2)
+    assert all(result.ok for result in report.checks)
+    assert used == []
     assert leftovers(root) == []
 
 

@@ -9,14 +9,16 @@ merging writers still read each segment once.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 from manifest_helpers import CountingStore, descriptor, grow
 
-from batchweave import Consumer, MemoryStore, Mesh, Producer
+from batchweave import Consumer, ConsumerError, MemoryStore, Mesh, Producer, StoreWrapper
 from batchweave._manifest import Committed, ManifestLog, _codec
 from batchweave._manifest._log import DEFAULT_TAIL_LIMIT
 from batchweave._manifest._models import Manifest, Segment
+from batchweave._store._base import ByteRange
 
 MESH = Mesh(dp=8, cp=1)
 NS = "runs/cache"
@@ -189,3 +191,43 @@ def test_a_closed_consumer_holds_no_segments_or_footers() -> None:
     consumer.close()
     assert _held(consumer._log) == 0
     assert len(consumer._reader._footers) == 0
+
+
+def test_a_consumer_closed_during_a_segment_read_holds_no_segment_once_the_read_ends() -> None:
+    # Before: close() from another thread dropped the cache, then the read in flight put its
+    # segment back, and the closed consumer held it again.
+    entered, gate = threading.Event(), threading.Event()
+
+    class SlowSegments(StoreWrapper):
+        slow = False
+
+        def get_range(self, key: str, rng: ByteRange) -> bytes:
+            if self.slow and "/_segments/" in key:
+                entered.set()
+                gate.wait(10)
+            return super().get_range(key, rng)
+
+    inner = MemoryStore()
+    with Producer(inner, NS, producer_id="p", mesh=Mesh(dp=1), tail_limit=2) as p:
+        for offset in range(12):
+            p.append([b"x"], offset=offset)
+    store = SlowSegments(inner)
+    consumer = Consumer(store, NS, mesh=Mesh(dp=1), dp_rank=0, prefetch=0)
+    consumer.open()
+    store.slow = True
+    outcome: list[object] = []
+
+    def read() -> None:
+        try:
+            outcome.append(next(consumer))
+        except ConsumerError as exc:
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert entered.wait(10)
+    consumer.close()
+    gate.set()
+    reader.join(10)
+    assert isinstance(outcome[0], ConsumerError)
+    assert _held(consumer._log) == 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
+from pathlib import PurePosixPath
 
 import numpy as np
 import pytest
@@ -56,11 +58,18 @@ def test_ids_that_are_not_a_sequence_of_slices_are_refused(ids: object) -> None:
 )
 def test_an_id_that_is_no_str_int_or_float_is_refused(ids: list, needle: str) -> None:
     # Before: str() of any object was recorded (b"doc-1" as "b'doc-1'", None as "None") and
-    # the export showed that text; the reader takes strings and numbers only, so does the writer.
+    # the export showed that text.
     with pytest.raises(ValueError, match=needle) as info:
         sample_ids_metadata(ids)
-    assert "a sample id is a str, an int or a float" in str(info.value)
+    assert "a sample id is a str, a number, or an object whose str() is the id" in str(info.value)
     assert len(str(info.value)) < 300
+
+
+def test_ids_whose_str_is_the_id_are_stored_as_it() -> None:
+    # A UUID or a path was refused by the first fix (it took only str, int and float).
+    key = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    path = PurePosixPath("shard-0/doc-1.txt")
+    assert sample_ids_metadata([[key, path]]) == f'[["{key}","shard-0/doc-1.txt"]]'
 
 
 def test_valid_ids_are_encoded_as_strings() -> None:

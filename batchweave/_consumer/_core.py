@@ -436,7 +436,7 @@ class Consumer:
         self._unregister()  # runs once, however often close() is called
         # A closed consumer that stays referenced (a variable, a traceback) would keep up to
         # max_segment_tgbs decoded descriptors (65 MB at dp=2).
-        self._log.forget_segments()
+        self._log.stop_caching_segments()
         if self._reading.acquire(blocking=False):
             try:
                 self._drop_window()

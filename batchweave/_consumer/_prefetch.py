@@ -204,20 +204,25 @@ class SingleFlightCache(Generic[K, T]):
         self.capacity = capacity
         self._lock = threading.Lock()
         self._entries: OrderedDict[K, Future[T]] = OrderedDict()
+        self._closed = False
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
 
-    def clear(self) -> None:
-        """Forget every entry; loads in flight still finish for their callers."""
+    def close(self) -> None:
+        """Forget every entry and cache nothing from now on: :meth:`get` just loads. Loads in
+        flight still finish for their callers."""
         with self._lock:
+            self._closed = True
             self._entries.clear()
 
     def get(self, key: K, load: Callable[[], T]) -> tuple[T, bool]:
         """Return ``(value, hit)``: the cached value, or ``load()``'s, which is then cached."""
         while True:
             with self._lock:
+                if self._closed:
+                    break
                 entry = self._entries.get(key)
                 owner = entry is None
                 if entry is None:
@@ -230,6 +235,7 @@ class SingleFlightCache(Generic[K, T]):
                 return self._load(key, entry, load), False
             if entry.exception() is None:  # waits for the owner's load
                 return entry.result(), True
+        return load(), False
 
     def _load(self, key: K, entry: Future[T], load: Callable[[], T]) -> T:
         try:

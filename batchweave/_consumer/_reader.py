@@ -160,7 +160,7 @@ class SliceReader:
         naming ``consumer`` (the closing consumer's ``repr``). Also stops a read-ahead job that
         waits out an outage. Drops the cached footers."""
         self._closed_consumer = consumer
-        self._footers.clear()
+        self._footers.close()
 
     def read(
         self, what: str, desc: TgbDescriptor, loc: SliceLocation, budget: Budget

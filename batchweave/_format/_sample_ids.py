@@ -12,9 +12,10 @@ the history reader refuses one already stored, both with :func:`parse_sample_ids
 from __future__ import annotations
 
 import json
-import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
+
+import numpy as np
 
 __all__ = ["SAMPLE_IDS_KEY", "parse_sample_ids", "sample_ids_metadata"]
 
@@ -25,15 +26,15 @@ _NOT_A_SEQUENCE = (str, bytes, bytearray, memoryview)
 _SHOWN_CHARS = 100  # of a refused id's repr
 
 
-def sample_ids_metadata(ids: Sequence[Sequence[int | float | str]]) -> str:
+def sample_ids_metadata(ids: Sequence[Sequence[object]]) -> str:
     """Encode per-slice sample ids (one sequence per slice, ``(d, c)`` order) for TGB metadata.
 
     Raises ``ValueError`` naming the slice when an entry is not a sequence of ids: a string
     (``"doc-17"``) would otherwise be split into characters. For one id per slice, pass
-    ``[[i] for i in ids]``. An id is a string or a number (``int`` or ``float``, NumPy scalars
-    included), the ids :func:`parse_sample_ids` reads back; anything else is a ``ValueError``
-    naming the slice and the id: ``str()`` would record ``b"doc-1"`` as ``"b'doc-1'"``, ``None``
-    as ``"None"`` (decode bytes first: ``.decode()``). A bool is no id either, nor a string
+    ``[[i] for i in ids]``. An id is stored as its ``str()``: a string, a number (NumPy scalars
+    included), a UUID, a path. What ``str()`` would not turn into the id is a ``ValueError``
+    naming the slice and the id: bytes (``"b'doc-1'"``; decode them first: ``.decode()``),
+    ``None``, a bool, a container (``"[1, 2]"``). Nor is a string
     that is not valid Unicode (a lone surrogate, as ``os.fsdecode`` gives for a file name that
     is not UTF-8): JSON would store it escaped, but no export could write it as UTF-8 text.
     """
@@ -85,22 +86,43 @@ _NOT_TEXT_HINT = (
 )
 
 
+_NOT_AN_ID = (
+    bytes,
+    bytearray,
+    memoryview,
+    bool,
+    np.bool_,
+    type(None),
+    list,
+    tuple,
+    dict,
+    set,
+    frozenset,
+    np.ndarray,
+)
+"""What ``str()`` would turn into text that is not the id: ``b'doc-1'``, ``None``, ``[1, 2]``."""
+
+
 def _encoded_id(slice_: int, value: object) -> str:
-    """``value`` as :func:`sample_ids_metadata` stores it: a string, or a number (NumPy integer
-    and floating scalars too); anything else is refused rather than stored as its ``str()``."""
-    if isinstance(value, str) and not _is_text(value):
+    """``value`` as :func:`sample_ids_metadata` stores it: its ``str()`` (a string, a number, a
+    UUID, a path, a pyarrow scalar...), except for what :data:`_NOT_AN_ID` lists, whose
+    ``str()`` is not the id, and text that is not valid Unicode: both refused."""
+    if isinstance(value, _NOT_AN_ID):
+        hint = (
+            "; decode bytes first, e.g. id.decode()" if isinstance(value, bytes | bytearray) else ""
+        )
+        raise ValueError(
+            f"sample_ids_metadata: slice {slice_} holds the {type(value).__name__} "
+            f"{_shown(value)}, which is no sample id: a sample id is a str, a number, or an "
+            f"object whose str() is the id (a UUID, a path){hint}"
+        )
+    text = value if isinstance(value, str) else str(value)
+    if not _is_text(text):
         raise ValueError(
             f"sample_ids_metadata: slice {slice_} holds the id {_shown(value)}, which is not "
             f"valid Unicode (it holds a lone surrogate); {_NOT_TEXT_HINT}"
         )
-    if isinstance(value, str | numbers.Real) and not isinstance(value, bool):
-        return str(value)
-    shown = _shown(value)
-    hint = "; decode bytes first, e.g. id.decode()" if isinstance(value, bytes | bytearray) else ""
-    raise ValueError(
-        f"sample_ids_metadata: slice {slice_} holds the {type(value).__name__} {shown}, which is "
-        f"no sample id: a sample id is a str, an int or a float{hint}"
-    )
+    return text
 
 
 def parse_sample_ids(raw: str, slices: int) -> list[tuple[str, ...]]:

@@ -797,10 +797,11 @@ class ManifestLog:
                 keep.add(self._prepared[1].key)
         self._segments.retain(keep)
 
-    def forget_segments(self) -> None:
-        """Drop every cached segment (the log's user is done reading): a closed reader that is
-        still referenced then holds no descriptors. Reads after it just read segments again."""
-        self._segments.retain(())
+    def stop_caching_segments(self) -> None:
+        """Drop every cached segment and cache none from now on (the log's user is done
+        reading): a closed reader still referenced then holds no descriptors, even once a read
+        that was in flight when it closed ends. Reads after it just read segments again."""
+        self._segments.stop_caching()
 
     def _listed_newest_lately(self, base: Manifest) -> bool:
         """Whether the last :meth:`latest` read ``base`` and then a LIST showed no version

@@ -235,10 +235,17 @@ class SegmentFiles:
         with self._lock:
             return self._tgbs
 
-    def _remember(self, ref: SegmentRef, segment: Segment) -> None:
-        if self._capacity == 0:
-            return
+    def stop_caching(self) -> None:
+        """Forget every cached segment and keep none from now on (reads still work)."""
         with self._lock:
+            self._capacity = 0
+            self._cache.clear()
+            self._tgbs = 0
+
+    def _remember(self, ref: SegmentRef, segment: Segment) -> None:
+        with self._lock:
+            if self._capacity == 0:
+                return
             old = self._cache.pop(ref.key, None)
             if old is not None:
                 self._tgbs -= len(old[1].tgbs)

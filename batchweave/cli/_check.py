@@ -560,14 +560,20 @@ def _answering_within_probe_timeout(store: ObjectStore) -> Iterator[ObjectStore]
             view.close()
 
 
-def _cleanup(run: _Run, *, outage_raises: bool = False) -> CheckResult:
+def _cleanup(run: _Run, *, outage_raises: bool = False, quick: bool = False) -> CheckResult:
     """Delete everything under the scratch prefix and confirm nothing is left.
 
     With ``outage_raises``, an endpoint that stopped answering (:func:`_stopped_answering`)
-    is raised as :func:`_endpoint_lost` instead of being the cleanup's failed row.
+    is raised as :func:`_endpoint_lost` instead of being the cleanup's failed row. ``quick``
+    (after a failure or an interrupt) waits at most ``probe_timeout`` per request
+    (:func:`_answering_within_probe_timeout`); the cleanup of a run that went well is one of
+    its checks and gets the store's own timeouts, as every other check.
     """
+    view = (
+        _answering_within_probe_timeout(run.store) if quick else contextlib.nullcontext(run.store)
+    )
     try:
-        with _answering_within_probe_timeout(run.store) as store:
+        with view as store:
             keys = set(run.written)
             keys.update(m.key for m in store.list(run.scratch))
             store.delete_many(sorted(keys))
@@ -657,7 +663,7 @@ def _clean_up_and_warn(run: _Run) -> None:
     prefix. A Ctrl-C or SIGTERM during it is deferred to its end; a second one stops it at once.
     """
     with deferred_interrupt() as interrupted:
-        outcome = _cleanup(run)
+        outcome = _cleanup(run, quick=True)
     if not outcome.ok:
         click.echo(f"batchweave: warning: {outcome.detail}", err=True)
     interrupted()
