@@ -347,6 +347,7 @@ def verify_namespace(
     total = len(items)
     done = 0
     step_results: list[tuple[int, _StepResult]] = []
+    missing_steps: set[int] = set()
     any_missing = any(isinstance(f.error, ObjectNotFound) for f in failures)
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         results = pool.map(
@@ -355,7 +356,9 @@ def verify_namespace(
         for (step, _), result in zip(items, results, strict=True):
             if result.problems or result.unchecked:
                 step_results.append((step, result))
-            any_missing = any_missing or result.missing
+            if result.missing:
+                any_missing = True
+                missing_steps.add(step)
             report.objects += result.objects
             report.slices += result.slices
             report.bytes_read += result.nread
@@ -368,8 +371,10 @@ def verify_namespace(
         # base_step: those steps are no longer live, so their missing objects are no loss (as
         # _check_versions skips manifest versions reclaimed meanwhile).
         reclaimed_below = max(latest.base_step, base_step_now(log, default=latest.base_step))
-    report.steps_reclaimed = sum(1 for step, _ in items if step < reclaimed_below)
-    report.steps = len(items)
+    # A step whose object went missing because it was reclaimed meanwhile was not checked; one
+    # reclaimed after its objects were checked was.
+    report.steps_reclaimed = sum(1 for step in missing_steps if step < reclaimed_below)
+    report.steps = len(items) - report.steps_reclaimed
     segment_problems: list[tuple[int, str]] = []
     for failure in failures:
         count = failure.stop - failure.start
