@@ -167,20 +167,21 @@ def test_a_put_replaces_a_symlink_inside_the_root_not_its_target(
 
 
 @PROC_FD_ONLY
-def test_a_directory_swapped_for_a_symlink_after_makedirs_is_refused(
+def test_a_directory_swapped_for_a_symlink_after_it_is_made_is_refused(
     outside: Path, store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The window a path check leaves open: the directory is checked and created, then replaced
-    # by a symlink before the object is linked. The descriptor check sees where it really goes.
-    real_makedirs = os.makedirs
+    # by a symlink before the object is linked. Opening it without following the symlink (or,
+    # before, the descriptor check) sees where it really goes.
+    real_mkdir = os.mkdir
 
-    def makedirs_then_swap(name: str, mode: int = 0o777, exist_ok: bool = False) -> None:
-        real_makedirs(name, mode, exist_ok)
+    def mkdir_then_swap(name: str, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
+        real_mkdir(name, mode, dir_fd=dir_fd)
         if os.path.basename(name) == "d":
-            os.rmdir(name)
-            os.symlink(outside, name)
+            os.rmdir(root / "ns" / "d")
+            os.symlink(outside, root / "ns" / "d")
 
-    monkeypatch.setattr(os, "makedirs", makedirs_then_swap)
+    monkeypatch.setattr(os, "mkdir", mkdir_then_swap)
     for put in (store.put, store.put_if_absent):
         with pytest.raises(InvalidKey, match="outside the root"):
             put("ns/d/object", b"x")
@@ -303,17 +304,17 @@ def test_a_directory_replaced_by_a_file_after_makedirs_names_the_file(
     # A delete prunes the directories a put just made and another put stores a file at their
     # name: the put retries and names the file in its way (opening the directory once raised
     # ENOTDIR straight through, a put failing with "no object").
-    real_makedirs = os.makedirs
+    real_mkdir = os.mkdir
     replaced: list[str] = []
 
-    def makedirs_then_replace(name: str, mode: int = 0o777, exist_ok: bool = False) -> None:
-        real_makedirs(name, mode, exist_ok)
-        if name == str(root / "ns" / "d") and not replaced:
+    def mkdir_then_replace(name: str, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
+        real_mkdir(name, mode, dir_fd=dir_fd)
+        if os.path.basename(name) == "d" and not replaced:
             shutil.rmtree(root / "ns")
             (root / "ns").write_bytes(b"file")
             replaced.append(name)
 
-    monkeypatch.setattr(os, "makedirs", makedirs_then_replace)
+    monkeypatch.setattr(os, "mkdir", mkdir_then_replace)
     with pytest.raises(InvalidKey, match="object 'ns' is in the way"):
         store.put("ns/d/object", b"x")
     monkeypatch.undo()
@@ -443,6 +444,23 @@ def test_delete_prunes_emptied_directories_only(store: FileStore, root: Path) ->
     assert sorted(p.name for p in root.iterdir()) == [TEMP_DIR_NAME]
 
 
+def test_a_batch_delete_prunes_each_emptied_directory_and_closes_its_descriptors(
+    store: FileStore, root: Path
+) -> None:
+    # Pruning walks directory descriptors from the root and keeps them from one key to the
+    # next: one removed must not be reused for the next key, and none may be left open.
+    keys = ["x/y/z/1", "x/y/w/2", "a/b/3", "x/y/z/4", "x/y/z/5/6", "top"]
+    for key in [*keys, "x/keep"]:
+        store.put(key, b"v")
+    fds_before = sorted(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else []
+    store.delete_many(["x/y/z/5/6", "x/y/z/1", "a/b/3", "x/y/w/2", "x/y/z/4", "top", "gone/7"])
+    assert sorted(p.name for p in root.iterdir()) == [TEMP_DIR_NAME, "x"]
+    assert sorted(p.name for p in (root / "x").iterdir()) == ["keep"]
+    assert [m.key for m in store.list()] == ["x/keep"]
+    if fds_before:
+        assert sorted(os.listdir("/proc/self/fd")) == fds_before
+
+
 def test_puts_survive_concurrent_pruning(store: FileStore) -> None:
     # Deletes prune the directory a concurrent put is about to publish into; puts must retry.
     def churn(worker: int) -> None:
@@ -541,7 +559,7 @@ class _TypedEntries:
         self.typed: list[str] = []
         self._scandir = os.scandir
 
-    def __call__(self, path: str) -> contextlib.AbstractContextManager[Iterator[Any]]:
+    def __call__(self, path: int | str) -> contextlib.AbstractContextManager[Iterator[Any]]:
         @contextlib.contextmanager
         def entries() -> Iterator[Iterator[Any]]:
             with self._scandir(path) as it:
@@ -597,14 +615,16 @@ def test_list_decides_what_is_an_object_from_one_lstat(
     for key in ("d/x", "k", "z"):
         store.put(key, b"v")
     real_scandir = os.scandir
+    root_stat, d_stat = os.stat(root), os.stat(root / "d")
 
-    def replace_after_scanning(directory: str) -> Any:
+    def replace_after_scanning(directory: int | str) -> Any:  # walked by descriptor (or path)
         with real_scandir(directory) as it:
             entries = list(it)
-        if replaced == "file" and directory == store.root:
+        scanned = os.stat(directory)
+        if replaced == "file" and os.path.samestat(scanned, root_stat):
             (root / "k").unlink()
             (root / "k").mkdir()
-        elif replaced == "directory" and directory == str(root / "d"):
+        elif replaced == "directory" and os.path.samestat(scanned, d_stat):
             store.delete_many(["d/x"])
             (root / "d").write_bytes(b"file")
         return contextlib.nullcontext(iter(entries))
@@ -775,6 +795,91 @@ def test_a_directory_swapped_after_the_delete_check_cannot_redirect_the_unlink(
     assert swapped
     assert (outside / "victim").read_bytes() == b"keep me"
     assert not os.path.exists(os.path.join(store.root, "ns", "moved", "victim"))
+
+
+def _swap_for_symlink(directory: Path, target: Path) -> None:
+    """What an adversary with write access to the root does: park ``directory`` beside itself
+    and plant a symlink to ``target`` at its name."""
+    directory.rename(directory.with_name(directory.name + ".parked"))
+    directory.symlink_to(target, target_is_directory=True)
+
+
+def test_a_directory_swapped_for_a_symlink_after_the_scan_is_not_listed_through(
+    outside: Path, store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The scan typed ns/d as a directory; it became a symlink to outside before the walk went
+    # into it. Walking by path (scandir of ns/d) listed the files outside the root as objects.
+    (outside / "secret").write_bytes(b"outside the root")
+    store.put("ns/aaa", b"1")
+    store.put("ns/d/object", b"2")
+    real_scandir = os.scandir
+    ns_stat = os.stat(root / "ns")
+    swapped: list[bool] = []
+
+    def scan_then_swap(directory: int | str) -> Any:  # walked by descriptor (or path)
+        with real_scandir(directory) as it:
+            entries = list(it)
+        if os.path.samestat(os.stat(directory), ns_stat) and not swapped:
+            _swap_for_symlink(root / "ns" / "d", outside)
+            swapped.append(True)
+        return contextlib.nullcontext(iter(entries))
+
+    monkeypatch.setattr(os, "scandir", scan_then_swap)
+    listed = [m.key for m in store.list("ns/")]
+    monkeypatch.undo()
+    assert swapped
+    assert listed == ["ns/aaa"]
+
+
+@KERNEL_CHECK
+def test_a_directory_swapped_for_a_symlink_after_the_unlink_is_not_pruned_through(
+    outside: Path, store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After the (confined) unlink, delete_many removes the parents that became empty. Removing
+    # them by path (rmdir ns/a/b) went through ns/a swapped for a symlink in between and
+    # removed an empty directory outside the root.
+    (outside / "b").mkdir()
+    store.put("ns/a/b/object", b"x")
+    real_unlink = os.unlink
+
+    def unlink_then_swap(name: str, *, dir_fd: int | None = None) -> None:
+        real_unlink(name, dir_fd=dir_fd)
+        if os.path.basename(name) == "object":
+            _swap_for_symlink(root / "ns" / "a", outside)
+
+    monkeypatch.setattr(os, "unlink", unlink_then_swap)
+    store.delete_many(["ns/a/b/object"])
+    monkeypatch.undo()
+    assert (root / "ns" / "a").is_symlink()
+    assert (outside / "b").is_dir()
+    assert not (root / "ns" / "a.parked" / "b" / "object").exists()
+
+
+@PROC_FD_ONLY
+def test_a_directory_swapped_for_a_symlink_before_a_put_creates_under_it_creates_nothing_outside(
+    outside: Path, store: FileStore, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A put checked the parent of its new directory and then created it by path (makedirs of
+    # ns/a/new): ns/a swapped for a symlink in between made it create ns/a/new outside the root.
+    # Created relative to the descriptor of ns/a opened (and confined) before, it lands in the
+    # directory that was checked, wherever that has been moved.
+    (root / "ns" / "a").mkdir(parents=True)
+    real_mkdir = os.mkdir
+    swapped: list[bool] = []
+
+    def swap_then_mkdir(name: str, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
+        if os.path.basename(name) == "new" and not swapped:
+            _swap_for_symlink(root / "ns" / "a", outside)
+            swapped.append(True)
+        real_mkdir(name, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "mkdir", swap_then_mkdir)
+    with contextlib.suppress(InvalidKey):  # how the check made after makedirs refused it
+        store.put("ns/a/new/object", b"x")
+    monkeypatch.undo()
+    assert swapped
+    assert list(outside.iterdir()) == []
+    assert store.get("ns/a.parked/new/object") == b"x"
 
 
 # -- roots that cannot be written, or cannot be a root at all ----------------------------------

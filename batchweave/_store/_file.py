@@ -60,8 +60,11 @@ _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY
 _DIR_FLAGS = _READ_FLAGS | getattr(os, "O_DIRECTORY", 0)
 """A parent directory opened to publish into (Python's ``os.open`` already sets close-on-exec)."""
 _TEMP_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-_TEMP_DIR_FLAGS = _DIR_FLAGS | getattr(os, "O_NOFOLLOW", 0)
-"""The temp directory is opened without following a symlink in its place."""
+_NOFOLLOW_DIR_FLAGS = _DIR_FLAGS | getattr(os, "O_NOFOLLOW", 0)
+"""A directory opened by :func:`_open_dir`: never through a symlink at its name."""
+_NOT_A_DIRECTORY_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+"""What :func:`_open_dir` raises for a name that is gone, a file, or a symlink (Linux says
+``ENOTDIR`` for a symlink opened with ``O_DIRECTORY | O_NOFOLLOW``, macOS ``ELOOP``)."""
 _STAT_FLAGS = getattr(os, "O_PATH", 0)
 """``head`` opens with ``O_PATH``: no read permission needed, nothing of a FIFO opened."""
 _PUBLISH_AT = (
@@ -230,7 +233,7 @@ class FileStore(ObjectStore):
         if os.open not in os.supports_dir_fd:
             return os.open(os.path.join(self._tmp, name), _TEMP_FILE_FLAGS, 0o644)
         try:
-            dfd = os.open(self._tmp, _TEMP_DIR_FLAGS)
+            dfd = _open_dir(self._tmp)
         except OSError as exc:
             # With O_DIRECTORY, Linux reports a symlink as ENOTDIR rather than ELOOP.
             if exc.errno not in (errno.ELOOP, errno.ENOTDIR) or not os.path.islink(self._tmp):
@@ -419,18 +422,11 @@ class FileStore(ObjectStore):
         try:
             dfd = self._open_confined(key, parent, _DIR_FLAGS)
         except (FileNotFoundError, NotADirectoryError):
-            # A new directory, or a file in the way. Refuse an ancestor symlink leading outside
-            # before creating anything; the descriptor check then covers anything swapped in.
-            self._check_inside(key, parent, os.path.realpath(parent))
-            if not self._makedirs(key, path):
+            # A new directory, or a file in the way.
+            made = self._make_parents_at(key, parent)
+            if made is None:
                 return None
-            new_directory = True
-            try:
-                dfd = self._open_confined(key, parent, _DIR_FLAGS)
-            except (FileNotFoundError, NotADirectoryError):
-                # Pruned since makedirs (and maybe a file stored at its name): the next attempt
-                # recreates it, or names the file in the way.
-                return None
+            dfd, new_directory = made, True
         try:
             if mode is not PutMode.CREATE:
                 self._refuse_escaping_link(key, path, dfd, name)
@@ -450,6 +446,51 @@ class FileStore(ObjectStore):
         finally:
             os.close(dfd)
         return new_directory
+
+    def _make_parents_at(self, key: str, parent: str) -> int | None:
+        """Create ``parent`` (the directory of ``key``'s file) and its missing ancestors, and
+        return a descriptor of it; None when a concurrent prune removed one of them (retry).
+
+        No step acts on a path: the deepest existing ancestor is opened and confined like any
+        directory a write publishes into (a symlink inside the root may lead to it, one leading
+        outside is refused before anything is created), and each missing directory is made
+        relative to its parent's descriptor (``mkdirat``) and opened from it without following
+        a symlink. A directory swapped for a symlink between two steps therefore cannot make a
+        put create directories outside the root, as ``makedirs`` by path once did.
+        """
+        missing: list[str] = []
+        ancestor = parent
+        while ancestor != self._root:
+            ancestor, name = os.path.split(ancestor)
+            missing.append(name)
+            try:
+                fd = self._open_confined(key, ancestor, _DIR_FLAGS)
+                break
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+        else:
+            return None  # the root itself was removed: the retry finds the temp file gone
+        try:
+            for name in reversed(missing):
+                with suppress(FileExistsError):  # a concurrent put's, or not a directory
+                    os.mkdir(name, dir_fd=fd)
+                fd, above = _open_dir(name, dir_fd=fd), fd
+                os.close(above)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in _NOT_A_DIRECTORY_ERRNOS:
+                raise
+            if exc.errno == errno.ENOENT:
+                return None  # pruned by a concurrent delete since it was made or opened
+            # A file or a symlink holds the name. A symlink leading outside is refused, a file
+            # in the way named; a symlink to a directory inside the root (made since the
+            # ancestor was opened) is gone through, confined, by the next attempt.
+            self._check_inside(key, parent, os.path.realpath(parent))
+            blocker = self._blocking_file(parent)
+            if blocker is not None:
+                raise self._conflict(key, blocker) from exc
+            return None
+        return fd
 
     def _refuse_escaping_link(self, key: str, path: str, dfd: int, name: str) -> None:
         """``InvalidKey`` if ``name`` in ``dfd`` is a symlink resolving outside the root.
@@ -597,77 +638,111 @@ class FileStore(ObjectStore):
 
     def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
         with self._errors(prefix, "list"):
-            yield from self._walk(self._root, "", prefix, start_after)
+            try:
+                fd = _open_dir(self._root)
+            except OSError as exc:
+                if exc.errno in _NOT_A_DIRECTORY_ERRNOS:
+                    return  # removed (or replaced by a symlink, never followed): no objects
+                raise
+            yield from self._walk(fd, "", prefix, start_after)
 
     def _walk(
-        self, directory: str, rel: str, prefix: str, start_after: str | None
+        self, fd: int, rel: str, prefix: str, start_after: str | None
     ) -> Iterator[ObjectMeta]:
-        # Only names that can be or hold a wanted key are kept, then typed and sorted: a listing
-        # after a key (``ManifestLog.latest`` in a directory of thousands of versions) sorts the
-        # few names after it, not the whole directory.
-        entries: list[tuple[str, os.DirEntry[str]]] = []
+        """List the objects in the directory open as ``fd`` (closed when done), ``rel`` its path.
+
+        Each subdirectory is opened relative to ``fd`` without following a symlink, and entries
+        are typed and stat'ed relative to it: a directory swapped for a symlink after the scan
+        is skipped, never walked into (``scandir`` by path once listed the files it led to).
+        """
         try:
-            with os.scandir(directory) as it:
+            # Only names that can be or hold a wanted key are kept, then typed and sorted: a
+            # listing after a key (``ManifestLog.latest`` in a directory of thousands of
+            # versions) sorts the few names after it, not the whole directory.
+            entries: list[tuple[str, os.DirEntry[str]]] = []
+            with os.scandir(fd) as it:
                 for entry in it:
                     path = rel + entry.name
                     if _may_hold(path, prefix, start_after) and not (
                         rel == "" and entry.name == TEMP_DIR_NAME
                     ):
                         entries.append((path, entry))
-        except (FileNotFoundError, NotADirectoryError):
-            return  # pruned by a concurrent delete
-        # A directory sorts as "name/" among its siblings, which puts its keys in key order.
-        sortable = []
-        for path, entry in entries:
-            is_dir = entry.is_dir(follow_symlinks=False)
-            sortable.append((path + ("/" if is_dir else ""), is_dir, entry))
-        sortable.sort(key=lambda t: t[0])
-        for name, is_dir, entry in sortable:
-            if is_dir:
-                if not (name.startswith(prefix) or prefix.startswith(name)):
+            # A directory sorts as "name/" among its siblings, which puts its keys in key order.
+            sortable = []
+            for path, entry in entries:
+                is_dir = entry.is_dir(follow_symlinks=False)
+                sortable.append((path + ("/" if is_dir else ""), is_dir, entry))
+            sortable.sort(key=lambda t: t[0])
+            for name, is_dir, entry in sortable:
+                if is_dir:
+                    if not (name.startswith(prefix) or prefix.startswith(name)):
+                        continue
+                    if (
+                        start_after is not None
+                        and start_after > name
+                        and not start_after.startswith(name)
+                    ):
+                        continue  # every key under this directory is <= start_after
+                    try:
+                        sub = _open_dir(entry.name, dir_fd=fd)
+                    except OSError as exc:
+                        if exc.errno in _NOT_A_DIRECTORY_ERRNOS:
+                            continue  # pruned, or replaced by a file or a symlink since the scan
+                        raise
+                    yield from self._walk(sub, name, prefix, start_after)
                     continue
-                if (
-                    start_after is not None
-                    and start_after > name
-                    and not start_after.startswith(name)
-                ):
-                    continue  # every key under this directory is <= start_after
-                yield from self._walk(entry.path, name, prefix, start_after)
-                continue
-            if not name.startswith(prefix) or (start_after is not None and name <= start_after):
-                continue
-            # Decided from one lstat, not scandir's type and a later lstat: a file replaced by a
-            # directory between the two would be listed as an object the size of a directory.
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except (FileNotFoundError, NotADirectoryError):
-                continue  # deleted since scandir (and maybe its directory pruned)
-            if not stat.S_ISREG(st.st_mode):
-                continue
-            yield ObjectMeta(key=name, size=st.st_size, last_modified=st.st_mtime)
+                if not name.startswith(prefix) or (start_after is not None and name <= start_after):
+                    continue
+                # Decided from one lstat, not scandir's type and a later lstat: a file replaced
+                # by a directory between the two would be listed as an object the size of a
+                # directory.
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue  # deleted since scandir (and maybe its directory pruned)
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                yield ObjectMeta(key=name, size=st.st_size, last_modified=st.st_mtime)
+        finally:
+            os.close(fd)
 
     # -- deletes -----------------------------------------------------------------------------
 
     def delete_many(self, keys: Iterable[str]) -> None:
         check_keys(keys)
-        for key in keys:
-            if self._proc_fd and _PUBLISH_AT:
-                path = self._lexical_path(key)
-                with self._errors(key, "delete"):
-                    if not self._unlink_at(key, path):
-                        continue
-            else:
-                path = self._path(key)
-                with self._errors(key, "delete"):
-                    try:
-                        os.unlink(path)
-                    except OSError as exc:
-                        if exc.errno in _MISSING_ERRNOS or (
-                            isinstance(exc, PermissionError) and os.path.isdir(path)
-                        ):
+        # Descriptors of the root and of directories below it (``opened``: their names), kept
+        # from one key's pruning to the next: a batch usually deletes keys of one directory.
+        chain: list[int] = []
+        opened: list[str] = []
+        try:
+            for key in keys:
+                if self._proc_fd and _PUBLISH_AT:
+                    path = self._lexical_path(key)
+                    with self._errors(key, "delete"):
+                        if not self._unlink_at(key, path):
                             continue
-                        raise
-            self._prune_empty_dirs(os.path.dirname(path))
+                else:
+                    path = self._path(key)
+                    with self._errors(key, "delete"):
+                        try:
+                            os.unlink(path)
+                        except OSError as exc:
+                            if exc.errno in _MISSING_ERRNOS or (
+                                isinstance(exc, PermissionError) and os.path.isdir(path)
+                            ):
+                                continue
+                            raise
+                if "/" not in key:
+                    continue
+                if not chain:
+                    try:
+                        chain.append(_open_dir(self._root))
+                    except OSError:
+                        continue  # gone, or a symlink: nothing of ours to prune
+                _prune_empty_dirs(key, chain, opened)
+        finally:
+            for fd in chain:
+                os.close(fd)
 
     def _unlink_at(self, key: str, path: str) -> bool:
         """Unlink ``path`` through a confined descriptor of its directory; False if absent.
@@ -694,14 +769,6 @@ class FileStore(ObjectStore):
         finally:
             os.close(dfd)
         return True
-
-    def _prune_empty_dirs(self, directory: str) -> None:
-        while directory != self._root and directory.startswith(self._root + os.sep):
-            try:
-                os.rmdir(directory)
-            except OSError:
-                return  # not empty, already gone, or not ours to remove: best effort
-            directory = os.path.dirname(directory)
 
 
 def _may_hold(name: str, prefix: str, start_after: str | None) -> bool:
@@ -878,6 +945,50 @@ def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
             first += 1
         if written:
             views[first] = views[first][written:]
+
+
+def _open_dir(name: str, *, dir_fd: int | None = None) -> int:
+    """Open directory ``name`` (relative to ``dir_fd``), never through a symlink at ``name``.
+
+    How the store steps into a directory without trusting a path: the temp directory, each
+    directory a listing walks, each one a put creates, each parent a delete prunes. Raises
+    an ``OSError`` with an errno of :data:`_NOT_A_DIRECTORY_ERRNOS` for a name that is gone,
+    a file or a symlink.
+    """
+    return os.open(name, _NOFOLLOW_DIR_FLAGS, dir_fd=dir_fd)
+
+
+def _prune_empty_dirs(key: str, chain: list[int], opened: list[str]) -> None:
+    """Remove the directories of ``key`` that are empty, deepest first (best effort).
+
+    Each is removed relative to its parent's descriptor (``unlinkat(AT_REMOVEDIR)``), the
+    parents opened name by name from the root without following a symlink: a directory
+    swapped for a symlink cannot lead the pruning outside the root, as ``rmdir`` of a path
+    once did. ``chain`` holds the descriptors of the root and of the directories named by
+    ``opened`` (each inside the one before), from the previous key; both are updated.
+    """
+    names = key.split("/")[:-1]  # a validated key: plain names
+    keep = 0
+    while keep < min(len(opened), len(names) - 1) and opened[keep] == names[keep]:
+        keep += 1
+    _close_below(chain, opened, keep)
+    try:
+        for name in names[keep:-1]:
+            chain.append(_open_dir(name, dir_fd=chain[-1]))
+            opened.append(name)
+        for depth in range(len(names) - 1, -1, -1):
+            os.rmdir(names[depth], dir_fd=chain[depth])
+            _close_below(chain, opened, depth)  # the directory removed, and any in it
+    except OSError:
+        pass  # not empty, already gone, or a symlink (never walked or removed through)
+
+
+def _close_below(chain: list[int], opened: list[str], depth: int) -> None:
+    """Keep the root's descriptor and those of the first ``depth`` directories ``opened``;
+    close the rest (see :func:`_prune_empty_dirs`)."""
+    while len(opened) > depth:
+        opened.pop()
+        os.close(chain.pop())
 
 
 def _unlink_quietly(path: str) -> None:
