@@ -2,19 +2,24 @@
 
 What a client finds itself (``AWS_*`` variables) is checked as strictly as explicit arguments
 and never echoed; obstore uses exactly the explicit credentials given, checks regions as boto3
-does, and lists any prefix the other backends list.
+does, and lists any prefix the other backends list. A server's reply that quotes the request's
+credentials reaches no error, traceback or DEBUG log record.
 """
 
 from __future__ import annotations
 
+import http.server
 import logging
+import pickle
 import re
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from xml.sax.saxutils import escape
 
 import pytest
 from botocore.exceptions import InvalidRegionError
@@ -349,3 +354,183 @@ def test_obstore_lists_any_prefix_as_the_other_backends(
     assert [m.key for m in obstore.list(prefix, start_after=start_after)] == want
     boto3 = S3Store(s3_bucket, s3_prefix, **moto_endpoint.store_options())
     assert [m.key for m in boto3.list(prefix, start_after=start_after)] == want
+
+
+# -- 7. a server's reply quoting the credentials: not in errors, tracebacks or DEBUG logs ----
+
+
+class _EchoingS3(http.server.BaseHTTPRequestHandler):
+    """Refuses every request as AWS does a wrong signature (``SignatureDoesNotMatch``: the body
+    names the access key id and dumps the canonical request with the session token header),
+    and quotes the key id and the token in its message too, as a hostile server might."""
+
+    status = 403
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _refuse(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        auth = self.headers.get("Authorization", "")
+        key_id = auth.split("Credential=")[1].split("/")[0] if "Credential=" in auth else ""
+        token = self.headers.get("X-Amz-Security-Token", "")
+        canonical = (
+            f"{self.command}\n{self.path}\n\nhost:127.0.0.1\nx-amz-security-token:{token}\n\n"
+            "host;x-amz-security-token\nUNSIGNED-PAYLOAD"
+        )
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SignatureDoesNotMatch</Code>'
+            f"<Message>The request signature we calculated does not match ({key_id} {token})"
+            f"</Message><AWSAccessKeyId>{key_id}</AWSAccessKeyId><StringToSign>{escape(auth)}"
+            f"</StringToSign><CanonicalRequest>{escape(canonical)}</CanonicalRequest>"
+            "<RequestId>4442587FB7D0A2F9</RequestId></Error>"
+        ).encode()
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _refuse  # noqa: N815 (http.server names)
+
+
+@pytest.fixture(params=[403, 200], ids=["403", "200-with-error"])
+def echoing_endpoint(request: pytest.FixtureRequest) -> Iterator[tuple[str, int]]:
+    """An endpoint on loopback answering as :class:`_EchoingS3`: with 403, or with 200 and the
+    error in the body (which botocore logs at DEBUG, body included, before making it a 500)."""
+    handler = type("Handler", (_EchoingS3,), {"status": request.param})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", request.param
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def _printed(error: BaseException) -> str:
+    """Everything a printed traceback of ``error`` shows (the causes it prints included), and
+    the ``str`` and ``repr`` of each exception in it."""
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    shown: BaseException | None = error
+    while shown is not None:
+        text += f"\n{shown}\n{shown!r}"
+        # What a traceback follows: the cause, else the context unless suppressed.
+        if shown.__cause__ is not None:
+            shown = shown.__cause__
+        elif not shown.__suppress_context__:
+            shown = shown.__context__
+        else:
+            shown = None
+    return text
+
+
+_OPERATIONS: dict[str, Callable[[bw.ObjectStore], object]] = {
+    "get": lambda store: store.get("k"),
+    "get_range": lambda store: store.get_range("k", bw.Bounded(0, 4)),
+    "put": lambda store: store.put("k", b"x"),
+    "put_if_absent": lambda store: store.put_if_absent("k", b"x"),
+    "list": lambda store: list(store.list("a/")),
+    "delete": lambda store: store.delete_many(["k", "j"]),
+}
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize("source", ["explicit", "environment"])
+def test_a_reply_quoting_the_credentials_reaches_no_error_traceback_or_log(
+    aws_env: pytest.MonkeyPatch,
+    echoing_endpoint: tuple[str, int],
+    caplog: pytest.LogCaptureFixture,
+    client: str,
+    source: str,
+) -> None:
+    # Before: the messages were scrubbed, but each error's __cause__ was the client's own
+    # exception, which every printed traceback shows: obstore's quotes the server's whole reply
+    # (key id and session token included), botocore's ClientError its message; and botocore's
+    # DEBUG record "Error found for response with 200 status code: b'<body>'" (logger
+    # botocore.handlers) was not masked.
+    endpoint, status = echoing_endpoint
+    credentials = {"access_key_id": KEY_ID, "secret_access_key": SECRET, "session_token": TOKEN}
+    if source == "environment":
+        _env_credentials(aws_env)
+        credentials = {}
+    caplog.set_level(logging.DEBUG)
+    store = bw.open_store(
+        "s3://bkt/p", s3_client=client, endpoint_url=endpoint, region="us-east-1",
+        verify_conditional_writes=False, max_attempts=1, read_timeout=5, **credentials,
+    )  # fmt: skip
+    errors: list[BaseException] = []
+    for operation in _OPERATIONS.values():
+        try:
+            operation(store)
+        except bw.StoreError as exc:
+            errors.append(exc)
+    store.close()
+    # A 200 answers a GET with its body as the object (on boto3; obstore: not S3's reply).
+    assert len(errors) == len(_OPERATIONS) if status == 403 else errors
+    for error in errors:
+        if status == 403:
+            assert error.__cause__ is not None  # the client's error, scrubbed, for debugging
+        printed = _printed(error)
+        for value in (KEY_ID, SECRET, TOKEN):
+            assert value not in printed, (type(error).__name__, printed)
+    if status == 403:
+        assert all(isinstance(e, bw.AccessDenied) for e in errors), errors
+    logged = caplog.text + "".join(r.getMessage() for r in caplog.records)
+    for value in (KEY_ID, SECRET, TOKEN):
+        assert value not in logged
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize("echoing_endpoint", [403], indirect=True)
+def test_the_scrubbed_cause_keeps_what_the_client_said(
+    aws_env: pytest.MonkeyPatch, echoing_endpoint: tuple[str, int], client: str
+) -> None:
+    # The stand-in chained instead of the client's exception names that exception's type and
+    # keeps its (scrubbed) words; it pickles, as errors sent between processes do.
+    store = bw.open_store(
+        "s3://bkt/p", s3_client=client, endpoint_url=echoing_endpoint[0], region="us-east-1",
+        verify_conditional_writes=False, max_attempts=1, read_timeout=5, session_token=TOKEN,
+        access_key_id=KEY_ID, secret_access_key=SECRET,
+    )  # fmt: skip
+    with pytest.raises(bw.StoreError) as info:
+        store.put("k", b"x")
+    store.close()
+    cause = info.value.__cause__
+    assert cause is not None
+    assert type(cause).__name__ == "ScrubbedClientError"
+    expected = "botocore.exceptions." if client == "boto3" else "obstore.exceptions."
+    assert cause.client_error.startswith(expected)  # type: ignore[attr-defined]
+    assert "***" in str(cause)
+    assert TOKEN not in str(cause)
+    assert KEY_ID not in str(cause)
+    copy = pickle.loads(pickle.dumps(cause))
+    assert str(copy) == str(cause)
+
+
+def test_a_botocore_logger_made_later_is_masked_too(
+    aws_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A filter on a logger does not see the records of its children: only the four loggers
+    # named in advance were masked, not botocore.handlers nor one a later botocore adds.
+    store = bw.open_store(
+        "s3://bkt/p", endpoint_url=_closed_endpoint(), verify_conditional_writes=False,
+        access_key_id=KEY_ID, secret_access_key=SECRET, session_token=TOKEN,
+    )  # fmt: skip
+    caplog.set_level(logging.DEBUG)
+    for name in ("botocore.handlers", "botocore.batchweave_test_later_module"):
+        logging.getLogger(name).debug(
+            "body: %s; headers: {'X-Amz-Security-Token': '%s'}; %s",
+            f"<AWSAccessKeyId>{KEY_ID}</AWSAccessKeyId>",
+            "UNKNOWNtokenVALUE12345",
+            SECRET,
+        )
+    store.close()
+    assert len(caplog.records) == 2
+    for record in caplog.records:
+        message = record.getMessage()
+        for value in (KEY_ID, SECRET, TOKEN, "UNKNOWNtokenVALUE12345"):
+            assert value not in message
+        assert "<AWSAccessKeyId>***</AWSAccessKeyId>" in message

@@ -441,7 +441,7 @@ class ObstoreS3Store(S3Location):
         except Exception as exc:
             raise InvalidStoreURL(
                 f"cannot configure obstore for {self.url}: {self._scrub(str(exc))}"
-            ) from exc
+            ) from self._scrubbed(exc)
 
     def _check_process(self) -> None:
         """Before a request: refuse one in a process forked from one that used obstore (where
@@ -518,6 +518,9 @@ class ObstoreS3Store(S3Location):
         what the error says (a missing key ``runs/NoSuchBucket`` is a missing key). ``landed``
         (a write): whether an earlier attempt may have landed (``None``: unknown, then any
         retry object_store made counts as such an attempt).
+
+        Raise it ``from self._scrubbed(exc)``, never ``from exc``: object_store's error quotes
+        the server's reply, which may quote the request's credentials (see :meth:`_scrubbed`).
         """
         what = self._describe(op, key)
         message = self._scrub(str(exc)).strip()
@@ -667,7 +670,8 @@ class ObstoreS3Store(S3Location):
                     or time.monotonic() - started >= self._write_retry_timeout
                 )
                 if last:
-                    raise self._translate(exc, op=op, key=key, landed=landed) from exc
+                    error = self._translate(exc, op=op, key=key, landed=landed)
+                    raise error from self._scrubbed(exc)
                 landed = landed or maybe_landed
             # object_store's backoff: from 50 ms, doubling, at most 5 s, jittered.
             self._sleep(random.uniform(0.05, min(0.05 * 2**attempt, 5.0)))
@@ -697,12 +701,12 @@ class ObstoreS3Store(S3Location):
         try:
             result = self._obs.get(self._store, full)
         except Exception as exc:
-            raise self._translate(exc, op="get", key=key) from exc
+            raise self._translate(exc, op="get", key=key) from self._scrubbed(exc)
         self._check_meta(result.meta, op="get", key=key)
         try:
             return bytes(result.bytes())
         except Exception as exc:
-            raise self._translate(exc, op="get", key=key) from exc
+            raise self._translate(exc, op="get", key=key) from self._scrubbed(exc)
 
     def _check_meta(self, meta: Any, *, op: str, key: str) -> None:
         """``StoreError`` if an object's metadata has neither ETag nor Last-Modified.
@@ -735,12 +739,15 @@ class ObstoreS3Store(S3Location):
         except StoreError:
             raise
         except Exception as exc:
-            if "non-partial response" in str(exc):
-                return self._range_of_whole_object(key, full, rng)
-            if self._past_the_end(exc, full):
-                self.head(key)  # out of range, or missing? only the latter is an error
-                return b""
-            raise self._translate(exc, op="get_range", key=key) from exc
+            whole = "non-partial response" in str(exc)
+            if not whole and not self._past_the_end(exc, full):
+                raise self._translate(exc, op="get_range", key=key) from self._scrubbed(exc)
+        # Past the except block: an error raised by these requests does not get the raw
+        # obstore error (which quotes the server's reply) as its __context__.
+        if whole:
+            return self._range_of_whole_object(key, full, rng)
+        self.head(key)  # out of range, or missing? only the latter is an error
+        return b""
 
     def _range_of_whole_object(self, key: str, full: str, rng: ByteRange) -> bytes:
         """``rng`` of ``key`` from a plain GET, read only as far as the range reaches.
@@ -762,7 +769,7 @@ class ObstoreS3Store(S3Location):
         except StoreError:
             raise
         except Exception as exc:
-            raise self._translate(exc, op="get_range", key=key) from exc
+            raise self._translate(exc, op="get_range", key=key) from self._scrubbed(exc)
         return bytes(data[start:end])
 
     def _past_the_end(self, exc: Exception, full: str) -> bool:
@@ -777,7 +784,7 @@ class ObstoreS3Store(S3Location):
         try:
             meta = self._obs.head(self._store, full)
         except Exception as exc:
-            raise self._translate(exc, op="head", key=key) from exc
+            raise self._translate(exc, op="head", key=key) from self._scrubbed(exc)
         self._check_meta(meta, op="head", key=key)
         if meta["last_modified"].timestamp() == 0:
             # object_store reports a missing Last-Modified as the epoch; every S3 HEAD has one
@@ -828,7 +835,9 @@ class ObstoreS3Store(S3Location):
         except Exception as exc:
             # The request names the directory (with a trailing "/") and the offset, not prefix
             named = [directory + "/", directory, wanted, offset or ""]
-            raise self._translate(exc, op="list", key=prefix or None, paths=named) from exc
+            raise self._translate(
+                exc, op="list", key=prefix or None, paths=named
+            ) from self._scrubbed(exc)
         if not self._listing_checked:
             self._check_empty_listing(prefix)
 
@@ -870,4 +879,4 @@ class ObstoreS3Store(S3Location):
             if missing and self._read_error(exc, paths).code != "NoSuchBucket":
                 return
             rel = paths[0][len(self.prefix) :]
-            raise self._translate(exc, op="delete", key=rel, paths=paths) from exc
+            raise self._translate(exc, op="delete", key=rel, paths=paths) from self._scrubbed(exc)

@@ -59,6 +59,7 @@ from batchweave._store._s3_location import (
     S3Location,
     check_endpoint,
     not_s3_status,
+    redact_signing_details,
     redact_url,
     refuse_unusable_credential,
 )
@@ -117,10 +118,12 @@ def _credential_source(field: str, value: str, method: str) -> str:
     return f"the {_ARGUMENTS[field]} botocore found ({method})"
 
 
-_TOKEN_HEADER = re.compile(r"(x-amz-security-token['\"]?\s*[:=]\s*b?['\"]?)[^'\"\s,}]+", re.I)
-"""A session token in a header dump: botocore's canonical request and request repr."""
-_HEADER_LOGGERS = ("botocore.auth", "botocore.endpoint", "botocore.awsrequest", "botocore.parsers")
-"""botocore loggers whose DEBUG records print request headers or bodies."""
+_REDACTED_TREE = "botocore"
+"""The loggers whose records :class:`_RedactCredentials` masks: botocore's, all of them. Its
+DEBUG records print request headers (``botocore.auth``, ``botocore.endpoint``,
+``botocore.awsrequest``) and response bodies (``botocore.parsers``, ``botocore.handlers``:
+"Error found for response with 200 status code: b'<body>'"), and a later botocore may log
+from a module of its own."""
 _live_stores: weakref.WeakSet[S3Store] = weakref.WeakSet()
 """Stores with explicit credentials, whose secrets the filter masks; guarded by the lock."""
 _live_lock = threading.Lock()
@@ -138,11 +141,14 @@ os.register_at_fork(after_in_child=_new_fork_lock)
 
 
 class _RedactCredentials(logging.Filter):
-    """Masks session tokens and explicitly passed secrets in botocore's DEBUG records.
+    """Masks session tokens, a server's quote of the request's signing and the credentials of
+    live stores in botocore's records (:func:`_redact_botocore_logs` installs it).
 
-    botocore logs every request's headers (``X-Amz-Security-Token`` included) at DEBUG; an
-    application that sets its root logger to DEBUG would write the token to its logs. A filter
-    runs only for records that pass the logger's level, so this costs nothing otherwise.
+    botocore logs every request's headers (``X-Amz-Security-Token`` included) and error bodies
+    (which may quote them) at DEBUG; an application that sets its root logger to DEBUG would
+    write them to its logs. A filter runs only for records that pass the logger's level, so
+    this costs nothing otherwise. It changes the record itself, so every handler that sees the
+    record after it sees it masked.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -150,14 +156,42 @@ class _RedactCredentials(logging.Filter):
             message = record.getMessage()
         except Exception:  # a malformed record: let logging report it as it does
             return True
-        scrubbed = _TOKEN_HEADER.sub(r"\1***", message)
         with _live_lock:
             stores = list(_live_stores)
-        for store in stores:
-            scrubbed = store._scrub(scrubbed)
+        scrubbed = _redact(message, stores)
         if scrubbed != message:
             record.msg, record.args = scrubbed, None
+        if record.exc_info and not record.exc_text:
+            # Formatters print exc_text, once set, instead of formatting exc_info again.
+            record.exc_text = _redact(_FORMATTER.formatException(record.exc_info), stores)
         return True
+
+
+def _redact(text: str, stores: Iterable[S3Store]) -> str:
+    for store in stores:
+        text = store._scrub(text)  # also masks what redact_signing_details does
+    return redact_signing_details(text)
+
+
+_FORMATTER = logging.Formatter()
+
+
+class _RedactingHandler(logging.Handler):
+    """On the ``botocore`` logger, first of its handlers: masks (its filter) every record of
+    every logger in botocore's tree before the handlers of ``botocore`` and its ancestors (the
+    application's, on the root logger) see it; emits nothing itself.
+
+    A filter on a logger sees only the records logged on that logger itself, not those its
+    children propagate: this handler covers botocore loggers that do not exist yet (a module
+    imported later, a later botocore's new logger) too.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.addFilter(_REDACT)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        pass
 
 
 _NOT_S3_REPLY = "BatchWeaveNotS3"
@@ -195,8 +229,32 @@ def _is_xml(body: bytes) -> bool:
 
 
 _REDACT = _RedactCredentials()
-for _name in _HEADER_LOGGERS:
-    logging.getLogger(_name).addFilter(_REDACT)
+_REDACTING_HANDLER = _RedactingHandler()
+
+
+def _redact_botocore_logs() -> None:
+    """Install the masking of botocore's records (again, if a logging configuration removed it).
+
+    :class:`_RedactingHandler` on the ``botocore`` logger, first, for the handlers of it and of
+    its ancestors; and :class:`_RedactCredentials` on every botocore logger there is now, for
+    handlers attached to such a logger itself (which run before the ``botocore`` logger's).
+    Run at import and whenever an :class:`S3Store` is made (botocore has imported more of its
+    modules, with their loggers, by then).
+    """
+    tree = logging.getLogger(_REDACTED_TREE)
+    if _REDACTING_HANDLER not in tree.handlers:
+        tree.handlers.insert(0, _REDACTING_HANDLER)  # before handlers attached earlier
+    loggers = [tree] + [
+        logger
+        for name, logger in list(logging.Logger.manager.loggerDict.items())
+        if name.startswith(f"{_REDACTED_TREE}.") and isinstance(logger, logging.Logger)
+    ]
+    for logger in loggers:
+        if _REDACT not in logger.filters:
+            logger.addFilter(_REDACT)
+
+
+_redact_botocore_logs()
 
 
 class S3Store(S3Location):
@@ -291,6 +349,7 @@ class S3Store(S3Location):
         if self._secrets:
             with _live_lock:
                 _live_stores.add(self)
+        _redact_botocore_logs()  # the loggers of botocore's modules imported since
         self._register(client)
 
     def _register(self, client: S3Client) -> None:
@@ -328,7 +387,7 @@ class S3Store(S3Location):
             )
             raise InvalidStoreURL(
                 f"{self.url}: AWS profile {named} is not in the AWS config files"
-            ) from exc
+            ) from self._scrubbed(exc)
         style = options.addressing_style or ("path" if self.endpoint_url else None)
         config = Config(
             connect_timeout=options.connect_timeout,
@@ -365,7 +424,7 @@ class S3Store(S3Location):
                     return
                 frozen = credentials.get_frozen_credentials()
         except _CREDENTIAL_ERRORS as exc:
-            raise self._credential_failure(f"open {self.url}", exc) from exc
+            raise self._credential_failure(f"open {self.url}", exc) from self._scrubbed(exc)
         method = str(getattr(credentials, "method", "") or "the AWS credential chain")
         found = {"access_key": frozen.access_key, "secret_key": frozen.secret_key}
         found["token"] = frozen.token
@@ -382,11 +441,11 @@ class S3Store(S3Location):
             with self._session_lock:
                 return session.client("s3", endpoint_url=self.endpoint_url, config=config)
         except _CREDENTIAL_ERRORS as exc:
-            raise self._credential_failure(f"open {self.url}", exc) from exc
+            raise self._credential_failure(f"open {self.url}", exc) from self._scrubbed(exc)
         except bex.BotoCoreError as exc:
             raise InvalidStoreURL(
                 f"cannot configure boto3 for {self.url}: {self._scrub(str(exc))}"
-            ) from exc
+            ) from self._scrubbed(exc)
         except ValueError as exc:
             # botocore's own check of an endpoint it found itself (an endpoint_url given to us
             # was checked before): a bare ValueError that names no setting.
@@ -395,7 +454,7 @@ class S3Store(S3Location):
                 f"{self.url}: the endpoint botocore found (AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3 "
                 f"or the AWS config file) is unusable: {redact_url(self._scrub(str(exc)))}; give "
                 "scheme, host and port, e.g. http://127.0.0.1:9000"
-            ) from exc
+            ) from self._scrubbed(exc)
 
     def _use_probe_client(self, options: ClientOptions) -> None:
         # Options are only known for a client this store made, from a session it kept.
@@ -512,7 +571,11 @@ class S3Store(S3Location):
         return False
 
     def _translate(self, exc: Exception, *, op: str, key: str | None) -> StoreError:
-        """Map a botocore exception to the store error tree. The single place that does so."""
+        """Map a botocore exception to the store error tree. The single place that does so.
+
+        Raise it ``from self._scrubbed(exc)``, never ``from exc``: ``exc`` may quote the
+        server's reply (see :meth:`_scrubbed`).
+        """
         what = self._describe(op, key)
         write = op in _WRITE_OPS
         # Whether an attempt of this write may have landed (see _on_put_attempt).
@@ -646,14 +709,14 @@ class S3Store(S3Location):
                 self._client.put_object(Bucket=self.bucket, Key=full, Body=body)
         except Exception as exc:
             op = "put_if_absent" if mode is PutMode.CREATE else "put"
-            raise self._translate(exc, op=op, key=key) from exc
+            raise self._translate(exc, op=op, key=key) from self._scrubbed(exc)
 
     def get(self, key: str) -> bytes:
         full = self._key(key)
         try:
             return self._client.get_object(Bucket=self.bucket, Key=full)["Body"].read()
         except Exception as exc:
-            raise self._translate(exc, op="get", key=key) from exc
+            raise self._translate(exc, op="get", key=key) from self._scrubbed(exc)
 
     def get_range(self, key: str, rng: ByteRange) -> bytes:
         check_range(rng)
@@ -674,9 +737,9 @@ class S3Store(S3Location):
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if exc.response.get("Error", {}).get("Code") == "InvalidRange" or status == 416:
                 return b""  # the range starts at or past the end: clamp like every backend
-            raise self._translate(exc, op="get_range", key=key) from exc
+            raise self._translate(exc, op="get_range", key=key) from self._scrubbed(exc)
         except Exception as exc:
-            raise self._translate(exc, op="get_range", key=key) from exc
+            raise self._translate(exc, op="get_range", key=key) from self._scrubbed(exc)
         # ``body`` is the object's first bytes (all of it, or up to the bounded range's end).
         start, end = resolve_range(rng, len(body))
         return body[start:end]
@@ -686,7 +749,7 @@ class S3Store(S3Location):
         try:
             resp = self._client.head_object(Bucket=self.bucket, Key=full)
         except Exception as exc:
-            raise self._translate(exc, op="head", key=key) from exc
+            raise self._translate(exc, op="head", key=key) from self._scrubbed(exc)
         if "ContentLength" not in resp or "LastModified" not in resp:
             # A web page on the endpoint's port (every S3 HEAD has both).
             raise self._not_s3("head", key, "no Content-Length or Last-Modified in a 200 reply")
@@ -708,7 +771,7 @@ class S3Store(S3Location):
                     Bucket=self.bucket, Prefix=self.prefix + prefix, **extra
                 )
             except Exception as exc:
-                raise self._translate(exc, op="list", key=prefix or None) from exc
+                raise self._translate(exc, op="list", key=prefix or None) from self._scrubbed(exc)
             if not _LISTING_FIELDS & resp.keys():
                 # An empty listing, as botocore parses a web page, would read as "nothing here".
                 raise self._not_s3("list", prefix or None, "not a ListObjectsV2 result")
@@ -740,7 +803,9 @@ class S3Store(S3Location):
                     Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
                 )
             except Exception as exc:
-                raise self._translate(exc, op="delete", key=batch[0][len(self.prefix) :]) from exc
+                raise self._translate(
+                    exc, op="delete", key=batch[0][len(self.prefix) :]
+                ) from self._scrubbed(exc)
             errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
             if errors:
                 first = errors[0]

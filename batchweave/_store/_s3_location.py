@@ -31,12 +31,15 @@ __all__ = [
     "DENIED_CODES",
     "PROBE_ATTEMPTS",
     "THROTTLED_CODES",
+    "TOKEN_HEADER",
     "TRANSIENT_CODES",
     "ClientOptions",
     "S3Location",
+    "ScrubbedClientError",
     "check_endpoint",
     "not_s3_status",
     "check_s3_arguments",
+    "redact_signing_details",
     "redact_url",
     "refuse_unusable_credential",
     "refuse_url_credentials",
@@ -54,6 +57,51 @@ _USERINFO = re.compile(r"(?<=://)[^/?#\s\"']*@")
 the authority's last ``@``, as ``urlsplit`` reads it: a password may contain ``@`` itself. A
 URL given to BatchWeave is masked by :func:`redact_url`, which also finds a password holding
 ``/``, ``?`` or ``#`` (a URL with credentials is refused, so none reaches the clients' text)."""
+
+TOKEN_HEADER = re.compile(r"(x-amz-security-token['\"]?\s*[:=]\s*b?['\"]?)[^'\"\s,}]+", re.I)
+"""A session token in a header dump: botocore's canonical request and request repr, the
+``<CanonicalRequest>`` an AWS ``SignatureDoesNotMatch`` quotes."""
+_SIGNING_DETAILS = re.compile(
+    r"(<(AWSAccessKeyId|CanonicalRequest(?:Bytes)?|StringToSign(?:Bytes)?|SignatureProvided)>)"
+    r".*?(?=</\2>|\Z)"
+    r"|(\bCredential=)[^/\s,'\"]+",
+    re.DOTALL,
+)
+"""What an S3 server quotes of the request's signing when it refuses it: AWS's
+``SignatureDoesNotMatch`` names the access key id and dumps the canonical request (with the
+session token's header) and the string to sign; an ``Authorization`` header names the key id
+(``Credential=<id>/<date>/...``). Masked even where the credentials are not known to the store
+(found by a client itself, refreshed), up to the element's end or the text's end if cut short."""
+
+
+def redact_signing_details(text: str) -> str:
+    """``text`` with the session token header and a server's quote of the request's signing
+    (:data:`_SIGNING_DETAILS`) masked: for text from a server or client whose credentials are
+    not all known (the store's :meth:`S3Location._scrub` also masks the known ones)."""
+    text = TOKEN_HEADER.sub(r"\1***", text)
+    return _SIGNING_DETAILS.sub(lambda m: f"{m.group(1) or m.group(3)}***", text)
+
+
+class ScrubbedClientError(Exception):
+    """Stands in for an S3 client's exception as the ``__cause__`` of the BatchWeave error
+    translated from it (see :meth:`S3Location._scrubbed`).
+
+    The client's own exception keeps the server's reply (obstore quotes the whole body: an AWS
+    ``SignatureDoesNotMatch`` names the access key id and dumps the session token) or echoed
+    credentials (botocore's ``ClientError``), and every printed traceback shows the causes. This
+    one holds only the name of the client's exception type and its scrubbed message.
+    """
+
+    def __init__(self, client_error: str, message: str) -> None:
+        super().__init__(client_error, message)  # both in ``args``: it pickles
+        self.client_error = client_error
+        """The qualified name of the client's exception type, e.g.
+        ``botocore.exceptions.ClientError``."""
+        self.message = message
+        """Its message, scrubbed."""
+
+    def __str__(self) -> str:
+        return f"{self.client_error}: {self.message}" if self.message else self.client_error
 
 
 DENIED_CODES = frozenset(
@@ -546,7 +594,23 @@ class S3Location(ObjectStore):
     def _scrub(self, text: str) -> str:
         for secret in self._secrets:
             text = text.replace(secret, "***")
-        return _redact_userinfo(text)
+        return redact_signing_details(_redact_userinfo(text))
+
+    def _scrubbed(self, exc: BaseException) -> ScrubbedClientError:
+        """A stand-in for the client's ``exc`` to chain instead of it (``raise error from
+        self._scrubbed(exc)``, never ``from exc``): ``exc`` may quote the server's reply.
+
+        ``raise ... from`` also sets ``__suppress_context__``: raised inside the ``except``
+        block, the error gets ``exc`` as ``__context__`` too, which no traceback then prints
+        (tracebacks follow the cause instead).
+        """
+        kind = type(exc)
+        name = (
+            kind.__qualname__
+            if kind.__module__ == "builtins"
+            else f"{kind.__module__}.{kind.__qualname__}"
+        )
+        return ScrubbedClientError(name, self._scrub(str(exc)))
 
     def _describe(self, op: str, key: str | None) -> str:
         """``op`` on ``key`` (or on the store) in words, for error messages."""
