@@ -141,9 +141,10 @@ def _decide(manifest: Manifest, named: tuple[str, ...] | None, idle_before: floa
     idle = tuple(
         pid for pid in candidates if pid in listed and listed[pid].last_commit_at <= idle_before
     )
+    idle_ids = set(idle)  # a set: tens of thousands of ids must not cost a scan each
     return _Decision(
         idle=idle,
-        active=tuple(pid for pid in candidates if pid in listed and pid not in idle),
+        active=tuple(pid for pid in candidates if pid in listed and pid not in idle_ids),
         unknown=tuple(pid for pid in candidates if pid not in listed),
     )
 

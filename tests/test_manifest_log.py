@@ -16,6 +16,7 @@ from batchweave import (
     InvalidKey,
     MemoryStore,
     Mesh,
+    NamespaceError,
     NamespaceMismatch,
     NamespaceNotFound,
     NamespaceSealed,
@@ -35,6 +36,7 @@ from batchweave._manifest import (
     ManifestLog,
     ProducerState,
     TgbDescriptor,
+    _codec,
     active_producers,
     manifest_key,
 )
@@ -741,3 +743,36 @@ def test_a_reader_takes_the_shared_tail_from_the_version_it_read_before(
     assert after.tail[:3] == before.tail
     assert all(a is b for a, b in zip(after.tail, before.tail, strict=False))
     assert after.tail[3:] == tuple(descriptor("p", step) for step in (3, 4))
+
+
+# -- size bounds on writes -------------------------------------------------------------------
+
+
+def test_a_manifest_over_the_read_limit_is_refused_before_the_put(
+    store: ObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: 52,000 producer ids with long sources made a 67 MB manifest that committed, after
+    # which every latest() said it "was replaced by something other than BatchWeave".
+    log = ManifestLog(store, NS)
+    head = _commit(log, log.create_or_open(MESH), descriptor("p", 0))
+    limit = 20_000
+    monkeypatch.setattr(_codec, "MAX_MANIFEST_BYTES", limit)
+    states = {
+        f"pod-{i:04d}": ProducerState(
+            epoch=1, offset=None, last_version=1, last_commit_at=0.0, source="lance:" + "s" * 200
+        )
+        for i in range(100)
+    }
+    with pytest.raises(NamespaceError, match="batchweave retire") as caught:
+        log.commit(head, producers=states)
+    message = str(caught.value)
+    assert f"more than the {limit} bytes every reader accepts" in message
+    assert "101 producer ids" in message
+    assert "nothing was written" in message
+    fresh = ManifestLog(store, NS)
+    assert fresh.latest().version == head.version  # still readable; nothing after it
+    assert list(fresh.versions()) == [0, 1]
+    # Under the limit, the same kind of commit goes through.
+    smaller = dict(list(states.items())[:10])
+    assert isinstance(log.commit(head, producers=smaller), Committed)
+    assert ManifestLog(store, NS).latest().version == head.version + 1

@@ -29,6 +29,7 @@ from batchweave import (
     FormatError,
     MemoryStore,
     Mesh,
+    NamespaceError,
     ObjectStore,
     Producer,
     PutMode,
@@ -40,11 +41,13 @@ from batchweave._manifest import (
     Conflict,
     ManifestLog,
     SegmentRef,
+    _codec,
     _segments,
     encode_manifest,
     encode_segment,
     manifest_key,
 )
+from batchweave._manifest._codec import descriptors_json_bytes
 from batchweave._manifest._log import PREPARED_MERGE_MAX_AGE
 from batchweave._manifest._models import Manifest, TgbDescriptor
 from batchweave._manifest._segments import (
@@ -826,3 +829,108 @@ def test_a_commit_retried_after_a_failed_manifest_put_reuses_the_segment_it_roll
     assert isinstance(result, Committed)
     latest = ManifestLog(inner, NS).latest()
     assert [d.offset for _, d in log.descriptors(latest, 0, latest.next_step)] == list(range(10))
+
+
+# -- size bounds on writes: what a roll or a merge writes, every reader can read --------------
+
+
+def _segment_tgbs(log: ManifestLog, head: Manifest) -> list[tuple[TgbDescriptor, ...]]:
+    return [log._segments.read(ref, head.namespace_id).tgbs for ref in head.segments]
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_commit_of_more_than_max_segment_tgbs_rolls_into_several_segments(
+    deferred: bool,
+) -> None:
+    # Before: one commit of 40,000 descriptors became one segment of 40,000 (over 512 MiB at
+    # dp=4096 with slice tables, which no reader accepts).
+    log = ManifestLog(MemoryStore(), NS, tail_limit=4, max_segment_tgbs=8, deferred_merges=deferred)
+    head = log.create_or_open(MESH)
+    head = grow(log, head, 3)  # a tail to roll with the batch
+    result = log.commit(head, append=[descriptor("p", offset) for offset in range(3, 30)])
+    assert isinstance(result, Committed)
+    head = result.manifest
+    assert [ref.count for ref in head.segments] == [8, 8, 8, 6]
+    assert [ref.first_step for ref in head.segments] == [0, 8, 16, 24]
+    assert head.tail == ()
+    assert head.tail_start == 30
+    offsets = [d.offset for tgbs in _segment_tgbs(log, head) for d in tgbs]
+    assert offsets == list(range(30))
+    assert [d.offset for _, d in log.descriptors(head, 0, 30)] == list(range(30))
+
+
+def test_a_roll_starts_a_new_segment_at_the_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    one = descriptors_json_bytes([descriptor("p", 0)])
+    budget = 3 * one + 10  # three descriptors' JSON fit, four do not
+    monkeypatch.setattr(_segments, "SEGMENT_BYTES_BUDGET", budget, raising=False)
+    log = ManifestLog(MemoryStore(), NS, tail_limit=4, tail_bytes_limit=None)
+    head = log.create_or_open(MESH)
+    result = log.commit(head, append=[descriptor("p", offset) for offset in range(10)])
+    assert isinstance(result, Committed)
+    head = result.manifest
+    assert [ref.count for ref in head.segments] == [3, 3, 3, 1]
+    for tgbs in _segment_tgbs(log, head):
+        assert descriptors_json_bytes(tgbs) <= budget
+    assert [d.offset for _, d in log.descriptors(head, 0, 10)] == list(range(10))
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_merges_stay_within_the_byte_budget(
+    monkeypatch: pytest.MonkeyPatch, deferred: bool
+) -> None:
+    # Before: merges went up to max_segment_tgbs descriptors whatever their size (16,384 of
+    # 42.7 KB each: 700 MB, over the 512 MiB readers accept).
+    budget = 12 * len(encode_segment_sample())  # about 11 descriptors' segment
+    monkeypatch.setattr(_segments, "SEGMENT_BYTES_BUDGET", budget, raising=False)
+    log = _deferred_log(MemoryStore(), tail_limit=2, fanout=2, cap=1024)
+    log.deferred_merges = deferred
+    head = log.create_or_open(MESH)
+    for _ in range(200):
+        result = log.commit(head, append=[descriptor("p", head.next_step)])
+        assert isinstance(result, Committed)
+        head = result.manifest
+        log.prepare_merge(head)
+    assert all(ref.bytes <= budget for ref in head.segments), [r.bytes for r in head.segments]
+    assert max(ref.count for ref in head.segments) > 4  # merges did happen
+    assert [d.offset for _, d in log.descriptors(head, 0, 200)] == list(range(200))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    counts=st.lists(st.integers(1, 300), max_size=12),
+    new=st.integers(1, 300),
+    per=st.integers(1, 50),
+    budget=st.integers(1, 5000),
+    fanout=st.integers(2, 9),
+)
+def test_merge_run_length_respects_the_byte_budget(
+    counts: list[int], new: int, per: int, budget: int, fanout: int
+) -> None:
+    refs = [ref.model_copy(update={"bytes": ref.count * per}) for ref in _contiguous_refs(counts)]
+    saved = _segments.SEGMENT_BYTES_BUDGET
+    _segments.SEGMENT_BYTES_BUDGET = budget  # (hypothesis and monkeypatch do not mix)
+    try:
+        k = merge_run_length(refs, new, max_segment_tgbs=4096, fanout=fanout, new_bytes=new * per)
+    finally:
+        _segments.SEGMENT_BYTES_BUDGET = saved
+    absorbed = refs[len(refs) - k :]
+    if k:
+        assert new * per + sum(r.bytes for r in absorbed) <= budget
+        assert all(2 * r.bytes <= budget for r in absorbed)  # full segments are never rewritten
+
+
+def test_a_segment_over_the_read_limit_is_refused_before_the_put(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: written, then every read said "the object is corrupt or not a BatchWeave object".
+    from batchweave._manifest import Segment
+
+    one = encode_segment(Segment(namespace_id="x" * 32, first_step=0, tgbs=(descriptor("p", 0),)))
+    monkeypatch.setattr(_codec, "MAX_SEGMENT_BYTES", len(one) - 1)
+    store = MemoryStore()
+    log = ManifestLog(store, NS, tail_limit=1)
+    head = log.create_or_open(MESH)
+    with pytest.raises(NamespaceError, match=r"more than the \d+ bytes every reader accepts"):
+        log.commit(head, append=[descriptor("p", 0)])
+    assert not list(store.list(f"{NS}/_segments/"))
+    assert ManifestLog(store, NS).latest().version == 0

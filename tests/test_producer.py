@@ -7,6 +7,7 @@ blocked on (else no consumer could read them and no checkpoint move the boundary
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -684,6 +685,33 @@ def test_tail_bytes_limit_is_passed_to_the_manifest_log(store: MemoryStore) -> N
     assert m.next_step == 6
     assert m.tail == ()
     assert sum(r.count for r in m.segments) == 6
+
+
+def test_a_backlog_is_committed_at_most_one_full_segment_per_commit(store: MemoryStore) -> None:
+    # Before: one commit took every uploaded TGB (an outage's whole backlog), rolled into one
+    # segment of any size and rewritten whole by every retry once its roll grew old.
+    p = make(store, policy="fixed100", tail_limit=1)  # max_segment_tgbs = 64
+    assert p._log.max_segment_tgbs == 64
+    for off in range(150):
+        p.append(payloads(off), offset=off)
+    p.flush()  # loops until the whole backlog is committed
+    assert committed_offsets(store, "p0") == list(range(150))
+    stats = p.stats()
+    assert (stats.pending, stats.tgbs_published) == (0, 150)
+    assert stats.commits >= 3
+    assert stats.attempts >= stats.commits
+    for off in range(150, 300):
+        p.append(payloads(off), offset=off)
+    p.seal()  # and so do seal() and close()
+    p.close()
+    assert committed_offsets(store, "p0") == list(range(300))
+    log, head = latest(store)
+    assert head.sealed
+    steps = [log.read(v).next_step for v in log.versions()]
+    appended = [b - a for a, b in itertools.pairwise(steps)]
+    assert sum(appended) == 300
+    assert max(appended) <= 64, appended
+    assert sum(1 for n in appended if n) >= 6
 
 
 class PutLog(StoreWrapper):

@@ -23,6 +23,7 @@ from batchweave._errors import (
     AmbiguousWriteError,
     ConcurrentWriteConflict,
     FormatError,
+    NamespaceError,
     NamespaceMismatch,
     NamespaceNotFound,
     NamespaceSealed,
@@ -41,6 +42,7 @@ from batchweave._manifest._segments import (
     SegmentFiles,
     cut_below,
     find_segment,
+    is_full,
     most_per_level,
     swap_in,
 )
@@ -313,8 +315,11 @@ class ManifestLog:
     ``segment_cache_tgbs`` descriptors (default ``max_segment_tgbs``; a decoded descriptor takes
     about 4 KB at ``dp=2``, 10 KB at ``dp=64``).
     ``tail_limit`` descriptors, or ``tail_bytes_limit`` bytes of their JSON (``None``: no byte
-    bound), stay inline before the tail rolls into a segment object, and merged segments hold at
-    most ``max_segment_tgbs`` descriptors (default ``64 * tail_limit``).
+    bound), stay inline before the tail rolls into a segment object, and segments hold at
+    most ``max_segment_tgbs`` descriptors (default ``64 * tail_limit``) and
+    ``SEGMENT_BYTES_BUDGET`` bytes. A manifest or segment over the size readers accept
+    (``MAX_MANIFEST_BYTES``, ``MAX_SEGMENT_BYTES``) is refused before its PUT
+    (:class:`NamespaceError`).
     ``merge_fanout`` segments of one level merge into one of the next (``docs/protocol.md``).
 
     ``clock`` (wall-clock seconds) stamps versions and judges their age; ``monotonic`` times
@@ -791,7 +796,7 @@ class ManifestLog:
         :meth:`refresh_prepared_merge` rereads the prepared merge. Everything else it wrote or
         merged (full segments, references merged away or reclaimed) is never read again.
         """
-        keep = {ref.key for ref in committed.segments if 2 * ref.count <= self.max_segment_tgbs}
+        keep = {ref.key for ref in committed.segments if not is_full(ref, self.max_segment_tgbs)}
         with self._merge_lock:
             if self._prepared is not None:
                 keep.add(self._prepared[1].key)
@@ -920,7 +925,7 @@ class ManifestLog:
         base_step: int,
         now: float,
     ) -> tuple[tuple[SegmentRef, ...], tuple[TgbDescriptor, ...], int]:
-        """Roll the full ``tail`` into a segment: ``(references, tail, tail_start)`` after it.
+        """Roll the full ``tail`` into segments: ``(references, tail, tail_start)`` after it.
 
         What the last attempt rolled is reused when ``tail`` starts with it (:class:`_Roll`);
         the descriptors after that are rolled into one more segment if they fill a tail
@@ -949,8 +954,9 @@ class ManifestLog:
                 fanout=self.merge_fanout,
                 merge=not self.deferred_merges,
             )
-            if segments and segments[-1] not in before:
-                self.last_commit_bytes += segments[-1].bytes  # written inside the window
+            # Written inside the window: the new references (one per segment a long run took).
+            known = {ref.key for ref in before}
+            self.last_commit_bytes += sum(ref.bytes for ref in segments if ref.key not in known)
             done = len(tail)
             self._last_roll = _Roll(
                 namespace_id, origin, tail, tail_start, base_step, segments, written_at
@@ -1044,6 +1050,17 @@ class ManifestLog:
 
     def _put(self, key: str, manifest: Manifest) -> CommitResult:
         data = encode_manifest(manifest)
+        limit = _codec.MAX_MANIFEST_BYTES  # what read() accepts, looked up as it does
+        if len(data) > limit:
+            # Written, it would make every reader (and every producer's next rebase) refuse the
+            # namespace as corrupt; its size comes from the producer map, the rest is bounded.
+            raise NamespaceError(
+                f"cannot commit {key}: the manifest would be {len(data)} bytes, more than the "
+                f"{limit} bytes every reader accepts (it lists {len(manifest.producers)} "
+                f"producer ids, {len(manifest.segments)} segments and {len(manifest.tail)} "
+                "inline TGBs); nothing was written. Retire idle producer ids with `batchweave "
+                "retire` (retire_producers), or use fewer producer ids or shorter ids and sources"
+            )
         self.last_commit_bytes += len(data)
         unknown: AmbiguousWriteError | None = None
         for attempt in range(_AMBIGUOUS_RESENDS + 1):

@@ -8,12 +8,14 @@ newest existing segments (size-tiered merging with fanout ``F``, default 8):
 * the *level* of a run of ``n`` descriptors is ``floor(log_F(n))``: what a run holds, whatever
   made the roll that wrote it (``tail_limit`` descriptors, ``tail_bytes_limit`` bytes of them, or
   a commit's whole batch); a segment is *full* once it holds more than ``max_segment_tgbs / 2``
-  descriptors and is never rewritten again;
+  descriptors or ``SEGMENT_BYTES_BUDGET / 2`` bytes, and is never rewritten again;
 * the new run absorbs the newest reference if that reference is of a lower level, or, when it
   is of the run's own level, only together with the ``F - 1`` newest references, all of that
   level (``F`` runs of level ``k`` hold ``F^(k+1)`` to ``F^(k+2) - 1`` descriptors: one run of
-  level ``k + 1``); merged runs stay within ``max_segment_tgbs``: a group that would exceed it
-  contributes its newest references that fit (the result is full);
+  level ``k + 1``); merged runs stay within ``max_segment_tgbs`` and ``SEGMENT_BYTES_BUDGET``
+  (reference ``bytes``): a group that would exceed either contributes its newest references
+  that fit (the result is full); a roll longer than either bound is written as several
+  segments, in step order, so no segment outgrows what readers accept (``MAX_SEGMENT_BYTES``);
 * so, between full segments, levels do not increase from old to new and each level holds at
   most ``F - 1`` references: at most ``(F - 1)`` per level from that of the smallest roll ``r``
   to that of ``max_segment_tgbs / 2``, plus about two references per ``max_segment_tgbs`` steps
@@ -47,19 +49,27 @@ import bisect
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
-from batchweave._errors import ChecksumMismatch, FormatError
-from batchweave._manifest._codec import body_checksum, decode_segment, encode_segment
+from batchweave._errors import ChecksumMismatch, FormatError, NamespaceError
+from batchweave._manifest import _codec
+from batchweave._manifest._codec import (
+    body_checksum,
+    decode_segment,
+    descriptors_json_bytes,
+    encode_segment,
+)
 from batchweave._manifest._models import Segment, SegmentRef, TgbDescriptor
 from batchweave._store._base import Bounded, ObjectStore
 
 __all__ = [
     "DEFAULT_MERGE_FANOUT",
     "SEGMENTS_DIR",
+    "SEGMENT_BYTES_BUDGET",
     "SegmentFiles",
     "cut_below",
     "find_segment",
+    "is_full",
     "merge_run_length",
     "most_per_level",
     "segment_key",
@@ -71,6 +81,13 @@ SEGMENTS_DIR = "_segments"
 
 DEFAULT_MERGE_FANOUT = 8
 """``F``: segments of one level that merge into one of the next (see the module docstring)."""
+
+SEGMENT_BYTES_BUDGET = _codec.MAX_SEGMENT_BYTES // 4
+"""Bytes a segment written by a roll or a merge holds at most (128 MiB), well under the
+``MAX_SEGMENT_BYTES`` every reader accepts: a roll measures its descriptors' exact JSON
+(:func:`descriptors_json_bytes`) and starts a new segment before this would be exceeded, and the
+tiering rule absorbs no reference whose ``bytes`` would take the merged run past it. Looked up at
+call time (tests lower it)."""
 
 
 def segment_key(first_step: int) -> str:
@@ -91,60 +108,74 @@ def segment_level(count: int, fanout: int = DEFAULT_MERGE_FANOUT) -> int:
     return level
 
 
+def is_full(ref: SegmentRef, max_segment_tgbs: int) -> bool:
+    """Whether ``ref`` is never rewritten again: it holds more than ``max_segment_tgbs / 2``
+    descriptors or more than ``SEGMENT_BYTES_BUDGET / 2`` bytes."""
+    return 2 * ref.count > max_segment_tgbs or 2 * ref.bytes > SEGMENT_BYTES_BUDGET
+
+
 def merge_run_length(
     segments: Sequence[SegmentRef],
     new_count: int,
     *,
     max_segment_tgbs: int,
     fanout: int = DEFAULT_MERGE_FANOUT,
+    new_bytes: int = 0,
 ) -> int:
-    """How many of the newest ``segments`` a new run of ``new_count`` descriptors absorbs."""
+    """How many of the newest ``segments`` a new run of ``new_count`` descriptors (``new_bytes``
+    bytes) absorbs: the merged run stays within ``max_segment_tgbs`` and
+    ``SEGMENT_BYTES_BUDGET``."""
 
     def level(count: int) -> int:
         return segment_level(count, fanout)
 
-    absorbed, count, end = 0, new_count, len(segments)
+    budget = SEGMENT_BYTES_BUDGET
+    absorbed, count, size, end = 0, new_count, new_bytes, len(segments)
     while end > 0:
         ref = segments[end - 1]
-        if 2 * ref.count > max_segment_tgbs:
-            break  # full
+        if is_full(ref, max_segment_tgbs):
+            break
         run_level = level(count)
         if level(ref.count) < run_level:
             group = [ref]
-            taken, merged = _take(count, group, max_segment_tgbs)
+            taken, merged, merged_bytes = _take(count, size, group, max_segment_tgbs)
         elif level(ref.count) == run_level:
             group = []
             for r in reversed(segments[max(0, end - (fanout - 1)) : end]):
-                if 2 * r.count > max_segment_tgbs or level(r.count) != run_level:
+                if is_full(r, max_segment_tgbs) or level(r.count) != run_level:
                     break
                 group.insert(0, r)
-            taken, merged = _take(count, group, max_segment_tgbs)
+            taken, merged, merged_bytes = _take(count, size, group, max_segment_tgbs)
             # Fewer than F runs of this level yet: wait, except at the top level, where F runs
             # of this size never fit one segment. There, waiting for them would leave all but
             # the newest few behind the capped (full) merge for good: merge once it is full.
-            top = fanout * count > max_segment_tgbs
-            if len(group) < fanout - 1 and not (top and 2 * merged > max_segment_tgbs):
+            top = fanout * count > max_segment_tgbs or fanout * size > budget
+            full = 2 * merged > max_segment_tgbs or 2 * merged_bytes > budget
+            if len(group) < fanout - 1 and not (top and full):
                 break
         else:
             break
-        count = merged
+        count, size = merged, merged_bytes
         absorbed += taken
         end -= taken
         if taken < len(group):
-            break  # the cap cut the group short: the merged run is full
+            break  # a bound cut the group short: the merged run is full
     return absorbed
 
 
-def _take(count: int, group: Sequence[SegmentRef], max_segment_tgbs: int) -> tuple[int, int]:
-    """How many of ``group``'s newest runs a run of ``count`` absorbs within the cap, and the
-    merged run's count."""
+def _take(
+    count: int, size: int, group: Sequence[SegmentRef], max_segment_tgbs: int
+) -> tuple[int, int, int]:
+    """How many of ``group``'s newest runs a run of ``count`` descriptors and ``size`` bytes
+    absorbs within the bounds, and the merged run's count and bytes."""
     taken = 0
     for r in reversed(group):
-        if count + r.count > max_segment_tgbs:
+        if count + r.count > max_segment_tgbs or size + r.bytes > SEGMENT_BYTES_BUDGET:
             break
         count += r.count
+        size += r.bytes
         taken += 1
-    return taken, count
+    return taken, count, size
 
 
 def most_per_level(
@@ -160,8 +191,8 @@ def most_per_level(
     """
     counts: dict[int, int] = {}
     for ref in reversed(segments):
-        if 2 * ref.count > max_segment_tgbs:
-            break  # full
+        if is_full(ref, max_segment_tgbs):
+            break
         level = segment_level(ref.count, fanout)
         counts[level] = counts.get(level, 0) + 1
     return max(counts.values(), default=0)
@@ -320,6 +351,16 @@ class SegmentFiles:
         """Write a new segment object and return its reference (plain PUT of a fresh key)."""
         segment = Segment(namespace_id=namespace_id, first_step=first_step, tgbs=tuple(tgbs))
         data = encode_segment(segment)
+        limit = _codec.MAX_SEGMENT_BYTES  # the codec's own bound, looked up as it does
+        if len(data) > limit:
+            # Only a descriptor near the limit on its own gets here (rolls and merges keep to
+            # SEGMENT_BYTES_BUDGET): no reader could read the segment, so it is not written.
+            raise NamespaceError(
+                f"{self._key(SEGMENTS_DIR)}: a segment of {len(segment.tgbs)} TGB descriptor(s) "
+                f"from step {first_step} would be {len(data)} bytes, more than the {limit} bytes "
+                "every reader accepts; not written. Its descriptors are too large: lower the "
+                "producer's slice_table_limit (slice tables dominate a descriptor's size)"
+            )
         rel = segment_key(first_step)
         self._store.put(self._key(rel), data)
         body = data[data.index(b"\n") + 1 :]
@@ -345,11 +386,13 @@ class SegmentFiles:
         fanout: int = DEFAULT_MERGE_FANOUT,
         merge: bool = True,
     ) -> tuple[SegmentRef, ...]:
-        """Write ``tail`` (plus the newest segments it absorbs, if ``merge``) as one segment.
+        """Write ``tail`` (plus the newest segments it absorbs, if ``merge``) as new segments.
 
         Returns the new reference list; the tail is then empty and starts at the end of it.
         Descriptors below ``base_step`` are dropped from a merged run. With ``merge=False`` only
         the tail is written (the merge is left to :meth:`merge_newest`, outside the commit).
+        A run of more than ``max_segment_tgbs`` descriptors or ``SEGMENT_BYTES_BUDGET`` bytes
+        (a commit's whole batch) is written as several segments, in step order.
         """
         absorbed = (
             merge_run_length(
@@ -357,6 +400,7 @@ class SegmentFiles:
                 len(tail),
                 max_segment_tgbs=max_segment_tgbs,
                 fanout=fanout,
+                new_bytes=descriptors_json_bytes(tail),
             )
             if merge
             else 0
@@ -365,7 +409,11 @@ class SegmentFiles:
         run = self._run(namespace_id, segments[len(keep) :], tail, tail_start, base_step)
         if run is None:
             return keep
-        return (*keep, self.write(namespace_id, *run))
+        first, tgbs = run
+        written = []
+        for start, stop in _chunks(tgbs, max_segment_tgbs):
+            written.append(self.write(namespace_id, first + start, tgbs[start:stop]))
+        return (*keep, *written)
 
     def merge_newest(
         self,
@@ -392,6 +440,7 @@ class SegmentFiles:
             segments[-1].count,
             max_segment_tgbs=max_segment_tgbs,
             fanout=fanout,
+            new_bytes=segments[-1].bytes,
         )
         if absorbed == 0:
             return None
@@ -419,3 +468,18 @@ class SegmentFiles:
             run = run[base_step - first :]
             first = base_step
         return (first, run) if run else None
+
+
+def _chunks(tgbs: Sequence[TgbDescriptor], max_segment_tgbs: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of consecutive runs of ``tgbs``, each of at most ``max_segment_tgbs``
+    descriptors and, unless a single descriptor is larger, ``SEGMENT_BYTES_BUDGET`` bytes of
+    descriptor JSON (measured as a segment writes it)."""
+    start, size = 0, 2  # the array's brackets
+    for i, desc in enumerate(tgbs):
+        one = descriptors_json_bytes((desc,)) - 1  # its JSON and a comma
+        if i > start and (i - start >= max_segment_tgbs or size + one > SEGMENT_BYTES_BUDGET):
+            yield start, i
+            start, size = i, 2
+        size += one
+    if start < len(tgbs):
+        yield start, len(tgbs)

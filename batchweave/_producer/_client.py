@@ -950,10 +950,11 @@ class Producer:
             self._fail(exc)
             return False
 
-    def _committable_locked(self) -> list[Entry]:
+    def _committable_locked(self, limit: int | None = None) -> list[Entry]:
+        """The uploaded prefix of the pending TGBs, at most ``limit`` of them."""
         batch: list[Entry] = []
         for entry in self._entries:
-            if entry.descriptor is None:
+            if entry.descriptor is None or (limit is not None and len(batch) >= limit):
                 break
             batch.append(entry)
         return batch
@@ -1116,7 +1117,9 @@ class Producer:
         with self._cond:
             self._adopt_locked(base)
             base = self._base
-            batch = self._committable_locked()
+            # At most one full segment per commit: a backlog (an outage, a slow store) drains
+            # over several commits, and no roll (rewritten on every retry) grows with it.
+            batch = self._committable_locked(self._log.max_segment_tgbs)
         if not batch and not seal:
             return
         if seal and self._sealed:
