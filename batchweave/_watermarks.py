@@ -31,6 +31,7 @@ from batchweave._errors import (
     NamespaceNotFound,
     ObjectNotFound,
     TransientStoreError,
+    UnsupportedFormatVersion,
 )
 from batchweave._manifest._codec import decode_object, encode_object
 from batchweave._manifest._log import ManifestLog
@@ -270,22 +271,39 @@ class Watermarks:
         """Every live watermark, lowest step first.
 
         A watermark object that cannot be decoded raises :class:`FormatError` naming its key:
-        ignoring it could reclaim data its checkpoint needs. Delete or re-record it to go on.
+        ignoring it could reclaim data its checkpoint needs. Delete or re-record it to go on
+        (one written by a newer BatchWeave, :class:`UnsupportedFormatVersion`, is intact: upgrade
+        the reader instead).
         A listing in which a watermark is released before it is read is taken again (see
         :meth:`_list_once`) after a pause that doubles from 0.05 s up to 1 s, so a store whose
         LIST lags its DELETEs gets time to catch up; :class:`TransientStoreError` if it still
         happens after 10 listings (about 5.5 s of pauses).
         """
+        return self._listed(tolerant=False)[0]
+
+    def _survey(self) -> tuple[list[Watermark], list[tuple[str, FormatError]]]:
+        """Every watermark that can be read (lowest step first, as :meth:`live`), and the key
+        and error of each one that cannot (in key order), from one consistent listing.
+
+        For showing a damaged namespace (``batchweave inspect``): the readable watermarks of
+        live checkpoints stay visible beside every unreadable one. The boundary is unknown while
+        any is unreadable; decide nothing on the readable ones alone.
+        """
+        return self._listed(tolerant=True)
+
+    def _listed(self, *, tolerant: bool) -> tuple[list[Watermark], list[tuple[str, FormatError]]]:
+        """:meth:`live`'s listing loop; ``tolerant``: collect decoding errors, do not raise."""
         waited = 0.0
         for attempt in range(_LIST_ATTEMPTS):
             if attempt:
                 pause = min(_LIST_BACKOFF_CAP, _LIST_BACKOFF * 2.0 ** (attempt - 1))
                 self._sleep(pause)
                 waited += pause
-            marks, vanished = self._list_once()
+            unreadable: list[tuple[str, FormatError]] | None = [] if tolerant else None
+            marks, vanished = self._list_once(unreadable)
             if vanished is None:
                 marks.sort(key=lambda m: (m.step, m.checkpoint_id))
-                return marks
+                return marks, sorted(unreadable or [], key=lambda bad: bad[0])
             _log.debug("watermark %r vanished while listed; listing again", vanished)
         raise TransientStoreError(
             f"{self.store.url}/{self.namespace}: the watermarks could not be listed consistently: "
@@ -297,9 +315,12 @@ class Watermarks:
             "consistency"
         )
 
-    def _list_once(self) -> tuple[list[Watermark], str | None]:
+    def _list_once(
+        self, unreadable: list[tuple[str, FormatError]] | None = None
+    ) -> tuple[list[Watermark], str | None]:
         """The watermarks of one LIST, and the key of one released before it was read (``None``
-        when none was).
+        when none was). A watermark that cannot be decoded raises :class:`FormatError`, or with
+        ``unreadable`` (a list) is appended to it as ``(key, error)`` instead.
 
         A listing with such a key is stale: its checkpoint's successor is recorded before the
         old one is released (``keep_last`` does so, and so should callers), and may be missing
@@ -315,7 +336,12 @@ class Watermarks:
                 data = self.store.get(meta.key)
             except ObjectNotFound:
                 return marks, meta.key  # released between LIST and GET
-            marks.append(self._decode(data, meta.key))
+            try:
+                marks.append(self._decode(data, meta.key))
+            except FormatError as exc:
+                if unreadable is None:
+                    raise
+                unreadable.append((meta.key, exc))
         return marks, None
 
     def boundary(self) -> int:
@@ -333,6 +359,14 @@ class Watermarks:
                 limit=_MAX_BYTES,
                 supported=WATERMARK_FORMAT,
             )
+        except UnsupportedFormatVersion as exc:
+            # A newer release's watermark is a live checkpoint's, intact: deleting or
+            # re-recording it would drop that checkpoint's protection. Only this reader is old.
+            raise UnsupportedFormatVersion(
+                f"{exc} (the watermark belongs to a live checkpoint: leave it in place and "
+                "upgrade the reclaimer, CLI or trainer reading it to the release that wrote it; "
+                "nothing is reclaimed until then)"
+            ) from exc
         except FormatError as exc:
             raise type(exc)(
                 f"{exc} (a live checkpoint's watermark cannot be read, so nothing can be safely "

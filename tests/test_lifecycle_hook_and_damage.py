@@ -10,6 +10,8 @@
   producer commit written with a clock in ms or ns).
 - One damaged *old* manifest version made every ``batchweave reclaim`` pass fail with
   ``ChecksumMismatch``, deleting nothing, run after run.
+- A damaged *newest* version made ``reclaim``, ``inspect``, ``seal`` and ``retire`` print only
+  "...; the object is corrupt", with no next step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 from click.testing import CliRunner
 from manifest_helpers import body, envelope
@@ -341,6 +344,49 @@ def test_the_reclaim_command_shows_skipped_damaged_versions(tmp_path: Path) -> N
     assert "damaged versions" in result.output
     assert "1 skipped" in result.output
     assert "batchweave verify" in result.output
+
+
+@pytest.mark.parametrize(
+    "command", [["reclaim"], ["inspect"], ["seal"], ["retire"], ["retire", "--dry-run"]]
+)
+def test_every_command_says_what_to_do_about_a_damaged_newest_version(
+    tmp_path: Path, command: list[str]
+) -> None:
+    # Before the fix each printed only "ChecksumMismatch: ...manifest checksum mismatch ...; the
+    # object is corrupt": their first read of the namespace raised before anything added advice.
+    store = bw.FileStore(tmp_path)
+    publish(store, NS, 4, ONE)
+    key = damage(store, NS, versions(store, NS)[-1])
+    before = contents(store, NS)
+    result = CliRunner().invoke(cli, [command[0], str(tmp_path), NS, *command[1:]])
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert line.startswith("batchweave: error: ChecksumMismatch: "), line
+    assert key in line
+    assert f"run `batchweave verify {store.url} {NS}`" in line
+    assert "restore that manifest version from a backup, or continue in a new namespace" in line
+    assert contents(store, NS) == before
+
+
+def test_advice_is_added_once_and_never_to_a_newer_releases_manifest(tmp_path: Path) -> None:
+    store = bw.FileStore(tmp_path)
+    publish(store, NS, 4, ONE)
+    bw.Watermarks(store, NS).record("c1", 2)
+    damage(store, NS, versions(store, NS)[-1])
+    from batchweave.cli._common import manifest_advice  # new with the fix
+
+    ctx = click.Context(cli)
+    # The reclaimer's own advice is not repeated.
+    with pytest.raises(FormatError) as caught:
+        bw.Reclaimer(store, NS).run_once()
+    line = f"ChecksumMismatch: {caught.value}"
+    assert manifest_advice(ctx, caught.value, line) == line
+    newer = bw.UnsupportedFormatVersion(
+        f"{NS}/{manifest_key(3)}: manifest format 9 was written by a newer BatchWeave; upgrade"
+    )
+    assert manifest_advice(ctx, newer, str(newer)) == str(newer)
+    other = FormatError(f"{NS}/data/p/1/x.tgb: the object is corrupt")
+    assert manifest_advice(ctx, other, str(other)) == str(other)
 
 
 def test_a_reader_wrapping_the_consumer_state_in_its_own_is_still_accepted() -> None:

@@ -166,6 +166,40 @@ def test_inspect_does_not_count_a_nested_namespace(store: bw.ObjectStore) -> Non
     assert "not counted in 'stored'" in result.output
 
 
+def test_inspect_counts_foreign_files_in_the_layouts_directories_as_other(
+    store: bw.ObjectStore,
+) -> None:
+    """Before: any name directly under ``_manifests/``, ``_segments/`` or ``_watermarks/`` (and
+    any under ``data/{producer}/{epoch}/``) counted as the namespace's storage, though reclaim
+    never deletes such files."""
+    _fill(store, "a", 3)
+    bw.Watermarks(store, "a").record("c1", 1)
+    own = _keys(store, "a/")
+    foreign = {
+        "a/_manifests/README.txt": 11,
+        "a/_manifests/1.manifest": 12,
+        "a/_segments/notes.txt": 13,
+        "a/_watermarks/c1.json.bak": 14,
+        "a/_watermarks/.hidden.json": 15,
+        "a/data/p/1/README": 16,
+    }
+    for key, size in foreign.items():
+        store.put(key, b"x" * size)
+    rows = storage_by_prefix(store, "a")
+    assert rows[-1] == {
+        "prefix": OTHER_PREFIX,
+        "objects": len(foreign),
+        "bytes": sum(foreign.values()),
+        "own": False,
+    }
+    counted = {row["prefix"]: row["objects"] for row in rows if row["own"]}
+    assert counted["_manifests/"] == sum(k.startswith("a/_manifests/") for k in own)
+    assert counted["_segments/"] == sum(k.startswith("a/_segments/") for k in own) > 0
+    assert counted["_watermarks/"] == 1
+    data = gather_inspection(store, "a")
+    assert (data["stored_objects"], data["stored_bytes"]) == (len(own), sum(own.values()))
+
+
 def test_inspect_without_foreign_objects_has_no_other_row(store: bw.ObjectStore) -> None:
     _fill(store, "a", 2)
     rows = storage_by_prefix(store, "a")

@@ -199,6 +199,42 @@ def test_future_format_asks_for_an_upgrade(store: bw.MemoryStore) -> None:
         bw.Watermarks(store, NS).live()
 
 
+def test_a_newer_releases_watermark_is_never_to_be_deleted_or_re_recorded(
+    store: bw.MemoryStore,
+) -> None:
+    """It is a live checkpoint's, intact: deleting or re-recording it (the advice for a corrupt
+    one, which this one got too) dropped that checkpoint's protection."""
+    data = encode_object(
+        "batchweave-watermark",
+        bw.Watermark(checkpoint_id="c", step=1, version=0).model_copy(update={"format": 2}),
+    )
+    store.put(f"{NS}/_watermarks/c.json", data)
+    for read in (bw.Watermarks(store, NS).live, lambda: bw.Watermarks(store, NS).get("c")):
+        with pytest.raises(bw.UnsupportedFormatVersion) as info:
+            read()
+        message = str(info.value)
+        assert "upgrade" in message
+        assert "live checkpoint" in message
+        assert "delete" not in message
+        assert "re-record" not in message
+
+
+def test_survey_lists_readable_watermarks_beside_every_unreadable_one(
+    store: bw.MemoryStore,
+) -> None:
+    marks = bw.Watermarks(store, NS)
+    for cid, step in (("a-bad", 2), ("eval-3", 3), ("train-8", 8), ("z-bad", 9)):
+        marks.record(cid, step, version=0)
+    for cid in ("z-bad", "a-bad"):
+        store.put(marks.key(cid), store.get(marks.key(cid))[:-4])
+    readable, unreadable = marks._survey()
+    assert [(m.checkpoint_id, m.step) for m in readable] == [("eval-3", 3), ("train-8", 8)]
+    assert [key for key, _ in unreadable] == [marks.key("a-bad"), marks.key("z-bad")]
+    assert all(isinstance(exc, bw.FormatError) for _, exc in unreadable)
+    with pytest.raises(bw.FormatError):  # live() still refuses: the boundary is unknown
+        marks.live()
+
+
 def test_a_watermark_copied_under_another_name_is_refused(store: bw.MemoryStore) -> None:
     marks = bw.Watermarks(store, NS)
     marks.record("ckpt-1", 1, version=0)

@@ -6,6 +6,8 @@ import errno
 import json
 import math
 import os
+import re
+import shlex
 import signal
 import sys
 import threading
@@ -20,8 +22,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from batchweave._checks import check_key_name
-from batchweave._errors import BatchWeaveError, InvalidStoreURL, StoreError, StoreUnavailable
+from batchweave._errors import (
+    BatchWeaveError,
+    FormatError,
+    InvalidStoreURL,
+    StoreError,
+    StoreUnavailable,
+    UnsupportedFormatVersion,
+)
 from batchweave._interrupts import Terminated, deferred_interrupt
+from batchweave._manifest._log import _VERSION_RE, MANIFESTS_DIR
 from batchweave._store._base import ObjectStore
 from batchweave._store._open import SCHEMES, open_store, store_url_scheme
 from batchweave._store._s3_location import S3Location
@@ -31,6 +41,7 @@ __all__ = [
     "MEMORY_STORE_REFUSAL",
     "NAMESPACE_META",
     "S3_OPTIONS",
+    "STORE_META",
     "CliFailure",
     "FiniteFloat",
     "Terminated",
@@ -39,6 +50,7 @@ __all__ = [
     "discard_stdout",
     "echo_json",
     "err_console",
+    "manifest_advice",
     "namespace_named",
     "one_line",
     "open_cli_store",
@@ -226,6 +238,43 @@ def namespace_named(ctx: click.Context, message: str) -> str:
     return f"{kind}: namespace {namespace!r}{spaces}: {rest}"
 
 
+STORE_META = "batchweave.store"
+"""``click.Context.meta`` key: the URL of the store the running command opened (set by
+:func:`open_cli_store`, for :func:`manifest_advice`)."""
+
+_MANIFEST_OBJECT = re.compile(rf"{MANIFESTS_DIR}/(?:{_VERSION_RE.pattern})")
+"""A manifest version's key, as the manifest log names it."""
+_ADVISED = re.compile(r"batchweave verify|backup", re.IGNORECASE)
+"""Words of a message that already says what to do about a damaged object."""
+
+
+def manifest_advice(ctx: click.Context, exc: BaseException, line: str) -> str:
+    """``line`` (``exc``'s one line) with the next step added when ``exc`` is a damaged
+    manifest version that the message leaves without one.
+
+    A :class:`FormatError` (a :class:`ChecksumMismatch` too) naming a ``_manifests/``
+    version ended at "the object is corrupt" when a command's first read of the namespace
+    (``ManifestLog.latest``) met it, before any library code could add what to do. One written by
+    a newer BatchWeave (:class:`UnsupportedFormatVersion`) is no damage: its message says to
+    upgrade, and is left alone, as is any message that already names ``batchweave verify`` or a
+    backup.
+    """
+    if not isinstance(exc, FormatError) or isinstance(exc, UnsupportedFormatVersion):
+        return line
+    if _MANIFEST_OBJECT.search(line) is None or _ADVISED.search(line) is not None:
+        return line
+    url, namespace = ctx.meta.get(STORE_META), ctx.meta.get(NAMESPACE_META)
+    target = (
+        f"{shlex.quote(url)} {shlex.quote(namespace)}"
+        if isinstance(url, str) and isinstance(namespace, str)
+        else "STORE NAMESPACE"
+    )
+    return (
+        f"{line}; run `batchweave verify {target}`; restore that manifest version from a "
+        "backup, or continue in a new namespace"
+    )
+
+
 S3_OPTIONS = ("endpoint_url", "region", "profile", "addressing_style", "probe_timeout")
 """The parameters :func:`store_options` adds: ``open_store`` options for ``s3://`` only."""
 
@@ -312,6 +361,9 @@ def open_cli_store(
         except BaseException:
             store.close()
             raise
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.meta[STORE_META] = store.url  # for the error line's advice (manifest_advice)
     return store
 
 

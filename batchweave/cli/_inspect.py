@@ -14,9 +14,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from batchweave._errors import FormatError, ObjectNotFound
-from batchweave._manifest._log import ManifestLog
+from batchweave._lifecycle._reclaim import _OWN_KEYS
+from batchweave._manifest._log import _VERSION_RE, MANIFESTS_DIR, ManifestLog
 from batchweave._store._base import ObjectStore
-from batchweave._watermarks import Watermarks
+from batchweave._watermarks import _ID_RE, WATERMARKS_DIR, Watermarks
+from batchweave._watermarks import _SUFFIX as _WATERMARK_SUFFIX
 
 __all__ = [
     "IDLE_PRODUCER_DAYS",
@@ -58,11 +60,20 @@ def _shown_time(value: str | float | None, age: float | None) -> str:
 OTHER_PREFIX = "other (not this namespace's)"
 """The ``storage`` row of objects under ``{namespace}/`` that are not in its own layout."""
 
-_OWN_LAYOUT = re.compile(r"(?:_manifests|_segments|_watermarks)/[^/]+|data/[^/]+/[0-9]+/[^/]+")
-"""Keys (relative to the namespace) of BatchWeave's own layout: a manifest version, segment or
-watermark, and ``data/{producer_id}/{epoch}/{name}`` (a producer id has no ``/``). A namespace
-nested under this one (``a/b``, or ``a/data/x`` created before such names were refused) has
-keys with more parts, so none of its objects matches."""
+_OWN_LAYOUT = re.compile(
+    rf"{MANIFESTS_DIR}/(?:{_VERSION_RE.pattern})"
+    rf"|(?:{_OWN_KEYS.pattern})"
+    rf"|{WATERMARKS_DIR}/(?:{_ID_RE.pattern}){re.escape(_WATERMARK_SUFFIX)}"
+)
+"""Keys (relative to the namespace) of BatchWeave's own layout, named exactly as BatchWeave
+names them (the patterns of the manifest log, the reclaimer and the watermarks, reused): a
+manifest version ``_manifests/{version:020d}.manifest``, a segment or TGB object as the
+reclaimer recognises its own (``_segments/{first_step:020d}-{uuid}.seg``,
+``data/{producer_id}/{epoch}/{offset:020d}-{uuid}.tgb``), and a watermark
+``_watermarks/{checkpoint_id}.json``. Anything else is not the namespace's: a namespace nested
+under this one (``a/b``, or ``a/data/x`` created before such names were refused) has keys with
+more parts, and another tool's files (a ``README``, an operator's ``c1.json.bak``) have other
+names; reclaim never touches either."""
 
 
 def storage_by_prefix(store: ObjectStore, namespace: str) -> list[dict[str, Any]]:
@@ -150,12 +161,17 @@ def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
         for pid, count in sorted(steps.items())
         if pid not in manifest.producers
     ]
+    # Each watermark on its own: the readable ones (live checkpoints) stay shown beside every
+    # unreadable one, and the rest of the namespace with them: the operator is here to find out
+    # why reclaim fails.
+    marks, unreadable = Watermarks(store, namespace)._survey()
     watermark_error: str | None = None
-    try:
-        marks = Watermarks(store, namespace).live()
-    except FormatError as exc:
-        # Show the rest of the namespace: the operator is here to find out why reclaim fails.
-        marks, watermark_error = [], str(exc)
+    if unreadable:
+        keys = ", ".join(repr(key) for key, _ in unreadable)
+        watermark_error = (
+            f"{len(unreadable)} watermark(s) cannot be read ({keys}), so the boundary is unknown "
+            "and reclaim deletes nothing; each is listed with its error"
+        )
     storage = storage_by_prefix(store, namespace)
     return {
         "store": store.url,
@@ -185,8 +201,11 @@ def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
             }
             for m in marks
         ],
-        "boundary": None if watermark_error else (marks[0].step if marks else 0),
+        "boundary": None if unreadable else (marks[0].step if marks else 0),
         "watermark_error": watermark_error,
+        "unreadable_watermarks": [
+            {"key": key, "error": f"{type(exc).__name__}: {exc}"} for key, exc in unreadable
+        ],
         "storage": storage,
         # This namespace's own objects: not those of a namespace nested under it (OTHER_PREFIX).
         "stored_bytes": sum(row["bytes"] for row in storage if row["own"]),
@@ -351,7 +370,11 @@ def render_inspection(data: dict[str, Any], console: Console) -> None:
         steps = [m["step"] for m in hidden_marks]
         marks.add_row(f"... {len(hidden_marks)} more", f"{min(steps)}..{max(steps)}", "", "", "")
     console.print(marks)
-    if data.get("watermark_error"):
+    unreadable = data.get("unreadable_watermarks")
+    if unreadable:
+        for bad in unreadable:  # every one: each blocks reclaim until it is dealt with
+            console.print(f"[red]problem[/red]: {escape(bad['error'])}")
+    elif data.get("watermark_error"):
         console.print(f"[red]problem[/red]: {escape(data['watermark_error'])}")
 
     storage = Table(title="storage by prefix")
