@@ -104,6 +104,36 @@ def test_inspect_caps_the_watermarks_table_like_the_others(root: Path) -> None:
     assert "--json lists every row" in result.output
 
 
+def test_inspect_shows_readable_watermarks_and_every_unreadable_one(root: Path) -> None:
+    """Before: one unreadable watermark hid every readable one (``"watermarks": []``) and only
+    the first bad key was named."""
+    store = publish(root)
+    marks = bw.Watermarks(store, NAMESPACE)
+    for cid, step in (("a-bad", 2), ("eval-3", 3), ("train-8", 8), ("z-bad", 9)):
+        marks.record(cid, step)
+    bad = [marks.key("a-bad"), marks.key("z-bad")]
+    for key in bad:
+        store.put(key, store.get(key)[:-4])  # truncated
+    data = json.loads(invoke("inspect", str(root), NAMESPACE, "--json").output)
+    assert [(m["checkpoint_id"], m["step"]) for m in data["watermarks"]] == [
+        ("eval-3", 3),
+        ("train-8", 8),
+    ]
+    assert data["boundary"] is None  # unknown while any is unreadable
+    assert [row["key"] for row in data["unreadable_watermarks"]] == bad
+    assert all(row["error"].startswith("FormatError: ") for row in data["unreadable_watermarks"])
+    assert all(repr(key) in data["watermark_error"] for key in bad)
+    result = invoke("inspect", str(root), NAMESPACE)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "eval-3" in text
+    assert "train-8" in text
+    assert "reclamation is blocked" in text
+    for key in bad:
+        assert f"problem: FormatError: {key}: " in text
+        assert f"delete {key!r} by hand" in text
+
+
 def test_inspect_tables_accept_a_file_url(root: Path) -> None:
     publish(root)
     out = run("inspect", root.as_uri(), NAMESPACE).stdout

@@ -6,7 +6,8 @@ counts the steps that could not be checked. A newest manifest version in a newer
 ("upgrade batchweave") instead of calling the namespace damaged; a segment or TGB in a newer
 format is "not checked" (upgrade), never damage with restore advice. An object longer than the
 manifest records (bytes appended) is a problem: it passed, though the format's own reader
-refuses it.
+refuses it. An offset committed twice within one stream of a producer is a problem, also when
+old manifest versions were reclaimed, as long as the epochs show it is one stream.
 """
 
 from __future__ import annotations
@@ -307,3 +308,45 @@ def test_damage_found_exits_1_even_when_parts_could_not_be_checked(root: Path) -
     out = " ".join(result.stdout.split())
     assert "FAILED: 1 problems; 1 steps could not be checked" in out
     assert "not checked: step 6 " in out
+
+
+# -- 4: exactly-once within one stream ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case", "damage"),
+    [("restart, versions reclaimed", True), ("epochs apart", True), ("cannot tell", False)],
+)
+def test_an_offset_committed_twice_in_one_stream_is_a_problem(
+    root: Path, case: str, damage: bool
+) -> None:
+    """``p`` (offsets 0..11) restarts and commits offset 3 again, with no retirement in between.
+    A restart (epoch + 1) is one stream whatever was reclaimed. An epoch far above (a start
+    after a retirement takes the version of its epoch commit) is one stream when the versions
+    between survive and list ``p``; when one was reclaimed, it could be a new stream of a
+    retired ``p``: a note, not damage."""
+    store, log, latest = open_log(root)
+    old = latest.producers["p"].epoch
+    assert latest.version >= old + 2
+    epoch = old + 1 if case.startswith("restart") else latest.version + 1
+    again = log.descriptor(latest, 3).model_copy(update={"epoch": epoch})
+    state = latest.producers["p"].model_copy(update={"epoch": epoch})
+    commit_next(store, log, latest, tail=(*latest.tail, again), producers={"p": state})
+    reclaimed = {
+        "restart, versions reclaimed": range(latest.version + 1),  # all but the newest
+        "epochs apart": range(0),
+        "cannot tell": range(latest.version, latest.version + 1),
+    }[case]
+    store.delete_many([log.key(manifest_key(v)) for v in reclaimed])
+    report = verify(root)
+    if damage:
+        assert report.problems == [
+            f"step {STEPS}: p offset 3 appears twice",
+            f"step {STEPS}: p offset 3 does not follow offset 11 of an earlier step",
+        ]
+        assert report.notes == []
+    else:
+        assert report.problems == []
+        [note] = report.notes
+        assert note.startswith(f"p: the exactly-once check of step {STEPS} was skipped")
+        assert report.ok

@@ -35,6 +35,7 @@ from batchweave.cli._common import (
     deferred_interrupt,
     discard_stdout,
     echo_json,
+    manifest_advice,
     namespace_named,
     one_line,
     open_cli_store,
@@ -98,7 +99,7 @@ class _Group(click.Group):
         except (BatchWeaveError, CliFailure, OSError, ValueError) as exc:
             if debug_enabled() or isinstance(exc, click.ClickException):
                 raise
-            line = one_line(exc)
+            line = manifest_advice(ctx, exc, one_line(exc))
             if isinstance(exc, NamespaceNotFound):
                 line = namespace_named(ctx, line)
             click.echo(f"batchweave: error: {line}", err=True)
@@ -243,6 +244,8 @@ def verify(
             out.print(f"[red]problem[/red]: {escape(problem)}")
         if len(report.problems) > 100:
             out.print(f"... and {len(report.problems) - 100} more problems")
+        for note in report.notes:
+            out.print(f"note: {escape(note)}")
         for item in report.unchecked[:100]:
             out.print(f"[yellow]not checked[/yellow]: {escape(item)}")
         if len(report.unchecked) > 100:

@@ -5,8 +5,10 @@ Checks, collecting every problem rather than stopping at the first:
 - every surviving manifest version decodes, belongs to the namespace, names its parent, and
   never moves ``base_step`` or ``next_step`` backwards;
 - the live steps ``base_step .. next_step - 1`` are dense (segments plus tail, in order);
-- exactly-once per producer: no ``(producer_id, offset)`` twice, offsets strictly increasing in
-  step order, never above the producer's committed offset, epochs never above its committed one;
+- exactly-once per stream of a producer id: no offset twice, offsets strictly increasing in
+  step order, the current stream's never above the id's committed offset, epochs never above its
+  committed one (see :class:`_Streams` for how steps are told apart into streams: an id retired
+  and started again begins a new stream at offset 0);
 - every referenced object exists, its footer matches the manifest (size, checksum, slice count,
   mesh, and the slice table when the manifest carries one), its sample ids (when recorded) are
   what ``export`` can read and, unless ``slices=False``, every slice's bytes match their
@@ -21,11 +23,15 @@ manifest version written by a newer BatchWeave stops the check with
 
 A reclamation pass may run during the check (reclaimers run at any time): an object missing
 because its step fell below the ``base_step`` of a manifest committed since is not a problem;
-those steps are counted in ``steps_reclaimed``.
+those steps are counted in ``steps_reclaimed``. Steps whose stream cannot be told, because the
+manifest versions that would show a retirement were reclaimed, are no problem either: they are
+named in ``notes`` and their exactly-once check is skipped.
 """
 
 from __future__ import annotations
 
+import bisect
+import enum
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -73,6 +79,10 @@ class VerifyReport:
     steps_reclaimed: int = 0
     """Steps a reclamation pass moved below ``base_step`` while the check ran, counted when
     one of their objects had gone missing (then not a problem)."""
+    notes: list[str] = field(default_factory=list)
+    """Checks skipped for a reason that is no damage: steps of an id whose offsets start over
+    after a jump in epoch (a retirement and a new stream of the id) where the manifest versions
+    that would show the retirement were reclaimed. They leave ``ok`` and ``complete`` alone."""
 
     @property
     def complete(self) -> bool:
@@ -85,7 +95,9 @@ class VerifyReport:
         return not self.problems and self.complete
 
 
-def _check_versions(log: ManifestLog, latest: Manifest, report: VerifyReport) -> None:
+def _check_versions(log: ManifestLog, latest: Manifest, report: VerifyReport) -> _Streams:
+    """Check the surviving versions; return which of them list which producer ids."""
+    streams = _Streams()
     previous: Manifest | None = None
     for version in log.versions():
         if version > latest.version:
@@ -117,7 +129,113 @@ def _check_versions(log: ManifestLog, latest: Manifest, report: VerifyReport) ->
                     f"manifest version {version} lowers base_step from {previous.base_step} to "
                     f"{manifest.base_step}"
                 )
+        streams.add(manifest)
         previous = manifest
+    streams.add(latest)  # read before the listing: in it even if a LIST missed it
+    return streams
+
+
+class _Relation(enum.Enum):
+    SAME = "same"
+    """One stream: no retirement of the id between the two epochs."""
+    NEW = "new"
+    """A surviving version between them does not list the id: it was retired, then started."""
+    UNKNOWN = "unknown"
+    """Versions that would tell were reclaimed (or cannot be read)."""
+
+
+class _Streams:
+    """Which surviving manifest versions list which producer ids: tells an id's streams apart.
+
+    Retirement removes an id from the producer map; a producer started later under it begins a
+    new stream (no resume offset: its offsets start over) with the version of its epoch commit as
+    its epoch; a restart within a stream takes the old epoch + 1. So an id's epochs increase
+    across its streams, every epoch is at most the version of its epoch commit, and:
+
+    - a version ``w`` that does not list the id, with ``e1 < w < e2``, separates the streams of
+      epochs ``e1`` and ``e2`` (an epoch below ``w`` was committed before ``w``; after ``w`` the
+      id starts over at an epoch above ``w``);
+    - a TGB's epoch ``e1`` and a later epoch ``e2 <= e1 + 2`` are one stream (after the epoch
+      commit of ``e1``, a version ``>= e1``, the TGB's commit, a retirement and a new epoch
+      commit take three more versions), and so are ``e1`` and ``e2`` when every version
+      ``e1 + 2 .. e2 - 1`` survives and lists the id (a retirement would leave one unlisted).
+
+    Otherwise (reclaimed versions) the two cannot be told apart.
+    """
+
+    def __init__(self) -> None:
+        self._versions: list[int] = []
+        """Surviving readable versions, increasing."""
+        self._firsts: dict[str, list[int]] = {}
+        self._lasts: dict[str, list[int]] = {}
+        """Per id, the first and last versions of each run of consecutive surviving versions
+        that list it."""
+
+    def add(self, manifest: Manifest) -> None:
+        """Record ``manifest``; versions come in increasing order."""
+        version = manifest.version
+        if self._versions and version <= self._versions[-1]:
+            return
+        self._versions.append(version)
+        for pid in manifest.producers:
+            lasts = self._lasts.setdefault(pid, [])
+            if lasts and lasts[-1] == version - 1:
+                lasts[-1] = version
+            else:
+                self._firsts.setdefault(pid, []).append(version)
+                lasts.append(version)
+
+    def _run_end(self, pid: str, version: int) -> int | None:
+        """The last version of the run listing ``pid`` that holds ``version``, if any."""
+        i = bisect.bisect_right(self._firsts.get(pid, []), version) - 1
+        if i < 0 or self._lasts[pid][i] < version:
+            return None
+        return self._lasts[pid][i]
+
+    def _absent_between(self, pid: str, lo: int, hi: int) -> bool:
+        """Does a surviving version ``lo < w < hi`` not list ``pid``?"""
+        i = bisect.bisect_right(self._versions, lo)
+        while i < len(self._versions) and self._versions[i] < hi:
+            end = self._run_end(pid, self._versions[i])
+            if end is None:
+                return True
+            i = bisect.bisect_right(self._versions, end)
+        return False
+
+    def relation(self, pid: str, earlier: int, later: int) -> _Relation:
+        """Are epoch ``earlier`` (of a TGB of ``pid``) and a later-committed epoch ``later``
+        one stream of ``pid``? An epoch that went down is damage: one stream (checked)."""
+        if later <= earlier + 2:
+            return _Relation.SAME
+        if self._absent_between(pid, earlier, later):
+            return _Relation.NEW
+        end = self._run_end(pid, earlier + 2)
+        if end is not None and end >= later - 1:
+            return _Relation.SAME
+        return _Relation.UNKNOWN
+
+
+@dataclass
+class _Stream:
+    """The steps of one stream of a producer id seen so far (in step order)."""
+
+    last_offset: int
+    last_epoch: int
+    seen: set[int] = field(default_factory=set)
+
+
+def _unattributed_note(pid: str, steps: list[int]) -> str:
+    where = (
+        f"step {steps[0]}"
+        if len(steps) == 1
+        else f"{len(steps)} of its steps, from step {steps[0]} to {steps[-1]},"
+    )
+    return (
+        f"{pid}: the exactly-once check of {where} was skipped: their offsets start over (or "
+        f"exceed the committed offset) after a jump in epoch, as when the id is retired and "
+        f"started again (a new stream), but the manifest versions that would show whether it "
+        f"was retired in between were reclaimed"
+    )
 
 
 def _check_object_set(step: int, desc: TgbDescriptor, slices: int) -> str | None:
@@ -295,10 +413,10 @@ def verify_namespace(
     report = VerifyReport(
         latest_version=latest.version, base_step=latest.base_step, next_step=latest.next_step
     )
-    _check_versions(log, latest, report)
+    streams = _check_versions(log, latest, report)
 
-    last_offset: dict[str, int] = {}
-    seen: set[tuple[str, int]] = set()
+    current: dict[str, _Stream] = {}
+    unattributed: dict[str, set[int]] = {}
     items: list[tuple[int, TgbDescriptor]] = []
     listed, failures, skipped = _list_live_steps(log, latest, report)
     expected_step = latest.base_step
@@ -312,22 +430,39 @@ def verify_namespace(
         items.append((step, desc))
         pid = desc.producer_id
         report.producers[pid] = report.producers.get(pid, 0) + 1
-        if (pid, desc.offset) in seen:
-            report.problems.append(f"step {step}: {pid} offset {desc.offset} appears twice")
-        seen.add((pid, desc.offset))
-        if pid in last_offset and desc.offset <= last_offset[pid]:
-            report.problems.append(
-                f"step {step}: {pid} offset {desc.offset} does not follow offset "
-                f"{last_offset[pid]} of an earlier step"
-            )
-        last_offset[pid] = max(desc.offset, last_offset.get(pid, desc.offset))
+        stream = current.get(pid)
+        if stream is not None and desc.offset <= stream.last_offset:
+            # Offsets start over: a new stream of the id (retired, then started), or damage.
+            relation = streams.relation(pid, stream.last_epoch, desc.epoch)
+            if relation is not _Relation.SAME:
+                if relation is _Relation.UNKNOWN:
+                    unattributed.setdefault(pid, set()).add(step)
+                stream = None
+        if stream is None:
+            stream = current[pid] = _Stream(desc.offset, desc.epoch)
+        else:
+            if desc.offset in stream.seen:
+                report.problems.append(f"step {step}: {pid} offset {desc.offset} appears twice")
+            if desc.offset <= stream.last_offset:
+                report.problems.append(
+                    f"step {step}: {pid} offset {desc.offset} does not follow offset "
+                    f"{stream.last_offset} of an earlier step"
+                )
+            stream.last_offset = max(desc.offset, stream.last_offset)
+            stream.last_epoch = desc.epoch
+        stream.seen.add(desc.offset)
         state = latest.producers.get(pid)
         if state is not None:  # None: a retired id (see report.retired)
             if state.offset is None or desc.offset > state.offset:
-                report.problems.append(
-                    f"step {step}: {pid} offset {desc.offset} is above its committed offset "
-                    f"{state.offset}"
-                )
+                # Only the stream of the committed state is held to its offset.
+                relation = streams.relation(pid, desc.epoch, state.epoch)
+                if relation is _Relation.SAME:
+                    report.problems.append(
+                        f"step {step}: {pid} offset {desc.offset} is above its committed offset "
+                        f"{state.offset}"
+                    )
+                elif relation is _Relation.UNKNOWN:
+                    unattributed.setdefault(pid, set()).add(step)
             if desc.epoch > state.epoch:
                 report.problems.append(
                     f"step {step}: {pid} epoch {desc.epoch} is above its committed epoch "
@@ -336,6 +471,8 @@ def verify_namespace(
         problem = _check_object_set(step, desc, latest.mesh.slices)
         if problem is not None:
             report.problems.append(problem)
+    for pid, unsure in sorted(unattributed.items()):
+        report.notes.append(_unattributed_note(pid, sorted(unsure)))
     # Only retirement (retire_producers) removes an id's state; its steps stay.
     report.retired = sorted(pid for pid in report.producers if pid not in latest.producers)
     expected_step = _past_skipped(expected_step, skipped)
