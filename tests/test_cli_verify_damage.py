@@ -7,11 +7,13 @@ counts the steps that could not be checked. A newest manifest version in a newer
 format is "not checked" (upgrade), never damage with restore advice. An object longer than the
 manifest records (bytes appended) is a problem: it passed, though the format's own reader
 refuses it. An offset committed twice within one stream of a producer is a problem, also when
-old manifest versions were reclaimed, as long as the epochs show it is one stream.
+old manifest versions were reclaimed, as long as the epochs show it is one stream. verify holds
+a bounded number of descriptors however long the history (it held all of them: gigabytes).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import subprocess
@@ -27,10 +29,11 @@ from batchweave._format._checksum import checksum
 from batchweave._format._tgb import TRAILER_SIZE, TRAILER_STRUCT
 from batchweave._format._tgb_read import _ALGO_BY_ID, FORMAT_VERSION
 from batchweave._history import read_object_footer
-from batchweave._manifest import ManifestLog, encode_manifest, manifest_key
-from batchweave._manifest._codec import body_checksum
-from batchweave._manifest._models import Manifest, SegmentRef
+from batchweave._manifest import Committed, ManifestLog, encode_manifest, manifest_key
+from batchweave._manifest._codec import body_checksum, forget_decoded
+from batchweave._manifest._models import Manifest, SegmentRef, TgbDescriptor
 from batchweave._manifest._segments import SegmentFiles
+from batchweave._store._memory import MemoryStore
 from batchweave.cli._verify import VerifyReport, verify_namespace
 
 NS = "ns"
@@ -350,3 +353,58 @@ def test_an_offset_committed_twice_in_one_stream_is_a_problem(
         [note] = report.notes
         assert note.startswith(f"p: the exactly-once check of step {STEPS} was skipped")
         assert report.ok
+
+
+# -- 5: memory does not grow with the history ---------------------------------------------------
+
+
+def many_steps(steps: int) -> bw.ObjectStore:
+    """``steps`` steps of one producer in segments of 8 steps (all the steps name one object:
+    verify reads each step's footer, and the object's key is no check of its)."""
+    store = MemoryStore()
+    with bw.Producer(store, NS, mesh=bw.Mesh(dp=1), producer_id="p", codec="raw") as p:
+        p.append([b"x" * 64], offset=0)
+    log = ManifestLog(store, NS, tail_limit=8, max_segment_tgbs=8)
+    head = log.latest()
+    first = log.descriptor(head, 0)
+    while head.next_step < steps:
+        stop = min(steps, head.next_step + 8)
+        append = [first.model_copy(update={"offset": s}) for s in range(head.next_step, stop)]
+        result = log.commit(head, append=append)
+        assert isinstance(result, Committed)
+        head = result.manifest
+    assert len(head.segments) > steps // 8 - 2
+    return store
+
+
+def descriptors_alive() -> int:
+    return sum(isinstance(o, TgbDescriptor) for o in gc.get_objects())
+
+
+def descriptors_held_by_verify(steps: int) -> int:
+    """The most descriptors alive while verify checks ``steps`` steps, past those before it."""
+    store = many_steps(steps)
+    forget_decoded()
+    gc.collect()
+    before = descriptors_alive()  # the writer's caches (of the build above) hold some
+    counts: list[int] = []
+
+    def progress(done: int, total: int) -> None:
+        if done % 250 == 0 or done == total:
+            counts.append(descriptors_alive() - before)
+
+    report = verify_namespace(store, NS, read_slices=False, workers=2, progress=progress)
+    assert report.ok, report.problems
+    assert report.steps == steps
+    return max(counts)
+
+
+def test_verify_holds_a_bounded_number_of_descriptors_whatever_the_history() -> None:
+    """verify listed every live step's descriptor before checking any (6.4 KB a step at dp=8:
+    6.4 GB for a million steps). Read segment by segment and checked in a bounded window, it
+    holds what the caches of decoded segments keep (bounded) and its window, whatever the
+    history's length: twice the steps, no more descriptors held."""
+    small = descriptors_held_by_verify(2000)
+    large = descriptors_held_by_verify(4000)
+    assert large <= small + 100, (small, large)
+    assert large < 1000, (small, large)

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import bisect
 import enum
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from batchweave._errors import (
@@ -215,20 +216,63 @@ class _Streams:
         return _Relation.UNKNOWN
 
 
-@dataclass
+class _Offsets:
+    """The set of the offsets of one stream's steps, for "appears twice". A stream's offsets
+    increase, mostly by one: they are kept as runs of consecutive offsets (one run for a whole
+    stream of consecutive offsets, not one entry per step), plus the offsets that came at or
+    below an earlier one (each of them a problem)."""
+
+    def __init__(self, first: int) -> None:
+        self._starts = [first]
+        self._ends = [first]
+        """Runs ``starts[i] .. ends[i]`` of the increasing offsets, increasing."""
+        self._out_of_order: set[int] = set()
+
+    def __contains__(self, offset: int) -> bool:
+        if offset in self._out_of_order:
+            return True
+        i = bisect.bisect_right(self._starts, offset) - 1
+        return i >= 0 and offset <= self._ends[i]
+
+    def add(self, offset: int) -> None:
+        last = self._ends[-1]
+        if offset == last + 1:
+            self._ends[-1] = offset
+        elif offset > last:
+            self._starts.append(offset)
+            self._ends.append(offset)
+        elif offset not in self:
+            self._out_of_order.add(offset)
+
+
 class _Stream:
     """The steps of one stream of a producer id seen so far (in step order)."""
 
-    last_offset: int
-    last_epoch: int
-    seen: set[int] = field(default_factory=set)
+    def __init__(self, offset: int, epoch: int) -> None:
+        self.last_offset = offset
+        self.last_epoch = epoch
+        self.seen = _Offsets(offset)
 
 
-def _unattributed_note(pid: str, steps: list[int]) -> str:
+@dataclass
+class _Unattributed:
+    """The steps of an id whose exactly-once check was skipped (they come in step order)."""
+
+    first: int
+    last: int
+    count: int = 1
+
+    def add(self, step: int) -> None:
+        if step != self.last:
+            self.last = step
+            self.count += 1
+
+
+def _unattributed_note(pid: str, steps: _Unattributed) -> str:
     where = (
-        f"step {steps[0]}"
-        if len(steps) == 1
-        else f"{len(steps)} of its steps, from step {steps[0]} to {steps[-1]},"
+        f"step {steps.first}"
+        if steps.count == 1
+        else f"{steps.count} of its steps, from step {steps.first} to {steps.last},"
     )
     return (
         f"{pid}: the exactly-once check of {where} was skipped: their offsets start over (or "
@@ -342,40 +386,53 @@ def _segment_problem(log: ManifestLog, latest: Manifest, failure: _SegmentFailur
     )
 
 
-def _list_live_steps(
-    log: ManifestLog, latest: Manifest, report: VerifyReport
-) -> tuple[list[tuple[int, TgbDescriptor]], list[_SegmentFailure], list[tuple[int, int]]]:
-    """The live steps' descriptors, the segments that could not be read and the steps
-    ``(start, stop)`` of every segment not read, in step order. Segments are read one at a
-    time: the walk goes on past an unreadable one with the next segment and the tail. A segment
-    written by a newer BatchWeave is noted in ``report`` as unchecked, not as a failure."""
-    listed: list[tuple[int, TgbDescriptor]] = []
-    failures: list[_SegmentFailure] = []
-    skipped: list[tuple[int, int]] = []
-    for ref in latest.segments:
-        start, stop = max(ref.first_step, latest.base_step), min(ref.end_step, latest.next_step)
-        if stop <= start:
-            continue
-        try:
-            listed.extend(list(log.descriptors(latest, start, stop)))
-            continue
-        except UnsupportedFormatVersion as exc:  # no damage: this version cannot read it
-            report.unchecked.append(f"steps {start}..{stop - 1} ({stop - start} steps): {exc}")
-            report.steps_unchecked += stop - start
-        except (FormatError, ObjectNotFound) as exc:
-            failures.append(_SegmentFailure(ref, start, stop, exc))
-        skipped.append((start, stop))
-    start = max(latest.tail_start, latest.base_step)
-    if start < latest.next_step:
-        listed.extend(log.descriptors(latest, start, latest.next_step))
-    return listed, failures, skipped
+class _LiveSteps:
+    """The live steps' descriptors in step order, read one segment at a time as they are
+    iterated (only one segment's descriptors are held), the walk going on past an unreadable
+    segment with the next segment and the tail. A segment written by a newer BatchWeave is noted
+    in ``report`` as unchecked; one that cannot be read is a failure; both are skipped."""
+
+    def __init__(self, log: ManifestLog, latest: Manifest, report: VerifyReport) -> None:
+        self._log, self._latest, self._report = log, latest, report
+        self.failures: list[_SegmentFailure] = []
+        """The segments that could not be read, in step order."""
+        self.skipped: deque[tuple[int, int]] = deque()
+        """The steps ``(start, stop)`` of the segments not read, in step order, as far as the
+        iteration got (consumed from the front by :func:`_past_skipped`)."""
+        self.skipped_steps = 0
+        """How many steps the segments not read so far list."""
+
+    def __iter__(self) -> Iterator[tuple[int, TgbDescriptor]]:
+        log, latest = self._log, self._latest
+        for ref in latest.segments:
+            start, stop = max(ref.first_step, latest.base_step), min(ref.end_step, latest.next_step)
+            if stop <= start:
+                continue
+            try:
+                rows = list(log.descriptors(latest, start, stop))
+            except UnsupportedFormatVersion as exc:  # no damage: this version cannot read it
+                self._report.unchecked.append(
+                    f"steps {start}..{stop - 1} ({stop - start} steps): {exc}"
+                )
+                self._report.steps_unchecked += stop - start
+            except (FormatError, ObjectNotFound) as exc:
+                self.failures.append(_SegmentFailure(ref, start, stop, exc))
+            else:
+                yield from rows
+                del rows
+                continue
+            self.skipped.append((start, stop))
+            self.skipped_steps += stop - start
+        start = max(latest.tail_start, latest.base_step)
+        if start < latest.next_step:
+            yield from log.descriptors(latest, start, latest.next_step)
 
 
-def _past_skipped(step: int, skipped: list[tuple[int, int]]) -> int:
+def _past_skipped(step: int, skipped: deque[tuple[int, int]]) -> int:
     """The step the check expects next after ``step - 1``, past the steps of segments that
     could not be read (``skipped``, in step order, consumed from the front)."""
     while skipped and skipped[0][0] <= step:
-        step = max(step, skipped.pop(0)[1])
+        step = max(step, skipped.popleft()[1])
     return step
 
 
@@ -389,8 +446,14 @@ def verify_namespace(
 ) -> VerifyReport:
     """Run every check on ``namespace``'s newest manifest; see the module docstring.
 
-    ``progress(done, total)`` is called as steps are checked. Store failures other than a
-    missing object propagate (the verification could not complete: neither pass nor fail).
+    ``progress(done, total)`` is called as steps are checked; ``total`` is the number of live
+    steps, and the steps of a segment that cannot be read count as done when the check passes
+    it. Store failures other than a missing object propagate (the verification could not
+    complete: neither pass nor fail).
+
+    Memory does not grow with the history: segments are read one at a time, at most ``4 *
+    workers`` steps are checked ahead of the one whose result is taken next, and what is kept
+    is per producer id and stream (offsets, epochs) and the report.
     """
     log = ManifestLog(store, namespace)
     try:
@@ -415,19 +478,31 @@ def verify_namespace(
     )
     streams = _check_versions(log, latest, report)
 
-    current: dict[str, _Stream] = {}
-    unattributed: dict[str, set[int]] = {}
-    items: list[tuple[int, TgbDescriptor]] = []
-    listed, failures, skipped = _list_live_steps(log, latest, report)
+    # The live steps are read one segment at a time and their objects checked in a bounded
+    # window (a history of 10^6 steps held in memory took gigabytes): what is kept is per id and
+    # per stream, and the problems found. The descriptor checks' problems go to the report as
+    # found (in step order); the objects' follow the segments' at the end, as before.
+    live = _LiveSteps(log, latest, report)
     expected_step = latest.base_step
-    for step, desc in listed:
-        expected_step = _past_skipped(expected_step, skipped)
+    current: dict[str, _Stream] = {}
+    unattributed: dict[str, _Unattributed] = {}
+
+    def unsure(pid: str, step: int) -> None:
+        steps = unattributed.get(pid)
+        if steps is None:
+            unattributed[pid] = _Unattributed(step, step)
+        else:
+            steps.add(step)
+
+    def check_descriptor(step: int, desc: TgbDescriptor) -> None:
+        """The checks of one step's descriptor against the steps before it (in step order)."""
+        nonlocal expected_step
+        expected_step = _past_skipped(expected_step, live.skipped)
         if step != expected_step:
             report.problems.append(
                 f"steps are not dense: found step {step} after {expected_step - 1}"
             )
         expected_step = step + 1
-        items.append((step, desc))
         pid = desc.producer_id
         report.producers[pid] = report.producers.get(pid, 0) + 1
         stream = current.get(pid)
@@ -436,7 +511,7 @@ def verify_namespace(
             relation = streams.relation(pid, stream.last_epoch, desc.epoch)
             if relation is not _Relation.SAME:
                 if relation is _Relation.UNKNOWN:
-                    unattributed.setdefault(pid, set()).add(step)
+                    unsure(pid, step)
                 stream = None
         if stream is None:
             stream = current[pid] = _Stream(desc.offset, desc.epoch)
@@ -462,7 +537,7 @@ def verify_namespace(
                         f"{state.offset}"
                     )
                 elif relation is _Relation.UNKNOWN:
-                    unattributed.setdefault(pid, set()).add(step)
+                    unsure(pid, step)
             if desc.epoch > state.epoch:
                 report.problems.append(
                     f"step {step}: {pid} epoch {desc.epoch} is above its committed epoch "
@@ -471,37 +546,61 @@ def verify_namespace(
         problem = _check_object_set(step, desc, latest.mesh.slices)
         if problem is not None:
             report.problems.append(problem)
-    for pid, unsure in sorted(unattributed.items()):
-        report.notes.append(_unattributed_note(pid, sorted(unsure)))
+
+    total = max(0, latest.next_step - latest.base_step)
+    done = checked = 0
+    step_results: list[tuple[int, _StepResult]] = []
+    missing_steps: set[int] = set()
+    any_missing = False
+
+    def take(step: int, future: Future[_StepResult]) -> None:
+        nonlocal done, checked, any_missing
+        result = future.result()
+        if result.problems or result.unchecked:
+            step_results.append((step, result))
+        if result.missing:
+            any_missing = True
+            missing_steps.add(step)
+        report.objects += result.objects
+        report.slices += result.slices
+        report.bytes_read += result.nread
+        checked += 1
+        done = checked + live.skipped_steps  # the steps of a segment not read count as done
+        if progress is not None:
+            progress(done, total)
+
+    window = max(1, workers) * 4  # steps submitted ahead of the one whose result is taken next
+    pending: deque[tuple[int, Future[_StepResult]]] = deque()
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        try:
+            for step, desc in live:
+                check_descriptor(step, desc)
+                pending.append(
+                    (step, pool.submit(_check_tgb, store, log, latest, step, desc, read_slices))
+                )
+                if len(pending) >= window:
+                    take(*pending.popleft())
+            while pending:
+                take(*pending.popleft())
+        except BaseException:
+            for _, future in pending:
+                future.cancel()
+            raise
+    if progress is not None and checked + live.skipped_steps != done:
+        progress(checked + live.skipped_steps, total)  # segments not read after the last step
+
+    for pid, steps in sorted(unattributed.items()):
+        report.notes.append(_unattributed_note(pid, steps))
     # Only retirement (retire_producers) removes an id's state; its steps stay.
     report.retired = sorted(pid for pid in report.producers if pid not in latest.producers)
-    expected_step = _past_skipped(expected_step, skipped)
+    expected_step = _past_skipped(expected_step, live.skipped)
     if expected_step != latest.next_step:
         report.problems.append(
             f"steps end at {expected_step - 1}, the manifest says {latest.next_step - 1}"
         )
 
-    total = len(items)
-    done = 0
-    step_results: list[tuple[int, _StepResult]] = []
-    missing_steps: set[int] = set()
-    any_missing = any(isinstance(f.error, ObjectNotFound) for f in failures)
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        results = pool.map(
-            lambda item: _check_tgb(store, log, latest, item[0], item[1], read_slices), items
-        )
-        for (step, _), result in zip(items, results, strict=True):
-            if result.problems or result.unchecked:
-                step_results.append((step, result))
-            if result.missing:
-                any_missing = True
-                missing_steps.add(step)
-            report.objects += result.objects
-            report.slices += result.slices
-            report.bytes_read += result.nread
-            done += 1
-            if progress is not None:
-                progress(done, total)
+    failures = live.failures
+    any_missing = any_missing or any(isinstance(f.error, ObjectNotFound) for f in failures)
     reclaimed_below = latest.base_step
     if any_missing:
         # A reclamation pass that ran meanwhile deletes the TGBs of the steps it moved below
@@ -511,7 +610,7 @@ def verify_namespace(
     # A step whose object went missing because it was reclaimed meanwhile was not checked; one
     # reclaimed after its objects were checked was.
     report.steps_reclaimed = sum(1 for step in missing_steps if step < reclaimed_below)
-    report.steps = len(items) - report.steps_reclaimed
+    report.steps = checked - report.steps_reclaimed
     segment_problems: list[tuple[int, str]] = []
     for failure in failures:
         count = failure.stop - failure.start
