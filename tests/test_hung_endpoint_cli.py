@@ -230,18 +230,23 @@ def test_sigterm_ends_a_check_waiting_for_a_silent_endpoint_within_probe_timeout
         args = ["check", f"s3://{s3_bucket}/{s3_prefix}", "--endpoint-url", proxy.url]
         proc = subprocess.Popen(
             [sys.executable, "-m", "batchweave.cli", *args, "--requests", "10000",
-             "--probe-timeout", "0.5"],
+             "--probe-timeout", "2"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
         )  # fmt: skip
+        # The check's own objects, not the conditional-write probe's (``open_store`` writes and
+        # deletes one first, through the probe client: silenced then, it fails the open).
+        scratch = f"{s3_prefix.rstrip('/')}/{SCRATCH_PREFIX}"
         try:
             deadline = time.monotonic() + 60
-            while not client.list_objects_v2(Bucket=s3_bucket, Prefix=s3_prefix).get("KeyCount"):
+            while not client.list_objects_v2(Bucket=s3_bucket, Prefix=scratch).get("KeyCount"):
                 assert proc.poll() is None, proc.communicate()
                 assert time.monotonic() < deadline, "the check wrote nothing"
                 time.sleep(0.05)
             proxy.hang()
-            time.sleep(1.0)  # the check now waits for an answer that never comes
-            assert proc.poll() is None
+            # The check now waits for an answer that never comes: at most --probe-timeout on a
+            # new connection (then it stops by itself, exit 2), so the signal comes well before.
+            time.sleep(0.2)
+            assert proc.poll() is None, proc.communicate()
             proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
             try:
