@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchweave._checks import as_count
+from batchweave._checks import MAX_INT64, as_count
 from batchweave._errors import (
     ChecksumMismatch,
     FormatError,
@@ -278,7 +278,7 @@ def _too_large(rows: list[MembershipRow], exc: Exception) -> FormatError:
     for row in rows:
         for name in ("epoch", "offset", "bytes", "samples"):
             value = getattr(row, name)
-            if not -(2**63) <= value < 2**63:
+            if not -MAX_INT64 - 1 <= value <= MAX_INT64:
                 return FormatError(
                     f"step {row.step}, slice ({row.dp}, {row.cp}): {name} {value} does not fit "
                     "the history's 64-bit column; the manifest was not written by this "

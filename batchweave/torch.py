@@ -189,6 +189,10 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
         for each worker that does not stop before killing it. A flag, not an ``Event``: setting
         an ``Event`` waits for every waiting process to acknowledge, for ever if one was killed.
         """
+        self.default_timeout: float | None = None
+        """The consumer's ``timeout`` when the dataset's options set none: :class:`WeaveLoader`
+        sets its DataLoader ``timeout`` here when it runs no workers (torch takes it only with
+        workers), on the iteration's own copy of the dataset."""
         self._loader_pid: int | None = None
         """The pid of the process whose :class:`WeaveLoader` iterates this (copy of the) dataset.
 
@@ -262,7 +266,14 @@ class WeaveDataset(IterableDataset[tuple[int, Any]]):
         stop = None if info is None else (True if self.stop_event is None else self.stop_event)
         store, owned = self.open_store()
         try:
-            with self.consumer(store, worker=worker, workers=workers, stop=stop) as consumer:
+            consumer = self.consumer(
+                store,
+                worker=worker,
+                workers=workers,
+                stop=stop,
+                default_timeout=self.default_timeout,
+            )
+            with consumer:
                 for item in consumer:
                     self._namespace_id = consumer.namespace_id
                     yield item
@@ -541,9 +552,7 @@ class WeaveLoader:
         if not options.get("num_workers", 0) and options.get("timeout"):
             # torch takes a timeout only with workers (its single-process iterator asserts it
             # is 0): without them it bounds the consumer's waits, as it does for state_dict().
-            timeout = options.pop("timeout")
-            if dataset.consumer_options.get("timeout") is None:
-                dataset.consumer_options = {**dataset.consumer_options, "timeout": timeout}
+            dataset.default_timeout = options.pop("timeout")
         loader = DataLoader(dataset, batch_size=None, **options)
         batches = iter(loader)
         self._loops += 1
