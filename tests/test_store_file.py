@@ -109,6 +109,8 @@ def test_symlinked_directory_cannot_escape_root(
     assert sorted(p.name for p in outside.iterdir()) == ["secret"]
     assert (outside / "secret").read_bytes() == b"do not read"
     assert list(store.list()) == []  # symlinks are not followed when listing
+    with pytest.raises(InvalidKey, match="outside the root"):
+        list(store.list("link/"))  # ...unless on the prefix's own path: refused there, as reads
 
 
 @pytest.mark.parametrize("first_write", [True, False])
@@ -376,6 +378,32 @@ def test_a_symlink_inside_the_root_is_followed(store: FileStore, root: Path) -> 
     assert store.get_range("alias", Suffix(3)) == b"789"
 
 
+@KERNEL_CHECK
+def test_a_prefix_through_a_symlink_inside_the_root_lists_what_reads_read(
+    store: FileStore, root: Path
+) -> None:
+    # A namespace under a symlinked directory was written and read through the link but
+    # listed as empty (the walk from the root never follows a symlink), so it was reported
+    # missing right after its creation.
+    store.put("inner/ns/_manifests/0", b"v0")
+    store.put("inner/ns/deep/object", b"x")
+    (root / "link").symlink_to(root / "inner", target_is_directory=True)
+    (root / "inner" / "ns" / "alias").symlink_to(root / "inner" / "ns" / "deep")
+    assert store.get("link/ns/_manifests/0") == b"v0"
+    assert [m.key for m in store.list("link/ns/_manifests/")] == ["link/ns/_manifests/0"]
+    assert [m.key for m in store.list("link/ns/_manifests/", start_after="link/ns/_m")] == [
+        "link/ns/_manifests/0"
+    ]
+    # Below the prefix's directory a symlink is still never followed.
+    assert [m.key for m in store.list("link/ns/")] == [
+        "link/ns/_manifests/0",
+        "link/ns/deep/object",
+    ]
+    # No key can begin with these: nothing listed, as on S3.
+    for prefix in ("missing/", "inner/ns/_manifests/0/", "a//b", "../x/", ".bw-tmp/x"):
+        assert list(store.list(prefix)) == []
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
 def test_a_planted_fifo_cannot_hang_a_read(tmp_path: Path, store: FileStore, root: Path) -> None:
     os.mkfifo(tmp_path / "pipe")
@@ -596,9 +624,9 @@ def test_a_listing_after_a_key_types_and_sorts_only_the_names_after_it(
     monkeypatch.setattr(os, "scandir", scandir)
     listed = [m.key for m in store.list("ns/_manifests/", start_after=keys[-3])]
     assert listed == keys[-2:]
-    # the root's "ns", then "_manifests" (not "data"), then the names from the key on (the
-    # key's own name could be a directory of keys after it)
-    assert sorted(scandir.typed) == sorted(["ns", "_manifests", *(k[-29:] for k in keys[-3:])])
+    # the walk starts in the prefix's directory: only the names from the key on are typed
+    # (the key's own name could be a directory of keys after it)
+    assert sorted(scandir.typed) == sorted(k[-29:] for k in keys[-3:])
     scandir.typed.clear()
     assert [m.key for m in store.list("ns/", start_after="ns/_n")] == ["ns/data/p/0/x.tgb"]
     assert "_manifests" not in scandir.typed  # a directory entirely before start_after

@@ -638,13 +638,34 @@ class FileStore(ObjectStore):
 
     def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
         with self._errors(prefix, "list"):
+            directory = prefix.rpartition("/")[0]
             try:
-                fd = _open_dir(self._root)
+                fd = self._open_listed_dir(prefix, directory)
             except OSError as exc:
                 if exc.errno in _NOT_A_DIRECTORY_ERRNOS:
-                    return  # removed (or replaced by a symlink, never followed): no objects
+                    return  # missing, a file, or a symlink where one is never followed
                 raise
-            yield from self._walk(fd, "", prefix, start_after)
+            if fd is None:
+                return
+            yield from self._walk(fd, directory + "/" if directory else "", prefix, start_after)
+
+    def _open_listed_dir(self, prefix: str, directory: str) -> int | None:
+        """Open the directory holding every key ``prefix`` can begin: its path up to a ``/``.
+
+        Opened and confined like a read's file, so a namespace reached through a symlink inside
+        the root lists as it reads and writes; the walk below it never follows one. None when
+        no key can begin with ``prefix`` (an empty or ``..`` segment, the reserved directory).
+        """
+        if not directory:
+            return _open_dir(self._root)
+        try:
+            path = self._lexical_path(directory)
+        except InvalidKey:
+            return None
+        if not self._proc_fd:
+            self._check_inside(prefix, path, os.path.realpath(path))
+            return os.open(path, _DIR_FLAGS)
+        return self._open_confined(prefix, path, _DIR_FLAGS)
 
     def _walk(
         self, fd: int, rel: str, prefix: str, start_after: str | None
