@@ -4,7 +4,10 @@ Each test failed on the code before its fix: a clock stepping back killed a prod
 duration reached the policy); a throttled commit counted as a lost race; a lone DAC producer
 woke every 20 ms through its gap; option values inside their documented ranges overflowed;
 bad answers of ``backoff=`` and of custom policies stopped or hung the producer without naming
-them; a frozen clock kept regular attempts from ever starting.
+them; a frozen clock kept regular attempts from ever starting; a non-numeric option of a
+baseline policy or a model function raised a Python error naming no parameter; a DAC
+``max_gap`` beyond half the ``active_horizon`` undercounted ``N``; a wall clock that stands
+still or ticks in whole seconds kept DAC's slots from ever opening.
 """
 
 from __future__ import annotations
@@ -12,19 +15,28 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+from fake_time import FakeTime
 from manifest_helpers import FaultyPutStore, descriptor
 
 import batchweave as bw
 from batchweave._errors import ConcurrentWriteConflict, TransientStoreError
 from batchweave._manifest import Committed, Conflict, ManifestLog
 from batchweave._policy import (
+    AimdPolicy,
     AttemptOutcome,
     DacPolicy,
+    Fixed10Policy,
+    Fixed100Policy,
+    IncrPolicy,
     NaivePolicy,
     PolicyWrapper,
+    conflict_probability,
+    dac_gap,
+    duty,
     make_policy,
 )
 from batchweave._store._memory import MemoryStore
@@ -267,7 +279,7 @@ def test_an_initial_window_is_settled_whatever_ema_alpha() -> None:
 
 def test_a_producer_with_a_huge_max_gap_commits() -> None:
     policy = DacPolicy(max_gap=1e308, initial_window=0.001, seed=1)
-    p = _producer(MemoryStore(), policy=policy)
+    p = _producer(MemoryStore(), policy=policy, active_horizon=math.inf)
     try:
         for offset in range(3):
             p.append([b"x"], offset=offset)
@@ -276,6 +288,27 @@ def test_a_producer_with_a_huge_max_gap_commits() -> None:
         assert p.stats().tgbs_published == 3
     finally:
         p.abort()
+
+
+@pytest.mark.parametrize(
+    ("max_gap", "horizon"), [(math.inf, 60.0), (31.0, 60.0), (10.0, 5.0), (1e308, 1e308)]
+)
+def test_a_max_gap_beyond_half_the_active_horizon_is_refused(
+    max_gap: float, horizon: float
+) -> None:
+    # DAC's N counts producers that committed within active_horizon: one waiting max_gap
+    # between its commits dropped out of the others' N, and DAC undercounted it.
+    for policy in (DacPolicy(max_gap=max_gap), PolicyWrapper(DacPolicy(max_gap=max_gap))):
+        with pytest.raises(ValueError, match=r"max_gap.*active_horizon >= 2 \* max_gap"):
+            _producer(MemoryStore(), policy=policy, active_horizon=horizon)
+
+
+@pytest.mark.parametrize(("max_gap", "horizon"), [(math.inf, math.inf), (30.0, 60.0), (10.0, 60.0)])
+def test_a_max_gap_within_half_the_active_horizon_is_accepted(
+    max_gap: float, horizon: float
+) -> None:
+    _producer(MemoryStore(), policy=DacPolicy(max_gap=max_gap), active_horizon=horizon).close()
+    _producer(MemoryStore(), policy="naive", active_horizon=1.0).close()  # no max_gap
 
 
 def test_a_small_max_gap_alone_is_accepted_and_bounds_the_forced_gap() -> None:
@@ -423,6 +456,41 @@ def test_an_option_that_is_not_a_number_names_the_parameter(option: dict[str, An
         make_policy("dac", **option)
 
 
+@pytest.mark.parametrize(
+    ("build", "error", "named"),
+    [
+        (lambda: Fixed10Policy(every="5"), TypeError, "fixed10: every must be a number"),
+        (lambda: Fixed100Policy(every=None), TypeError, "fixed100: every must be a number"),
+        (lambda: IncrPolicy(initial="10"), TypeError, "incr: initial must be a number"),
+        (lambda: IncrPolicy(step="1"), TypeError, "incr: step must be a number"),
+        (lambda: AimdPolicy(addend="1"), TypeError, "aimd: addend must be a number"),
+        (lambda: AimdPolicy(decrease="0.5"), TypeError, "aimd: decrease must be a number"),
+        (lambda: AimdPolicy(minimum=None), TypeError, "aimd: minimum must be a number"),
+        (lambda: dac_gap(0.05, "3"), TypeError, "producers .* must be a number"),
+        (lambda: dac_gap(0.05, 10**400), ValueError, "producers .* within the float range"),
+        (lambda: dac_gap(10**400, 2), ValueError, "fragile window must be within"),
+        (lambda: conflict_probability(0.05, "1", 2), TypeError, "gap must be a number"),
+        (lambda: conflict_probability(0.05, 1.0, None), TypeError, "producers .* a number"),
+        (lambda: duty(0.05, None), TypeError, "gap must be a number"),
+        (lambda: duty(0.05, 10**400), ValueError, "gap must be within the float range"),
+        (lambda: Fixed10Policy(every=10**400), ValueError, "every must be within the float"),
+        (lambda: DacPolicy(max_gap=10**400), ValueError, "max_gap must be within the float"),
+    ],
+)
+def test_a_bad_number_for_a_baseline_or_the_model_names_the_parameter(
+    build: Callable[[], object], error: type[Exception], named: str
+) -> None:
+    # Before: "must be real number, not str", "'<' not supported between instances of 'int'
+    # and 'str'" or an OverflowError, naming no parameter.
+    with pytest.raises(error, match=named):
+        build()
+
+
+def test_make_policy_names_a_baseline_option_that_is_not_a_number() -> None:
+    with pytest.raises(ValueError, match="fixed10: every must be a number"):
+        make_policy("fixed10", every="5")
+
+
 # -- 6. a clock that stands still ----------------------------------------------------------------
 
 
@@ -452,3 +520,84 @@ def test_a_frozen_clock_with_an_injected_sleep_still_lets_regular_attempts_happe
         assert p.stats().tgbs_published == 1
     finally:
         p.abort()
+
+
+# -- 7. a wall clock that stands still or ticks in whole seconds ---------------------------------
+
+
+def _wall_clocks(fake: FakeTime) -> dict[str, Callable[[], float]]:
+    return {
+        "frozen": lambda: 1_800_000_000.3,  # as a test injects a constant
+        "seconds": lambda: float(int(fake.wall())),  # a clock of 1 s resolution
+    }
+
+
+def _dac_pair(fake: FakeTime, wall: str, **policy: Any) -> list[bw.Producer]:
+    store = MemoryStore()
+    wall_clock = _wall_clocks(fake)[wall]
+    return [
+        bw.Producer(
+            store,
+            NS,
+            producer_id=f"p{i}",
+            mesh=MESH,
+            clock=fake.clock,
+            sleep=fake.sleep,
+            wall_clock=wall_clock,
+            policy=DacPolicy(seed=i, **policy),
+        )
+        for i in range(2)
+    ]
+
+
+def _wait_until(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+@pytest.mark.parametrize("wall", ["frozen", "seconds"])
+def test_dac_slots_take_regular_turns_on_a_wall_clock_that_does_not_move(wall: str) -> None:
+    # Two producers know their ranks, so DAC paces regular attempts by wall-clock slots (a 2 s
+    # period with W = 0.2 s). A slot that never opens on this clock kept them waiting forever;
+    # now the wait first computed is slept (on the injected sleep: no real time) and then taken.
+    fake = FakeTime(1000.0)
+    ps = _dac_pair(fake, wall, initial_window=0.2)
+    try:
+        for p in ps:
+            p.append([b"x"], offset=0)
+        assert _wait_until(lambda: all(p.stats().committed_offset == 0 for p in ps))
+        # Each attempt waited at most one regular period of fake time since its first data.
+        assert fake.now - 1000.0 < 4 * ps[0]._policy.regular_period  # type: ignore[attr-defined]
+    finally:
+        for p in ps:
+            p.abort()
+
+
+@pytest.mark.parametrize("wall", ["frozen", "seconds"])
+def test_dac_flush_ends_on_a_wall_clock_that_does_not_move(wall: str) -> None:
+    fake = FakeTime(1000.0)
+    # Slots sized for 0.5 s windows: a 2 s grid of 1 s slots, waits longer than a sleep chunk.
+    ps = _dac_pair(fake, wall, initial_window=0.5, min_slot_window=0.5)
+    errors: list[BaseException] = []
+
+    def flush(p: bw.Producer) -> None:
+        try:
+            p.flush(5)
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    try:
+        for p in ps:
+            p.append([b"x"], offset=0)
+        threads = [threading.Thread(target=flush, args=(p,)) for p in ps]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert errors == []
+        assert all(p.stats().committed_offset == 0 for p in ps)
+    finally:
+        for p in ps:
+            p.abort()

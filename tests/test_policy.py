@@ -780,10 +780,10 @@ def test_forced_wait_falls_back_to_the_forced_gap_alone_or_without_a_rank() -> N
 
 
 def test_regular_period_is_the_bounded_gap_on_the_grid() -> None:
-    # W = 10 ms, N = 16: g* = 1.41 s, the nearest 0.125 * 2^i in log scale is 1 s.
+    # W = 10 ms, N = 16: g* = 1.41 s, rounded up to 0.125 * 2^i: 2 s (the nearest was 1 s).
     policy = _slotted(0.01, 16)
     assert policy.target_gap == pytest.approx(dac_gap(0.01, 16))
-    assert policy.regular_period == pytest.approx(1.0)
+    assert policy.regular_period == pytest.approx(2.0)
     # A slow store: g* = 42 s is held at max_gap's grid value, 8 s (<= max_gap = 10 s).
     assert _slotted(0.3, 16).regular_period == pytest.approx(8.0)
     # Never shorter than the slot period (a slot must hold a window).
@@ -791,6 +791,23 @@ def test_regular_period_is_the_bounded_gap_on_the_grid() -> None:
         _slotted(0.01, 16, conflict_budget=0.99).regular_period
         >= _slotted(0.01, 16, conflict_budget=0.99).slot_period
     )
+
+
+@pytest.mark.parametrize("producers", [2, 3, 4, 8, 16])
+@pytest.mark.parametrize("window", [0.003, 0.0375, 0.05, 0.055, 0.07, 0.15, 0.3, 0.6])
+def test_the_regular_period_keeps_both_budgets(window: float, producers: int) -> None:
+    # One attempt per period: rounded to the nearest grid value the period was up to 1.41x
+    # shorter than g*, and two producers spent 1.5x their duty budget (0.15 at W = 37.5 ms).
+    policy = _slotted(window, producers)
+    period = policy.regular_period
+    cycle = window + policy.target_gap  # an attempt, then the gap
+    assert period >= min(cycle, policy._longest_period)
+    assert period < 2 * max(cycle, policy.slot_period)
+    if cycle <= policy._longest_period:  # max_gap did not cut it
+        assert duty(window, period - window) <= policy.duty_budget + 1e-12
+        assert conflict_probability(window, period - window, producers) <= (
+            policy.conflict_budget + 1e-12
+        )
 
 
 def test_regular_waits_put_each_producer_in_its_own_slot_once_per_period() -> None:

@@ -47,6 +47,19 @@ class AttemptOutcome:
     """Manifest and segment bytes the attempt sent inside its window (0 if unknown)."""
 
 
+def check_number(name: str, value: object) -> None:
+    """Refuse a ``value`` that is not a real number (a str, ``None``, a bool), naming ``name``.
+
+    ``TypeError`` for those; ``ValueError`` for a number beyond the float range (``10**400``).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got the {type(value).__name__} {value!r:.100}")
+    try:
+        float(value)
+    except OverflowError:  # an int past the float range: the arithmetic would raise it later
+        raise ValueError(f"{name} must be within the float range, got {value!r:.40}...") from None
+
+
 def measured_duration(began: float, ended: float) -> float:
     """Seconds from clock reading ``began`` to ``ended``, never less than 0.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
-from batchweave._policy._base import AttemptOutcome, CommitPolicy, register
+from batchweave._policy._base import AttemptOutcome, CommitPolicy, check_number, register
 
 __all__ = [
     "AimdPolicy",
@@ -39,11 +39,12 @@ class NaivePolicy(CommitPolicy):
 class _IntervalPolicy(CommitPolicy):
     """Attempt once ``interval`` TGBs are pending; subclasses decide how the interval moves."""
 
-    def __init__(self, interval: float) -> None:
+    def __init__(self, interval: float, option: str = "interval") -> None:
+        check_number(f"{self.name}: {option}", interval)
         if not (math.isfinite(interval) and interval >= 1):
             raise ValueError(
-                f"{self.name}: the commit interval must be a finite number of TGBs >= 1, "
-                f"got {interval!r}"
+                f"{self.name}: {option}, the commit interval, must be a finite number of TGBs "
+                f">= 1, got {interval!r:.100}"
             )
         self._interval = float(interval)
 
@@ -65,7 +66,7 @@ class FixedCountPolicy(_IntervalPolicy):
     name: ClassVar[str] = "fixed"
 
     def __init__(self, every: int) -> None:
-        super().__init__(every)
+        super().__init__(every, "every")
 
     def record(self, outcome: AttemptOutcome) -> None:
         pass
@@ -102,7 +103,8 @@ class IncrPolicy(_IntervalPolicy):
     name: ClassVar[str] = "incr"
 
     def __init__(self, initial: int = 10, step: int = 1) -> None:
-        super().__init__(initial)
+        super().__init__(initial, "initial")
+        check_number("incr: step", step)
         if not (math.isfinite(step) and step >= 0):
             raise ValueError(f"incr: step must be a finite number of TGBs >= 0, got {step!r}")
         self.step = step
@@ -130,7 +132,9 @@ class AimdPolicy(_IntervalPolicy):
         decrease: float = 0.5,
         minimum: float = 1.0,
     ) -> None:
-        super().__init__(initial)
+        super().__init__(initial, "initial")
+        for option, value in (("addend", addend), ("decrease", decrease), ("minimum", minimum)):
+            check_number(f"aimd: {option}", value)
         if not (math.isfinite(addend) and addend >= 0):
             raise ValueError(f"aimd: addend must be a finite number of TGBs >= 0, got {addend!r}")
         if not 0 < decrease < 1:

@@ -10,13 +10,13 @@ implements the interface of ``_base.py`` and shares nothing with the count-based
 from __future__ import annotations
 
 import math
-import numbers
 import random
 from collections import deque
 from collections.abc import Callable
 from typing import ClassVar, Protocol
 
 from batchweave._policy._base import AttemptOutcome, CommitPolicy, register
+from batchweave._policy._base import check_number as _check_number
 
 __all__ = [
     "DEFAULT_CONFLICT_BUDGET",
@@ -106,21 +106,22 @@ class UniformSource(Protocol):
 # --- DAC model -------------------------------------------------------------------------------
 
 
-def _check_number(name: str, value: object) -> None:
-    """Refuse a ``value`` that is not a real number (a str, ``None``, a bool), naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got the {type(value).__name__} {value!r:.100}")
-
-
 def _check_window(window: float, name: str = "fragile window") -> None:
     _check_number(name, window)
     if not (math.isfinite(window) and window >= 0):
         raise ValueError(f"{name} must be a finite number of seconds >= 0, got {window!r}")
 
 
-def _check_producers(producers: int) -> None:
+def _check_producers(producers: int, name: str = "active producer count") -> None:
+    _check_number(name, producers)
     if not (producers >= 1 and math.isfinite(producers) and producers == math.floor(producers)):
-        raise ValueError(f"active producer count must be an integer >= 1, got {producers!r}")
+        raise ValueError(f"{name} must be a finite integer >= 1, got {producers!r:.100}")
+
+
+def _check_gap(gap: float) -> None:
+    _check_number("gap", gap)
+    if not gap >= 0:
+        raise ValueError(f"gap must be >= 0 seconds, got {gap!r}")
 
 
 def _check_budgets(conflict_budget: float, duty_budget: float) -> None:
@@ -144,9 +145,8 @@ def conflict_probability(window: float, gap: float, producers: int) -> float:
     ``1/(W+g)``; an attempt conflicts if any of them lands in its fragile window ``W``.
     """
     _check_window(window)
-    _check_producers(producers)
-    if not gap >= 0:
-        raise ValueError(f"gap must be >= 0 seconds, got {gap!r}")
+    _check_producers(producers, "producers (the active producer count)")
+    _check_gap(gap)
     if window == 0:
         return 0.0
     return -math.expm1(-(producers - 1) * window / (window + gap))
@@ -155,8 +155,7 @@ def conflict_probability(window: float, gap: float, producers: int) -> float:
 def duty(window: float, gap: float) -> float:
     """``d(g) = W / (W+g)``: the fraction of a producer's time spent inside fragile windows."""
     _check_window(window)
-    if not gap >= 0:
-        raise ValueError(f"gap must be >= 0 seconds, got {gap!r}")
+    _check_gap(gap)
     if window == 0:
         return 0.0
     return window / (window + gap)
@@ -175,7 +174,7 @@ def dac_gap(
     the larger bound is the smallest feasible gap: the freshest cadence inside both budgets.
     """
     _check_window(window)
-    _check_producers(producers)
+    _check_producers(producers, "producers (the active producer count)")
     _check_budgets(conflict_budget, duty_budget)
     k = -math.log1p(-conflict_budget)
     conflict_bound = window * ((producers - 1) / k - 1)
@@ -460,20 +459,23 @@ class DacPolicy(CommitPolicy):
 
     @property
     def regular_period(self) -> float:
-        """The period of the regular slots: ``min(g*, G)`` on the grid of :attr:`slot_period`.
+        """The period of the regular slots: ``W + g*`` on the grid of :attr:`slot_period`.
 
-        ``min(g*, max_gap)`` rounded to the nearest ``max_forced_gap * 2^i`` (in log scale, so
-        within a factor of 1.41 of the gap), at least :attr:`slot_period` (a slot must hold an
-        attempt) and at most the longest grid period within ``max_gap``; 0 without an estimate
-        of ``W``.
+        One attempt per period is a cycle of the model (a window, then the gap), so the period
+        is ``min(W + g*, max_gap)`` rounded up to ``max_forced_gap * 2^i`` (less than twice
+        that), at least :attr:`slot_period` (a slot must hold an attempt) and at most the
+        longest grid period within ``max_gap``; 0 without an estimate of ``W``. Up, not to the
+        nearest: the cadence must stay within the duty and conflict budgets, which ``g*`` just
+        meets (``g*`` rounded to the nearest grid value, up to 1.41x shorter, spent 1.5x the
+        duty budget at ``N = 2``). Only ``max_gap`` cuts it shorter, as it bounds the gap.
         """
         if self._window is None:
             return 0.0
-        gap = min(self._target, self.max_gap)
+        gap = min(self._window + self._target, self.max_gap)
         base = self.max_forced_gap
         if gap <= 0 or base <= 0:
             return max(gap, self.slot_period)
-        period = _grid_period(base, max(1.0, gap / base), round)
+        period = _grid_period(base, max(1.0, gap / base), math.ceil)
         return min(self._longest_period, max(period, self.slot_period))
 
     def regular_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float | None:

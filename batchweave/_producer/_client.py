@@ -65,6 +65,8 @@ from batchweave._outage import OutageLog
 from batchweave._policy import (
     AttemptOutcome,
     CommitPolicy,
+    DacPolicy,
+    PolicyWrapper,
     checked_wait,
     measured_duration,
     resolve_policy,
@@ -99,6 +101,27 @@ class _Idle:
 
 
 _IDLE = _Idle()
+
+
+def _check_horizon(policy: CommitPolicy, active_horizon: float) -> None:
+    """Refuse a DAC ``max_gap`` longer than half of ``active_horizon`` (``docs/dac.md``).
+
+    DAC's ``N`` counts the producers whose last commit lies within ``active_horizon``; one that
+    waits up to ``max_gap`` between attempts, and another gap after a lost one, would drop out
+    of the others' count between its own commits, and DAC would undercount ``N`` and overrun
+    its conflict budget. Half leaves room for one lost attempt.
+    """
+    inner = policy
+    while isinstance(inner, PolicyWrapper):
+        inner = inner.inner
+    if isinstance(inner, DacPolicy) and not inner.max_gap <= active_horizon / 2:
+        raise ValueError(
+            f"the DAC policy's max_gap ({inner.max_gap!r} s) must be at most half of the "
+            f"Producer's active_horizon ({active_horizon!r} s): a producer that waits max_gap "
+            "between commits would drop out of the other producers' active count N, and DAC "
+            "would exceed its conflict budget; pass active_horizon >= 2 * max_gap "
+            "(active_horizon=math.inf with max_gap=math.inf) or a smaller max_gap"
+        )
 
 
 class Producer:
@@ -151,7 +174,9 @@ class Producer:
       pending TGBs are kept, ``append`` blocks once ``max_inflight_bytes`` wait for upload, and
       one log line says when the outage started and one when the store is back.
     - ``active_horizon``: producers whose last commit is older than this many seconds do not
-      count as active for the DAC policy.
+      count as active for the DAC policy. It must be at least twice a DAC policy's ``max_gap``
+      (``ValueError`` otherwise): a producer waiting ``max_gap`` between its commits would drop
+      out of the others' count. ``max_gap=math.inf`` needs ``active_horizon=math.inf``.
     - ``tail_limit``: TGB descriptors kept inline in the manifest before a commit rolls them
       into a segment object (``docs/protocol.md``); larger means fewer segment writes and a
       larger manifest per commit. Every producer of a namespace should use the same value.
@@ -213,6 +238,7 @@ class Producer:
             clock=clock, wall_clock=wall_clock, sleep=sleep, backoff=backoff, boundary=boundary
         )
         resolved_policy = resolve_policy(policy)
+        _check_horizon(resolved_policy, active_horizon)
         encoder = TgbEncoder(
             producer_id,
             namespace,
@@ -978,7 +1004,12 @@ class Producer:
     def _next_work_locked(self) -> bool | _Idle | None:
         # Set once the whole remaining gap was slept: a clock too coarse to show it (or a fake one
         # advancing by less than float resolution) must not keep the loop waiting forever.
-        gap_waited = forced_waited = regular_waited = False
+        gap_waited = False
+        # What is left of the first forced and regular (slot) waits computed here, counting the
+        # time slept against them: a wall clock that stands still or has 1 s resolution gives the
+        # same wait at every check (the slot never opens on it), so once the wait first computed
+        # has been slept, the attempt goes ahead (out of its slot, as with random phases).
+        forced_left = regular_left = math.inf
         while True:
             if self._error is not None or self._aborted:
                 return None
@@ -1007,20 +1038,24 @@ class Producer:
                 self._policy.forced_wait(since, self._wall_clock(), self._rank),
             )
             self._forced_attempt = forced
+            if not forced:
+                forced_left = math.inf  # a later flush() counts its own wait
             until_regular = None
             if not forced:
                 regular = self._policy.regular_wait(since, self._wall_clock(), self._rank)
                 if regular is not None:
                     until_regular = checked_wait(self._policy, "regular_wait", regular)
             if forced:
-                if until_forced <= 0 or forced_waited:
+                forced_left = min(forced_left, until_forced)
+                if forced_left <= 0:
                     return seal_now
-                remaining = until_forced
+                remaining = forced_left
             elif until_regular is not None:
                 # The policy paces regular attempts itself (DAC's slots), not with ready().
-                if until_regular <= 0 or regular_waited:
+                regular_left = min(regular_left, until_regular)
+                if regular_left <= 0:
                     return seal_now
-                remaining = until_regular
+                remaining = regular_left
             else:
                 # An append blocked by max_lag counts these TGBs as visible: publish them
                 # after the gap even if a count-paced policy wants more (nobody could read,
@@ -1040,7 +1075,10 @@ class Producer:
                     # an injected sleep (which they cannot cut short) sleeps the chunk below.
                     began = time.monotonic()
                     self._cond.wait(chunk)
-                    self._waited += measured_duration(began, time.monotonic())
+                    waited = measured_duration(began, time.monotonic())
+                    self._waited += waited
+                    forced_left -= waited
+                    regular_left -= waited
                     continue
                 if not forced and not open_now:
                     # A flush()/close() arriving during this sleep (which it cannot cut
@@ -1055,8 +1093,8 @@ class Producer:
                     self._cond.acquire()
                 self._waited += chunk
                 gap_waited = chunk == gap - since
-                forced_waited = forced and chunk == until_forced
-                regular_waited = until_regular is not None and chunk == until_regular
+                forced_left -= chunk  # exactly 0 after the last chunk of a wait
+                regular_left -= chunk
             else:
                 self._cond.wait(_EVENT_WAIT)
 
