@@ -304,7 +304,8 @@ class _Metrics:
         self, namespace: str, report: ReclaimReport, *, succeeded: bool = True
     ) -> None:
         """Count a pass's deletions; a pass that failed after deleting (``succeeded=False``:
-        keys the store refused) still counts them but is no successful pass."""
+        keys the store refused, or it stopped part-way) still counts them but is no successful
+        pass."""
         if succeeded:
             self.passes.labels(namespace).inc()
             self.reclaim_last_success.labels(namespace).set_to_current_time()
@@ -363,11 +364,12 @@ def track_metrics(obj: _T, *, registry: CollectorRegistry | None = None) -> _T:
                 before = reclaimer.last_report
                 try:
                     report = original()
-                except Exception:
+                except BaseException:  # Ctrl-C too: what the pass deleted is gone all the same
                     m.reclaim_errors.labels(namespace).inc()
                     partial = reclaimer.last_report
                     if partial is not None and partial is not before:
-                        # the store refused some deletions, the rest went: count those
+                        # the pass failed after deleting (the store refused some keys, or
+                        # failed part-way): count what it deleted, which no later pass counts
                         m.observe_reclaim(namespace, partial, succeeded=False)
                     raise
                 m.observe_reclaim(namespace, report)

@@ -12,6 +12,9 @@
   ``ChecksumMismatch``, deleting nothing, run after run.
 - A damaged *newest* version made ``reclaim``, ``inspect``, ``seal`` and ``retire`` print only
   "...; the object is corrupt", with no next step.
+- One damaged segment lying entirely below the committed cut (needed by no reader) made every
+  reclaim pass fail with ``ChecksumMismatch`` after committing its cut: nothing was deleted
+  again. A damaged segment the latest version lists still stops the pass, now saying so.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from typing import Any
 
 import click
 import pytest
+from _reclaimer_worker import FakeClock, Writer, expected_slice
 from click.testing import CliRunner
 from manifest_helpers import body, envelope
 
 import batchweave as bw
-from batchweave import ConsumerError, FormatError, NamespaceMismatch
+from batchweave import ChecksumMismatch, ConsumerError, FormatError, NamespaceMismatch
 from batchweave._manifest import ManifestLog, manifest_key
 from batchweave.cli._app import cli
 
@@ -307,6 +311,103 @@ def test_a_damaged_newest_version_still_stops_the_pass_naming_it() -> None:
     assert key in str(caught.value)
     assert "batchweave verify" in str(caught.value)
     assert contents(store, NS) == before
+
+
+# -- reclaim: a damaged segment ----------------------------------------------------------------
+
+
+def segmented(store: bw.MemoryStore, clock: FakeClock) -> Writer:
+    """Steps 0..11 in three segments (0..3, 4..7, 8..11) and an inline tail, one orphan."""
+    writer = Writer(store, NS, MESH, clock=clock)
+    writer.log = ManifestLog(store, NS, tail_limit=3, clock=clock, monotonic=clock)
+    for _ in range(6):
+        writer.publish(2)
+    writer.orphan()
+    starts = [(ref.first_step, ref.end_step) for ref in ManifestLog(store, NS).latest().segments]
+    assert starts == [(0, 4), (4, 8), (8, 12)]
+    return writer
+
+
+def damage_segment(store: bw.ObjectStore, index: int) -> str:
+    """Flip a byte of segment ``index`` of the latest version (bit rot); its key."""
+    ref = ManifestLog(store, NS).latest().segments[index]
+    key = f"{NS}/{ref.key}"
+    data = bytearray(store.get(key))
+    data[-5] ^= 0xFF
+    store.put(key, bytes(data))
+    return key
+
+
+def tgb_steps(store: bw.ObjectStore) -> list[int]:
+    """Steps (offsets) whose TGB object is still stored; orphans count as 10**9 and above."""
+    return sorted(int(m.key.rsplit("/", 1)[-1][:20]) for m in store.list(f"{NS}/data/"))
+
+
+def test_a_damaged_segment_below_the_cut_does_not_stop_reclaiming(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Before the fix every pass (a fresh Reclaimer too) committed its cut, then failed with
+    # ChecksumMismatch reading the segment of steps 0..3 to find their TGBs: no TGB, orphan,
+    # segment or manifest was ever deleted again.
+    clock = FakeClock()
+    store = bw.MemoryStore(clock=clock)
+    segmented(store, clock)
+    victim = damage_segment(store, 0)
+    bw.Watermarks(store, NS, clock=clock).record("c1", 6)
+    reclaimer = bw.Reclaimer(store, NS, grace=GRACE, clock=clock, sleep=lambda _: None)
+    with caplog.at_level(logging.WARNING, logger="batchweave.lifecycle"):
+        report = reclaimer.run_once()
+    assert report.base_step_after == 6
+    assert report.damaged_segments == 1
+    assert report.damaged_versions == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(victim in w and "batchweave verify" in w for w in warnings), warnings
+    # Steps 4 and 5 (a readable segment) go at once; the damaged segment's steps 0..3 are left
+    # to the orphan rule, so they wait for the grace like an orphan.
+    assert report.tgbs_deleted == 2
+    assert tgb_steps(store)[:5] == [0, 1, 2, 3, 6]
+    clock.advance(GRACE + 1)
+    report = reclaimer.run_once()
+    assert report.orphans_deleted == 5  # steps 0..3 and the upload never committed
+    assert tgb_steps(store) == list(range(6, 12))
+    clock.advance(10 * GRACE)  # the segment rule: unlisted by every version readers may hold
+    for _ in range(2):
+        report = bw.Reclaimer(store, NS, grace=GRACE, clock=clock).run_once()
+    assert victim not in {m.key for m in store.list(f"{NS}/_segments/")}
+    # Nothing the watermark needs went: every step from it on reads back, checksums verified.
+    for rank in range(MESH.dp):
+        with bw.Consumer(
+            store, NS, mesh=MESH, dp_rank=rank, cp_rank=0, start_step=6, timeout=0
+        ) as consumer:
+            got = [next(consumer) for _ in range(6)]
+        assert [step for step, _ in got] == list(range(6, 12))
+        assert [data for _, data in got] == [expected_slice("w0", s, rank) for s in range(6, 12)]
+
+
+def test_a_damaged_segment_the_latest_version_lists_stops_the_pass_saying_what_to_do() -> None:
+    # It still stops the pass (its objects would look unreferenced), but the raw error said only
+    # "...; the object is corrupt": not that nothing was deleted, nor what to do.
+    clock = FakeClock()
+    store = bw.MemoryStore(clock=clock)
+    segmented(store, clock)
+    victim = damage_segment(store, 1)  # steps 4..7, above the cut
+    bw.Watermarks(store, NS, clock=clock).record("c1", 2)
+    clock.advance(10 * GRACE)
+    data = {m.key for m in store.list(f"{NS}/data/")}
+    segments = {m.key for m in store.list(f"{NS}/_segments/")}
+    reclaimer = bw.Reclaimer(store, NS, grace=GRACE, clock=clock, sleep=lambda _: None)
+    with pytest.raises(ChecksumMismatch) as caught:
+        reclaimer.run_once()
+    message = str(caught.value)
+    assert isinstance(caught.value.__cause__, ChecksumMismatch)
+    assert victim in message
+    assert "the latest" in message
+    assert "TGB steps 4..7" in message
+    assert "This pass deletes nothing" in message
+    assert f"batchweave verify {store.url} {NS}" in message
+    assert "backup" in message
+    assert {m.key for m in store.list(f"{NS}/data/")} == data
+    assert {m.key for m in store.list(f"{NS}/_segments/")} == segments
 
 
 @pytest.mark.parametrize("reading", [float("nan"), float("inf"), None, True])

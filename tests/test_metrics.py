@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import inspect
 import urllib.request
+from collections.abc import Iterable
 
 import pytest
 from _reclaimer_worker import ONE_SLICE, RefuseOne, publish_one_slice
@@ -262,6 +263,68 @@ def test_a_failed_pass_still_counts_what_it_deleted(registry: CollectorRegistry)
         None,
         0,
     )
+
+
+class FailAfter(bw.StoreWrapper):
+    """Deletes ``budget`` objects, one request each, then fails once with a transient error."""
+
+    def __init__(self, inner: bw.ObjectStore, budget: int) -> None:
+        super().__init__(inner)
+        self.budget: int | None = budget
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            if self.budget == 0:
+                self.budget = None
+                raise bw.TransientStoreError("injected: store hiccup")
+            if self.budget is not None:
+                self.budget -= 1
+            super().delete_many([key])
+
+
+def test_a_pass_failing_part_way_counts_what_it_deleted_once(registry: CollectorRegistry) -> None:
+    # Before the fix a pass stopped by a store error set no last_report, so the tracker counted
+    # none of the objects it had deleted, and the next pass counted only those left: 6 of 10.
+    inner = bw.MemoryStore()
+    publish_one_slice(inner, 10)
+    bw.Watermarks(inner, "ns").record("c", step=10)
+    stored = sum(m.size for m in inner.list("ns/data/"))
+    reclaimer = bw.Reclaimer(FailAfter(inner, 4), "ns", grace=0, delete_batch=1)
+    bw.track_metrics(reclaimer, registry=registry)
+    with pytest.raises(bw.TransientStoreError, match="hiccup"):
+        reclaimer.run_once()
+    assert reclaimer.last_report is not None
+    assert reclaimer.last_report.tgbs_deleted == 4
+    labels = {"namespace": "ns", "kind": "tgb"}
+    assert value(registry, "batchweave_reclaimed_objects_total", **labels) == 4
+    assert value(registry, "batchweave_reclaim_errors_total", namespace="ns") == 1
+    report = reclaimer.run_once()
+    assert report.tgbs_deleted == 6
+    assert not list(inner.list("ns/data/"))
+    assert value(registry, "batchweave_reclaimed_objects_total", **labels) == 10
+    assert value(registry, "batchweave_reclaimed_bytes_total", **labels) == stored
+    assert value(registry, "batchweave_reclaim_passes_total", namespace="ns") == 1
+
+
+def test_an_interrupted_pass_counts_what_it_deleted(registry: CollectorRegistry) -> None:
+    # Ctrl-C (here from the progress callback) after some deletions: they are gone all the same.
+    inner = bw.MemoryStore()
+    publish_one_slice(inner, 6)
+    bw.Watermarks(inner, "ns").record("c", step=6)
+
+    def interrupt(progress: bw.ReclaimProgress) -> None:
+        if progress.objects_deleted == 3:
+            raise KeyboardInterrupt
+
+    reclaimer = bw.Reclaimer(inner, "ns", grace=0, delete_batch=1, progress=interrupt)
+    bw.track_metrics(reclaimer, registry=registry)
+    with pytest.raises(KeyboardInterrupt):
+        reclaimer.run_once()
+    labels = {"namespace": "ns", "kind": "tgb"}
+    assert value(registry, "batchweave_reclaimed_objects_total", **labels) == 3
+    reclaimer.progress = None
+    reclaimer.run_once()
+    assert value(registry, "batchweave_reclaimed_objects_total", **labels) == 6
 
 
 def test_a_namespace_that_does_not_exist_fails_before_counting(

@@ -94,6 +94,10 @@ class ReclaimReport:
     damaged_versions: int = 0
     """Old manifest versions the pass had to read but could not decode (bit rot, a partial
     restore), skipped with a WARNING naming each: run ``batchweave verify``."""
+    damaged_segments: int = 0
+    """Segments of steps below the cut the pass had to read but could not decode (bit rot, a
+    partial restore), skipped with a WARNING naming each (the objects of their steps are
+    deleted as orphans once older than ``grace``): run ``batchweave verify``."""
 
     @property
     def objects_deleted(self) -> int:
@@ -299,34 +303,49 @@ class Reclaimer:
             self._known = None
             return self._no_namespace(boundary, marks, sweep)
         damaged: list[str] = []
-        self._delete_data(latest, cut_from, numbered, now, sweep, damaged)
-        settled_version, settled = self._settled_version(numbered, now, damaged)
-        if settled is not None:
-            self._delete_segments(latest, settled, now, sweep)
-        if marks:
-            floor = min(min(m.version for m in marks), latest.version)
-            if settled_version is not None:
-                self._delete_manifests(numbered, min(floor, settled_version), sweep)
-        c = sweep.counts
-        report = ReclaimReport(
-            boundary=boundary,
-            watermarks=len(marks),
-            base_step_before=before,
-            base_step_after=latest.base_step,
-            latest_version=latest.version,
-            tgbs_deleted=c.get("tgb", 0),
-            tgb_bytes_deleted=c.get("tgb_bytes", 0),
-            orphans_deleted=c.get("orphan", 0),
-            orphan_bytes_deleted=c.get("orphan_bytes", 0),
-            segments_deleted=c.get("segment", 0),
-            segment_bytes_deleted=c.get("segment_bytes", 0),
-            manifests_deleted=c.get("manifest", 0),
-            manifest_bytes_deleted=c.get("manifest_bytes", 0),
-            commit_conflicts=conflicts,
-            seconds=sweep.seconds(),
-            keys_listed=sweep.listed,
-            damaged_versions=len(damaged),
-        )
+        damaged_segments: list[str] = []
+
+        def what_it_did() -> ReclaimReport:
+            c = sweep.counts
+            return ReclaimReport(
+                boundary=boundary,
+                watermarks=len(marks),
+                base_step_before=before,
+                base_step_after=latest.base_step,
+                latest_version=latest.version,
+                tgbs_deleted=c.get("tgb", 0),
+                tgb_bytes_deleted=c.get("tgb_bytes", 0),
+                orphans_deleted=c.get("orphan", 0),
+                orphan_bytes_deleted=c.get("orphan_bytes", 0),
+                segments_deleted=c.get("segment", 0),
+                segment_bytes_deleted=c.get("segment_bytes", 0),
+                manifests_deleted=c.get("manifest", 0),
+                manifest_bytes_deleted=c.get("manifest_bytes", 0),
+                commit_conflicts=conflicts,
+                seconds=sweep.seconds(),
+                keys_listed=sweep.listed,
+                damaged_versions=len(damaged),
+                damaged_segments=len(damaged_segments),
+            )
+
+        try:
+            self._delete_data(latest, cut_from, numbered, now, sweep, damaged, damaged_segments)
+            settled_version, settled = self._settled_version(numbered, now, damaged)
+            if settled is not None:
+                self._delete_segments(latest, settled, now, sweep)
+            if marks:
+                floor = min(min(m.version for m in marks), latest.version)
+                if settled_version is not None:
+                    self._delete_manifests(numbered, min(floor, settled_version), sweep)
+        except BaseException:
+            # A pass stopped part-way (a store error, an exception from ``progress``, Ctrl-C)
+            # may have deleted objects already: ``last_report`` says what (``track_metrics``
+            # counts them from it). A later pass lists only what is left, so no deletion is
+            # counted twice.
+            if sweep.objects:
+                self.last_report = what_it_did()
+            raise
+        report = what_it_did()
         self.last_report = report
         try:
             sweep.begin("done")
@@ -448,6 +467,7 @@ class Reclaimer:
         now: float,
         sweep: Sweep,
         damaged: list[str],
+        damaged_segments: list[str],
     ) -> None:
         sweep.begin("reading manifests")
         live = self._keys.live(latest)
@@ -455,7 +475,7 @@ class Reclaimer:
         if self._swept_below != latest.base_step:
             source = cut_from or self._newest_below(numbered, latest, damaged)
             if source is not None:
-                below = self._keys.below(source, latest.base_step)
+                below = self._keys.below(source, latest.base_step, damaged_segments)
         self._keys.forget_unlisted(latest)
         reclaimed: list[ObjectMeta] = []
         orphans: list[ObjectMeta] = []
