@@ -447,6 +447,22 @@ def test_the_reclaim_command_shows_skipped_damaged_versions(tmp_path: Path) -> N
     assert "batchweave verify" in result.output
 
 
+def test_the_reclaim_command_shows_skipped_damaged_segments(tmp_path: Path) -> None:
+    store = bw.FileStore(tmp_path)
+    with bw.Producer(store, NS, producer_id="p", mesh=ONE, tail_limit=3) as producer:
+        for offset in range(12):
+            producer.append([b"x" * 10], offset=offset)
+            producer.flush()
+    segments = ManifestLog(store, NS).latest().segments
+    assert len(segments) >= 2, "the run must have rolled segments"
+    damage_segment(store, 0)
+    bw.Watermarks(store, NS).record("c1", segments[0].end_step)
+    result = CliRunner().invoke(cli, ["reclaim", str(tmp_path), NS])
+    assert result.exit_code == 0, result.output
+    assert "damaged segments" in result.output
+    assert "1 skipped" in result.output
+
+
 @pytest.mark.parametrize(
     "command", [["reclaim"], ["inspect"], ["seal"], ["retire"], ["retire", "--dry-run"]]
 )

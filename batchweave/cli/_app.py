@@ -336,6 +336,12 @@ def reclaim(
             "damaged versions",
             f"{report.damaged_versions} skipped (named in the log); run `batchweave verify`",
         )
+    if report.damaged_segments:
+        table.add_row(
+            "damaged segments",
+            f"{report.damaged_segments} skipped (named in the log; their TGBs wait for the "
+            "orphan rule); run `batchweave verify`",
+        )
     out_console().print(table)
 
 
