@@ -19,9 +19,11 @@ import contextlib
 import copy
 import functools
 import inspect
+import math
 import multiprocessing
 import os
 import pickle
+import threading
 import time
 import warnings
 import weakref
@@ -60,12 +62,20 @@ _OBSTORE_FORK_ADVICE = (
 )
 """Why a ``fork`` start method is refused for workers reading with obstore."""
 
+_MAX_WORKER_TIMEOUT = 2_147_483.0
+"""The longest DataLoader ``timeout`` with workers, in s: torch waits for their steps on
+``multiprocessing.connection.wait``, whose ``poll``/``epoll`` takes whole milliseconds in a C
+``int`` (``2**31 - 1`` ms); threading's ``TIMEOUT_MAX`` is larger on every platform."""
+
 _STOP_POLL = 0.05
 """How often a DataLoader worker waiting for producers checks whether it should stop, in s."""
 
 
 def to_tensors(item: Any) -> Any:
     """:class:`WeaveLoader`'s default ``collate_fn``: numpy arrays become tensors the loop owns.
+
+    ``WeaveLoader`` calls it with each step's data, a plain ``DataLoader`` with the whole
+    ``(step, data)`` item (the step stays an ``int``).
 
     Decoded arrays are read-only views of the read buffer (for large slices on ``file://``, of a
     read-only memory map), and a tensor cannot be read-only: an in-place op on a tensor viewing
@@ -373,9 +383,14 @@ def _reads_with_obstore(dataset: WeaveDataset) -> bool:
         return (
             store_url_scheme(store) == "s3" and dataset.store_options.get("s3_client") == "obstore"
         )
+    return isinstance(_innermost(store), ObstoreS3Store)
+
+
+def _innermost(store: Any) -> Any:
+    """The store at the end of ``store``'s chain of :class:`StoreWrapper` (``store`` if none)."""
     while isinstance(store, StoreWrapper):
         store = store.inner
-    return isinstance(store, ObstoreS3Store)
+    return store
 
 
 def _obstore_worker_context(context: Any) -> Any:
@@ -400,18 +415,19 @@ def _obstore_worker_context(context: Any) -> Any:
 def _check_store_reaches_workers(dataset: WeaveDataset, context: Any) -> None:
     """Refuse a store object that DataLoader worker processes cannot use, saying what works.
 
-    A ``memory://`` store lives in one process: each worker would read its own copy, which no
-    producer writes to. Workers started with ``spawn``/``forkserver`` receive the dataset
-    pickled, which an S3 client (thread-local sessions, locks) does not survive; torch's own
-    error names only the unpicklable attribute.
+    A ``memory://`` store (also inside a :class:`StoreWrapper`) lives in one process: each
+    worker would read its own copy, which no producer writes to. Workers started with
+    ``spawn``/``forkserver`` receive the dataset pickled, which an S3 client (thread-local
+    sessions, locks) does not survive; torch's own error names only the unpicklable attribute.
     """
     store = dataset.store
-    if isinstance(store, MemoryStore) or (
+    if isinstance(_innermost(store), MemoryStore) or (
         isinstance(store, str) and store_url_scheme(store) == "memory"
     ):
         raise ValueError(
-            "a memory:// store exists only in this process: DataLoader workers would each read "
-            "an empty copy of their own; use num_workers=0, or a file:// or s3:// store"
+            "a memory:// store exists only in this process (also wrapped): DataLoader workers "
+            "would each read a copy of their own, which no producer writes to; use "
+            "num_workers=0, or a file:// or s3:// store"
         )
     if isinstance(store, str):
         return
@@ -427,6 +443,25 @@ def _check_store_reaches_workers(dataset: WeaveDataset, context: Any) -> None:
             "pass the store URL instead, e.g. WeaveDataset('s3://bucket/prefix', ..., "
             "store_options={...}), and each worker opens its own client"
         ) from exc
+
+
+def _loader_timeout(value: Any, workers: int) -> float:
+    """The DataLoader ``timeout`` to use for ``value``: checked, and ``inf`` (no timeout) as 0.
+
+    torch waits for a worker's step with a timeout of at most :data:`_MAX_WORKER_TIMEOUT` s (a
+    longer one is an ``OverflowError`` at the first step), and takes 0 for none; without workers
+    the value bounds the consumer's waits, where ``inf`` also means none.
+    """
+    timeout = as_seconds("timeout", value)
+    if math.isinf(timeout):
+        return 0.0
+    if workers and timeout > _MAX_WORKER_TIMEOUT:
+        raise ValueError(
+            f"timeout must be at most {_MAX_WORKER_TIMEOUT:.0f} seconds (about 24 days) with "
+            f"DataLoader workers, which cannot wait longer for a step; got {value!r}; pass "
+            "timeout=float('inf') (or 0) for no timeout"
+        )
+    return timeout
 
 
 def _check_dataloader_options(dataset: WeaveDataset, options: Mapping[str, Any]) -> None:
@@ -464,7 +499,9 @@ class WeaveLoader:
 
     ``dataloader_options`` go to ``torch.utils.data.DataLoader`` (``num_workers``,
     ``pin_memory``, ``prefetch_factor``, ``collate_fn`` (default :func:`to_tensors`),
-    ``multiprocessing_context``, ...). Each item already is one step's batch, so batching and
+    ``multiprocessing_context``, ``timeout`` (``inf`` for none, as 0), ...). ``collate_fn`` is
+    called with each step's data alone, and what it returns is the ``batch`` of ``for step, batch
+    in loader``: the step goes around it. Each item already is one step's batch, so batching and
     sampling options are refused, as are
     ``persistent_workers`` (workers must restart at the resume step) and ``in_order=False``
     (delivery order is the step order). A new DataLoader is made per ``iter()``, which continues
@@ -489,7 +526,9 @@ class WeaveLoader:
                 "num_workers", dataloader_options["num_workers"], 0
             )
         if "timeout" in dataloader_options:
-            dataloader_options["timeout"] = as_seconds("timeout", dataloader_options["timeout"])
+            dataloader_options["timeout"] = _loader_timeout(
+                dataloader_options["timeout"], dataloader_options.get("num_workers", 0)
+            )
         if dataloader_options.get("prefetch_factor") is not None:
             dataloader_options["prefetch_factor"] = as_count(
                 "prefetch_factor", dataloader_options["prefetch_factor"], 1
@@ -522,6 +561,9 @@ class WeaveLoader:
         self._iterations = 0
         """Iterators made so far: only the newest one (this number) may deliver steps."""
         self._newest: weakref.ref[_LoaderIterator] | None = None
+        self._lock = threading.Lock()
+        """Makes a newer iterator and an older one's delivery of a step on another thread
+        exclusive: the step is the older one's (the newer starts after it), or dropped."""
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         """An iterator continuing where the last one stopped, which it replaces.
@@ -530,16 +572,21 @@ class WeaveLoader:
         twice. So the newest is the only one: the one it replaces stops its workers now, and
         asking it for another step raises :class:`~batchweave.ConsumerError`.
         """
-        older = None if self._newest is None else self._newest()
-        if older is not None:
-            older.replaced(self._next_step)
-        self._iterations += 1
-        newest = _LoaderIterator(self, self._iterations)
-        self._newest = weakref.ref(newest)
+        with self._lock:  # an older iterator delivering a step on another thread waits
+            older = None if self._newest is None else self._newest()
+            if older is not None:
+                older.replaced(self._next_step)
+            self._iterations += 1
+            newest = _LoaderIterator(self, self._iterations)
+            self._newest = weakref.ref(newest)
         return newest
 
-    def _iterate(self) -> Generator[tuple[int, Any], None, None]:
-        """The steps of one iteration (see :class:`_LoaderIterator`)."""
+    def _iterate(self, number: int) -> Generator[tuple[int, Any], None, None]:
+        """The steps of iteration ``number`` (see :class:`_LoaderIterator`).
+
+        Raises :class:`_Replaced` for a step that arrives once a newer iteration exists (one
+        thread waited for it while another made the newer iterator): the newer one delivers it.
+        """
         # This iteration's own copy of the dataset: the user's is never modified, so another
         # loader (or DataLoader) over it still starts where the dataset does.
         dataset = copy.copy(self.dataset)
@@ -553,12 +600,17 @@ class WeaveLoader:
             # torch takes a timeout only with workers (its single-process iterator asserts it
             # is 0): without them it bounds the consumer's waits, as it does for state_dict().
             dataset.default_timeout = options.pop("timeout")
+        # The user's collate_fn gets each step's data alone; the step goes around it.
+        options["collate_fn"] = _CollateData(options.get("collate_fn") or _default_convert)
         loader = DataLoader(dataset, batch_size=None, **options)
         batches = iter(loader)
         self._loops += 1
         try:
             for step, data in batches:
-                self._next_step = int(step) + 1
+                with self._lock:
+                    if self._iterations != number:
+                        raise _Replaced  # before the step counts as delivered
+                    self._next_step = int(step) + 1
                 if dataset.namespace_id is not None:  # an iteration in this process saw it
                     self.dataset._namespace_id = dataset.namespace_id
                 yield step, data
@@ -686,6 +738,25 @@ class WeaveLoader:
         self._shadow = self._shadow_store = None
 
 
+class _Replaced(Exception):
+    """A step reached an iteration a newer one replaced (:meth:`WeaveLoader._iterate`)."""
+
+
+class _CollateData:
+    """:class:`WeaveLoader`'s DataLoader ``collate_fn``: the user's, applied to a ``(step,
+    data)`` item's data alone. The step goes around it, so a ``collate_fn`` returning anything
+    (``(inputs, labels)``, say) is the loop's batch and cannot change the step it is counted as.
+    Picklable for ``spawn``/``forkserver`` workers if the user's ``collate`` is.
+    """
+
+    def __init__(self, collate: Callable[[Any], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, item: tuple[int, Any]) -> tuple[int, Any]:
+        step, data = item
+        return step, self.collate(data)
+
+
 class _LoaderIterator:
     """One iteration over a :class:`WeaveLoader`, usable until a newer one replaces it.
 
@@ -696,7 +767,7 @@ class _LoaderIterator:
     def __init__(self, loader: WeaveLoader, number: int) -> None:
         self._loader = loader
         self._number = number
-        self._steps = loader._iterate()
+        self._steps = loader._iterate(number)
         self._replaced_at: int | None = None
         self._ended = False
         """Whether its steps ran out: it then stops again whatever replaced it."""
@@ -709,18 +780,24 @@ class _LoaderIterator:
             raise StopIteration
         if self._loader._iterations != self._number:
             self.close()
-            at = "" if self._replaced_at is None else f" at step {self._replaced_at}"
-            raise ConsumerError(
-                f"this iterator over the WeaveLoader was replaced by a newer iter(loader){at}, "
-                "which continues from there: a loader delivers each step once, so only its "
-                "newest iterator can be used. Leave one loop over the loader before starting "
-                "another, or use a second WeaveLoader for a separate pass (e.g. evaluation)"
-            )
+            raise self._replaced_error()
         try:
             return next(self._steps)
         except StopIteration:
             self._ended = True
             raise
+        except _Replaced:  # replaced on another thread while this one waited for the step
+            raise self._replaced_error() from None
+
+    def _replaced_error(self) -> ConsumerError:
+        """Why a replaced iterator delivers nothing (and where its replacement went on)."""
+        at = "" if self._replaced_at is None else f" at step {self._replaced_at}"
+        return ConsumerError(
+            f"this iterator over the WeaveLoader was replaced by a newer iter(loader){at}, "
+            "which continues from there: a loader delivers each step once, so only its "
+            "newest iterator can be used. Leave one loop over the loader before starting "
+            "another, or use a second WeaveLoader for a separate pass (e.g. evaluation)"
+        )
 
     def replaced(self, at: int | None) -> None:
         """A newer iterator starts at step ``at``: stop this one's workers now."""

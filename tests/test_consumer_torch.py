@@ -161,6 +161,19 @@ def test_a_memory_store_is_refused_with_worker_processes() -> None:
         WeaveLoader(dataset, num_workers=0).close()  # in-process is fine
 
 
+def test_a_wrapped_memory_store_is_refused_with_worker_processes() -> None:
+    # Before: CountingStore(MemoryStore()) was accepted; forked workers read a copy taken when
+    # they started and waited for ever for the steps producers committed later.
+    for store in (
+        bw.CountingStore(bw.MemoryStore()),
+        bw.CountingStore(bw.CountingStore(bw.MemoryStore())),
+    ):
+        dataset = WeaveDataset(store, "run", mesh=MESH, dp_rank=0, cp_rank=0)
+        with pytest.raises(ValueError, match="memory:// store exists only in this process"):
+            WeaveLoader(dataset, num_workers=2, multiprocessing_context="fork")
+        WeaveLoader(dataset, num_workers=0).close()  # in-process is fine
+
+
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_a_store_object_that_spawned_workers_cannot_receive_is_refused_naming_the_fix(
     tmp_path: Path, context: str

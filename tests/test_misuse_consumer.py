@@ -16,10 +16,12 @@ Waits are on events and a fake clock; nothing sleeps to synchronise.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ from batchweave import (
     Producer,
     StoreWrapper,
 )
+from batchweave._consumer._options import check_options
 from batchweave.torch import WeaveDataset, WeaveLoader
 
 MESH = Mesh(dp=1)
@@ -195,6 +198,113 @@ def test_breaking_out_of_epochs_still_continues_where_the_last_loop_stopped(seal
     loader.close()
 
 
+def test_an_iterator_replaced_while_it_waits_on_another_thread_does_not_deliver() -> None:
+    # Before: the older iterator, waiting for step 3 on another thread when the newer one was
+    # made, still delivered step 3 (which the newer one delivered too), and its bookkeeping
+    # could set the loader's next step back below the newer one's.
+    store = MemoryStore()
+    producer = Producer(store, NS, producer_id="p0", mesh=MESH, policy="naive")
+    for offset in range(3):
+        producer.append([f"step-{offset}".encode()], offset=offset)
+    producer.flush()
+    got_two, waiting = threading.Event(), threading.Event()
+
+    def sleep(seconds: float) -> None:  # the consumer's waits for producers
+        if got_two.is_set():
+            waiting.set()
+        time.sleep(seconds)
+
+    dataset = WeaveDataset(
+        store, NS, mesh=MESH, dp_rank=0, poll_interval=0.01, max_poll_interval=0.01, sleep=sleep
+    )
+    loader = WeaveLoader(dataset)
+    older_steps: list[int] = []
+    errors: list[ConsumerError] = []
+
+    def older_loop() -> None:
+        try:
+            for step, _ in loader:
+                older_steps.append(int(step))
+                if step == 2:
+                    got_two.set()
+        except ConsumerError as exc:
+            errors.append(exc)
+
+    older = threading.Thread(target=older_loop)
+    older.start()
+    try:
+        assert waiting.wait(WAIT), "the older loop does not wait for step 3"
+        newer = iter(loader)  # while the older loop waits for step 3 on its thread
+        for offset in (3, 4):
+            producer.append([f"step-{offset}".encode()], offset=offset)
+        producer.seal()
+        newer_steps = [int(step) for step, _ in newer]
+    finally:
+        producer.close()
+        older.join(WAIT)
+    assert not older.is_alive()
+    assert older_steps == [0, 1, 2]  # not step 3, which it waited for when it was replaced
+    assert newer_steps == [3, 4]
+    assert len(errors) == 1
+    assert "replaced by a newer iter(loader) at step 3" in str(errors[0])
+    assert loader.state_dict()["step"] == 5
+    loader.close()
+
+
+def _inputs_and_labels(data: bytes) -> tuple[bytes, int]:
+    """A collate_fn returning the model's ``(inputs, labels)``; a worker cannot record calls."""
+    if not isinstance(data, bytes):
+        raise TypeError(f"collate_fn got {data!r}, not the step's data")
+    return data, len(data)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_collate_fn_gets_the_steps_data_and_its_result_is_the_batch(
+    sealed: str, workers: int
+) -> None:
+    # Before: the loader took the collate_fn's result for (step, data): with (inputs, labels)
+    # the checkpoint recorded the step as int(inputs) (silently), and a collate_fn returning
+    # data alone failed with a bare "not enough values to unpack".
+    dataset = WeaveDataset(sealed, NS, mesh=MESH, dp_rank=0, prefetch=2)
+    options: dict[str, Any] = {"num_workers": workers}
+    if workers:
+        options["multiprocessing_context"] = "fork"
+    loader = WeaveLoader(dataset, collate_fn=_inputs_and_labels, **options)
+    delivered = []
+    for step, (inputs, labels) in loader:
+        delivered.append((step, inputs, labels))
+        if step == 2:
+            break
+    assert delivered == [(s, f"step-{s}".encode(), 6) for s in range(3)]
+    assert loader.state_dict()["step"] == 3
+    assert [step for step, _ in loader] == [3, 4, 5, 6, 7]  # resumed at the right step
+    loader.close()
+    seen: list[Any] = []
+    plain = WeaveLoader(dataset, collate_fn=lambda data: seen.append(data) or data.upper())
+    assert list(plain) == [(s, f"STEP-{s}".encode()) for s in range(8)]
+    assert seen == [f"step-{s}".encode() for s in range(8)]  # the data alone, not the step
+    assert plain.state_dict()["step"] == 8
+    plain.close()
+
+
+def test_an_infinite_dataloader_timeout_is_none_and_one_torch_cannot_wait_is_refused(
+    sealed: str,
+) -> None:
+    # Before: accepted, then the first step with workers raised a raw OverflowError from the
+    # selector torch waits on (also for 1e12, and for anything over about 24.8 days).
+    dataset = WeaveDataset(sealed, NS, mesh=MESH, dp_rank=0, prefetch=2)
+    loader = WeaveLoader(dataset, num_workers=1, multiprocessing_context="fork", timeout=math.inf)
+    assert loader.dataloader_options["timeout"] == 0  # torch's "no timeout"
+    assert [int(step) for step, _ in loader] == list(range(8))
+    loader.close()
+    for too_long in (1e12, 3e6):
+        with pytest.raises(ValueError, match=r"timeout must be at most 2147483 seconds"):
+            WeaveLoader(dataset, num_workers=1, timeout=too_long)
+    WeaveLoader(dataset, num_workers=1, timeout=2e6).close()
+    WeaveLoader(dataset, timeout=1e12).close()  # without workers it bounds the consumer's waits
+    assert [int(step) for step, _ in WeaveLoader(dataset, timeout=math.inf)] == list(range(8))
+
+
 # -- a consumer in a forked child -----------------------------------------------------------------
 
 
@@ -291,6 +401,19 @@ def test_bad_consumer_options_are_refused_by_the_dataset(
     # Before: accepted, and each DataLoader worker's consumer failed (or read) with them.
     with pytest.raises(error, match=message):
         WeaveDataset("memory://x", NS, mesh=MESH, dp_rank=0, **options)
+
+
+@pytest.mark.parametrize("name", ["clock", "sleep", "cpu_clock"])
+def test_a_time_function_that_cannot_be_called_is_refused_naming_it(name: str) -> None:
+    # Before: the dataset took clock=1.5 and every DataLoader worker's consumer failed with
+    # "'float' object is not callable"; check_options, which the dataset runs, now refuses it.
+    with pytest.raises(
+        TypeError, match=rf"{name} must be callable \(like time\.\w+\), got the float"
+    ):
+        WeaveDataset("memory://x", NS, mesh=MESH, dp_rank=0, **{name: 1.5})
+    with pytest.raises(TypeError, match=rf"{name} must be callable"):
+        check_options(**{name: None})
+    assert check_options(**{name: time.monotonic})[name] is time.monotonic
 
 
 @pytest.mark.parametrize(

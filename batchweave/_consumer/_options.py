@@ -48,6 +48,12 @@ _SIZES: Final = ("map_threshold", "split_threshold", "part_size")
 """The :class:`Consumer` options that are sizes in bytes (at least 1; ``16e6`` is taken)."""
 _SECONDS: Final = ("poll_interval", "max_poll_interval", "retry_backoff", "max_retry_backoff")
 """The :class:`Consumer` options that are finite numbers of seconds, slept between reads."""
+_CALLABLES: Final = {
+    "clock": "time.monotonic",
+    "sleep": "time.sleep",
+    "cpu_clock": "time.thread_time",
+}
+"""The :class:`Consumer` options that are functions (injectable time), with their defaults."""
 _PAIRED_DEFAULTS: Final = {
     "poll_interval": DEFAULT_POLL_INTERVAL,
     "max_poll_interval": DEFAULT_MAX_POLL_INTERVAL,
@@ -59,12 +65,13 @@ _PAIRED_DEFAULTS: Final = {
 
 def check_options(**options: Any) -> dict[str, Any]:
     """:class:`Consumer` keyword arguments with every count, size, number of seconds and share
-    checked and made a plain ``int`` or ``float``; the others are returned as given.
+    checked and made a plain ``int`` or ``float``, and ``clock``, ``sleep`` and ``cpu_clock``
+    checked to be callable; the others are returned as given.
 
-    ``TypeError`` for the wrong type (``part_size=16e6``, ``timeout="5"``), ``ValueError`` for a
-    value out of range, naming the option. Pairs are checked against the consumer's defaults
-    for the options not given, so :class:`~batchweave.torch.WeaveDataset` checks its consumer
-    options with this when it is made, not in a DataLoader worker.
+    ``TypeError`` for the wrong type (``part_size=16e6``, ``timeout="5"``, ``clock=1.5``),
+    ``ValueError`` for a value out of range, naming the option. Pairs are checked against the
+    consumer's defaults for the options not given, so :class:`~batchweave.torch.WeaveDataset`
+    checks its consumer options with this when it is made, not in a DataLoader worker.
     """
     checked = dict(options)
     for name, minimum in _COUNTS.items():
@@ -82,6 +89,13 @@ def check_options(**options: Any) -> dict[str, Any]:
         )
     if checked.get("timeout") is not None:  # infinity waits for ever, as None does
         checked["timeout"] = as_seconds("timeout", checked["timeout"])
+    for name, default in _CALLABLES.items():
+        if name in checked and not callable(checked[name]):
+            value = checked[name]
+            raise TypeError(
+                f"{name} must be callable (like {default}), got the {type(value).__name__} "
+                f"{value!r}"
+            )
     if "prefetch_max_cpu_share" in checked:
         checked["prefetch_max_cpu_share"] = as_fraction(
             "prefetch_max_cpu_share", checked["prefetch_max_cpu_share"]
