@@ -27,8 +27,10 @@ __all__ = [
     "PutMode",
     "Suffix",
     "check_keys",
+    "check_mode",
     "check_range",
     "check_store",
+    "checked_keys",
     "validate_key",
 ]
 
@@ -158,6 +160,31 @@ def check_keys(keys: object) -> None:
         ) from None
 
 
+def check_mode(mode: object) -> None:
+    """Refuse a ``put`` ``mode`` that is not a :class:`PutMode` with a ``TypeError`` naming it.
+
+    Every backend's ``put`` and ``put_parts`` call it before anything is written: ``"create"``,
+    ``True`` or ``None`` would otherwise read as "not ``PutMode.CREATE``" and silently overwrite
+    the object a caller meant to create only if absent.
+    """
+    if not isinstance(mode, PutMode):
+        raise TypeError(
+            f"put's mode must be a PutMode, got the {type(mode).__name__} {mode!r}; pass "
+            "mode=PutMode.CREATE (create if absent) or mode=PutMode.OVERWRITE"
+        )
+
+
+def checked_keys(keys: object) -> list[str]:
+    """The keys of a ``delete_many`` argument as a list, every one validated, or an error.
+
+    :func:`check_keys` first, then :func:`validate_key` on each key: the iterable is read once
+    (a generator too) and nothing is deleted unless every key is valid, so one invalid key
+    never leaves a batch half deleted.
+    """
+    check_keys(keys)
+    return [validate_key(key) for key in keys]  # type: ignore[attr-defined]
+
+
 _FORBIDDEN_CHAR = re.compile(r"[\x00-\x1f\x7f\\\ud800-\udfff\ufffe\uffff]")
 """Characters no key may contain: control characters (NUL, tab, newline, DEL, ...), the
 backslash, lone surrogates (not encodable as UTF-8, so no S3 key) and U+FFFE/U+FFFF. S3's XML
@@ -233,7 +260,7 @@ class ObjectStore(abc.ABC):
         (``file://`` through ``writev``) override it. Wrappers inherit this default, so a
         wrapper that intercepts ``put`` sees these writes too.
         """
-        self.put(key, parts[0] if len(parts) == 1 else b"".join(parts), mode=mode)
+        self.put(key, parts[0] if len(parts) == 1 else b"".join(map(_joinable, parts)), mode=mode)
 
     def put_if_absent(self, key: str, data: bytes | memoryview) -> None:
         """Create ``key`` only if no object exists there; raise ``ObjectExists`` otherwise."""
@@ -250,12 +277,15 @@ class ObjectStore(abc.ABC):
     def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
         """Read the object's bytes from ``start`` into ``buffer``; return how many were read.
 
-        Fewer than ``len(buffer)`` only when the object ends first. Large reads use it to land
+        ``buffer`` is filled byte by byte whatever its item type (a view of an ``array`` of
+        ``uint32`` takes ``nbytes`` bytes). Fewer than ``buffer.nbytes`` only when the object
+        ends first. Large reads use it to land
         in one preallocated buffer without an intermediate copy; this default reads with
         :meth:`get_range` and copies, stores that can read into memory directly override it.
         """
-        data = self.get_range(key, Bounded(start, start + len(buffer)))
-        buffer[: len(data)] = data
+        target = memoryview(buffer).cast("B")  # bytes, whatever the item type: nbytes, not len
+        data = self.get_range(key, Bounded(start, start + target.nbytes))
+        target[: len(data)] = data
         return len(data)
 
     def map_range(self, key: str, start: int, end: int) -> memoryview | None:
@@ -295,6 +325,14 @@ class ObjectStore(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+def _joinable(part: bytes | memoryview) -> bytes | memoryview:
+    """``part`` as ``bytes.join`` takes it: a view that is not contiguous (``view[::2]``),
+    which it refuses, as its bytes (a copy, as ``put`` stores it)."""
+    if isinstance(part, bytes) or memoryview(part).c_contiguous:
+        return part
+    return bytes(part)
 
 
 def check_store(store: object) -> None:

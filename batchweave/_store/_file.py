@@ -31,8 +31,9 @@ from batchweave._store._base import (
     ObjectMeta,
     ObjectStore,
     PutMode,
-    check_keys,
+    check_mode,
     check_range,
+    checked_keys,
     resolve_range,
     validate_key,
 )
@@ -373,6 +374,7 @@ class FileStore(ObjectStore):
         *,
         mode: PutMode = PutMode.OVERWRITE,
     ) -> None:
+        check_mode(mode)
         # Through a confined directory descriptor where the kernel can tell where it points;
         # elsewhere the path is resolved (realpath) first.
         at_fd = self._proc_fd and _PUBLISH_AT
@@ -730,7 +732,8 @@ class FileStore(ObjectStore):
     # -- deletes -----------------------------------------------------------------------------
 
     def delete_many(self, keys: Iterable[str]) -> None:
-        check_keys(keys)
+        # Every key is checked before any is deleted: an invalid one deletes nothing.
+        keys = checked_keys(keys)
         # Descriptors of the root and of directories below it (``opened``: their names), kept
         # from one key's pruning to the next: a batch usually deletes keys of one directory.
         chain: list[int] = []
@@ -957,7 +960,7 @@ def _occupied_by_non_directory(path: str) -> bool:
 
 def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
     """Write every byte of ``parts`` in order, in as few ``writev`` calls as the kernel allows."""
-    views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+    views = [v for v in map(_byte_view, parts) if v.nbytes]
     first = 0  # views before this one are written
     while first < len(views):
         written = os.writev(fd, views[first : first + _IOV_MAX])
@@ -966,6 +969,13 @@ def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
             first += 1
         if written:
             views[first] = views[first][written:]
+
+
+def _byte_view(part: bytes | memoryview) -> memoryview:
+    """``part`` as a flat view of bytes; a copy only if it is not contiguous (``view[::2]``),
+    which ``writev`` cannot take (S3 request bodies are copied with ``bytes`` the same way)."""
+    view = memoryview(part)
+    return view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
 
 
 def _open_dir(name: str, *, dir_fd: int | None = None) -> int:

@@ -14,8 +14,9 @@ from batchweave._store._base import (
     ObjectMeta,
     ObjectStore,
     PutMode,
-    check_keys,
+    check_mode,
     check_range,
+    checked_keys,
     resolve_range,
     validate_key,
 )
@@ -50,6 +51,7 @@ class MemoryStore(ObjectStore):
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
         validate_key(key)
+        check_mode(mode)
         payload = bytes(data)
         with self._lock:
             exists = key in self._objects
@@ -102,9 +104,8 @@ class MemoryStore(ObjectStore):
             cursor, inclusive = page[-1].key, False
 
     def delete_many(self, keys: Iterable[str]) -> None:
-        check_keys(keys)
-        for key in keys:
-            validate_key(key)
+        # Every key is checked before any is deleted: an invalid one deletes nothing.
+        for key in checked_keys(keys):
             with self._lock:
                 if self._objects.pop(key, None) is not None:
                     i = bisect.bisect_left(self._sorted_keys, key)

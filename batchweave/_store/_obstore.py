@@ -42,8 +42,9 @@ from batchweave._store._base import (
     ObjectMeta,
     Offset,
     PutMode,
-    check_keys,
+    check_mode,
     check_range,
+    checked_keys,
     resolve_range,
     validate_key,
 )
@@ -55,6 +56,7 @@ from batchweave._store._s3_location import (
     ClientOptions,
     S3Location,
     check_endpoint,
+    check_region,
     not_s3_status,
     refuse_unusable_credential,
 )
@@ -127,6 +129,9 @@ _ENV_KEY_PAIR = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 """The key pair object_store takes from the environment when none is given."""
 _ENV_TOKEN = ("AWS_SESSION_TOKEN", "AWS_TOKEN")
 """The variables object_store takes a session token from (used with the key pair only)."""
+_REGION_ENV = ("AWS_DEFAULT_REGION", "AWS_REGION")
+"""Environment variables the region is taken from when none is given, in this order (boto3
+reads the first)."""
 _ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 """Environment variables object_store takes the S3 endpoint from when none is given."""
 
@@ -341,7 +346,7 @@ class ObstoreS3Store(S3Location):
         obs = _import_obstore()
         self._obs = obs
         self._errors = obs.exceptions
-        self._region = region or "us-east-1"
+        self._region = region or self._environment_region() or "us-east-1"
         config: dict[str, Any] = {"region": self._region, "conditional_put": "etag"}
         if endpoint_url is not None:
             config["endpoint"] = endpoint_url
@@ -376,6 +381,22 @@ class ObstoreS3Store(S3Location):
         self._sleep = sleep
         self._write_retry_timeout = max(options.read_timeout, 1.0) * options.max_attempts
         """Seconds after a PUT's start past which it is retried no more (as object_store)."""
+
+    def _environment_region(self) -> str | None:
+        """The region of ``AWS_DEFAULT_REGION`` (else ``AWS_REGION``), if set and not empty.
+
+        boto3 signs for ``AWS_DEFAULT_REGION`` when no region is given; object_store, given a
+        config, reads neither variable, and would sign every request for ``us-east-1`` (which
+        AWS and servers configured with another region refuse). ``AWS_REGION``, the name the
+        other AWS SDKs read, counts when ``AWS_DEFAULT_REGION`` is unset. A value that is not a
+        region name is refused naming the variable, as an invalid ``region`` is.
+        """
+        for name in _REGION_ENV:
+            value = os.environ.get(name)
+            if value:
+                check_region(self.url, f"{name} (from the environment)", value)
+                return value
+        return None
 
     def _check_environment_credentials(self) -> None:
         """Refuse the ``AWS_*`` credentials object_store would take from the environment if it
@@ -647,6 +668,7 @@ class ObstoreS3Store(S3Location):
         """
         self._check_process()
         full = self._key(key)
+        check_mode(mode)
         body = data if isinstance(data, bytes) else bytes(data)
         create = mode is PutMode.CREATE
         op = "put_if_absent" if create else "put"
@@ -867,8 +889,8 @@ class ObstoreS3Store(S3Location):
         self._listing_checked = True
 
     def delete_many(self, keys: Iterable[str]) -> None:
-        check_keys(keys)
-        paths = [self._key(k) for k in keys]
+        # Every key is checked before any is deleted: an invalid one deletes nothing.
+        paths = [self.prefix + k for k in checked_keys(keys)]
         if not paths:
             return
         self._check_process()

@@ -12,9 +12,11 @@ not prove that somebody else won; callers that care read the object back.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
+import random
 import re
 import threading
 import weakref
@@ -25,6 +27,7 @@ import boto3
 import botocore.exceptions as bex
 from botocore.config import Config
 from botocore.credentials import RefreshableCredentials
+from botocore.utils import is_valid_endpoint_url
 
 from batchweave._errors import (
     AccessDenied,
@@ -46,8 +49,9 @@ from batchweave._store._base import (
     Offset,
     PutMode,
     Suffix,
-    check_keys,
+    check_mode,
     check_range,
+    checked_keys,
     resolve_range,
 )
 from batchweave._store._s3_location import (
@@ -208,6 +212,50 @@ def _no_retry_after_read_timeout(caught_exception: Exception | None = None, **_:
     return False if isinstance(caught_exception, bex.ReadTimeoutError) else None
 
 
+def _throttle_delay(attempts: int) -> float:
+    """Seconds to wait before retrying after the ``attempts``-th attempt was throttled:
+    botocore's backoff for throttling (``rand(0, 1) * min(2 ** (attempts - 1), 20)``)."""
+    return random.random() * min(2.0 ** (attempts - 1), 20.0)
+
+
+class _ThrottlingRetry:
+    """A ``needs-retry`` handler retrying what botocore's ``standard`` mode does not: an HTTP
+    ``429`` (a rate limiter or proxy in front of S3, often without S3's XML error) and the
+    throttling codes of :data:`THROTTLED_CODES` it does not know (``TooManyRequests``).
+
+    Within the client's attempts (``total_max_attempts``, as botocore counts them), with
+    botocore's throttling backoff; the last attempt's answer is left to botocore (which then
+    raises it: ``TransientStoreError``). A throttled attempt stored nothing, so
+    :meth:`S3Store._on_put_attempt` notes it as not landed and a retried PUT keeps the
+    ambiguity rules: a create retried after a 429 is resolved by the answers of its attempts
+    as any other.
+    """
+
+    def __init__(self, client: S3Client) -> None:
+        self._client = client
+
+    def _max_attempts(self) -> int:
+        retries = getattr(self._client.meta.config, "retries", None) or {}
+        if "total_max_attempts" in retries:
+            return int(retries["total_max_attempts"])
+        if "max_attempts" in retries:  # botocore's legacy form: retries, not attempts
+            return int(retries["max_attempts"]) + 1
+        return 3  # botocore's standard default (an injected client without retry settings)
+
+    def __call__(self, response: Any = None, attempts: int = 1, **_: Any) -> Any:
+        if response is None:
+            return None
+        http, parsed = response
+        status = getattr(http, "status_code", None)
+        error = parsed.get("Error", {}) if isinstance(parsed, dict) else {}
+        code = error.get("Code") if isinstance(error, dict) else None
+        if status != 429 and code not in THROTTLED_CODES:
+            return None
+        if attempts >= self._max_attempts():
+            return None
+        return _throttle_delay(attempts)
+
+
 _XML_ELEMENT = re.compile(rb"<[A-Za-z_]")
 """The start of an XML element (``<Error>``, ``<ListBucketResult ...>``)."""
 _HTML_ELEMENT = re.compile(rb"<(?:html|head|body)\b", re.IGNORECASE)
@@ -360,6 +408,8 @@ class S3Store(S3Location):
         # On "needs-retry.s3.*": runs before botocore's retry handler (on "needs-retry.s3"),
         # whose answer a False from here overrides.
         client.meta.events.register("needs-retry.s3.*", self._on_response)
+        # After it (a web page is never retried), also before botocore's: throttling it skips.
+        client.meta.events.register("needs-retry.s3.*", _ThrottlingRetry(client))
 
     def _make_client(
         self,
@@ -447,14 +497,44 @@ class S3Store(S3Location):
                 f"cannot configure boto3 for {self.url}: {self._scrub(str(exc))}"
             ) from self._scrubbed(exc)
         except ValueError as exc:
-            # botocore's own check of an endpoint it found itself (an endpoint_url given to us
-            # was checked before): a bare ValueError that names no setting.
-            # It quotes the endpoint: its query and fragment are cut as from any endpoint shown.
+            # botocore's own check of the endpoint ("Invalid endpoint: ..."): a bare ValueError
+            # that names no setting. It quotes the endpoint: its query and fragment are cut as
+            # from any endpoint shown.
             raise InvalidStoreURL(
-                f"{self.url}: the endpoint botocore found (AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3 "
-                f"or the AWS config file) is unusable: {redact_url(self._scrub(str(exc)))}; give "
-                "scheme, host and port, e.g. http://127.0.0.1:9000"
+                f"{self.url}: {self._unusable_endpoint(session)} (botocore: "
+                f"{redact_url(self._scrub(str(exc)))})"
             ) from self._scrubbed(exc)
+
+    def _unusable_endpoint(self, session: boto3.session.Session) -> str:
+        """What made the endpoint botocore refused, and what to do: the ``endpoint_url``
+        argument (a host name botocore refuses), an empty region (botocore then builds the
+        host ``s3..amazonaws.com``), or an endpoint botocore found in the environment or the
+        AWS config file."""
+        if self.endpoint_url is not None:
+            if not is_valid_endpoint_url(self.endpoint_url):
+                return (
+                    f"boto3 cannot use the endpoint_url {redact_url(self.endpoint_url)!r}: "
+                    "botocore accepts only host names of ASCII letters, digits, '-' and '.' "
+                    "(no '_', no accented letters): use the server's IP address, a host name "
+                    "without '_', the punycode form (xn--...) of an international name, or "
+                    "s3_client='obstore'"
+                )
+            return f"boto3 cannot use the endpoint_url {redact_url(self.endpoint_url)!r}"
+        with contextlib.suppress(Exception):
+            if session.region_name == "":
+                where = (
+                    "AWS_DEFAULT_REGION is set but empty"
+                    if os.environ.get("AWS_DEFAULT_REGION") == ""
+                    else "the region in the AWS config file is empty"
+                )
+                return (
+                    f"{where}, so boto3 cannot build the AWS endpoint; set it to the bucket's "
+                    "region (e.g. us-east-1) or unset it, or pass region"
+                )
+        return (
+            "the endpoint botocore found (AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3 or the AWS "
+            "config file) is unusable; give scheme, host and port, e.g. http://127.0.0.1:9000"
+        )
 
     def _use_probe_client(self, options: ClientOptions) -> None:
         # Options are only known for a client this store made, from a session it kept.
@@ -700,6 +780,7 @@ class S3Store(S3Location):
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
         full = self._key(key)
+        check_mode(mode)
         body = data if isinstance(data, bytes) else bytes(data)
         self._local.put_maybe_landed = False
         try:
@@ -714,9 +795,27 @@ class S3Store(S3Location):
     def get(self, key: str) -> bytes:
         full = self._key(key)
         try:
-            return self._client.get_object(Bucket=self.bucket, Key=full)["Body"].read()
+            resp = self._client.get_object(Bucket=self.bucket, Key=full)
+            self._check_reply(resp, op="get", key=key)
+            return resp["Body"].read()
+        except StoreError:
+            raise
         except Exception as exc:
             raise self._translate(exc, op="get", key=key) from self._scrubbed(exc)
+
+    def _check_reply(self, resp: Any, *, op: str, key: str) -> None:
+        """``StoreError`` (the body unread, closed) if a GET's ``200`` has neither ETag nor
+        Last-Modified.
+
+        A web server on the endpoint's port answers every GET with a page: without this check
+        its HTML would be returned as the object's bytes. Either header alone is S3's (some
+        compatible servers send no ETag), as the obstore backend's ``_check_meta`` has it. A
+        reply without HTTP headers (botocore's ``Stubber`` in tests) is no server's: not judged.
+        """
+        replied = resp.get("ResponseMetadata", {}).get("HTTPHeaders") is not None
+        if replied and resp.get("ETag") is None and resp.get("LastModified") is None:
+            resp["Body"].close()
+            raise self._not_s3(op, key, "no ETag and no Last-Modified in a 200 response")
 
     def get_range(self, key: str, rng: ByteRange) -> bytes:
         check_range(rng)
@@ -726,6 +825,7 @@ class S3Store(S3Location):
             return b""
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=full, Range=_range_header(rng))
+            self._check_reply(resp, op="get_range", key=key)
             if "ContentRange" in resp:
                 return resp["Body"].read()
             # The server ignored the Range header and sends the whole object: read only as far
@@ -738,6 +838,8 @@ class S3Store(S3Location):
             if exc.response.get("Error", {}).get("Code") == "InvalidRange" or status == 416:
                 return b""  # the range starts at or past the end: clamp like every backend
             raise self._translate(exc, op="get_range", key=key) from self._scrubbed(exc)
+        except StoreError:
+            raise
         except Exception as exc:
             raise self._translate(exc, op="get_range", key=key) from self._scrubbed(exc)
         # ``body`` is the object's first bytes (all of it, or up to the bounded range's end).
@@ -794,9 +896,9 @@ class S3Store(S3Location):
             extra = {"ContinuationToken": token}
 
     def delete_many(self, keys: Iterable[str]) -> None:
-        check_keys(keys)
-        it = iter(keys)
-        while batch := [self._key(k) for k in itertools.islice(it, DELETE_BATCH)]:
+        # Every key is checked before any batch is sent: an invalid one deletes nothing.
+        it = iter([self.prefix + k for k in checked_keys(keys)])
+        while batch := list(itertools.islice(it, DELETE_BATCH)):
             try:
                 resp = self._client.delete_objects(
                     Bucket=self.bucket,

@@ -37,6 +37,7 @@ __all__ = [
     "S3Location",
     "ScrubbedClientError",
     "check_endpoint",
+    "check_region",
     "not_s3_status",
     "check_s3_arguments",
     "redact_signing_details",
@@ -169,6 +170,17 @@ _REGION = re.compile(r"(?![0-9]+$)(?!-)[a-zA-Z0-9-]{1,63}(?<!-)")
 (``botocore.utils.validate_region_name``), except that the empty name is refused too: botocore
 then builds the host ``s3..amazonaws.com``, obstore silently uses ``us-east-1``. obstore checks
 nothing and puts the region into the AWS host name (``evil.example/x``: ``s3.evil.example``)."""
+
+
+def check_region(url: str, what: str, region: str) -> None:
+    """``InvalidStoreURL`` naming ``what`` (the argument or variable) if ``region`` is not a
+    region name both S3 clients may use (:data:`_REGION`)."""
+    refuse_unusable_credential(url, what, region)
+    if not _REGION.fullmatch(region):
+        raise InvalidStoreURL(
+            f"{url}: {what} {region!r} is not a valid AWS region name (letters, digits and '-', "
+            "e.g. 'us-east-1'; leave it unset for the default)"
+        )
 
 
 def _redact_userinfo(text: str) -> str:
@@ -405,11 +417,8 @@ def check_s3_arguments(
         if not isinstance(value, str):
             raise InvalidStoreURL(f"{url}: {name} must be a str, got {type(value).__name__}")
         refuse_unusable_credential(url, name, value)
-    if region is not None and not _REGION.fullmatch(region):
-        raise InvalidStoreURL(
-            f"{url}: region {region!r} is not a valid AWS region name (letters, digits and '-', "
-            "e.g. 'us-east-1'; leave it unset for the default)"
-        )
+    if region is not None:
+        check_region(url, "region", region)
     if (access_key_id is None) != (secret_access_key is None):
         given, missing = (
             ("access_key_id", "secret_access_key")

@@ -17,11 +17,13 @@ Every behaviour the rest of BatchWeave relies on is pinned here: atomic create-i
 contention, byte-range semantics, lexicographic listing with ``start_after`` and pagination,
 idempotent bulk deletion, large and empty objects, odd key characters, key validation, the
 argument checks every built-in store makes before any request (``delete_many`` refuses a single
-key, ``get_range`` anything but a ``ByteRange``) and the error types.
+key and deletes nothing if any key is invalid, ``get_range`` anything but a ``ByteRange``,
+``put`` a ``mode`` that is not a ``PutMode``), buffers of any layout and the error types.
 """
 
 from __future__ import annotations
 
+import array
 import itertools
 import random
 import threading
@@ -146,6 +148,32 @@ class StoreTests:
         store.put("mv", memoryview(payload)[4:12])
         assert store.get("mv") == b"456789ab"
 
+    def test_put_accepts_a_non_contiguous_or_typed_buffer(self, store: ObjectStore) -> None:
+        # Its bytes are stored, as bytes(view) gives them: every ``[::2]`` item, and a typed
+        # array's bytes in its own layout.
+        store.put("strided", memoryview(b"abcdef")[::2])
+        assert store.get("strided") == b"ace"
+        store.put_parts("strided-parts", [b"<", memoryview(b"abcdef")[1::2], b">"])
+        assert store.get("strided-parts") == b"<bdf>"
+        words = array.array("I", [1, 2, 3])
+        store.put("typed", memoryview(words))
+        assert store.get("typed") == words.tobytes()
+
+    def test_put_refuses_a_mode_that_is_not_a_put_mode(self, store: ObjectStore) -> None:
+        # ``check_mode``: "create", True or None is no PutMode; taken for "not CREATE" it
+        # would silently replace an object the caller meant to create only if absent.
+        store.put("k", b"original")
+        modes: list[Any] = ["create", "overwrite", PutMode.CREATE.value, True, False, None, 1]
+        for mode in modes:
+            with pytest.raises(TypeError, match=r"mode must be a PutMode"):
+                store.put("k", b"CLOBBERED", mode=mode)
+            with pytest.raises(TypeError, match=r"mode must be a PutMode"):
+                store.put_parts("k", [b"CLOB", b"BERED"], mode=mode)
+            with pytest.raises(TypeError, match=r"mode must be a PutMode"):
+                store.put("new", b"x", mode=mode)
+        assert store.get("k") == b"original"
+        assert [m.key for m in store.list()] == ["k"]
+
     def test_put_parts_writes_their_concatenation(self, store: ObjectStore) -> None:
         base = bytes(range(256)) * 40
         parts: list[bytes | memoryview] = [
@@ -258,6 +286,17 @@ class StoreTests:
         with pytest.raises(ObjectNotFound):
             store.get_range_into("missing/key", 0, memoryview(bytearray(4)))
 
+    def test_get_range_into_fills_a_typed_buffer_by_bytes(self, store: ObjectStore) -> None:
+        # A view whose items are not bytes (uint32: 4 items, 16 bytes) takes ``nbytes`` bytes.
+        data = bytes(range(32))
+        store.put("obj", data)
+        words = array.array("I", [0] * 4)
+        assert store.get_range_into("obj", 0, memoryview(words)) == 16
+        assert words.tobytes() == data[:16]
+        words = array.array("I", [0] * 4)
+        assert store.get_range_into("obj", 24, memoryview(words)) == 8  # the object's end
+        assert words.tobytes() == data[24:] + bytes(8)
+
     def test_map_range_is_declined_or_exact(self, store: ObjectStore) -> None:
         data = random.Random(7).randbytes(3000)
         store.put("obj", data)
@@ -352,6 +391,12 @@ class StoreTests:
         assert [m.key for m in store.list("many/", start_after=keys[middle])] == keys[middle + 1 :]
         assert [m.key for m in itertools.islice(store.list("many/"), 3)] == keys[:3]
 
+        # One invalid key after more than a bulk delete's 1,000 keys deletes nothing: every key
+        # is checked before the first request, not batch by batch.
+        with pytest.raises(InvalidKey):
+            store.delete_many(iter([*keys, "many/bad//key"]))
+        assert [m.key for m in store.list("many/")] == keys
+
         missing = [f"many/missing-{i}" for i in range(5)]
         store.delete_many(iter(keys + missing))
         assert list(store.list("many/")) == []
@@ -386,6 +431,23 @@ class StoreTests:
         store.delete_many(key for key in ["ab"])  # any iterable of keys, a generator too
         store.delete_many(("a",))
         assert [m.key for m in store.list()] == ["b"]
+
+    def test_delete_many_with_an_invalid_key_deletes_nothing(self, store: ObjectStore) -> None:
+        # Every key is checked (``checked_keys``) before any is deleted, for a list and for a
+        # generator (read once): the keys before the invalid one stay too.
+        for key in ("keep-1", "keep-2", "keep-3"):
+            store.put(key, b"x")
+        batches: list[Any] = [
+            ["keep-1", "bad//key", "keep-2"],
+            (key for key in ["keep-1", "keep-2", "../escape"]),
+            ["keep-3", "keep-1", 7],
+        ]
+        for batch in batches:
+            with pytest.raises(InvalidKey):
+                store.delete_many(batch)
+            assert [m.key for m in store.list()] == ["keep-1", "keep-2", "keep-3"]
+        store.delete_many(key for key in ["keep-1", "keep-3"])
+        assert [m.key for m in store.list()] == ["keep-2"]
 
     # -- sizes -------------------------------------------------------------------------------
 
