@@ -171,12 +171,11 @@ def test_a_web_page_on_the_endpoint_is_called_so_not_an_unsafe_store(
 
 @pytest.mark.parametrize(
     ("client", "op"),
-    # Not here: boto3's get (stubbed test clients answer without ETag too, so it is not
-    # checked; open_store's probe reads back what it wrote). obstore's list: object_store parses
-    # the page as an empty listing, which a HEAD confirms (before: NamespaceNotFound, a
-    # reclaimer pass over nothing, no live watermarks).
+    # obstore's list: object_store parses the page as an empty listing, which a HEAD confirms
+    # (before: NamespaceNotFound, a reclaimer pass over nothing, no live watermarks).
     [
         ("boto3", "head"),
+        ("boto3", "get"),
         ("boto3", "list"),
         ("obstore", "head"),
         ("obstore", "get"),
@@ -187,7 +186,8 @@ def test_reads_from_a_web_page_are_refused_not_taken_as_objects(
     aws_env: pytest.MonkeyPatch, client: str, op: str
 ) -> None:
     # Before: boto3's head raised a bare KeyError('LastModified'), and list returned nothing, so
-    # `batchweave inspect` reported "no namespace"; obstore returned the page as the object.
+    # `batchweave inspect` reported "no namespace"; both clients' get returned the page as the
+    # object.
     with fake_endpoint("web-page") as page:
         store = bw.open_store(
             "s3://bucket/p",
