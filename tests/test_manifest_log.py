@@ -21,12 +21,15 @@ from batchweave import (
     NamespaceNotFound,
     NamespaceSealed,
     ObjectExists,
+    ObjectMeta,
     ObjectNotFound,
     ObjectStore,
     OffsetOrderError,
+    Producer,
     ProducerFenced,
     PutMode,
     StepReclaimed,
+    StoreWrapper,
     TransientStoreError,
 )
 from batchweave._manifest import (
@@ -87,6 +90,62 @@ def test_concurrent_creation_agrees_on_one_namespace(store: ObjectStore) -> None
     assert len(ids) == 16
     assert len(set(ids)) == 1
     assert list(ManifestLog(store, NS).versions()) == [0]
+
+
+class _ListLagsBehindWrites(StoreWrapper):
+    """A store whose LIST does not show the keys written through it (yet), as SeaweedFS's
+    listing lags behind its writes; GET and HEAD see them at once."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.unlisted: set[str] = set()
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        super().put(key, data, mode=mode)
+        self.unlisted.add(key)
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        listed = super().list(prefix, start_after=start_after)
+        return (meta for meta in listed if meta.key not in self.unlisted)
+
+
+def test_creation_opens_the_version_0_a_lagging_listing_does_not_show_yet(
+    store: ObjectStore,
+) -> None:
+    """Before: each creator below raised NamespaceNotFound right after version 0 was written,
+    because it then looked the newest version up with a LIST that did not show it yet."""
+    lagging = _ListLagsBehindWrites(store)
+    created = ManifestLog(lagging, NS).create_or_open(MESH)  # wrote version 0
+    assert created.version == 0
+    # A second creator finds no version listed, tries version 0 and finds it taken.
+    assert ManifestLog(lagging, NS).create_or_open(MESH) == created
+    head = grow(ManifestLog(lagging, NS), created, 3)
+    opened = ManifestLog(lagging, NS).create_or_open(MESH)  # probed forward from version 0
+    assert opened.namespace_id == head.namespace_id
+    assert opened.version >= 1  # as far as a probe and the lagging LIST after it reach
+
+
+def test_an_ambiguous_creation_is_read_back_without_a_lagging_listing(
+    store: ObjectStore,
+) -> None:
+    calls: list[str] = []
+
+    def fault(key: str) -> tuple[bool, Exception | None]:
+        calls.append(key)
+        return True, AmbiguousWriteError("timeout creating version 0") if len(calls) == 1 else None
+
+    lagging = _ListLagsBehindWrites(store)
+    manifest = ManifestLog(FaultyPutStore(lagging, fault), NS).create_or_open(MESH)
+    assert manifest.version == 0
+    assert len(calls) == 1  # read back, not sent again
+    assert ManifestLog(store, NS).latest() == manifest
+
+
+def test_a_producer_creates_a_namespace_on_a_store_whose_listing_lags(store: ObjectStore) -> None:
+    lagging = _ListLagsBehindWrites(store)
+    with Producer(lagging, NS, producer_id="p", mesh=Mesh(dp=1), policy="naive") as p:
+        p.append([b"x"], offset=0)
+    assert ManifestLog(store, NS).latest().next_step == 1
 
 
 def test_open_checks_the_mesh(store: ObjectStore) -> None:

@@ -515,6 +515,111 @@ def test_a_producer_refuses_to_rebase_on_a_rewritten_history() -> None:
             p.close()
 
 
+def test_the_newest_versions_gone_is_refused_not_followed_back() -> None:
+    """Before: ``latest()`` returned version 3 to a client that had seen version 5, and a
+    commit on it reassigned steps 3 and 4 (an older backup restored, or versions deleted)."""
+    store = MemoryStore()
+    log = ManifestLog(store, NS)
+    head = grow(log, log.create_or_open(MESH), 5)
+    store.delete_many([log.key(manifest_key(v)) for v in (4, 5)])
+    with pytest.raises(FormatError) as err:
+        log.latest()
+    message = str(err.value)
+    assert "version 5, the newest this client saw (steps 0..4), is gone" in message
+    assert "newest version left is 3 (steps 0..2)" in message
+    assert "restored" in message
+    assert "backup" in message
+    # A commit on the vanished version finds its parent gone; the lookup after it refuses too.
+    assert log.commit(head, append=[descriptor("p", 5)]) == Conflict(None)
+    with pytest.raises(FormatError, match="is gone"):
+        log.latest(head)
+    with pytest.raises(FormatError, match="is gone"):
+        log.latest_from(log.read(2))
+    assert list(log.versions()) == [0, 1, 2, 3]  # nothing was written
+
+
+def test_a_history_rewritten_from_an_older_copy_and_grown_past_is_refused() -> None:
+    """Before: a reader that had served step 3 of version 5 followed a history restored to
+    version 3 and grown to version 6 by a restarted producer, where step 3 is another TGB."""
+    store = MemoryStore()
+    log = ManifestLog(store, NS)
+    grow(log, log.create_or_open(MESH), 5)
+    reader = ManifestLog(store, NS)
+    seen = reader.latest()
+    assert seen.version == 5
+    store.delete_many([log.key(manifest_key(v)) for v in (4, 5)])
+    restarted = ManifestLog(store, NS)
+    base = restarted.latest()
+    for offset in (100, 101, 102):
+        result = restarted.commit(base, append=[descriptor("q", offset)])
+        assert isinstance(result, Committed)
+        base = result.manifest
+    assert base.version == 6
+    with pytest.raises(FormatError, match=r"step 4 is the TGB of producer 'q' offset 101") as err:
+        reader.latest(seen)
+    assert "producer 'p' offset 4" in str(err.value)
+    assert "rewritten" in str(err.value)
+    with pytest.raises(FormatError, match="step 4"):
+        reader.latest()
+
+
+def test_a_version_recreated_over_a_gap_is_refused_at_the_next_lookup() -> None:
+    """Version 7 deleted while 8 exists: a writer whose young base is 6 probes 7, finds it
+    missing and re-creates it (its commit looks successful, but no newest version holds its
+    TGB). Not prevented (that would cost a request per commit), but its next lookup reads
+    version 8, where the step it committed is another TGB: a FormatError instead of going on
+    as if its TGB were committed."""
+    store = MemoryStore()
+    a, b = ManifestLog(store, NS), ManifestLog(store, NS)
+    head = grow(a, a.create_or_open(MESH), 6)
+    b_base = b.latest()
+    head = grow(a, head, 2)
+    store.delete_many([a.key(manifest_key(7))])
+    result = b.commit(b.latest(b_base), append=[descriptor("b", 0)])
+    assert isinstance(result, Committed)
+    assert result.manifest.version == 7
+    with pytest.raises(FormatError, match=r"step 6 is the TGB of producer 'p'.*version 8"):
+        b.latest(result.manifest)
+
+
+def test_a_lagging_listing_that_hides_the_newest_version_seen_is_not_history_going_back() -> None:
+    """A LIST behind the writes (SeaweedFS) may not show the version this client committed;
+    reading that version directly tells a lagging listing from a vanished version."""
+    store = MemoryStore()
+    log = ManifestLog(store, NS)
+    head = grow(log, log.create_or_open(MESH), 3)
+    newest_key = log.key(manifest_key(head.version))
+
+    class Lagging(CountingStore):
+        def list(self, prefix: str = "", *, start_after: str | None = None):  # type: ignore[no-untyped-def]
+            return (m for m in super().list(prefix, start_after=start_after) if m.key != newest_key)
+
+    lagging = ManifestLog(Lagging(store), NS)
+    assert lagging.read(head.version) == head
+    assert lagging.latest() == head
+    assert lagging.latest_from(lagging.read(1)) == head
+
+
+def test_a_producer_whose_newest_version_vanished_stops_with_the_error() -> None:
+    """Its flush and close raise the FormatError (before: the commit loop retried about 150
+    times a second, flush timed out and close never returned)."""
+    store = MemoryStore()
+    p = Producer(store, NS, producer_id="p", mesh=Mesh(dp=1), policy="naive")
+    try:
+        for offset in range(3):
+            p.append([b"x"], offset=offset)
+            p.flush(timeout=30)
+        log = ManifestLog(store, NS)
+        store.delete_many([log.key(manifest_key(max(log.versions())))])
+        p.append([b"y"], offset=3)
+        with pytest.raises(FormatError, match="is gone"):
+            p.flush(timeout=30)
+        assert p.stats().attempts < 20
+    finally:
+        with pytest.raises(FormatError, match="is gone"):
+            p.close()
+
+
 # -- legitimate histories are never refused ----------------------------------------------------
 
 

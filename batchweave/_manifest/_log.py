@@ -230,11 +230,32 @@ def check_tiling(desc: TgbDescriptor, manifest: Manifest, step: int, where: str)
         )
 
 
+def _steps(manifest: Manifest) -> str:
+    """The steps ``manifest`` holds, for messages."""
+    if manifest.next_step <= manifest.base_step:
+        return f"no steps, next step {manifest.next_step}"
+    return f"steps {manifest.base_step}..{manifest.next_step - 1}"
+
+
+def _tgb_identity(desc: TgbDescriptor) -> tuple[object, ...]:
+    """What makes a descriptor the same TGB: its producer, epoch, offset and object keys (each
+    with a random part, so a TGB written again has other keys)."""
+    return (desc.producer_id, desc.epoch, desc.offset, tuple(o.key for o in desc.objects))
+
+
+def _tgb_name(desc: TgbDescriptor) -> str:
+    first = desc.objects[0].key if desc.objects else "no object"
+    return f"the TGB of producer {desc.producer_id!r} offset {desc.offset} ({first})"
+
+
 def _went_back(seen: Manifest, new: Manifest) -> str | None:
     """How ``new`` contradicts ``seen``, the newest version a client saw; ``None`` if it does not.
 
     Steps are never taken back (``next_step`` only grows), reclaimed steps never return
-    (``base_step`` only grows) and a version is written once.
+    (``base_step`` only grows), a version is written once, and a step never changes its TGB:
+    the last step ``seen`` holds is compared when both hold it inline (O(1), no request). A
+    history rewritten from an older version (a restored backup, then commits on it), or a
+    version re-created over a gap in the version numbers, gives that step to another TGB.
     """
     if new.version == seen.version:
         if new.commit_id == seen.commit_id:
@@ -255,6 +276,16 @@ def _went_back(seen: Manifest, new: Manifest) -> str | None:
             return (
                 f"manifest version {new.version} has {field} {after}, but version "
                 f"{seen.version}, which this client saw before, has {field} {before}: {why}"
+            )
+    step = seen.next_step - 1
+    if step >= max(seen.tail_start, new.tail_start, new.base_step):
+        before_tgb = seen.tail[step - seen.tail_start]
+        after_tgb = new.tail[step - new.tail_start]
+        if before_tgb is not after_tgb and _tgb_identity(before_tgb) != _tgb_identity(after_tgb):
+            return (
+                f"step {step} is {_tgb_name(after_tgb)} in manifest version {new.version}, but "
+                f"{_tgb_name(before_tgb)} in version {seen.version}, which this client saw "
+                "before: a step never changes its TGB"
             )
     return None
 
@@ -443,13 +474,30 @@ class ManifestLog:
                 created_at=self._clock(),
             )
             self._create_genesis(genesis)
-        manifest = self.latest()
+            manifest = self._open_created()
+        else:
+            manifest = self.latest()
         if mesh is not None and manifest.mesh != mesh:
             raise NamespaceMismatch(
                 f"namespace {self._where} was created for mesh ({manifest.mesh}), "
                 f"this client asked for mesh ({mesh}); use the namespace's mesh or a new namespace"
             )
         return manifest
+
+    def _open_created(self) -> Manifest:
+        """The newest version of a namespace whose version 0 was just created, by us or by a
+        concurrent creator: version 0 read directly, then probed forward from it.
+
+        Not a LIST: a store whose listing lags behind its writes (SeaweedFS) may not list the
+        version 0 that was just written, and the namespace would be "not found" right after its
+        creation. Only a version 0 that is gone again (reclaimed in a namespace created long
+        ago, whose listing also lagged) falls back to a LIST.
+        """
+        try:
+            first = self.read(0)
+        except ObjectNotFound:
+            return self.latest()
+        return self.latest(first)
 
     def _create_genesis(self, genesis: Manifest) -> None:
         key, data = self.key(manifest_key(0)), encode_manifest(genesis)
@@ -459,10 +507,15 @@ class ManifestLog:
                 _log.info("created namespace %s (id %s)", self._where, genesis.namespace_id)
                 return
             except ObjectExists:
-                return  # a concurrent creator, or our own landed write: latest() reads the winner
+                return  # a concurrent creator, or our own landed write: read back by the caller
             except AmbiguousWriteError as exc:
                 _log.warning("creating %s: ambiguous outcome (%s); reading back", key, exc)
-                if self._has_versions():
+                try:
+                    self.store.head(key)  # not a LIST: a lagging one would not show it yet
+                except ObjectNotFound:
+                    if self._has_versions():  # a namespace whose version 0 was reclaimed
+                        return
+                else:
                     return
         raise AmbiguousWriteError(
             f"could not create {key}: every attempt had an unknown outcome and nothing is there; "
@@ -516,11 +569,50 @@ class ManifestLog:
         a LIST starting after that version jumps to the newest, which is then read. Without
         ``known`` a LIST from the start finds it (old versions are reclaimed, so it is short); so
         does a ``known`` that a commit found reclaimed, since its successor may be gone too.
+        Never older than the newest version this client saw: a :class:`FormatError` if that
+        one is gone with only older ones left (see :meth:`_not_behind_seen`).
         """
         asked_at = self._monotonic()
-        newest, listed = self._find_latest(known)
+        newest, listed = self._not_behind_seen(*self._find_latest(known))
         self._listed = (newest, asked_at) if listed else None
         return newest
+
+    def _not_behind_seen(self, found: Manifest, listed: bool) -> tuple[Manifest, bool]:
+        """``(found, listed)``, unless ``found`` is older than the newest version this client
+        saw: then that version is read again. Still there, a LIST lagging behind the writes
+        (SeaweedFS) hid it, and the newest is probed from it; gone, history went back, a
+        :class:`FormatError`.
+
+        The reclaimer never deletes the newest version, so a version this client saw goes only
+        once a newer one exists. The newest versions gone with only older ones left means an
+        older copy of the namespace was restored over it, or versions were deleted by hand: the
+        steps after the older version's, which this client may have served, would go to other
+        TGBs at the next commit.
+        """
+        seen = self._newest
+        if seen is None or found.version >= seen.version:
+            return found, listed
+        try:
+            again = self.read(seen.version)  # another commit there is refused by _observe
+        except ObjectNotFound:
+            raise FormatError(
+                f"{self._where}: manifest version {seen.version}, the newest this client saw "
+                f"({_steps(seen)}), is gone, and the newest version left is {found.version} "
+                f"({_steps(found)}). The newest version is never deleted by BatchWeave, so "
+                "an older copy of the namespace was restored over it or its newest versions "
+                "were deleted by hand; history went back, and committing on it would give steps "
+                "already served to other TGBs. Stop writing into this prefix; restore the "
+                f"namespace from a backup holding version {seen.version} or later (or put the "
+                "deleted versions back), or start a new namespace"
+            ) from None
+        newest, listed = self._find_latest(again)
+        if newest.version < seen.version:  # only a listing that contradicts the reads
+            raise FormatError(
+                f"{self._where}: the newest version listed is {newest.version}, but version "
+                f"{seen.version} was read just now; the store's listing of {MANIFESTS_DIR}/ "
+                "contradicts its reads. Check the store, and retry"
+            )
+        return newest, listed
 
     def latest_from(self, known: Manifest | None) -> Manifest:
         """The newest version, found from ``known`` (the newest version an earlier lookup
@@ -555,7 +647,8 @@ class ManifestLog:
             if (found.namespace_id, found.commit_id) != (known.namespace_id, known.commit_id):
                 return self.latest()
             found = known
-        self._listed = (found, asked_at)
+        found, listed = self._not_behind_seen(found, True)
+        self._listed = (found, asked_at) if listed else None
         return found
 
     def _find_latest(self, known: Manifest | None) -> tuple[Manifest, bool]:
@@ -661,9 +754,9 @@ class ManifestLog:
                     raise FormatError(
                         f"{key}: {problem}, so the manifest history of {self._where} was "
                         "rewritten by something other than BatchWeave (an older copy restored "
-                        "over it, an edit, another tool) and its step -> TGB mapping cannot be "
-                        "trusted. Stop writing into this prefix; restore the namespace from a "
-                        "backup, or start a new namespace"
+                        "over it, versions deleted by hand, an edit, another tool) and its "
+                        "step -> TGB mapping cannot be trusted. Stop writing into this prefix; "
+                        "restore the namespace from a backup, or start a new namespace"
                     )
             if seen is None or manifest.version > seen.version:
                 self._newest = manifest
