@@ -27,13 +27,14 @@ Metric names (all prefixed ``batchweave_``): ``commit_attempts_total``, ``commit
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
-import math
+import os
 import socket
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from prometheus_client import (
@@ -65,39 +66,142 @@ __all__ = [
 ]
 
 _T = TypeVar("_T", Producer, Consumer, Reclaimer)
-_Tracked = TypeVar("_Tracked", Producer, Consumer)
 
 _WINDOW_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _GAP_BUCKETS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+_PRODUCER_COUNTERS = {
+    "attempts": ("commit_attempts", "Manifest commit attempts that reached the store."),
+    "commits": ("commits", "Commit attempts that created a manifest version."),
+    "conflicts": ("commit_conflicts", "Commit attempts lost to another writer."),
+    "ambiguous": ("commit_ambiguous", "Commit attempts with an unknown outcome."),
+    "transient_errors": ("transient_errors", "Retried transient store failures."),
+    "tgbs_published": ("tgbs_published", "TGBs made visible by committed manifests."),
+    "bytes_published": ("bytes_published", "Bytes of published TGB objects."),
+    "lag_blocked_seconds": (
+        "producer_lag_blocked_seconds",
+        "Seconds append() was blocked by max_lag.",
+    ),
+}
+_PRODUCER_GAUGES = {  # attr: (name, doc, summed over open producers, else their mean)
+    "last_fragile_window": (
+        "fragile_window_seconds",
+        "Last fragile window: base read to end of the conditional PUT.",
+        False,
+    ),
+    "gap": ("commit_gap_seconds", "The commit policy's current post-attempt gap.", False),
+    "pending": ("producer_pending_tgbs", "TGBs appended but not yet committed.", True),
+    "inflight_bytes": ("producer_inflight_bytes", "Encoded bytes waiting for upload.", True),
+}
+_CONSUMER_COUNTERS = {
+    "steps": ("consumer_steps", "Steps delivered to the training loop."),
+    "stall_seconds": (
+        "consumer_stall_seconds",
+        "Seconds next() blocked the caller, a call still blocked included.",
+    ),
+    "bytes_read": ("consumer_bytes_read", "Bytes returned by range reads."),
+    "bytes_delivered": ("consumer_bytes_delivered", "Stored bytes of delivered slices."),
+    "requests": ("consumer_requests", "Range reads issued."),
+    "retries": ("consumer_retries", "Transient read failures retried."),
+}
+_CONSUMER_GAUGES = {  # attr: (name, doc, summed over open consumers, else their mean)
+    "prefetch_depth": ("consumer_prefetch_depth", "Steps allowed in flight.", True),
+    "in_flight": ("consumer_in_flight_steps", "Steps being read ahead now.", True),
+    "read_latency": (
+        "consumer_read_latency_seconds",
+        "Moving average of one step's reads (below prefetch_min_latency: no prefetching).",
+        False,
+    ),
+    "read_cpu_share": (
+        "consumer_read_cpu_share",
+        "Moving average of the share of a step's reads spent on CPU by the reading thread "
+        "(above prefetch_max_cpu_share: no prefetching).",
+        False,
+    ),
+}
+
+
+class _Member:
+    """One tracked object of a :class:`_Series`, with the last ``stats`` snapshot taken of it."""
+
+    __slots__ = ("closed", "last", "order", "ref", "taken")
+
+    def __init__(self, obj: Producer | Consumer, order: int) -> None:
+        self.ref: weakref.ref[Producer | Consumer] = weakref.ref(obj)
+        self.order = order
+        self.last: Any = None
+        """The newest snapshot (``ProducerStats`` or ``ConsumerStats``); final once ``closed``."""
+        self.taken = -1
+        """The scrape that took ``last`` (a slower concurrent scrape must not replace it)."""
+        self.closed = False
+
+
+class _Series:
+    """The objects exported under one label set, and what those collected since counted."""
+
+    __slots__ = ("gone", "members", "pid")
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.members: list[_Member] = []
+        self.gone: dict[str, float] = {}
+        """Counter totals of members garbage-collected meanwhile (from their last snapshot)."""
+
+    def has_open(self) -> bool:
+        for member in self.members:
+            obj = member.ref()
+            if obj is not None and not member.closed and not obj.closed:
+                return True
+        return False
+
+
 class BatchWeaveCollector(Collector):
     """Reads the counters of tracked producers and consumers at scrape time.
 
-    Objects are held weakly: a producer or consumer that is garbage-collected disappears from
-    the exposition (its counters were per-incarnation anyway, labelled by producer id or rank).
-    Objects inherited from the parent of a ``fork()`` are skipped (their threads stay in the
-    parent; a child serves its own). Each label set is exported once: when a producer or
-    consumer is replaced in the same process (a restart after an error) while the old object
-    is still alive, the open one wins over a closed one, then the most recently tracked one
-    (two samples of one series break a scrape).
+    Objects are held weakly. Objects inherited from the parent of a ``fork()`` are skipped
+    (their threads stay in the parent; a child serves its own). Each label set is exported once
+    (two samples of one series break a scrape), as the sum of the objects open together under
+    it (e.g. two ``stride`` readers of one rank): their counters add up, and one that closes or
+    is garbage-collected while another goes on still counts with its last figures, so the
+    counters never drop. Gauges are those of the open objects (summed for amounts, averaged for
+    latencies and windows). An object tracked while none of its label set is open (a producer
+    or consumer replaced in the same process, after an error) starts the series afresh, a
+    counter reset; one tracked already closed while another is open is not exported. A series
+    disappears when all its objects are garbage-collected.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._order = itertools.count()
-        self._producers: weakref.WeakKeyDictionary[Producer, int] = weakref.WeakKeyDictionary()
-        self._consumers: weakref.WeakKeyDictionary[Consumer, int] = weakref.WeakKeyDictionary()
+        self._scrapes = itertools.count()
+        self._series: dict[tuple[str, tuple[Any, ...]], _Series] = {}
 
     def add_producer(self, producer: Producer) -> None:
         """Expose ``producer``'s :meth:`~batchweave.Producer.stats`."""
-        with self._lock:
-            self._producers[producer] = next(self._order)
+        self._add("producer", producer, (producer.namespace, producer.producer_id))
 
     def add_consumer(self, consumer: Consumer) -> None:
         """Expose ``consumer``'s :attr:`~batchweave.Consumer.stats`."""
+        self._add("consumer", consumer, (consumer.namespace, consumer.dp_rank, consumer.cp_rank))
+
+    def _add(self, kind: str, obj: Producer | Consumer, labels: tuple[Any, ...]) -> None:
+        if not _ours(obj):
+            return  # inherited from the parent of a fork(): counted there
+        pid = current_pid()
         with self._lock:
-            self._consumers[consumer] = next(self._order)
+            key = (kind, labels)
+            series = self._series.get(key)
+            if series is not None and series.pid == pid:
+                if any(member.ref() is obj for member in series.members):
+                    return  # tracked twice
+                if series.has_open():
+                    if not obj.closed:  # open together: both count
+                        series.members.append(_Member(obj, next(self._order)))
+                    return  # already closed: the open ones are the series
+            # nothing open under these labels: this object starts the series afresh
+            series = self._series[key] = _Series(pid)
+            series.members.append(_Member(obj, next(self._order)))
 
     def describe(self) -> list[Metric]:
         """No fixed description: the series depend on what is tracked."""
@@ -105,109 +209,124 @@ class BatchWeaveCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """Build every family from fresh ``stats`` snapshots."""
+        pid = current_pid()
         with self._lock:
-            producers = [(p, order) for p, order in self._producers.items() if _ours(p)]
-            consumers = [(c, order) for c, order in self._consumers.items() if _ours(c)]
-        yield from self._producer_families(
-            _one_per_series(producers, lambda p: (p.namespace, p.producer_id))
+            scrape = next(self._scrapes)
+            for key in [key for key, series in self._series.items() if series.pid != pid]:
+                del self._series[key]  # the parent's, in a forked child
+            todo = [
+                (member, obj)
+                for series in self._series.values()
+                for member in series.members
+                if not member.closed and (obj := member.ref()) is not None
+            ]
+        # stats outside the lock: a producer's takes its own locks
+        taken = []
+        for member, obj in todo:
+            closed = obj.closed  # read first: a closed object's snapshot is its final one
+            stats = obj.stats() if isinstance(obj, Producer) else obj.stats
+            taken.append((member, stats, closed))
+        with self._lock:
+            for member, stats, closed in taken:
+                if scrape > member.taken:
+                    member.last, member.taken = stats, scrape
+                member.closed = member.closed or closed
+            rows: dict[str, list[tuple[tuple[Any, ...], dict[str, float], dict[str, float]]]] = {
+                "producer": [],
+                "consumer": [],
+            }
+            for key, series in list(self._series.items()):
+                kind, labels = key
+                counters, gauges = (
+                    (_PRODUCER_COUNTERS, _PRODUCER_GAUGES)
+                    if kind == "producer"
+                    else (_CONSUMER_COUNTERS, _CONSUMER_GAUGES)
+                )
+                row = self._row(series, counters, gauges)
+                if row is None:
+                    del self._series[key]  # every object of it was garbage-collected
+                elif row[0]:
+                    rows[kind].append((labels, *row))
+        yield from _families(
+            rows["producer"], ["namespace", "producer_id"], _PRODUCER_COUNTERS, _PRODUCER_GAUGES
         )
-        yield from self._consumer_families(
-            _one_per_series(consumers, lambda c: (c.namespace, c.dp_rank, c.cp_rank))
+        yield from _families(
+            rows["consumer"],
+            ["namespace", "dp_rank", "cp_rank"],
+            _CONSUMER_COUNTERS,
+            _CONSUMER_GAUGES,
         )
 
     @staticmethod
-    def _producer_families(producers: list[Producer]) -> Iterator[Metric]:
-        labels = ["namespace", "producer_id"]
-        counters = {
-            "attempts": ("commit_attempts", "Manifest commit attempts that reached the store."),
-            "commits": ("commits", "Commit attempts that created a manifest version."),
-            "conflicts": ("commit_conflicts", "Commit attempts lost to another writer."),
-            "ambiguous": ("commit_ambiguous", "Commit attempts with an unknown outcome."),
-            "transient_errors": ("transient_errors", "Retried transient store failures."),
-            "tgbs_published": ("tgbs_published", "TGBs made visible by committed manifests."),
-            "bytes_published": ("bytes_published", "Bytes of published TGB objects."),
-            "lag_blocked_seconds": (
-                "producer_lag_blocked_seconds",
-                "Seconds append() was blocked by max_lag.",
-            ),
+    def _row(
+        series: _Series, counters: dict[str, Any], gauges: dict[str, Any]
+    ) -> tuple[dict[str, float], dict[str, float]] | None:
+        """The series' counters and gauges (``None``: nothing of it is left). Lock held."""
+        alive = []
+        for member in series.members:
+            if member.ref() is None:  # collected: its last figures still count
+                if member.last is not None:
+                    for attr in counters:
+                        value = float(getattr(member.last, attr))
+                        series.gone[attr] = series.gone.get(attr, 0.0) + value
+            else:
+                alive.append(member)
+        series.members = alive
+        if not alive:
+            return None
+        seen = [member for member in alive if member.last is not None]
+        totals = {
+            attr: series.gone.get(attr, 0.0)
+            + sum(float(getattr(member.last, attr)) for member in seen)
+            for attr in counters
         }
-        gauges = {
-            "last_fragile_window": (
-                "fragile_window_seconds",
-                "Last fragile window: base read to end of the conditional PUT.",
-            ),
-            "gap": ("commit_gap_seconds", "The commit policy's current post-attempt gap."),
-            "pending": ("producer_pending_tgbs", "TGBs appended but not yet committed."),
-            "inflight_bytes": ("producer_inflight_bytes", "Encoded bytes waiting for upload."),
-        }
-        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
-        for attr, (name, doc) in counters.items():
-            families[attr] = CounterMetricFamily(f"batchweave_{name}", doc, labels=labels)
-        for attr, (name, doc) in gauges.items():
-            families[attr] = GaugeMetricFamily(f"batchweave_{name}", doc, labels=labels)
-        for producer in producers:
-            stats = producer.stats()
-            values = [producer.namespace, producer.producer_id]
-            for attr, family in families.items():
-                family.add_metric(values, float(getattr(stats, attr)))
-        yield from families.values()
+        if not seen and not series.gone:
+            return {}, {}  # tracked since this scrape began: nothing to show yet
+        current = [member.last for member in seen if not member.closed]
+        if not current and seen:  # all closed: the last tracked one's final figures
+            current = [max(seen, key=lambda member: member.order).last]
+        values: dict[str, float] = {}
+        for attr, (_, _, summed) in gauges.items():
+            found = [float(v) for s in current if (v := getattr(s, attr)) is not None]
+            if found:
+                values[attr] = sum(found) if summed else sum(found) / len(found)
+        return totals, values
 
-    @staticmethod
-    def _consumer_families(consumers: list[Consumer]) -> Iterator[Metric]:
-        labels = ["namespace", "dp_rank", "cp_rank"]
-        counters = {
-            "steps": ("consumer_steps", "Steps delivered to the training loop."),
-            "stall_seconds": ("consumer_stall_seconds", "Seconds next() blocked the caller."),
-            "bytes_read": ("consumer_bytes_read", "Bytes returned by range reads."),
-            "bytes_delivered": ("consumer_bytes_delivered", "Stored bytes of delivered slices."),
-            "requests": ("consumer_requests", "Range reads issued."),
-            "retries": ("consumer_retries", "Transient read failures retried."),
-        }
-        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
-            attr: CounterMetricFamily(f"batchweave_{name}", doc, labels=labels)
-            for attr, (name, doc) in counters.items()
-        }
+
+def _families(
+    rows: list[tuple[tuple[Any, ...], dict[str, float], dict[str, float]]],
+    labels: list[str],
+    counters: dict[str, Any],
+    gauges: dict[str, Any],
+) -> Iterator[Metric]:
+    """One family per counter and gauge, one sample per row (label values, counters, gauges)."""
+    families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+    for attr, (name, doc) in counters.items():
+        families[attr] = CounterMetricFamily(f"batchweave_{name}", doc, labels=labels)
+    amplification = None
+    if "bytes_delivered" in counters:
         amplification = GaugeMetricFamily(
             "batchweave_consumer_read_amplification",
             "bytes_read / bytes_delivered (1.0: only the rank's slices were read).",
             labels=labels,
         )
-        depth = GaugeMetricFamily(
-            "batchweave_consumer_prefetch_depth", "Steps allowed in flight.", labels=labels
-        )
-        in_flight = GaugeMetricFamily(
-            "batchweave_consumer_in_flight_steps", "Steps being read ahead now.", labels=labels
-        )
-        latency = GaugeMetricFamily(
-            "batchweave_consumer_read_latency_seconds",
-            "Moving average of one step's reads (below prefetch_min_latency: no prefetching).",
-            labels=labels,
-        )
-        cpu_share = GaugeMetricFamily(
-            "batchweave_consumer_read_cpu_share",
-            "Moving average of the share of a step's reads spent on CPU by the reading thread "
-            "(above prefetch_max_cpu_share: no prefetching).",
-            labels=labels,
-        )
-        for consumer in consumers:
-            stats = consumer.stats
-            values = [consumer.namespace, str(consumer.dp_rank), str(consumer.cp_rank)]
-            for attr, family in families.items():
-                family.add_metric(values, float(getattr(stats, attr)))
-            amp = stats.read_amplification
-            amplification.add_metric(values, 0.0 if math.isnan(amp) else amp)
-            depth.add_metric(values, float(stats.prefetch_depth))
-            in_flight.add_metric(values, float(stats.in_flight))
-            if stats.read_latency is not None:
-                latency.add_metric(values, stats.read_latency)
-            if stats.read_cpu_share is not None:
-                cpu_share.add_metric(values, stats.read_cpu_share)
-        yield from families.values()
+    for attr, (name, doc, _) in gauges.items():
+        families[attr] = GaugeMetricFamily(f"batchweave_{name}", doc, labels=labels)
+    for key, totals, values in rows:
+        label_values = [str(part) for part in key]
+        for attr, value in (*totals.items(), *values.items()):
+            families[attr].add_metric(label_values, value)
+        if amplification is not None:
+            delivered = totals["bytes_delivered"]
+            amplification.add_metric(
+                label_values, totals["bytes_read"] / delivered if delivered else 0.0
+            )
+    for attr in counters:
+        yield families[attr]
+    if amplification is not None:
         yield amplification
-        yield depth
-        yield in_flight
-        yield latency
-        yield cpu_share
+    for attr in gauges:
+        yield families[attr]
 
 
 def _ours(obj: Producer | Consumer) -> bool:
@@ -218,19 +337,6 @@ def _ours(obj: Producer | Consumer) -> bool:
     consumer's counters are the parent's, frozen at the fork. The child serves its own.
     """
     return getattr(obj, "_pid", None) == current_pid()
-
-
-def _one_per_series(
-    tracked: list[tuple[_Tracked, int]], labels: Callable[[_Tracked], Hashable]
-) -> list[_Tracked]:
-    """One object per label set: open before closed, then the most recently tracked."""
-    best: dict[Hashable, tuple[tuple[bool, int], _Tracked]] = {}
-    for obj, order in tracked:
-        rank = (not obj.closed, order)
-        key = labels(obj)
-        if key not in best or rank > best[key][0]:
-            best[key] = (rank, obj)
-    return [obj for _, obj in best.values()]
 
 
 class _Metrics:
@@ -420,11 +526,22 @@ def instrument_policy(
 
 
 class MetricsServer:
-    """A running metrics HTTP endpoint; :meth:`close` stops it."""
+    """A running metrics HTTP endpoint; :meth:`close` stops it.
+
+    A process ``fork()``ed from one that serves metrics (DataLoader workers) does not keep
+    the listening socket: it is closed in the child as it starts, so :meth:`close` in the
+    parent releases the port while children live, and no scrape reaches a child that has no
+    serving thread. The child's :meth:`close` does nothing.
+    """
 
     def __init__(self, server: Any, thread: threading.Thread) -> None:
         self._server = server
         self._thread = thread
+        self._pid = current_pid()
+        self._lock = threading.Lock()
+        self._stopped = False
+        with _servers_lock:
+            _serving[id(self)] = server
 
     @property
     def port(self) -> int:
@@ -432,7 +549,18 @@ class MetricsServer:
         return int(self._server.server_port)
 
     def close(self) -> None:
-        """Stop serving and release the port."""
+        """Stop serving and release the port. Idempotent."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        with _servers_lock:
+            _serving.pop(id(self), None)
+        if self._pid != current_pid():
+            # a forked child: the socket was closed at the fork, the thread serving it is in
+            # the parent (shutdown() would wait for it forever)
+            self._server.server_close()
+            return
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5)
@@ -442,6 +570,27 @@ class MetricsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_serving: dict[int, Any] = {}
+"""The HTTP servers of the open :class:`MetricsServer` objects of this process (held strongly:
+their threads serve them whether or not anything references the MetricsServer)."""
+_servers_lock = threading.Lock()
+
+
+def _close_sockets_in_child() -> None:
+    """After ``fork()``, in the child: close the inherited listening sockets (the threads that
+    serve them stayed in the parent), so that the parent's ``close()`` releases its port."""
+    global _servers_lock
+    _servers_lock = threading.Lock()  # may have been held by another thread at the fork
+    servers = list(_serving.values())
+    _serving.clear()
+    for server in servers:
+        with contextlib.suppress(OSError):
+            server.socket.close()
+
+
+os.register_at_fork(after_in_child=_close_sockets_in_child)
 
 
 def start_metrics_server(

@@ -4,7 +4,12 @@ An unreachable object store is waited out, never a reason to drop data: producer
 pending TGBs, consumers keep their position. What the operator needs is to *see* it, without a
 line per retry: :class:`OutageLog` logs a warning when the first failure of an outage is seen,
 a reminder every ``interval`` seconds while it lasts, and an info line when a request succeeds
-again. :func:`no_answer` tells a request that got no answer in time (a hung or overloaded
+again. A store that fails and answers by turns (one of two endpoints down) is reported at most
+once per ``interval``: an outage starting within ``interval`` of the last reported start is
+counted, not logged, unless it lasts until ``interval`` has passed, and the next line says how
+many failed requests and short outages there were meanwhile.
+
+:func:`no_answer` tells a request that got no answer in time (a hung or overloaded
 endpoint, a wrong port) from a store that answered with an error: for a client that waits for
 the store, the first is an outage like a refused connection.
 """
@@ -41,6 +46,13 @@ class OutageLog:
 
     ``who`` names the client in every line (``"producer 'p0'"``); ``clock`` is monotonic seconds.
     Thread-safe: a client's threads share one instance so an outage is reported once.
+
+    The start of an outage is logged at once unless another start was logged less than
+    ``interval`` ago: a flapping store (every other request refused) would otherwise log a
+    warning and an info line per request. Such an outage is counted silently; if it lasts until
+    ``interval`` has passed since the last reported start it is reported then, and short ones
+    are summed up in the next line logged (a start, or a warning "fails intermittently" at the
+    first success once ``interval`` has passed).
     """
 
     def __init__(
@@ -57,8 +69,17 @@ class OutageLog:
         self._interval = interval
         self._lock = threading.Lock()
         self._since: float | None = None
+        """When the outage in progress began (reported or not)."""
+        self._reported = False
+        """Whether the outage in progress was logged."""
         self._last_log = 0.0
+        self._last_start: float | None = None
+        """When the last start of an outage was logged."""
         self._failures = 0
+        self._unreported_outages = 0
+        """Outages that ended unlogged since the last start was logged, and their failed
+        requests:"""
+        self._unreported_failures = 0
 
     @property
     def down(self) -> bool:
@@ -66,20 +87,49 @@ class OutageLog:
         with self._lock:
             return self._since is not None
 
+    def _meanwhile(self, now: float) -> str:
+        """The short outages that ended unlogged since the last start was logged (and resets
+        their count): ``"unreachable 3 times briefly in the last 30 s (3 failed requests, not
+        logged one by one)"``, or ``""``."""
+        outages, failures = self._unreported_outages, self._unreported_failures
+        if not outages:
+            return ""
+        self._unreported_outages = self._unreported_failures = 0
+        assert self._last_start is not None
+        return (
+            f"unreachable {outages} times briefly in the last "
+            f"{max(0.0, now - self._last_start):.0f} s ({failures} failed requests, not logged "
+            "one by one)"
+        )
+
     def failed(self, what: str, exc: BaseException) -> None:
         """Record a failed request (``what`` says what the client was doing)."""
         now = self._clock()
         with self._lock:
             self._failures += 1
             if self._since is None:
-                self._since = self._last_log = now
+                self._since = now
+                self._reported = False
+            if not self._reported:
+                if self._last_start is not None and now - self._last_start < self._interval:
+                    return  # another start was logged just now: counted, not logged yet
+                meanwhile = self._meanwhile(now)
+                if meanwhile:
+                    meanwhile = f"; it fails intermittently: {meanwhile}"
+                self._reported = True
+                self._last_start = self._last_log = now
+                lasting = now - self._since
                 self._logger.warning(
-                    "%s: the object store is unreachable while %s (%s: %s); waiting for it to "
-                    "come back, nothing is dropped",
+                    "%s: the object store is unreachable while %s (%s: %s)%s; waiting for it to "
+                    "come back, nothing is dropped%s",
                     self._who,
                     what,
                     type(exc).__name__,
                     exc,
+                    f" for {lasting:.0f} s ({self._failures} failed requests)"
+                    if lasting >= 1.0
+                    else "",
+                    meanwhile,
                 )
             elif now - self._last_log >= self._interval:
                 self._last_log = now
@@ -94,17 +144,32 @@ class OutageLog:
 
     def recovered(self) -> None:
         """Record a successful request; ends the outage if one was in progress."""
-        if self._since is None:  # the common case, checked without the lock
-            return
+        if self._since is None and not self._unreported_outages:
+            return  # the common case, checked without the lock
         with self._lock:
-            if self._since is None:
-                return
-            self._logger.info(
-                "%s: the object store is reachable again after %.1f s (%d failed requests); "
-                "resuming",
-                self._who,
-                max(0.0, self._clock() - self._since),
-                self._failures,
-            )
+            if self._since is not None and self._reported:
+                self._logger.info(
+                    "%s: the object store is reachable again after %.1f s (%d failed requests); "
+                    "resuming",
+                    self._who,
+                    max(0.0, self._clock() - self._since),
+                    self._failures,
+                )
+            elif self._since is not None:  # a short outage nobody was told about
+                self._unreported_outages += 1
+                self._unreported_failures += self._failures
             self._since = None
+            self._reported = False
             self._failures = 0
+            if not self._unreported_outages:
+                return
+            now = self._clock()
+            assert self._last_start is not None
+            if now - self._last_start >= self._interval:  # flapping: at most once an interval
+                meanwhile = self._meanwhile(now)
+                self._last_start = now  # a new start waits an interval more to be logged
+                self._logger.warning(
+                    "%s: the object store fails intermittently: %s; reachable now",
+                    self._who,
+                    meanwhile,
+                )

@@ -10,12 +10,18 @@ nothing; a metrics port in use is an error naming the address.
 from __future__ import annotations
 
 import errno
+import gc
 import inspect
+import os
+import select
+import signal
+import socket
 import urllib.request
 from collections.abc import Iterable
 
 import pytest
 from _reclaimer_worker import ONE_SLICE, RefuseOne, publish_one_slice
+from fake_time import FakeTime
 from prometheus_client import CollectorRegistry, generate_latest
 
 import batchweave as bw
@@ -238,6 +244,132 @@ def test_a_consumer_replaced_in_process_is_exported_once(registry: CollectorRegi
     assert old.stats.steps == 2
 
 
+CONSUMER_LABELS = {"namespace": "ns", "dp_rank": "0", "cp_rank": "0"}
+
+
+def test_stride_readers_of_one_rank_add_up_and_never_drop(registry: CollectorRegistry) -> None:
+    # Before: one object per label set, so two open stride=2 readers of one rank that delivered
+    # 8 steps were exported as 4, and a closed one vanished from the series.
+    store = bw.MemoryStore()
+    with bw.Producer(store, "ns", producer_id="p0", mesh=ONE_SLICE) as producer:
+        for offset in range(8):
+            producer.append([b"x" * 10], offset=offset)
+        producer.seal()
+    readers = [
+        bw.track_metrics(
+            bw.Consumer(store, "ns", mesh=ONE_SLICE, dp_rank=0, start_step=w, stride=2),
+            registry=registry,
+        )
+        for w in range(2)
+    ]
+    for _ in range(2):
+        next(readers[0])
+    next(readers[1])
+    steps = "batchweave_consumer_steps_total"
+    assert value(registry, steps, **CONSUMER_LABELS) == 3
+    assert value(registry, "batchweave_consumer_in_flight_steps", **CONSUMER_LABELS) == sum(
+        r.stats.in_flight for r in readers
+    )
+    assert sum(1 for _ in readers[0]) == 2
+    readers[0].close()  # done, while the other goes on: its 4 steps still count
+    assert value(registry, steps, **CONSUMER_LABELS) == 5
+    del readers[0]
+    gc.collect()  # and still once it is gone
+    assert value(registry, steps, **CONSUMER_LABELS) == 5
+    assert sum(1 for _ in readers[0]) == 3
+    assert value(registry, steps, **CONSUMER_LABELS) == 8
+    assert value(registry, "batchweave_consumer_bytes_delivered_total", **CONSUMER_LABELS) == 80
+    assert value(registry, "batchweave_consumer_read_amplification", **CONSUMER_LABELS) == 1.0
+    readers[0].close()
+    # every reader closed: a new one tracked is a restart, the series starts afresh
+    with bw.track_metrics(
+        bw.Consumer(store, "ns", mesh=ONE_SLICE, dp_rank=0, start_step=6), registry=registry
+    ) as again:
+        next(again)
+        assert samples(registry, steps) == [
+            'batchweave_consumer_steps_total{cp_rank="0",dp_rank="0",namespace="ns"} 1.0'
+        ]
+    del readers
+    gc.collect()
+    assert value(registry, steps, **CONSUMER_LABELS) == 1
+
+
+def test_producers_open_together_under_one_id_add_up(registry: CollectorRegistry) -> None:
+    store = bw.MemoryStore()
+    labels = {"namespace": "ns", "producer_id": "p0"}
+    old = bw.Producer(store, "ns", producer_id="p0", mesh=ONE_SLICE)
+    bw.track_metrics(old, registry=registry)
+    old.append([b"x"], offset=0)
+    old.flush()
+    # a new incarnation while the old one is still open (it is fenced, not closed)
+    new = bw.track_metrics(
+        bw.Producer(store, "ns", producer_id="p0", mesh=ONE_SLICE), registry=registry
+    )
+    try:
+        assert value(registry, "batchweave_tgbs_published_total", **labels) == 1  # before: 0
+        old.close()
+        new.append([b"x"], offset=1)
+        new.flush()
+        assert value(registry, "batchweave_tgbs_published_total", **labels) == 2
+        del old
+        gc.collect()
+        assert value(registry, "batchweave_tgbs_published_total", **labels) == 2
+    finally:
+        new.close()
+
+
+def test_stall_grows_while_next_is_blocked_and_is_counted_once(
+    registry: CollectorRegistry,
+) -> None:
+    # Before: stall was added only when next() returned, so a consumer blocked for good behind
+    # lag-blocked producers (the deadlock the alert is for) showed a flat stall.
+    store = bw.MemoryStore()
+    producer = bw.Producer(store, "ns", producer_id="p0", mesh=ONE_SLICE)
+    producer.append([b"x"], offset=0)
+    producer.flush()
+    seen: list[tuple[float, float, float]] = []
+    consumer: bw.Consumer | None = None
+
+    def while_blocked() -> None:  # runs in the consumer's next(), in each poll sleep
+        assert consumer is not None
+        metric = value(registry, "batchweave_consumer_stall_seconds_total", **CONSUMER_LABELS)
+        seen.append((fake.now, consumer.stats.stall_seconds, metric))
+        if len(seen) == 5:
+            producer.append([b"y"], offset=1)
+            producer.flush()
+
+    fake = FakeTime(on_sleep=while_blocked)
+    consumer = bw.Consumer(
+        store,
+        "ns",
+        mesh=ONE_SLICE,
+        dp_rank=0,
+        clock=fake.clock,
+        sleep=fake.sleep,
+        poll_interval=1.0,
+        max_poll_interval=1.0,
+    )
+    bw.track_metrics(consumer, registry=registry)
+    try:
+        assert next(consumer)[0] == 0
+        before = consumer.stats.stall_seconds
+        began = fake.now
+        assert next(consumer)[0] == 1
+        assert len(seen) >= 5
+        for now, stats, metric in seen:  # the wait so far, while still blocked
+            assert stats == pytest.approx(before + now - began)
+            assert metric == pytest.approx(stats)
+        assert seen[-1][1] >= before + 5.0
+        # delivered: the whole wait, counted once
+        assert consumer.stats.stall_seconds == pytest.approx(before + fake.now - began)
+        assert value(
+            registry, "batchweave_consumer_stall_seconds_total", **CONSUMER_LABELS
+        ) == pytest.approx(before + fake.now - began)
+    finally:
+        consumer.close()
+        producer.close()
+
+
 def test_a_failed_pass_still_counts_what_it_deleted(registry: CollectorRegistry) -> None:
     inner = bw.MemoryStore()
     publish_one_slice(inner, 4)
@@ -351,6 +483,44 @@ def test_metrics_port_in_use_names_the_address(registry: CollectorRegistry) -> N
     first.close()  # closing twice is harmless, and the port is free again
     with bw.start_metrics_server(first.port, registry=registry) as again:
         assert again.port == first.port
+
+
+def test_metrics_server_close_releases_the_port_while_a_forked_child_lives(
+    registry: CollectorRegistry,
+) -> None:
+    # Before: a child forked while serving (a DataLoader fork worker) kept the listening socket:
+    # close() in the parent left the port bound (rebinding failed with EADDRINUSE) and
+    # connections were accepted into a socket nobody served.
+    server = bw.start_metrics_server(0, registry=registry)
+    port = server.port
+    to_parent, from_child = os.pipe()
+    to_child, from_parent = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child lives until told to go, then closes its copy
+        code = 1
+        try:
+            os.write(from_child, b"r")
+            os.read(to_child, 1)
+            signal.alarm(20)  # a close() that waited for the parent's thread: killed
+            server.close()  # harmless in the child
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        ready, _, _ = select.select([to_parent], [], [], 30)
+        assert ready, "the child did not start"
+        assert os.read(to_parent, 1) == b"r"
+        server.close()
+        with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
+            probe.connect(("127.0.0.1", port))
+        with bw.start_metrics_server(port, registry=registry) as again:
+            assert again.port == port
+    finally:
+        os.write(from_parent, b"x")
+        _, status = os.waitpid(pid, 0)
+        for fd in (to_parent, from_child, to_child, from_parent):
+            os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0  # not killed by the alarm
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ one line when the store is reachable again.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -347,3 +348,110 @@ def test_outage_log_rate_limits_reminders_and_reports_recovery_once(
     assert not log.down
     log.failed("uploading", bw.StoreUnavailable("down again"))  # a new outage: a new first line
     assert "unreachable while uploading" in caplog.records[-1].getMessage()
+
+
+def test_a_flapping_store_is_reported_once_an_interval_not_per_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Before: every request that failed after one that succeeded started a new outage: a store
+    # refusing every second request logged a warning and an info line per request.
+    now = [0.0]
+    log = OutageLog(logging.getLogger("batchweave.test"), "consumer", clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="batchweave.test")
+    for _ in range(1000):  # 100 s: a refused request, then one answered, every 0.1 s
+        log.failed("reading", bw.StoreUnavailable("refused"))
+        now[0] += 0.05
+        log.recovered()
+        now[0] += 0.05
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert "unreachable while reading" in lines[0][1]
+    assert "reachable again after 0.1 s (1 failed requests)" in lines[1][1]
+    # then at most a start and its end an interval (at 30, 60 and 90 s), the first saying how
+    # often the store failed meanwhile
+    assert len(lines) <= 2 + 2 * 3
+    counted = 0
+    for index, (level, line) in enumerate(lines):
+        if level == logging.WARNING:
+            found = re.search(
+                r"unreachable (\d+) times briefly in the last 30 s \((\d+) failed", line
+            )
+            assert (found is not None) == (index > 0), line
+            if found:
+                assert found[1] == found[2]
+                counted += int(found[1])
+        else:
+            assert "reachable again after" in line
+            assert "(1 failed requests)" in line
+            counted += 1
+    assert 1000 - 300 <= counted <= 1000  # every failure told, but for the last interval's
+    assert not log.down
+
+
+def test_an_outage_starting_just_after_another_is_reported_once_an_interval_has_passed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    log = OutageLog(logging.getLogger("batchweave.test"), "producer 'p0'", clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="batchweave.test")
+    log.failed("committing", bw.StoreUnavailable("down"))
+    now[0] += 1.0
+    log.recovered()  # a short outage: reported at once, the first of its kind
+    now[0] += 1.0
+    log.failed("committing", bw.StoreUnavailable("down"))  # a blip: counted, not logged
+    log.recovered()
+    assert len(caplog.records) == 2
+    for _ in range(20):  # then a real outage of 100 s, a failure every 5 s
+        log.failed("uploading", bw.StoreUnavailable("down"))
+        assert log.down
+        now[0] += 5.0
+    log.recovered()
+    lines = [r.getMessage() for r in caplog.records[2:]]
+    # its start once 30 s passed since the last start logged, with what happened meanwhile
+    assert lines[0].startswith(
+        "producer 'p0': the object store is unreachable while uploading (StoreUnavailable: "
+        "down) for 30 s (7 failed requests); waiting for it to come back"
+    )
+    assert lines[0].endswith(
+        "it fails intermittently: unreachable 1 times briefly in the last 32 s (1 failed "
+        "requests, not logged one by one)"
+    )
+    assert [line.split(":")[1] for line in lines[1:]] == [
+        " the object store is still unreachable after 60 s (13 failed requests); still "
+        "waiting while uploading",
+        " the object store is still unreachable after 90 s (19 failed requests); still "
+        "waiting while uploading",
+        " the object store is reachable again after 100.0 s (20 failed requests); resuming",
+    ]
+
+
+class EverySecondReadRefused(StoreWrapper):
+    """Refuses every second TGB read (one of two endpoints behind a load balancer is down)."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.reads = 0
+
+    def get_range(self, key: str, rng: ByteRange) -> bytes:
+        if "/data/" in key:
+            self.reads += 1
+            if self.reads % 2:
+                raise StoreUnavailable("connection refused (injected)")
+        return self.inner.get_range(key, rng)
+
+
+def test_a_consumer_on_a_flapping_store_logs_a_few_lines_not_two_per_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Before: 200 warnings and 200 info lines for 200 steps.
+    inner = MemoryStore()
+    with Producer(inner, NS, producer_id="p0", mesh=Mesh(dp=1)) as producer:
+        for offset in range(200):
+            producer.append([b"x" * 100], offset=offset)
+        producer.seal()
+    store = EverySecondReadRefused(inner)
+    c = Consumer(store, NS, mesh=Mesh(dp=1), dp_rank=0, retry_backoff=1e-4, max_retry_backoff=1e-4)
+    with caplog.at_level(logging.INFO, logger="batchweave"), c:
+        assert sum(1 for _ in c) == 200
+    assert store.reads >= 400
+    lines = [r.getMessage() for r in caplog.records if "object store" in r.getMessage()]
+    assert 2 <= len(lines) <= 6, lines  # at most two an interval of 30 s

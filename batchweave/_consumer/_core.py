@@ -231,7 +231,7 @@ class Consumer:
             if self.prefetch_min_latency > 0 and self.prefetch_max_cpu_share < 1
             else None
         )
-        self._counters = Counters()
+        self._counters = Counters(clock)
         self._created_at = clock()
         self._outage = OutageLog(
             _log, f"consumer dp_rank={self.dp_rank} cp_rank={self.cp_rank}", clock=clock
@@ -375,7 +375,7 @@ class Consumer:
                 footer_cache_hits=c.footer_cache_hits,
                 retries=c.retries,
                 manifest_refreshes=c.manifest_refreshes,
-                stall_seconds=c.stall_seconds,
+                stall_seconds=c.stall_now(),
                 time_to_first_batch=c.time_to_first_batch,
                 prefetch_depth=self._depth,
                 read_latency=c.read_latency,
@@ -394,7 +394,8 @@ class Consumer:
                 f"{self!r} is closed; to continue, create a new Consumer and load this one's "
                 "state_dict() into it"
             )
-        started = self._clock()
+        # Counted as stall from now on, also while still blocked (stats shows it growing).
+        waiting = self._counters.wait_began()
         try:
             with self._reading:
                 try:
@@ -403,10 +404,9 @@ class Consumer:
                     if self._closed:  # by another thread, during this call: drop what it read
                         self._drop_window()
         except BaseException:
-            self._counters.stalled(self._clock() - started)
+            self._counters.stalled(waiting)
             raise
-        now = self._clock()
-        self._counters.delivered(nbytes, now - started, now - self._created_at)
+        self._counters.delivered(waiting, nbytes, self._created_at)
         self._delivered_any = True
         return step, data
 

@@ -6,8 +6,10 @@ only add to :class:`Counters`, and :attr:`Consumer.stats` reads a consistent sna
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -39,7 +41,8 @@ class ConsumerStats:
     manifest_refreshes: int
     """Checks for a newer manifest version."""
     stall_seconds: float
-    """Time the caller spent blocked in ``next()``: waiting for data or for producers."""
+    """Time the caller spent blocked in ``next()``: waiting for data or for producers, including
+    a ``next()`` still blocked now (so it grows while producers never deliver)."""
     time_to_first_batch: float | None
     """Seconds from construction to the first delivered step (``None`` before it)."""
     prefetch_depth: int
@@ -63,10 +66,19 @@ class ConsumerStats:
 
 
 class Counters:
-    """Thread-safe running totals behind :class:`ConsumerStats`."""
+    """Thread-safe running totals behind :class:`ConsumerStats`.
 
-    def __init__(self) -> None:
+    ``clock`` (monotonic seconds, the consumer's) times the calls to ``next()``: a call still
+    blocked counts in :meth:`stall_now` from the moment it began, so a consumer waiting for
+    producers that never come shows a growing stall rather than a flat one.
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
         self.lock = threading.Lock()
+        self._clock = clock
+        self._tokens = itertools.count()
+        self._waiting: dict[int, float] = {}
+        """Start times of the ``next()`` calls blocked now, by token (normally one)."""
         self.steps = 0
         self.bytes_delivered = 0
         self.bytes_read = 0
@@ -103,20 +115,40 @@ class Counters:
             self.requests += 1
             self.bytes_read += nbytes
 
-    def stalled(self, seconds: float) -> None:
-        """The caller was blocked in a ``next()`` that delivered nothing for ``seconds``."""
-        with self.lock:
-            self.stall_seconds += seconds
+    # The clock is read under the lock in all three, so a snapshot taken while a call is
+    # blocked never shows more stall than the call adds when it ends: the total never drops.
 
-    def delivered(self, nbytes: int, stalled: float, since_created: float) -> None:
-        """One step of ``nbytes`` stored bytes was delivered after the caller was blocked in
-        ``next()`` for ``stalled`` seconds, ``since_created`` seconds in."""
+    def wait_began(self) -> int:
+        """A ``next()`` began; returns the token that ends it (:meth:`stalled`,
+        :meth:`delivered`)."""
         with self.lock:
+            token = next(self._tokens)
+            self._waiting[token] = self._clock()
+            return token
+
+    def stall_now(self) -> float:
+        """``stall_seconds`` plus the time the ``next()`` calls blocked now have waited so far.
+        Call with :attr:`lock` held."""
+        if not self._waiting:
+            return self.stall_seconds
+        now = self._clock()
+        return self.stall_seconds + sum(max(0.0, now - t) for t in self._waiting.values())
+
+    def stalled(self, token: int) -> None:
+        """The ``next()`` of ``token`` (:meth:`wait_began`) ended delivering nothing."""
+        with self.lock:
+            self.stall_seconds += max(0.0, self._clock() - self._waiting.pop(token))
+
+    def delivered(self, token: int, nbytes: int, created_at: float) -> None:
+        """The ``next()`` of ``token`` (:meth:`wait_began`) delivered one step of ``nbytes``
+        stored bytes; the consumer was created at ``created_at`` (clock seconds)."""
+        with self.lock:
+            now = self._clock()
             self.steps += 1
             self.bytes_delivered += nbytes
-            self.stall_seconds += stalled
+            self.stall_seconds += max(0.0, now - self._waiting.pop(token))
             if self.time_to_first_batch is None:
-                self.time_to_first_batch = since_created
+                self.time_to_first_batch = now - created_at
 
     def read_took(
         self, seconds: float, cpu_seconds: float | None = None, *, measurable: bool = True
