@@ -7,10 +7,13 @@ blocked on (else no consumer could read them and no checkpoint move the boundary
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
+import math
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -40,6 +43,7 @@ from batchweave._format._tgb_read import read_footer, read_slice
 from batchweave._format._tgb_write import TgbBuilder, encode_tgb
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, TgbDescriptor
+from batchweave._policy import PolicyWrapper
 from batchweave._producer._lag import LAG_WARN_AFTER, LAG_WARN_LONG
 from batchweave._producer._tgbs import Entry as _Entry
 from batchweave._store._memory import MemoryStore
@@ -467,6 +471,53 @@ def test_permanent_upload_failure_surfaces_at_the_next_call(store: MemoryStore) 
         p.close()
     assert not p._committer.is_alive()
     assert committed_offsets(store, "p0") == []
+
+
+class _FailingCommits(StoreWrapper):
+    """Manifest PUTs raise ``failure`` once it is set."""
+
+    failure: BaseException | None = None
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        if self.failure is not None and "/_manifests/" in key:
+            raise self.failure
+        super().put(key, data, mode=mode)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        AccessDenied("no PutObject on _manifests/"),
+        OSError(errno.ENOSPC, "No space left on device"),
+        RuntimeError("a bug in the commit loop"),
+    ],
+    ids=["access-denied", "disk-full", "bug"],
+)
+def test_a_permanent_commit_failure_surfaces_as_a_producer_error(
+    store: MemoryStore, failure: BaseException
+) -> None:
+    # Upload failures were wrapped, the commit loop's reached flush/append/close raw (an
+    # AccessDenied, an OSError), saying neither what was left uncommitted nor what to do.
+    failing = _FailingCommits(store)
+    p = make(failing)
+    p.append(payloads(0), offset=0)
+    p.flush()
+    failing.failure = failure
+    p.append(payloads(1), offset=1)
+    with pytest.raises(ProducerError) as info:
+        p.flush()
+    assert info.value.__cause__ is failure
+    message = str(info.value)
+    assert str(failure) in message
+    assert "'p0'" in message
+    assert "uncommitted: offsets 1..1" in message
+    assert "resumes from resume_offset (1)" in message
+    with pytest.raises(ProducerError, match="commit loop failed"):
+        p.append(payloads(2), offset=2)
+    with pytest.raises(ProducerError, match="commit loop failed"):
+        p.close()
+    assert not p._committer.is_alive()
+    assert committed_offsets(store, "p0") == [0]
 
 
 def test_max_retries_are_bounded(store: MemoryStore) -> None:
@@ -1281,6 +1332,114 @@ def test_seal_after_close_raises_instead_of_waiting_forever(store: MemoryStore) 
     assert not latest(store)[1].sealed
 
 
+_REAL_TIME: dict[str, object] = {
+    "clock": time.monotonic,
+    "wall_clock": time.time,
+    "sleep": time.sleep,
+}
+
+
+class _Holding(PolicyWrapper):
+    """Naive pacing, but no forced attempt (flush, close, seal) starts while ``hold`` is set:
+    a commit that cannot land, as during an outage, without retries to wait out."""
+
+    def __init__(self) -> None:
+        super().__init__(bw.make_policy("naive"))
+        self.hold = threading.Event()
+        self.holding = threading.Event()
+        """Set once a forced attempt was held back."""
+
+    def forced_wait(self, since_last_attempt: float, now: float, rank: int | None) -> float:
+        if self.hold.is_set():
+            self.holding.set()
+            return math.inf
+        return self.inner.forced_wait(since_last_attempt, now, rank)
+
+
+def test_close_after_a_timed_out_seal_does_not_wait_for_the_seal(store: MemoryStore) -> None:
+    # A seal() that timed out left its request behind: close() then waited for the seal for as
+    # long as it could not be committed (an outage: for ever), and committed it once it could.
+    policy = _Holding()
+    p = make(store, policy=policy, **_REAL_TIME)
+    try:
+        p.append(payloads(0), offset=0)
+        p.flush()
+        policy.hold.set()  # from here the seal cannot be committed
+        with pytest.raises(TimeoutError) as info:
+            p.seal(timeout=0)
+        ended, outcome = _bounded(p.close)
+        assert ended, "close() waited for the seal that timed out"
+        assert outcome == [None]
+    finally:
+        policy.hold.clear()
+        p.abort()
+    assert not latest(store)[1].sealed
+    assert committed_offsets(store, "p0") == [0]
+    assert "the request is withdrawn" in str(info.value)
+
+
+def test_append_is_taken_again_after_a_timed_out_seal(store: MemoryStore) -> None:
+    # append() said the namespace was sealed after a seal() that timed out, though it was not.
+    policy = _Holding()
+    p = make(store, policy=policy, **_REAL_TIME)
+    try:
+        p.append(payloads(0), offset=0)
+        p.flush()
+        policy.hold.set()
+        with pytest.raises(TimeoutError):
+            p.seal(timeout=0)
+        policy.hold.clear()
+        p.append(payloads(1), offset=1)
+        p.close()
+    finally:
+        policy.hold.clear()
+        p.abort()
+    assert committed_offsets(store, "p0") == [0, 1]
+    assert not latest(store)[1].sealed
+
+
+def test_an_interrupt_while_close_joins_the_commit_thread_stops_it(store: MemoryStore) -> None:
+    # close() joined the commit thread outside its Ctrl-C handling: interrupted there (the
+    # thread committing a seal() another thread waits for, through an outage), it raised but
+    # left the thread running, and the seal landed after close() had raised.
+    policy = _Holding()
+    p = make(store, policy=policy, **_REAL_TIME)
+    p.append(payloads(0), offset=0)
+    p.flush()
+    policy.hold.set()
+    sealing: list[BaseException | None] = []
+
+    def seal() -> None:
+        try:
+            p.seal()
+            sealing.append(None)
+        except BaseException as exc:
+            sealing.append(exc)
+
+    sealer = threading.Thread(target=seal, daemon=True)
+    sealer.start()
+    try:
+        assert policy.holding.wait(10), "the commit loop never tried to seal"
+        real_join = p._committer.join
+
+        def interrupted(timeout: float | None = None) -> None:
+            p._committer.join = real_join  # type: ignore[method-assign]
+            raise KeyboardInterrupt  # Ctrl-C while close() waits for the commit thread
+
+        p._committer.join = interrupted  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            p.close()
+        assert not p._committer.is_alive()
+        sealer.join(10)
+        assert len(sealing) == 1
+        assert isinstance(sealing[0], ProducerError), sealing
+        assert "aborted" in str(sealing[0])
+    finally:
+        policy.hold.clear()
+        sealer.join(10)
+    assert not latest(store)[1].sealed
+
+
 def test_max_lag_keeps_committing_while_a_second_append_is_still_blocked() -> None:
     # Two appends blocked by max_lag: the first to go cleared the blocked flag for both, so the
     # count policy held back the TGB it appended, and the other append waited for ever on a
@@ -1402,6 +1561,69 @@ def test_an_interrupt_before_the_upload_is_submitted_takes_the_tgb_back(
     assert ended, "close() waited for an upload that never runs"
     assert outcome == [None]
     assert committed_offsets(store, "p0") == [0]
+
+
+def test_an_interrupt_just_after_registering_a_tgb_takes_it_back(store: MemoryStore) -> None:
+    # A Ctrl-C landing once append had registered the TGB (pending, its bytes counted, its
+    # offset taken) but before its upload was submitted left it pending with no upload: flush()
+    # and close() waited for ever, and appending the offset again was refused.
+    p = make(store)
+    p.append(payloads(0), offset=0)
+    p.flush()
+
+    class InterruptedOnce(deque[_Entry]):
+        armed = True
+
+        def append(self, entry: _Entry) -> None:
+            super().append(entry)
+            if self.armed:
+                self.armed = False
+                raise KeyboardInterrupt  # as a SIGINT handled as the call returns
+
+    p._entries = InterruptedOnce(p._entries)
+    with pytest.raises(KeyboardInterrupt):
+        p.append(payloads(1), offset=1)
+    stats = p.stats()
+    assert (stats.pending, stats.inflight_bytes) == (0, 0)
+    p.append(payloads(1), offset=1)  # the offset was not taken: it can be appended again
+    ended, outcome = _bounded(p.close)
+    assert ended, "close() waited for an upload that never runs"
+    assert outcome == [None]
+    assert committed_offsets(store, "p0") == [0, 1]
+
+
+def test_an_interrupt_inside_submit_leaves_no_upload_behind(store: MemoryStore) -> None:
+    # A Ctrl-C inside submit() once the upload was queued: append took the TGB back, but its
+    # upload still ran, released its bytes a second time (inflight_bytes below 0, loosening
+    # max_inflight_bytes) and wrote an object for an offset append said it had not taken.
+    gate = threading.Event()
+    gated = GatedStore(store, gate, gate_offsets={0})
+    p = make(gated, upload_threads=1)
+    try:
+        p.append(payloads(0), offset=0)
+        assert gated.wait_for_puts(1)  # the only upload thread is busy with offset 0
+        real_submit = p._uploads.submit
+
+        def queued_then_interrupted(*args: Any, **kwargs: Any) -> Any:
+            p._uploads.submit = real_submit  # type: ignore[method-assign]
+            real_submit(*args, **kwargs)  # queued behind offset 0
+            raise KeyboardInterrupt
+
+        p._uploads.submit = queued_then_interrupted  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            p.append(payloads(1), offset=1)
+        stats = p.stats()
+        assert stats.pending == 1
+        assert stats.inflight_bytes == p._entries[0].size
+    finally:
+        gate.set()
+    p.append(payloads(1), offset=1)  # the offset was not taken: it can be appended again
+    p.close()
+    assert p.stats().inflight_bytes == 0
+    assert (
+        gated.data_puts_started == 2
+    )  # the upload queued for the interrupted append wrote nothing
+    assert committed_offsets(store, "p0") == [0, 1]
 
 
 def test_abort_releases_the_bytes_of_uploads_it_cancels(store: MemoryStore) -> None:

@@ -34,12 +34,13 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 from batchweave._checks import as_count, as_seconds, as_size
 from batchweave._errors import (
+    FormatError,
+    NamespaceError,
     NamespaceSealed,
     OffsetOrderError,
     ProducerError,
@@ -78,6 +79,7 @@ from batchweave._producer._retry import RETRYABLE, Retries, default_backoff
 from batchweave._producer._start import start_epoch
 from batchweave._producer._stats import AmbiguityCounter, ProducerStats
 from batchweave._producer._tgbs import DEFAULT_SLICE_TABLE_LIMIT, Entry, TgbEncoder, describe
+from batchweave._producer._uploads import UploadThreads
 from batchweave._store._base import ObjectStore
 from batchweave._watermarks import Watermarks
 
@@ -261,7 +263,11 @@ class Producer:
         self._clock = clock
         self._wall_clock = wall_clock
         self._sleep = sleep
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        """Guards the producer's state. ``with self._lock``, not ``with self._cond``: a C lock's
+        enter and exit, where a Ctrl-C cannot land between acquiring and releasing (it can in
+        ``Condition.__exit__``, a Python function, and would leave the lock held for ever)."""
+        self._cond = threading.Condition(self._lock)
         self._outage = OutageLog(_LOG, f"producer {producer_id!r}", clock=clock)
         self._retries = Retries(producer_id, self._cond, self._outage, backoff=backoff, sleep=sleep)
         self._lag = LagGate(
@@ -301,10 +307,17 @@ class Producer:
         self._aborted = False
         self._closing = False
         self._closed = False
+        self._stopping: Literal["close", "abort"] | None = None
+        """How ``_shutdown`` stops the threads (once each way: an abort after a close)."""
         self._exit_failure: ProducerError | None = None
         """What the exit hook could not commit, for a ``close()`` after it (an atexit one)."""
         self._flush_waiters = 0
-        self._seal_requested = False
+        self._seal_requests = 0
+        """seal() calls waiting for the sealed flag: the commit loop commits it while any does.
+        One that times out or is interrupted withdraws its request (appends are taken again)."""
+        self._seal_sent = False
+        """Whether a commit carrying the sealed flag was sent (it may land after its seal()
+        gave up): a sealed manifest is then this producer's own doing."""
         self._sealed = False
         self._last_attempt_end = -math.inf
         self._waited = 0.0
@@ -349,9 +362,7 @@ class Producer:
         self._committed_source = state.source
         self._resume_offset = 0 if state.offset is None else state.offset + 1
 
-        self._uploads = ThreadPoolExecutor(
-            max_workers=upload_threads, thread_name_prefix=f"bw-upload-{producer_id}"
-        )
+        self._uploads = UploadThreads(upload_threads, name=f"bw-upload-{producer_id}")
         # The thread holds this producer only during its turns (see _commit_thread), and _lifetime
         # while it has TGBs to commit: one dropped without close() commits them, then is freed.
         self._committer = threading.Thread(
@@ -411,7 +422,7 @@ class Producer:
     def committed_offset(self) -> int | None:
         """Highest offset of this producer id known to be committed (``None``: none yet)."""
         self._check_process()
-        with self._cond:
+        with self._lock:
             return self._committed_offset
 
     def append(
@@ -434,7 +445,7 @@ class Producer:
         """
         self._check_process()
         offset = as_offset(offset)
-        with self._cond:
+        with self._lock:
             self._check_usable_locked()
             self._check_offset_locked(offset)
         self._wait_for_lag()
@@ -451,38 +462,56 @@ class Producer:
             if isinstance(slices, EncodedTgb | TgbBuilder)
             else None
         )
-        with self._cond:
-            while (
-                self._inflight_bytes > 0 and self._inflight_bytes + entry.size > self._max_inflight
-            ):
-                self._check_usable_locked()
-                self._cond.wait(_EVENT_WAIT)
-            self._check_usable_locked()
-            # Re-checked: another thread may have appended while this one encoded.
-            self._check_offset_locked(offset)
-            previous = self._last_appended
-            self._inflight_bytes += entry.size
-            self._last_appended = offset
-            self._entries.append(entry)
-            _lifetime.add_busy(self)
+        # Registering the TGB and submitting its upload are one region for a Ctrl-C, which
+        # can land at any call in it: an interrupted append either leaves the TGB appended, its
+        # upload under way (and then committed like the others), or takes it back entirely
+        # (_withdraw), so the offset can be appended again. Never half: a TGB registered
+        # without an upload would make flush() and close() wait for ever.
+        previous: int | None = None
+        submitting = False
         try:
-            future = self._uploads.submit(self._upload, entry, encoded, descriptor)
+            with self._lock:
+                while (
+                    self._inflight_bytes > 0
+                    and self._inflight_bytes + entry.size > self._max_inflight
+                ):
+                    self._check_usable_locked()
+                    self._cond.wait(_EVENT_WAIT)
+                self._check_usable_locked()
+                # Re-checked: another thread may have appended while this one encoded.
+                self._check_offset_locked(offset)
+                _lifetime.add_busy(self)
+                # Plain assignments up to the one call that ends them: an interrupt lands
+                # before this registration or after all of it, and _withdraw undoes each part.
+                previous = self._last_appended
+                entry.state = "queued"
+                entry.charged = True
+                self._inflight_bytes += entry.size
+                self._last_appended = offset
+                self._entries.append(entry)
+            submitting = True
+            self._uploads.submit(self._upload, entry, encoded, descriptor)
         except BaseException as exc:
-            # Not submitted (executor shut down by a concurrent abort, or Ctrl-C): no upload
-            # will ever run for the entry, so take it back, or close() would wait for it.
-            self._unregister(entry, previous)
-            if isinstance(exc, RuntimeError):
+            # Refused, interrupted (Ctrl-C), or not submitted (the upload threads stopped by a
+            # concurrent abort): take the TGB back unless an upload thread already took it.
+            self._withdraw(entry, previous)
+            if submitting and isinstance(exc, RuntimeError):
                 raise ProducerError(
                     f"producer {self._producer_id!r} was stopped while appending offset {offset}"
                 ) from exc
             raise
-        # abort() cancels uploads not yet started; theirs never run _upload to release bytes.
-        future.add_done_callback(functools.partial(self._release_if_cancelled, entry))
 
-    def _unregister(self, entry: Entry, previous: int | None) -> None:
-        """Undo registering ``entry`` (appended after ``previous``) whose upload never ran."""
-        with self._cond:
-            self._inflight_bytes -= entry.size
+    def _withdraw(self, entry: Entry, previous: int | None) -> None:
+        """Take back ``entry`` (appended after ``previous``) if no upload thread took it yet.
+
+        Its upload, if one was queued after all (a Ctrl-C inside ``submit``), finds it withdrawn
+        and does nothing: neither uploads it nor releases its bytes a second time.
+        """
+        with self._lock:
+            if entry.state != "queued":
+                return  # never registered, or its upload runs: then it stays appended
+            entry.state = "withdrawn"
+            self._release_locked(entry)
             for i, queued in enumerate(self._entries):
                 if queued is entry:
                     del self._entries[i]
@@ -491,12 +520,12 @@ class Producer:
                 self._last_appended = previous
             self._cond.notify_all()
 
-    def _release_if_cancelled(self, entry: Entry, future: Future[None]) -> None:
-        """Release the bytes of ``entry`` if its upload was cancelled before it started."""
-        if future.cancelled():
-            with self._cond:
-                self._inflight_bytes -= entry.size
-                self._cond.notify_all()
+    def _release_locked(self, entry: Entry) -> None:
+        """Stop counting the bytes of ``entry`` as in flight, once only."""
+        if entry.charged:
+            entry.charged = False
+            self._inflight_bytes -= entry.size
+            self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every TGB appended so far is committed (visible to consumers).
@@ -511,7 +540,7 @@ class Producer:
         if timeout is not None:
             timeout = as_seconds("timeout", timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             self._raise_if_failed_locked()
             target = self._last_appended
             if target is None:
@@ -545,14 +574,16 @@ class Producer:
         """Flush, then commit the sealed flag: consumers stop cleanly after the last step.
 
         No producer can append to a sealed namespace. ``timeout`` applies to the flush and to the
-        seal commit each.
+        seal commit each. A seal that times out (``TimeoutError``) or is interrupted withdraws its
+        request: appends are taken again and ``close()`` does not wait for it (the namespace is
+        sealed only if the seal commit already sent lands).
         """
         self._check_process()
         if timeout is not None:
             timeout = as_seconds("timeout", timeout)
         self.flush(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             self._raise_if_failed_locked()
             if self._aborted:
                 raise ProducerError(f"producer {self._producer_id!r} was aborted")
@@ -563,27 +594,37 @@ class Producer:
                     f"namespace {self._namespace!r}: call seal() before close(), or seal with "
                     "`batchweave seal STORE NAMESPACE`"
                 )
-            self._seal_requested = True
+            self._seal_requests += 1
             self._cond.notify_all()
-            while not self._sealed:
-                self._raise_if_failed_locked()
-                if self._aborted:
-                    raise ProducerError(f"producer {self._producer_id!r} was aborted")
-                if not self._committer.is_alive():
-                    raise ProducerError(
-                        f"producer {self._producer_id!r} is closed: its commit thread stopped "
-                        f"before sealing namespace {self._namespace!r}; seal with "
-                        "`batchweave seal STORE NAMESPACE`"
-                    )
-                wait = _EVENT_WAIT
-                if deadline is not None:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise TimeoutError(
-                            f"producer {self._producer_id!r}: sealing timed out after {timeout:g} s"
+            try:
+                while not self._sealed:
+                    self._raise_if_failed_locked()
+                    if self._aborted:
+                        raise ProducerError(f"producer {self._producer_id!r} was aborted")
+                    if not self._committer.is_alive():
+                        raise ProducerError(
+                            f"producer {self._producer_id!r} is closed: its commit thread "
+                            f"stopped before sealing namespace {self._namespace!r}; seal with "
+                            "`batchweave seal STORE NAMESPACE`"
                         )
-                    wait = min(wait, remaining)
-                self._cond.wait(wait)
+                    wait = _EVENT_WAIT
+                    if deadline is not None:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            raise TimeoutError(
+                                f"producer {self._producer_id!r}: sealing timed out after "
+                                f"{timeout:g} s; the request is withdrawn, so namespace "
+                                f"{self._namespace!r} is not sealed (unless the seal commit "
+                                "already sent lands), appends are taken again and close() does "
+                                "not wait for the seal: call seal() again to seal"
+                            )
+                        wait = min(wait, remaining)
+                    self._cond.wait(wait)
+            finally:
+                # Given up (timed out, interrupted, failed) or done: once sealed, _sealed rules.
+                # A request left behind would keep the commit loop (and so close()) retrying a
+                # seal nobody waits for, and refuse appends to a namespace that is not sealed.
+                self._seal_requests -= 1
 
     def close(self) -> None:
         """Commit everything appended (like :meth:`flush`), then stop the background threads.
@@ -600,16 +641,18 @@ class Producer:
                 raise failure
             return
         try:
-            with self._cond:
+            with self._lock:
                 self._closing = True
                 self._cond.notify_all()
             self.flush()
+            # The join too: the commit loop may still be committing a seal() another thread
+            # waits for, through an outage, as long as it lasts.
+            self._shutdown(abort=self._error is not None)
         except BaseException:
             # Interrupted (Ctrl-C) or failed: stop now. Waiting for the commit thread here would
             # hang for as long as the store keeps refusing commits.
             self._shutdown(abort=True)
             raise
-        self._shutdown(abort=self._error is not None)
 
     def abort(self) -> None:
         """Stop the background threads now, without committing what is pending.
@@ -619,7 +662,7 @@ class Producer:
         already in flight completes or fails on its own.
         """
         self._check_process()
-        with self._cond:
+        with self._lock:
             self._aborted = True
             self._cond.notify_all()
         self._shutdown(abort=True)
@@ -627,7 +670,7 @@ class Producer:
     def stats(self) -> ProducerStats:
         """A consistent snapshot of this producer's counters."""
         self._check_process()
-        with self._cond:
+        with self._lock:
             return ProducerStats(
                 producer_id=self._producer_id,
                 epoch=self._epoch,
@@ -650,7 +693,7 @@ class Producer:
     def _progress(self) -> tuple[int | None, int]:
         """What changes while this producer is in use (the last offset appended, the TGBs
         published): the exit hook waits for a ``with`` thread only while it does."""
-        with self._cond:
+        with self._lock:
             return self._last_appended, self._stats["tgbs_published"]
 
     def __enter__(self) -> Producer:
@@ -669,7 +712,7 @@ class Producer:
             if exc_type is None:
                 self.close()
             else:
-                with self._cond:
+                with self._lock:
                     # A close() begun elsewhere (another thread, the exit hook) drains what was
                     # appended; the body failed because of it ("is closing"): let it finish.
                     closing = self._closing
@@ -695,7 +738,7 @@ class Producer:
                 return
             self._aborted = True  # the commit thread also ends on its own: it sees no producer
             _lifetime.discard_unclosed(self)
-            self._uploads.shutdown(wait=False, cancel_futures=True)
+            self._uploads.shutdown(wait=False, cancel=True)
             left = f"; {self._pending_locked()} were not committed" if self._entries else ""
             warnings.warn(
                 f"unclosed producer {self._producer_id!r} of namespace {self._namespace!r}: call "
@@ -727,7 +770,7 @@ class Producer:
         """
         if self._pid != current_pid():
             return None  # a fork()ed copy: the parent's exit closes the producer
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return None
             pending = len(self._entries)
@@ -746,14 +789,14 @@ class Producer:
                 _lifetime.EXIT_CLOSE_TIMEOUT,
             )
         try:
-            with self._cond:
+            with self._lock:
                 self._closing = True
                 self._cond.notify_all()
             self.flush(max(0.0, deadline - time.monotonic()))
         except BaseException as exc:
             # Not waited for: a commit in flight lands or not, exactly once either way.
             self._shutdown(abort=True, join_timeout=0.0)
-            with self._cond:
+            with self._lock:
                 left = len(self._entries)
                 offsets = self._pending_locked()
                 committed = self._committed_offset
@@ -818,7 +861,7 @@ class Producer:
             raise ProducerError(
                 f"producer {self._producer_id!r} is closing; append before close() to publish"
             )
-        if self._seal_requested or self._sealed:
+        if self._seal_requests or self._sealed:
             raise ProducerError(
                 f"producer {self._producer_id!r} sealed namespace {self._namespace!r}; "
                 "no more TGBs can be appended"
@@ -872,6 +915,10 @@ class Producer:
         self, entry: Entry, encoded: EncodedTgb, descriptor: TgbDescriptor | None = None
     ) -> None:
         """Upload ``entry``; ``descriptor``: validated by ``append``, else built here unchecked."""
+        with self._lock:
+            if entry.state != "queued":
+                return  # taken back by an interrupted append(): it was never appended
+            entry.state = "uploading"
         key = self._store_key(entry.key)
         attempt = failures = 0
         released = False
@@ -899,12 +946,12 @@ class Producer:
             if descriptor is None:
                 descriptor = self._descriptor(entry, encoded, validate=False)
             # One lock round and one wake-up for everything a finished upload changes.
-            with self._cond:
+            with self._lock:
                 if self._first_upload is None:
                     self._first_upload = took
                 self._policy.observe_put(took, encoded.size)
                 entry.descriptor = descriptor
-                self._inflight_bytes -= entry.size
+                self._release_locked(entry)
                 released = True
                 self._cond.notify_all()
         except BaseException as exc:
@@ -918,9 +965,8 @@ class Producer:
             self._fail(exc)
         finally:
             if not released:
-                with self._cond:
-                    self._inflight_bytes -= entry.size
-                    self._cond.notify_all()
+                with self._lock:
+                    self._release_locked(entry)
 
     def _pause(self, seconds: float) -> None:
         """The commit loop's backoff: ``seconds`` slept in pieces, ended early by a failure or
@@ -934,7 +980,7 @@ class Producer:
             remaining -= chunk
 
     def _fail(self, exc: BaseException) -> None:
-        with self._cond:
+        with self._lock:
             self._store_error_locked(exc)
             # Nothing can commit its entries now: let it be freed once dropped (its threads end,
             # see __del__). While it is alive, the exit hook still names what it did not commit
@@ -973,8 +1019,36 @@ class Producer:
                 self._retries.note("committing", exc, self._transient_attempt, sleep=self._pause)
             return True
         except BaseException as exc:
-            self._fail(exc)
+            self._fail(self._commit_failure(exc))
             return False
+
+    def _commit_failure(self, exc: BaseException) -> BaseException:
+        """What a failure of the commit loop that retrying does not cure is raised as.
+
+        A ``ProducerError`` (fenced, retired, ...), a ``NamespaceError`` (sealed, a manifest
+        too large, ...), a ``FormatError`` (a damaged or rewritten manifest history) or a
+        ``ValueError``/``TypeError`` (a ``backoff=`` or policy answer refused, naming it)
+        already says what happened and what to do, and stays as it is. Anything else
+        (``AccessDenied``, a full disk, a bug) becomes a ``ProducerError`` naming what is left
+        uncommitted and how to publish it, chained to the error, like a failed upload.
+        """
+        if not isinstance(exc, Exception) or isinstance(
+            exc, ProducerError | NamespaceError | FormatError | ValueError | TypeError
+        ):
+            return exc
+        with self._lock:
+            pending = self._pending_locked()
+            committed = self._committed_offset
+        resume = 0 if committed is None else committed + 1
+        wrapped = ProducerError(
+            f"producer {self._producer_id!r} of namespace {self._namespace!r} stopped: its "
+            f"commit loop failed ({type(exc).__name__}: {exc}), which retrying does not cure; "
+            f"uncommitted: {pending}. Remove the cause, then restart a producer with "
+            f"producer_id {self._producer_id!r}: it resumes from resume_offset ({resume}) and "
+            "publishes them"
+        )
+        wrapped.__cause__ = exc  # as `raise wrapped from exc` would
+        return wrapped
 
     def _committable_locked(self, limit: int | None = None) -> list[Entry]:
         """The uploaded prefix of the pending TGBs, at most ``limit`` of them."""
@@ -1014,7 +1088,7 @@ class Producer:
             if self._error is not None or self._aborted:
                 return None
             n = len(self._committable_locked())
-            seal_now = self._seal_requested and not self._sealed and not self._entries
+            seal_now = self._seal_requests > 0 and not self._sealed and not self._entries
             if n == 0 and not seal_now:
                 if self._closing and not self._entries:
                     return None
@@ -1110,17 +1184,17 @@ class Producer:
         """
         if self._base_is_old(self._clock()):
             latest = self._log.latest(self._base)
-            with self._cond:
+            with self._lock:
                 self._adopt_locked(latest)
             self._base_read_at = self._clock()
         active = self._note_active()
-        with self._cond:
+        with self._lock:
             first_upload = self._first_upload or 0.0
         # The epoch commit ran before the data load began (when producers start together, the
         # store was idle), so it can underestimate W under load many times over; the first
         # upload is a PUT made under that load, a conservative seed while W is still unknown.
         self._policy.start(self._start_window, active, self._rank, loaded_window=first_upload)
-        with self._cond:
+        with self._lock:
             self._policy_started = True
             self._attempt_ended(self._clock())
 
@@ -1136,11 +1210,11 @@ class Producer:
 
     def _note_active(self) -> int:
         """``N`` from the newest manifest read, noting this producer's rank among those ids."""
-        with self._cond:
+        with self._lock:
             base = self._base
         ids = active_producer_ids(base, self._wall_clock(), self._active_horizon)
         rank = ids.index(self._producer_id) if self._producer_id in ids else None
-        with self._cond:
+        with self._lock:
             self._rank = rank
         return max(1, len(ids))
 
@@ -1152,15 +1226,17 @@ class Producer:
         if self._base_is_old(start):
             base = self._log.latest(base)
             self._base_read_at = self._clock()
-        with self._cond:
+        with self._lock:
             self._adopt_locked(base)
             base = self._base
             # At most one full segment per commit: a backlog (an outage, a slow store) drains
             # over several commits, and no roll (rewritten on every retry) grows with it.
             batch = self._committable_locked(self._log.max_segment_tgbs)
+            # A seal() that gave up since _next_work withdrew its request: do not send it.
+            seal = seal and self._seal_requests > 0 and not self._sealed
+            if seal:
+                self._seal_sent = True
         if not batch and not seal:
-            return
-        if seal and self._sealed:
             return
         new_offset = batch[-1].offset if batch else self._committed_offset
         state = ProducerState(
@@ -1176,7 +1252,7 @@ class Producer:
                 base, append=descriptors, producers={self._producer_id: state}, seal=seal
             )
         finally:
-            with self._cond:
+            with self._lock:
                 self._stats["attempts"] += 1
         if isinstance(result, Conflict) and result.failure is not None:
             # The store failed the attempt (a 503, throttling): no race was lost, so it is not
@@ -1188,7 +1264,7 @@ class Producer:
         if isinstance(result, Committed):
             self._unknown_conflicts = 0
             manifest = result.manifest
-            with self._cond:
+            with self._lock:
                 for entry in batch:
                     # A concurrent rebase (max_lag refresh) may already have dropped it.
                     if self._entries and self._entries[0] is entry:
@@ -1222,7 +1298,7 @@ class Producer:
                 self._unknown_conflicts = 0
                 winner = result.winner
             self._base_read_at = self._clock()
-            with self._cond:
+            with self._lock:
                 self._stats["conflicts"] += 1
                 self._adopt_locked(winner)
             committed = merge = False
@@ -1237,7 +1313,7 @@ class Producer:
                 bytes_written=self._log.last_commit_bytes,
             )
         )
-        with self._cond:
+        with self._lock:
             self._last_window = window
             self._attempt_ended(self._clock())
         if isinstance(result, Committed) and merge:
@@ -1319,13 +1395,18 @@ class Producer:
         if manifest.version > self._base.version:
             self._base = manifest
         if manifest.sealed and not self._sealed:
-            if self._seal_requested and not self._entries:
+            if (self._seal_requests or self._seal_sent) and not self._entries:
                 self._sealed = True
                 self._cond.notify_all()
             else:
+                by = (
+                    "perhaps by a seal() of this producer that gave up before its commit landed"
+                    if self._seal_sent
+                    else "by another producer, or with `batchweave seal`"
+                )
                 raise NamespaceSealed(
                     f"namespace {self._namespace!r} was sealed at manifest version "
-                    f"{manifest.version} (by another producer, or with `batchweave seal`); "
+                    f"{manifest.version} ({by}); "
                     f"producer {self._producer_id!r} still had {len(self._entries)} uncommitted "
                     "TGBs, which a sealed namespace cannot take: stop this producer"
                 )
@@ -1339,7 +1420,7 @@ class Producer:
 
     def _visible_steps(self) -> int:
         """Steps visible to readers once what is appended is committed; raises if unusable."""
-        with self._cond:
+        with self._lock:
             self._check_usable_locked()
             # Own uploads not yet committed count too: they become visible (and stored)
             # without another max_lag check.
@@ -1348,7 +1429,7 @@ class Producer:
     def _rebase_on_latest(self) -> None:
         """Adopt the newest manifest; what forbids adopting it is this producer's failure."""
         latest = self._log.latest(self._base)
-        with self._cond:
+        with self._lock:
             try:
                 self._adopt_locked(latest)
             except ProducerError as exc:
@@ -1360,9 +1441,11 @@ class Producer:
 
     def _shutdown(self, *, abort: bool, join_timeout: float | None = None) -> None:
         """Stop the threads; ``join_timeout`` (at exit): wait at most that long for them."""
-        with self._cond:
-            if self._closed:
+        with self._lock:
+            if self._stopping == "abort" or (self._stopping == "close" and not abort):
                 return
+            # A close() interrupted while it joins the threads stops them again, as abort().
+            self._stopping = "abort" if abort else "close"
             self._closed = True
             if abort:
                 self._aborted = True
@@ -1370,9 +1453,16 @@ class Producer:
             self._cond.notify_all()
         _lifetime.discard_unclosed(self)
         _lifetime.discard_busy(self)
+        if abort:
+            with self._lock:
+                # Uploads not started are cancelled: one a thread takes from now on does nothing.
+                for entry in self._entries:
+                    if entry.state == "queued":
+                        entry.state = "withdrawn"
+                        self._release_locked(entry)
         if threading.current_thread() is not self._committer:
             self._committer.join(join_timeout)
-        self._uploads.shutdown(wait=not abort and join_timeout is None, cancel_futures=abort)
+        self._uploads.shutdown(wait=not abort and join_timeout is None, cancel=abort)
 
 
 def _commit_thread(ref: weakref.ReferenceType[Producer]) -> None:

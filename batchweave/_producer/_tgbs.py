@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from batchweave._errors import FormatError
 from batchweave._format._checksum import CHECKSUM_ALGOS, ChecksumAlgo, checksum
@@ -37,6 +37,13 @@ class Entry:
     size: int
     descriptor: TgbDescriptor | None = None
     """Set once the object is uploaded: only then may a commit reference it."""
+    state: Literal["new", "queued", "uploading", "withdrawn"] = "new"
+    """``queued`` once ``append`` registered it, ``uploading`` once an upload thread took it;
+    ``withdrawn`` when an interrupted ``append`` took it back before that (its upload, if one
+    was queued after all, then does nothing). Guarded by the producer's condition."""
+    charged: bool = False
+    """Whether its ``size`` counts in the producer's bytes in flight: released exactly once
+    (upload done or failed, upload cancelled, or taken back), whichever comes first."""
 
 
 class TgbEncoder:
