@@ -184,6 +184,36 @@ def test_close_while_next_reads_the_step_inline_raises_consumer_error() -> None:
     resumed.close()
 
 
+@pytest.mark.parametrize("opened", [False, True])
+def test_open_and_load_state_dict_on_a_closed_consumer_are_refused(opened: bool) -> None:
+    """Before: both read the manifest and succeeded, though the consumer reads nothing more
+    (its next() said so). Now they say so too, without a request; state_dict() still works, to
+    continue in a new consumer."""
+    store = _Hooked()
+    produce(store, "run", MESH, tgbs=3)
+    c = Consumer(store, "run", mesh=MESH, dp_rank=0)
+    if opened:
+        assert next(c)[0] == 0
+    state, version = c.state_dict(), c.manifest_version
+    c.close()
+    reads: list[str] = []
+    store.on_manifest = reads.append
+    store.on_list = reads.append
+    with pytest.raises(ConsumerError, match=r"is closed; .*open\(\) on a closed consumer"):
+        c.open()
+    with pytest.raises(ConsumerError, match=r"load the state into it .*load_state_dict\(\)"):
+        c.load_state_dict(state)
+    with pytest.raises(ConsumerError, match="is closed; to continue, create a new Consumer"):
+        next(c)
+    assert reads == []
+    assert c.manifest_version == version
+    assert c.state_dict() == state
+    store.on_manifest = store.on_list = None
+    with Consumer(store, "run", mesh=MESH, dp_rank=0) as resumed:
+        resumed.load_state_dict(c.state_dict())
+        assert [s for s, _ in resumed] == list(range(state["step"], 3))
+
+
 def test_close_while_next_polls_starts_no_read_threads_afterwards() -> None:
     """Before: a next() that was polling the manifest when close() ran went on to schedule the
     steps it found on a fresh pool, whose worker threads then outlived close()."""

@@ -12,6 +12,7 @@ DataLoader options torch refuses only at the first step. Workers of a loader rea
 from __future__ import annotations
 
 import multiprocessing
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,13 @@ from batchweave import (
     MemoryStore,
     Mesh,
     ObjectNotFound,
+    Producer,
     Reclaimer,
     StepReclaimed,
     Watermarks,
 )
 from batchweave._manifest._log import ManifestLog
+from batchweave._manifest._segments import find_segment
 from batchweave.testing import S3Endpoint
 from batchweave.torch import WeaveDataset, WeaveLoader
 
@@ -39,8 +42,12 @@ MESH = Mesh(dp=2)
 
 
 def _reclaim_below(store: bw.ObjectStore, step: int) -> int:
-    """Hold a checkpoint at TGB step ``step`` and run one reclamation pass: its new base step."""
-    Watermarks(store, "run").record("ck", step)
+    """Hold a checkpoint at TGB step ``step`` (only it: earlier ones are released) and run one
+    reclamation pass: its new base step."""
+    marks = Watermarks(store, "run")
+    for old in marks.live():
+        marks.release(old.checkpoint_id)
+    marks.record(f"ck{step}", step)
     base = Reclaimer(store, "run", grace=0).run_once().base_step_after
     assert base == step
     return base
@@ -109,6 +116,72 @@ def test_a_read_whose_object_was_reclaimed_raises_step_reclaimed() -> None:
     c.load_state_dict({**c.state_dict(), "step": 5})
     assert [s for s, _ in take(c)] == list(range(5, 10))
     c.close()
+
+
+def test_an_open_consumer_names_a_step_readable_now_not_when_it_opened() -> None:
+    """Before: a consumer opened at base step 1 and reclaimed below 3 since said "can still
+    read is step 1 ... Consumer(start_step=1)" from the manifest it held: following that advice
+    was another StepReclaimed, and every next() repeated it, never reading a newer version."""
+    store = MemoryStore()
+    produce(store, "run", MESH, tgbs=6)
+    _reclaim_below(store, 1)
+    c = Consumer(store, "run", mesh=MESH, dp_rank=0)
+    c.open()
+    held = c.manifest_version
+    _reclaim_below(store, 3)
+    for _ in range(2):  # the second from the version the first adopted
+        with pytest.raises(StepReclaimed) as info:
+            next(c)
+        message = str(info.value)
+        assert "step 0 needs TGB step 0, but steps below 3 were reclaimed" in message
+        assert "can still read is step 3" in message
+        assert "Consumer(start_step=3)" in message
+    assert (c.manifest_version or 0) > (held or 0)
+    assert [s for s, _ in Consumer(store, "run", mesh=MESH, dp_rank=0, start_step=3)] == [3, 4, 5]
+    c.close()
+
+
+def test_a_read_whose_segment_was_reclaimed_names_the_first_readable_step() -> None:
+    """A dp=1 consumer of a dp=2 namespace holds an old version whose segment a reclamation
+    pass deleted. Before: "step 1: step 0 was reclaimed (...); resume from a later checkpoint",
+    a TGB step named as if it were the consumer's and no readable step; now the same advice a
+    fresh consumer gives."""
+
+    def written_long_ago() -> float:  # so that the pass may delete superseded metadata
+        return time.time() - 5000
+
+    store = MemoryStore(clock=written_long_ago)
+    producer = Producer(
+        store, "run", producer_id="p0", mesh=MESH, policy="naive", tail_limit=2,
+        wall_clock=written_long_ago,
+    )  # fmt: skip
+    with producer:
+        for offset in range(6):
+            producer.append([b"a%d" % offset, b"b%d" % offset], offset=offset)
+            producer.flush()
+        old = Consumer(store, "run", mesh=Mesh(dp=1), dp_rank=0, start_step=1, prefetch=0)
+        old.open()  # holds a version whose TGB 0 is in a segment
+        log = ManifestLog(store, "run")
+        segment = find_segment(log.read(old.manifest_version or 0).segments, 0)
+        for offset in range(6, 40):  # segments merge
+            producer.append([b"a%d" % offset, b"b%d" % offset], offset=offset)
+            producer.flush()
+    _reclaim_below(store, 4)
+    with pytest.raises(ObjectNotFound):
+        store.head(log.key(segment.key))  # the held version's segment is gone
+    fresh = Consumer(store, "run", mesh=Mesh(dp=1), dp_rank=0, start_step=1)
+    with pytest.raises(StepReclaimed) as fresh_error:
+        next(fresh)
+    with pytest.raises(StepReclaimed) as old_error:
+        next(old)
+    message = str(old_error.value)
+    assert message == str(fresh_error.value)
+    assert "step 1 needs TGB step 0, but steps below 4 were reclaimed" in message
+    assert "can still read is step 8" in message
+    later = Consumer(store, "run", mesh=Mesh(dp=1), dp_rank=0, start_step=8)
+    assert [s for s, _ in take(later, 2)] == [8, 9]
+    for consumer in (fresh, old, later):
+        consumer.close()
 
 
 def test_an_object_deleted_by_hand_is_still_an_object_gone_error() -> None:
@@ -214,6 +287,15 @@ def test_integer_and_string_ranks_in_environ_still_work() -> None:
     assert Consumer(MemoryStore(), "n", mesh=MESH, environ=environ).dp_rank == 1
     with pytest.raises(ValueError, match=r"RANK='1\.9' is not an integer"):
         bw.coordinates_from_env(MESH, environ={"RANK": "1.9", "WORLD_SIZE": "2"})
+
+
+@pytest.mark.parametrize("option", ["clock", "sleep", "cpu_clock"])
+def test_a_time_function_that_cannot_be_called_is_refused_naming_it(option: str) -> None:
+    """Before: Consumer(clock=1.5) was accepted and failed at once with a bare TypeError
+    "'float' object is not callable" that named no option (sleep and cpu_clock, later)."""
+    kwargs: Any = {option: 1.5}
+    with pytest.raises(TypeError, match=rf"^{option} must be callable .*float 1\.5"):
+        Consumer(MemoryStore(), "n", mesh=MESH, dp_rank=0, **kwargs)
 
 
 @pytest.fixture(scope="module")

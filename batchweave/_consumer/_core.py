@@ -202,6 +202,9 @@ class Consumer:
             retry_budget=retry_budget,
             retry_backoff=retry_backoff,
             max_retry_backoff=max_retry_backoff,
+            clock=clock,
+            sleep=sleep,
+            cpu_clock=cpu_clock,
         )
         self.mesh = mesh
         self.dp_rank, self.cp_rank = resolve_coordinates(
@@ -389,11 +392,7 @@ class Consumer:
     def __next__(self) -> tuple[int, Any]:
         if self._pid != current_pid():
             self._check_process("next()")
-        if self._closed:
-            raise ConsumerError(
-                f"{self!r} is closed; to continue, create a new Consumer and load this one's "
-                "state_dict() into it"
-            )
+        self._refuse_if_closed("next()")
         # Counted as stall from now on, also while still blocked (stats shows it growing).
         waiting = self._counters.wait_began()
         try:
@@ -416,9 +415,11 @@ class Consumer:
         With ``wait`` it waits for the namespace to be created like ``next()`` does (``timeout``
         applies); without, a missing namespace raises :class:`NamespaceNotFound` at once. A
         consumer ``cp`` that does not fit the stored mesh raises :class:`NamespaceMismatch`.
-        Idempotent; costs one manifest read the first time.
+        Idempotent; costs one manifest read the first time. A closed consumer refuses it
+        (:class:`ConsumerError`), as it refuses ``next()``.
         """
         self._check_process("open()")
+        self._refuse_if_closed("open()")
         self._ensure_open(wait=wait)
 
     def close(self) -> None:
@@ -487,10 +488,12 @@ class Consumer:
 
         Call it before iterating or between steps, from the thread that iterates: while a
         ``next()`` runs on another thread it is refused (:class:`ConsumerError`), since that
-        ``next()`` would deliver a step of neither position.
+        ``next()`` would deliver a step of neither position. A closed consumer refuses it
+        (:class:`ConsumerError`): load the state into a new consumer.
         """
         self._check_process("load_state_dict()")
         parsed = parse_state(state)
+        self._refuse_if_closed("load_state_dict()", "the state")
         if not self._reading.acquire(blocking=False):
             raise ConsumerError(
                 f"{self!r}: load_state_dict() was called while next() is reading a step on "
@@ -566,6 +569,16 @@ class Consumer:
                 "state_dict() into it to continue from there"
             )
 
+    def _refuse_if_closed(self, call: str, load: str = "this one's state_dict()") -> None:
+        """Refuse ``call`` (``"next()"``, ...) once :meth:`close` was called: a closed consumer
+        reads nothing more (:meth:`state_dict` still works, to continue in a new one, into
+        which the advice says to load ``load``)."""
+        if self._closed:
+            raise ConsumerError(
+                f"{self!r} is closed; to continue, create a new Consumer and load {load} into it "
+                f"({call} on a closed consumer reads nothing)"
+            )
+
     def _check_state_namespace(self, parsed: Mapping[str, Any]) -> None:
         """Refuse a state (with a namespace id) taken from another namespace than this one's."""
         assert self._manifest is not None
@@ -595,7 +608,7 @@ class Consumer:
         if self._manifest is None:
             self._ensure_open(wait=True, started=started)
         step = self._next_step
-        self._check_not_reclaimed(step)
+        self._check_not_reclaimed(step, refresh=True)
         depth = self._read_ahead() or 1
         self._top_up(depth, inline_head=True)
         if not self._window:
@@ -941,14 +954,43 @@ class Consumer:
             )
         return projection
 
-    def _check_not_reclaimed(self, step: int, loaded: Mapping[str, Any] | None = None) -> None:
+    def _check_not_reclaimed(
+        self, step: int, loaded: Mapping[str, Any] | None = None, *, refresh: bool = False
+    ) -> None:
         """Refuse ``step`` if it needs a reclaimed TGB step; ``loaded``: the parsed state that
-        :meth:`load_state_dict` is loading, whose step the error's advice is then given in."""
+        :meth:`load_state_dict` is loading, whose step the error's advice is then given in.
+
+        With ``refresh`` (the version held may be old: an open consumer's), a step found
+        reclaimed first looks for a newer version, which is adopted, and the advice is given
+        from its base step: the held one's may have been passed since, and the step it names
+        reclaimed too.
+        """
         assert self._manifest is not None
         assert self._projection is not None
         first = self._projection.first_tgb_step(step)
         if first < self._manifest.base_step:
-            raise self._reclaimed_error(step, first, self._manifest, loaded=loaded)
+            manifest = (
+                self._newest_manifest(f"step {step} was found reclaimed") if refresh else None
+            )
+            raise self._reclaimed_error(step, first, manifest or self._manifest, loaded=loaded)
+
+    def _newest_manifest(self, why: str) -> Manifest | None:
+        """The latest manifest version (one GET when the one held is the latest), adopted if
+        newer than the one held: for an error's advice, which must not come from a stale
+        version. ``None`` if it cannot be read (``why`` says what asked, for the debug log): the
+        error then stands on what is held."""
+        held = self._manifest
+        if held is None:  # cannot happen: only an open consumer has steps to check
+            return None
+        try:
+            latest = self._latest(held)
+        except Exception as exc:  # the error being raised stands without it
+            _log.debug("%s: reading the latest manifest after %s failed: %s", self._where, why, exc)
+            return None
+        current = self._manifest
+        if current is not None and latest.version > current.version:  # never step back
+            self._adopt(latest)
+        return latest
 
     def _reclaimed_error(
         self,
@@ -1002,19 +1044,9 @@ class Consumer:
         """The error of a read of ``step`` that found its object missing: :class:`StepReclaimed`
         if the namespace's base step has passed the step's TGB since the manifest this consumer
         holds (one GET of the latest version, which is adopted), else ``gone`` itself."""
-        held = self._manifest
-        if held is None:  # cannot happen: a step is read only once the namespace is open
+        latest = self._newest_manifest(str(gone))
+        if latest is None:  # the store's answer on the object stands alone
             return gone
-        try:
-            latest = self._latest(held)
-        except Exception as exc:  # the store's answer on the object stands alone
-            _log.debug(
-                "%s: reading the latest manifest after %s failed: %s", self._where, gone, exc
-            )
-            return gone
-        current = self._manifest
-        if current is not None and latest.version > current.version:  # never step back
-            self._adopt(latest)
         if loc.tgb_step < latest.base_step:
             return self._reclaimed_error(step, loc.tgb_step, latest, gone.what)
         return gone  # deleted by hand, or by a reclaimer as an orphan (docs/lifecycle.md)
@@ -1053,7 +1085,13 @@ class Consumer:
                 budget, what, self._descriptor, what, manifest, loc.tgb_step
             )
         except StepReclaimed as exc:
-            raise StepReclaimed(f"step {step}: {exc}") from exc
+            # The manifest log's message names the TGB step, not this consumer's, and no step
+            # still readable: give the consumer's own, from the latest version (the one that
+            # refused the step may be the stale one it was scheduled with), as next() does.
+            latest = self._newest_manifest(f"{what} was found reclaimed") or self._manifest
+            if latest is None or loc.tgb_step >= latest.base_step:  # cannot happen: base rises
+                raise
+            raise self._reclaimed_error(step, loc.tgb_step, latest) from exc
         try:
             data, nbytes, one_object = self._reader.read(what, desc, loc, budget)
         except ObjectGone as gone:
