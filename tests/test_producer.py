@@ -589,6 +589,73 @@ def test_ambiguous_commit_that_landed_is_not_committed_twice(store: MemoryStore)
     assert committed_offsets(store, "p0") == [0, 1]
 
 
+def test_attempts_count_only_commits_whose_manifest_put_was_sent(store: MemoryStore) -> None:
+    # A commit whose segment write failed (no manifest PUT sent) counted as an attempt "that
+    # reached the store": 3 failed segment writes gave attempts=13 against 10 manifest PUTs.
+    puts = PutLog(store)  # below the faults: the PUTs that reached the store
+    faulty = FaultInjectingStore(puts)
+    with make(faulty, tail_limit=2) as p:
+        started = sum("/_manifests/" in k for k in puts.keys)  # version 0, the epoch commit
+        faulty.fail_next("put", TransientStoreError, key_prefix=f"{NS}/_segments/", times=3)
+        for off in range(10):
+            p.append(payloads(off), offset=off)
+            p.flush()
+        stats = p.stats()
+    assert faulty.injected == {"scripted_put": 3}
+    manifest_puts = sum("/_manifests/" in k for k in puts.keys) - started
+    assert stats.attempts == manifest_puts == stats.commits == 10
+    assert stats.transient_errors == 3  # the failed segment writes: retried, not attempts
+    assert committed_offsets(store, "p0") == list(range(10))
+
+
+def test_ambiguous_counts_only_commit_attempts_once_each(store: MemoryStore) -> None:
+    # Every ambiguous PUT through the manifest log counted: segment writes, the namespace's
+    # creation and the epoch commit at start, so ambiguous exceeded attempts.
+    faulty = FaultInjectingStore(store)
+    faulty.fail_next("put", landed=True, key_prefix=f"{NS}/_manifests/")  # version 0
+    make(faulty, pid="other").close()
+    faulty.fail_next("put", landed=True, key_prefix=f"{NS}/_manifests/")  # the epoch commit
+    with make(faulty, tail_limit=2) as p:
+        assert faulty.injected == {"scripted_put": 2}
+        assert (p.stats().attempts, p.stats().ambiguous) == (0, 0)  # start is no attempt
+        faulty.fail_next("put", landed=True, key_prefix=f"{NS}/_segments/", times=3)
+        for off in range(4):
+            p.append(payloads(off), offset=off)
+            p.flush()
+        assert faulty.injected == {"scripted_put": 5}
+        assert p.stats().ambiguous == 0
+        # One attempt whose PUT is sent three times (twice lost unwritten): ambiguous once.
+        faulty.fail_next("put", key_prefix=f"{NS}/_manifests/", times=2)
+        p.append(payloads(4), offset=4)
+        p.flush()
+        assert faulty.injected == {"scripted_put": 7}
+        stats = p.stats()
+    assert stats.ambiguous == 1
+    assert stats.attempts == stats.commits == 5
+    assert committed_offsets(store, "p0") == list(range(5))
+
+
+def test_a_commit_lost_to_a_reclaimed_base_is_an_attempt_and_a_conflict(
+    store: MemoryStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    # No PUT is sent on a base found reclaimed (its successor exists: the PUT could only lose),
+    # yet it is a lost race for the stats and the policy: conflicts stay within attempts.
+    with make(store, pid="a", refresh_age=1e9) as a:  # commits on its own result: a HEAD checks
+        a.append(payloads(0), offset=0)
+        a.flush()
+        base = a.stats()
+        make(store, pid="b").close()  # version 3
+        store.delete_many([f"{NS}/_manifests/{v:020d}.manifest" for v in (0, 1, 2)])  # reclaimed
+        with caplog.at_level(logging.INFO, logger="batchweave.manifest"):
+            a.append(payloads(1), offset=1)
+            a.flush()
+        stats = a.stats()
+    assert "base version 2 of" in caplog.text
+    assert "was reclaimed" in caplog.text
+    assert (base.attempts, base.commits, base.conflicts) == (1, 1, 0)
+    assert (stats.attempts, stats.commits, stats.conflicts) == (3, 2, 1)
+
+
 def test_transient_errors_reading_the_base_keep_pending(store: MemoryStore) -> None:
     fake = FakeTime(1000.0)
     faulty = FaultInjectingStore(store)
@@ -957,6 +1024,110 @@ def test_default_boundary_comes_from_the_namespace_watermarks(
         blocked.join(10)
         assert not blocked.is_alive()
     assert committed_offsets(store, "p0") == [0, 1, 2, 3, 4]
+
+
+def test_max_lag_lines_are_paced_across_appends(store: MemoryStore) -> None:
+    # The pacing was per append() call: a producer blocked briefly by each append logged (and,
+    # with a Watermarks boundary, LISTed the watermarks) once per append, 20 lines in 2 s with
+    # lag_log_interval=5.
+    fake = FakeTime(1000.0)
+    appender = threading.get_ident()
+    marks = Watermarks(store, NS, clock=fake.wall)
+    marks.record("ckpt-0", step=0)
+    moved = [0]
+
+    def sleep(seconds: float) -> None:
+        fake.sleep(seconds)
+        if threading.get_ident() == appender:  # the wait of a blocked append: a checkpoint
+            moved[0] += 1
+            marks.record(f"ckpt-{moved[0]}", step=moved[0])
+            marks.release(f"ckpt-{moved[0] - 1}")
+
+    lines: list[logging.LogRecord] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "blocked by max_lag" in record.getMessage():
+                lines.append(record)
+
+    handler = Lines(logging.INFO)
+    logger = logging.getLogger("batchweave.producer")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        with make(store, fake=fake, sleep=sleep, max_lag=1, lag_log_interval=5.0) as p:
+            began = fake.clock()
+            for off in range(22):
+                p.append(payloads(off), offset=off)  # from offset 2 on, each waits once
+            elapsed = fake.clock() - began
+            assert moved[0] == 20
+            assert 1 <= len(lines) <= 1 + elapsed // 5, (len(lines), elapsed)
+            assert "the oldest is 'ckpt-0' at step 0" in lines[0].getMessage()
+            # Paced, not silenced: once the interval has passed, the next wait logs again.
+            logged = len(lines)
+            fake.advance(5.0)
+            p.append(payloads(22), offset=22)
+            assert moved[0] == 21
+            assert len(lines) == logged + 1
+            assert "the oldest is 'ckpt-20' at step 20" in lines[-1].getMessage()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+
+
+class _NoWithCondition(threading.Condition):
+    """A condition that refuses ``with``: its ``__enter__``/``__exit__`` are Python functions,
+    where a Ctrl-C can land between acquiring and releasing and leave the lock held for ever."""
+
+    def __enter__(self) -> bool:
+        raise AssertionError("`with` the producer's condition: take its C-level lock instead")
+
+    def __exit__(self, *exc: object) -> None:
+        raise AssertionError("`with` the producer's condition: take its C-level lock instead")
+
+
+class _ThreadingWithStrictCondition:
+    """The ``threading`` module, but for conditions that refuse ``with``."""
+
+    Condition = _NoWithCondition
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(threading, name)
+
+
+def test_retries_and_max_lag_waits_take_the_lock_not_the_condition(
+    store: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Retries and LagGate still took the producer's lock with `with cond`, where the rest of the
+    # producer uses `with lock` (a Ctrl-C inside Condition.__exit__ leaves the lock held).
+    import batchweave._producer._client as client
+
+    monkeypatch.setattr(client, "threading", _ThreadingWithStrictCondition())
+    boundary = {"step": 0}
+    fake = FakeTime(1000.0)
+    appending: list[int] = []
+
+    def sleep(seconds: float) -> None:
+        fake.sleep(seconds)
+        if threading.get_ident() in appending:
+            boundary["step"] += 1  # a checkpoint while append waits
+
+    faulty = FaultInjectingStore(store)
+    faulty.fail_next("put", TransientStoreError, key_prefix=f"{NS}/_manifests/", times=2)
+    p = make(faulty, fake=fake, sleep=sleep, max_lag=1, boundary=lambda: boundary["step"])
+    assert isinstance(p._cond, _NoWithCondition)
+    faulty.fail_next("put", TransientStoreError, key_prefix=f"{NS}/data/")  # an upload retry
+    appending.append(threading.get_ident())
+    for off in range(3):  # the third waits for max_lag once
+        p.append(payloads(off), offset=off)
+    p.close()
+    stats = p.stats()
+    assert faulty.injected == {"scripted_put": 3}
+    assert stats.transient_errors == 3  # 2 at start (version 0, the epoch commit), 1 upload
+    assert stats.lag_blocked_seconds > 0
+    assert not stats.lag_blocked
+    assert committed_offsets(store, "p0") == [0, 1, 2]
 
 
 def _lag_lines_until_warned(

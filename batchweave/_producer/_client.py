@@ -55,10 +55,12 @@ from batchweave._format._tgb_write import TgbBuilder
 from batchweave._manifest._log import (
     DEFAULT_TAIL_BYTES_LIMIT,
     DEFAULT_TAIL_LIMIT,
+    CommitResult,
     Committed,
     Conflict,
     ManifestLog,
     active_producer_ids,
+    manifest_key,
 )
 from batchweave._manifest._models import Manifest, ProducerState, TgbDescriptor
 from batchweave._mesh import Mesh
@@ -77,7 +79,7 @@ from batchweave._producer._lag import LagGate
 from batchweave._producer._options import as_offset, check_functions, check_identity
 from batchweave._producer._retry import RETRYABLE, Retries, default_backoff
 from batchweave._producer._start import start_epoch
-from batchweave._producer._stats import AmbiguityCounter, ProducerStats
+from batchweave._producer._stats import CommitPuts, ProducerStats
 from batchweave._producer._tgbs import DEFAULT_SLICE_TABLE_LIMIT, Entry, TgbEncoder, describe
 from batchweave._producer._uploads import UploadThreads
 from batchweave._store._base import ObjectStore
@@ -269,9 +271,10 @@ class Producer:
         ``Condition.__exit__``, a Python function, and would leave the lock held for ever)."""
         self._cond = threading.Condition(self._lock)
         self._outage = OutageLog(_LOG, f"producer {producer_id!r}", clock=clock)
-        self._retries = Retries(producer_id, self._cond, self._outage, backoff=backoff, sleep=sleep)
+        self._retries = Retries(producer_id, self._lock, self._outage, backoff=backoff, sleep=sleep)
         self._lag = LagGate(
             producer_id,
+            self._lock,
             self._cond,
             self._retries,
             boundary=Watermarks(store, namespace, sleep=sleep) if boundary is None else boundary,
@@ -286,9 +289,9 @@ class Producer:
         self._unknown_conflicts = 0
         """Consecutive conflicts whose winner could not be read (409s, transient failures)."""
 
-        self._ambiguity = AmbiguityCounter(store)
+        self._commit_puts = CommitPuts(store)
         self._log = ManifestLog(
-            self._ambiguity,
+            self._commit_puts,
             namespace,
             clock=wall_clock,
             monotonic=clock,
@@ -328,6 +331,7 @@ class Producer:
                 "attempts",
                 "commits",
                 "conflicts",
+                "ambiguous",
                 "tgbs_published",
                 "bytes_published",
             ),
@@ -677,7 +681,7 @@ class Producer:
                 attempts=self._stats["attempts"],
                 commits=self._stats["commits"],
                 conflicts=self._stats["conflicts"],
-                ambiguous=self._ambiguity.count,
+                ambiguous=self._stats["ambiguous"],
                 transient_errors=self._retries.count,
                 tgbs_published=self._stats["tgbs_published"],
                 bytes_published=self._stats["bytes_published"],
@@ -1247,13 +1251,21 @@ class Producer:
             source=self._committed_source,
         )
         descriptors = [e.descriptor for e in batch if e.descriptor is not None]
+        result: CommitResult | None = None
+        self._commit_puts.begin(self._log.key(manifest_key(base.version + 1)))
         try:
             result = self._log.commit(
                 base, append=descriptors, producers={self._producer_id: state}, seal=seal
             )
         finally:
+            self._commit_puts.end()
+            # An attempt once its conditional PUT reached the store (not one that failed
+            # writing segments or reading its base first), or lost to a reclaimed base (the PUT
+            # could only have lost): ambiguous and conflicts stay within attempts.
+            lost = isinstance(result, Conflict) and result.failure is None
             with self._lock:
-                self._stats["attempts"] += 1
+                self._stats["attempts"] += int(self._commit_puts.reached or lost)
+                self._stats["ambiguous"] += int(self._commit_puts.ambiguous)
         if isinstance(result, Conflict) and result.failure is not None:
             # The store failed the attempt (a 503, throttling): no race was lost, so it is not
             # a conflict for the stats nor for the policy (DAC would widen its gap or its slots

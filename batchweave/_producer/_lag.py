@@ -82,15 +82,22 @@ class LagGate:
 
     The boundary comes from ``boundary``: the namespace's :class:`Watermarks` (whose live
     marks its log lines name), or the producer's ``boundary=`` function. Its counters
-    (``blocked``, ``blocked_seconds``) are guarded by the producer's condition ``cond``, which
-    is notified when an ``append`` becomes blocked: the commit loop then publishes what blocks
-    it. It waits with ``retries.backoff`` and ``retries.sleep``. It holds no reference to the
-    producer (see :class:`Retries`).
+    (``blocked``, ``blocked_seconds``) and log pacing are guarded by the producer's lock
+    ``lock`` (taken with ``with lock``, a C-level ``RLock``, never ``with cond``: see
+    :class:`Retries`); ``cond``, the producer's condition on that lock, is notified when an
+    ``append`` becomes blocked: the commit loop then publishes what blocks it. It waits with
+    ``retries.backoff`` and ``retries.sleep``. It holds no reference to the producer (see
+    :class:`Retries`).
+
+    Its log lines are paced per producer, not per ``append``: at most one every
+    ``log_interval`` seconds of ``clock`` across all waits (a producer blocked briefly on every
+    ``append`` would otherwise log, and LIST the watermarks, once per call).
     """
 
     def __init__(
         self,
         producer_id: str,
+        lock: threading.RLock,
         cond: threading.Condition,
         retries: Retries,
         *,
@@ -100,6 +107,7 @@ class LagGate:
         log_interval: float,
     ) -> None:
         self._producer_id = producer_id
+        self._lock = lock
         self._cond = cond
         self._retries = retries
         self._watermarks = boundary if isinstance(boundary, Watermarks) else None
@@ -113,6 +121,11 @@ class LagGate:
         """How many ``append`` calls are blocked by ``max_lag`` right now."""
         self.blocked_seconds = 0.0
         """Total time ``append`` spent blocked by ``max_lag``."""
+        self._last_log = -math.inf
+        """``clock()`` of the last blocked line, of any wait: lines are paced per producer."""
+        self._warned = False
+        """Whether a line of the current wait was a WARNING. Reset when an ``append`` becomes
+        blocked while no other is: appends blocked together are one wait, warned once."""
 
     def wait(self, max_lag: int, visible: Callable[[], int], rebase: Callable[[], None]) -> None:
         """Return once ``visible()`` steps exceed the boundary by at most ``max_lag``.
@@ -123,8 +136,6 @@ class LagGate:
         """
         refreshed = False
         blocked_since: float | None = None
-        last_log = -math.inf
-        warned = False
         # The last diagnosis that this wait cannot end (the same text: the same watermarks).
         stalled: str | None = None
         stalled_since = -math.inf
@@ -136,13 +147,18 @@ class LagGate:
                     return
                 if refreshed:
                     now = self._clock()
-                    if blocked_since is None:
-                        blocked_since = now
-                        with self._cond:
+                    with self._lock:
+                        if blocked_since is None:
+                            blocked_since = now
+                            if self.blocked == 0:
+                                self._warned = False  # a new wait
                             self.blocked += 1
                             self._cond.notify_all()  # the commit loop publishes what blocks us
-                    if now - last_log >= self._log_interval:
-                        last_log = now
+                        # A clock stepped back since the last line leaves its age unknown: log.
+                        due = not 0 <= now - self._last_log < self._log_interval
+                        if due:
+                            self._last_log = now
+                    if due:
                         holder, unmarked, stall = self._holder(steps, max_lag)
                         if stall != stalled:  # a new diagnosis, or the watermarks moved
                             stalled, stalled_since = stall, now
@@ -152,12 +168,14 @@ class LagGate:
                         # a minute on watermarks that show training cannot reach its next
                         # checkpoint (max_lag below about keep_last x the checkpoint interval).
                         waited = now - blocked_since
-                        loud = not warned and (
+                        loud = (
                             waited >= LAG_WARN_LONG
                             or (unmarked and waited >= LAG_WARN_AFTER)
                             or (stall is not None and now - stalled_since >= LAG_WARN_STUCK)
                         )
-                        warned = warned or loud
+                        with self._lock:
+                            loud = loud and not self._warned
+                            self._warned = self._warned or loud
                         _LOG.log(
                             logging.WARNING if loud else logging.INFO,
                             "producer %r blocked by max_lag: %d visible steps, reclamation "
@@ -174,7 +192,7 @@ class LagGate:
                     attempt += 1
                     self._retries.sleep(min(self._retries.backoff(attempt), 1.0))
                     after = self._clock()
-                    with self._cond:
+                    with self._lock:
                         self.blocked_seconds += measured_duration(now, after)
                 try:
                     self._boundary_value = self._checked_boundary(self._boundary_fn())
@@ -188,7 +206,7 @@ class LagGate:
             if blocked_since is not None:
                 # A count: another append may still be blocked (and need what it waits on
                 # committed) after this one goes.
-                with self._cond:
+                with self._lock:
                     self.blocked -= 1
 
     def _checked_boundary(self, value: object) -> int:

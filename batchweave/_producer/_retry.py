@@ -35,21 +35,23 @@ class Retries:
 
     It also holds the producer's ``backoff`` and ``sleep``, for its other backoff waits (after a
     lost epoch commit or commit conflict, and while ``max_lag`` blocks). ``count`` is guarded by the
-    producer's condition ``cond``. It holds no reference to the producer: a producer dropped
-    without ``close()`` must be freed without the cycle collector.
+    producer's lock ``lock``, taken with ``with lock`` (a C-level ``RLock``: a Ctrl-C cannot
+    land between its acquire and release, as it can inside ``Condition.__exit__``). It holds no
+    reference to the producer: a producer dropped without ``close()`` must be freed without the
+    cycle collector.
     """
 
     def __init__(
         self,
         producer_id: str,
-        cond: threading.Condition,
+        lock: threading.RLock,
         outage: OutageLog,
         *,
         backoff: Callable[[int], float],
         sleep: Callable[[float], None],
     ) -> None:
         self._producer_id = producer_id
-        self._cond = cond
+        self._lock = lock
         self._outage = outage
         self.backoff = _checked_backoff(backoff)
         """Seconds to wait before retry ``attempt`` (1, 2, ...): the producer's ``backoff``,
@@ -71,7 +73,7 @@ class Retries:
         """Count and log a retried failure, then sleep the backoff (with ``sleep``, if given)."""
         delay = self.backoff(attempt)
         sleep = self.sleep if sleep is None else sleep
-        with self._cond:
+        with self._lock:
             self.count += 1
         if isinstance(exc, StoreUnavailable):
             self._outage.failed(what, exc)  # one line per outage, not one per retry
