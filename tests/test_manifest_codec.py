@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 import threading
 
 import pytest
@@ -12,7 +13,14 @@ from hypothesis import strategies as st
 from manifest_helpers import KEY, SEG_KEY, body, decode_outcome, envelope
 from pydantic import TypeAdapter
 
-from batchweave import ChecksumMismatch, FormatError, Mesh, UnsupportedFormatVersion
+from batchweave import (
+    ChecksumMismatch,
+    FormatError,
+    MemoryStore,
+    Mesh,
+    Producer,
+    UnsupportedFormatVersion,
+)
 from batchweave._format._checksum import checksum
 from batchweave._manifest import (
     MANIFEST_FORMAT,
@@ -25,10 +33,12 @@ from batchweave._manifest import (
     TgbDescriptor,
     TgbObjectRef,
     _codec,
+    _models,
     decode_manifest,
     decode_segment,
     encode_manifest,
     encode_segment,
+    manifest_key,
 )
 from batchweave._manifest._models import MAX_SOURCE_LENGTH
 
@@ -608,3 +618,29 @@ def test_reused_descriptors_count_in_the_step_layout() -> None:
     beyond = encode_manifest(manifest).replace(b'"base_step":3', b'"base_step":4')
     with pytest.raises(FormatError, match=r"base_step 4 outside the listed steps \[0, 3\]"):
         decode_manifest(envelope(body(beyond)), key=KEY, previous=manifest)
+
+
+def test_a_ctrl_c_in_a_serializer_is_raised_as_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    # pydantic-core reported it as a PydanticSerializationError, so a Ctrl-C while a producer
+    # started (its epoch commit encodes a manifest) escaped `except KeyboardInterrupt`.
+    store = MemoryStore()
+    with Producer(store, "ns", producer_id="p", mesh=Mesh(dp=2)) as producer:
+        producer.append([b"a", b"b"], offset=0)  # a slice table inline: a Python serializer
+    data = store.get(f"ns/{manifest_key(2)}")
+    copy = Manifest.model_validate_json(body(data))  # new objects: not in the JSON cache
+
+    class Interrupted:
+        def __getattr__(self, name: str) -> object:
+            return getattr(struct, name)
+
+        @staticmethod
+        def pack(*args: object) -> bytes:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_models, "struct", Interrupted())
+    with pytest.raises(KeyboardInterrupt):
+        encode_manifest(copy)
+    with pytest.raises(KeyboardInterrupt):
+        encode_segment(Segment(namespace_id="ns", first_step=0, tgbs=copy.tail))
+    monkeypatch.undo()
+    assert encode_manifest(copy) == data

@@ -22,15 +22,16 @@ never decode into values nobody committed; what this module encodes always passe
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Final, NamedTuple, TypeVar
+from typing import Final, NamedTuple, ParamSpec, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from pydantic_core import ErrorDetails
+from pydantic_core import ErrorDetails, PydanticSerializationError
 
 from batchweave._errors import ChecksumMismatch, FormatError, UnsupportedFormatVersion
 from batchweave._format._checksum import checksum
@@ -77,6 +78,32 @@ def body_checksum(body: bytes) -> int:
     return checksum(body, "crc32c")
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_WRAPPED_INTERRUPT: Final = re.compile(r"`: KeyboardInterrupt\b")
+
+
+def _keeps_interrupts(encode: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Raise a Ctrl-C that lands in one of the models' Python serializers as itself.
+
+    pydantic-core reports any exception raised in a ``model_serializer`` function as a
+    ``PydanticSerializationError``, a ``KeyboardInterrupt`` too: a Ctrl-C while a producer
+    starts (its epoch commit encodes a manifest) escaped ``except KeyboardInterrupt`` cleanups
+    as pydantic's error.
+    """
+
+    @functools.wraps(encode)
+    def encode_keeping_interrupts(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return encode(*args, **kwargs)
+        except PydanticSerializationError as exc:
+            if _WRAPPED_INTERRUPT.search(str(exc)):
+                raise KeyboardInterrupt from exc
+            raise
+
+    return encode_keeping_interrupts
+
+
 def _encode(magic: str, model: BaseModel, body: bytes | None = None) -> bytes:
     if body is None:
         body = model.model_dump_json().encode()
@@ -118,6 +145,7 @@ class _DescriptorJson:
 _DESCRIPTOR_JSON: Final = _DescriptorJson(entries=4096)
 
 
+@_keeps_interrupts
 def descriptors_json_bytes(descriptors: Sequence[TgbDescriptor]) -> int:
     """The exact length of ``descriptors`` as a JSON array, as a manifest's tail writes it."""
     commas = max(len(descriptors) - 1, 0)
@@ -144,6 +172,7 @@ def _body_with_descriptors(model: BaseModel, field: str) -> bytes:
     return b"".join(parts)
 
 
+@_keeps_interrupts
 def encode_manifest(manifest: Manifest) -> bytes:
     """Serialize ``manifest`` into the bytes of a ``.manifest`` object.
 
@@ -154,6 +183,7 @@ def encode_manifest(manifest: Manifest) -> bytes:
     return _encode(_MANIFEST_MAGIC, manifest, _body_with_descriptors(manifest, "tail"))
 
 
+@_keeps_interrupts
 def encode_segment(segment: Segment) -> bytes:
     """Serialize ``segment`` into the bytes of a ``.seg`` object."""
     return _encode(_SEGMENT_MAGIC, segment, _body_with_descriptors(segment, "tgbs"))
@@ -456,6 +486,7 @@ class _DecodedSegment(NamedTuple):
     checksum: int
 
 
+@_keeps_interrupts
 def encode_object(magic: str, model: BaseModel) -> bytes:
     """Serialize another persisted model (e.g. a watermark) in the same checksummed envelope."""
     return _encode(magic, model)
