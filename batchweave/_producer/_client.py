@@ -100,6 +100,17 @@ _FORCED_POLL = 0.02
 only for a policy that takes turns on a grid, whose slot closes again."""
 
 
+def _event_wait(deadline: float | None, timed_out: Callable[[], BaseException]) -> float:
+    """How long a wait for the producer's next event may last: at most ``_EVENT_WAIT``, and not
+    past ``deadline`` (a ``time.monotonic()`` value); ``timed_out()`` is raised once it passed."""
+    if deadline is None:
+        return _EVENT_WAIT
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise timed_out()
+    return min(_EVENT_WAIT, remaining)
+
+
 class _Idle:
     """What ``_next_work`` returns when there is nothing to do (holding the producer's lock)."""
 
@@ -559,17 +570,17 @@ class Producer:
                             f"producer {self._producer_id!r} was aborted; offsets up to "
                             f"{target} are not all committed"
                         )
-                    wait = _EVENT_WAIT
-                    if deadline is not None:
-                        remaining = deadline - time.monotonic()
-                        if remaining <= 0:
-                            raise TimeoutError(
+                    self._cond.wait(
+                        _event_wait(
+                            deadline,
+                            lambda: TimeoutError(
                                 f"producer {self._producer_id!r}: flush timed out after "
                                 f"{timeout:g} s with {len(self._entries)} TGBs not committed "
-                                f"(offsets {self._entries[0].offset}..{self._entries[-1].offset})"
-                            )
-                        wait = min(wait, remaining)
-                    self._cond.wait(wait)
+                                f"(offsets {self._entries[0].offset}.."
+                                f"{self._entries[-1].offset})"
+                            ),
+                        )
+                    )
             finally:
                 self._flush_waiters -= 1
             self._raise_if_failed_locked()
@@ -611,19 +622,18 @@ class Producer:
                             f"stopped before sealing namespace {self._namespace!r}; seal with "
                             "`batchweave seal STORE NAMESPACE`"
                         )
-                    wait = _EVENT_WAIT
-                    if deadline is not None:
-                        remaining = deadline - time.monotonic()
-                        if remaining <= 0:
-                            raise TimeoutError(
+                    self._cond.wait(
+                        _event_wait(
+                            deadline,
+                            lambda: TimeoutError(
                                 f"producer {self._producer_id!r}: sealing timed out after "
                                 f"{timeout:g} s; the request is withdrawn, so namespace "
                                 f"{self._namespace!r} is not sealed (unless the seal commit "
                                 "already sent lands), appends are taken again and close() does "
                                 "not wait for the seal: call seal() again to seal"
-                            )
-                        wait = min(wait, remaining)
-                    self._cond.wait(wait)
+                            ),
+                        )
+                    )
             finally:
                 # Given up (timed out, interrupted, failed) or done: once sealed, _sealed rules.
                 # A request left behind would keep the commit loop (and so close()) retrying a
