@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import select
+import signal
 import struct
 import threading
 
@@ -644,3 +647,35 @@ def test_a_ctrl_c_in_a_serializer_is_raised_as_itself(monkeypatch: pytest.Monkey
         encode_segment(Segment(namespace_id="ns", first_step=0, tgbs=copy.tail))
     monkeypatch.undo()
     assert encode_manifest(copy) == data
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_child_forked_while_a_decode_runs_can_decode() -> None:
+    # A decode holds its key's lock throughout (18 ms for a 1,500-descriptor segment): a fork
+    # meanwhile (DataLoader workers forked while a consumer reads) copied it held, and the
+    # child's first decode of a key behind it waited for ever.
+    data = encode_manifest(_sample_manifest())
+    held = [*_codec._DECODED._decoding, _codec._DECODED._lock, _codec._DESCRIPTOR_JSON._lock]
+    for lock in held:
+        lock.acquire()  # as by decodes running in other threads
+    try:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: decode (and encode) under every key's lock, then report
+            try:
+                manifest = decode_manifest(data, key="a-key-nobody-decoded")
+                encode_manifest(manifest)
+                os.write(write, b"ok")
+            finally:
+                os._exit(0)
+    finally:
+        for lock in held:
+            lock.release()
+    os.close(write)
+    ready, _, _ = select.select([read], [], [], 60)
+    answer = os.read(read, 2) if ready else b""
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert answer == b"ok", "the forked child hung on a lock held at the fork"

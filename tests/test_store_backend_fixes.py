@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Iterator
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -320,3 +321,26 @@ def test_boto3_blames_an_empty_aws_default_region(aws_env: pytest.MonkeyPatch) -
         bw.open_store("s3://bkt/p", verify_conditional_writes=False, **CREDENTIALS)
     assert "AWS_DEFAULT_REGION is set but empty" in str(info.value)
     assert "AWS_ENDPOINT_URL" not in str(info.value)
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_get_range_into_a_strided_view_of_bytes_fills_every_item(wrapped: bool) -> None:
+    # The default get_range_into cast every buffer to bytes, which a strided view refuses
+    # ("casts are restricted to C-contiguous views"): it filled such views before that.
+    store: bw.ObjectStore = bw.MemoryStore()
+    if wrapped:
+        store = bw.CountingStore(store)
+    store.put("k", b"0123456789")
+    backing = bytearray(20)
+    assert store.get_range_into("k", 2, memoryview(backing)[::2]) == 8
+    assert bytes(backing[::2]) == b"23456789" + bytes(2)
+    assert bytes(backing[1::2]) == bytes(10)  # the items between are not written
+
+
+def test_a_file_listing_of_a_name_too_long_for_the_file_system_is_empty(tmp_path: Path) -> None:
+    # Listing started opening the prefix's directory: a segment too long for the file system
+    # (ENAMETOOLONG) became a StoreError; no key can have it, so nothing is listed, as before.
+    store = bw.FileStore(tmp_path)
+    store.put("a/b", b"x")
+    assert list(store.list("x" * 300 + "/")) == []
+    assert [m.key for m in store.list("a/")] == ["a/b"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -128,6 +129,10 @@ class _DescriptorJson:
         self._items: OrderedDict[int, tuple[TgbDescriptor, bytes]] = OrderedDict()
         self._lock = threading.Lock()
 
+    def new_lock(self) -> None:
+        """A fresh lock in a forked child (one held by another thread at the fork never frees)."""
+        self._lock = threading.Lock()
+
     def get(self, desc: TgbDescriptor) -> bytes:
         with self._lock:
             item = self._items.get(id(desc))
@@ -143,6 +148,7 @@ class _DescriptorJson:
 
 
 _DESCRIPTOR_JSON: Final = _DescriptorJson(entries=4096)
+os.register_at_fork(after_in_child=_DESCRIPTOR_JSON.new_lock)
 
 
 @_keeps_interrupts
@@ -302,6 +308,13 @@ class _RecentlyDecoded:
         self._lock = threading.Lock()
         self._decoding = [threading.Lock() for _ in range(16)]  # striped by key
 
+    def new_locks(self) -> None:
+        """Fresh locks in a forked child: a decode running in another thread of the parent at
+        the fork (held for all of it, 18 ms for a 1,500-descriptor segment) would leave its
+        lock held for ever in the child (DataLoader workers forked while a consumer reads)."""
+        self._lock = threading.Lock()
+        self._decoding = [threading.Lock() for _ in self._decoding]
+
     def decoded(
         self, key: str, data: bytes, kind: type[_D], decode: Callable[[], tuple[_D, int]]
     ) -> _D:
@@ -370,6 +383,7 @@ class _RecentlyDecoded:
 # tail_limit descriptors) and the next segment they decode; with one segment's worth, any
 # manifest evicted the full segment and each rank decoded it again.
 _DECODED: Final = _RecentlyDecoded(entries=64, max_bytes=64 << 20, max_tgbs=2 * 64 * 256)
+os.register_at_fork(after_in_child=_DECODED.new_locks)
 
 
 def forget_decoded() -> None:

@@ -283,7 +283,9 @@ class ObjectStore(abc.ABC):
         in one preallocated buffer without an intermediate copy; this default reads with
         :meth:`get_range` and copies, stores that can read into memory directly override it.
         """
-        target = memoryview(buffer).cast("B")  # bytes, whatever the item type: nbytes, not len
+        view = memoryview(buffer)
+        # Bytes, whatever the item type (nbytes, not len); a strided view of bytes as it is.
+        target = view.cast("B") if view.c_contiguous else view
         data = self.get_range(key, Bounded(start, start + target.nbytes))
         target[: len(data)] = data
         return len(data)

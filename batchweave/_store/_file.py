@@ -644,8 +644,8 @@ class FileStore(ObjectStore):
             try:
                 fd = self._open_listed_dir(prefix, directory)
             except OSError as exc:
-                if exc.errno in _NOT_A_DIRECTORY_ERRNOS:
-                    return  # missing, a file, or a symlink where one is never followed
+                if exc.errno in (*_NOT_A_DIRECTORY_ERRNOS, errno.ENAMETOOLONG):
+                    return  # missing, a file, a symlink where none is followed, or no name
                 raise
             if fd is None:
                 return
