@@ -122,6 +122,12 @@ _CONSUMER_GAUGES = {  # attr: (name, doc, summed over open consumers, else their
 }
 
 
+def _stopped(obj: Producer | Consumer) -> bool:
+    """Whether ``obj`` publishes or reads no more: closed, or a producer stopped by a failure
+    (never closed, it may live on in a traceback while a restarted one takes its labels)."""
+    return obj.closed or (isinstance(obj, Producer) and obj.failed)
+
+
 class _Member:
     """One tracked object of a :class:`_Series`, with the last ``stats`` snapshot taken of it."""
 
@@ -151,7 +157,7 @@ class _Series:
     def has_open(self) -> bool:
         for member in self.members:
             obj = member.ref()
-            if obj is not None and not member.closed and not obj.closed:
+            if obj is not None and not member.closed and not _stopped(obj):
                 return True
         return False
 
@@ -196,7 +202,7 @@ class BatchWeaveCollector(Collector):
                 if any(member.ref() is obj for member in series.members):
                     return  # tracked twice
                 if series.has_open():
-                    if not obj.closed:  # open together: both count
+                    if not _stopped(obj):  # open together: both count
                         series.members.append(_Member(obj, next(self._order)))
                     return  # already closed: the open ones are the series
             # nothing open under these labels: this object starts the series afresh
@@ -223,7 +229,7 @@ class BatchWeaveCollector(Collector):
         # stats outside the lock: a producer's takes its own locks
         taken = []
         for member, obj in todo:
-            closed = obj.closed  # read first: a closed object's snapshot is its final one
+            closed = _stopped(obj)  # read first: a stopped object's snapshot is its final one
             stats = obj.stats() if isinstance(obj, Producer) else obj.stats
             taken.append((member, stats, closed))
         with self._lock:

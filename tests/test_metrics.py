@@ -222,6 +222,37 @@ def test_a_producer_restarted_in_process_is_exported_once(registry: CollectorReg
     assert old.stats().tgbs_published == 1
 
 
+def test_a_producer_failed_and_never_closed_is_not_summed_into_its_restart(
+    registry: CollectorRegistry,
+) -> None:
+    # Open together under one label set meant "summed": a producer stopped by a failure and
+    # never closed (kept alive by its traceback) added its stale pending TGBs to the restarted
+    # producer's series, a false "pending TGBs not draining" alert.
+    store = bw.FaultInjectingStore(bw.MemoryStore())
+    old = bw.track_metrics(
+        bw.Producer(store, "ns", producer_id="p0", mesh=ONE_SLICE, max_retries=0),
+        registry=registry,
+    )
+    store.fail_next("put", error=bw.AccessDenied("no writes for data"), key_prefix="ns/data/")
+    old.append([b"x"], offset=0)
+    with pytest.raises(bw.ProducerError):
+        old.flush(timeout=30)
+    assert old.failed
+    assert not old.closed
+    assert old.stats().pending == 1
+    new = bw.track_metrics(
+        bw.Producer(store, "ns", producer_id="p0", mesh=ONE_SLICE), registry=registry
+    )
+    try:
+        new.append([b"y"], offset=new.resume_offset)
+        new.flush()
+        labels = {"namespace": "ns", "producer_id": "p0"}
+        assert registry.get_sample_value("batchweave_producer_pending_tgbs", labels) == 0.0
+        assert registry.get_sample_value("batchweave_tgbs_published_total", labels) == 1.0
+    finally:
+        new.close()
+
+
 def test_a_consumer_replaced_in_process_is_exported_once(registry: CollectorRegistry) -> None:
     store = bw.MemoryStore()
     publish_one_slice(store, 3)

@@ -1814,3 +1814,70 @@ def test_abort_releases_the_bytes_of_uploads_it_cancels(store: MemoryStore) -> N
     p._uploads.shutdown(wait=True)  # the upload under way ends (the gate is open)
     assert p.stats().inflight_bytes == 0
     assert gated.data_puts_started == 1
+
+
+class _ArrivalLock:
+    """A lock that sets ``arrived`` when a thread comes to take it."""
+
+    def __init__(self, arrived: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._arrived = arrived
+
+    def __enter__(self) -> None:
+        self._arrived.set()
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_a_thread_started_while_the_upload_pool_shuts_down_gets_its_stop_signal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # shutdown() posted one stop signal per thread without the spawn lock: a submit() that had
+    # passed the closed check was still starting a thread, which never got a signal and lived
+    # on (or hung close()'s join) after the producer closed.
+    from batchweave._producer import _uploads
+
+    busy, spawning, resume, arrived = (threading.Event() for _ in range(4))
+    real_thread = threading.Thread
+
+    class PausedThread(real_thread):  # type: ignore[valid-type, misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if threading.current_thread().name == "submitter":
+                spawning.set()
+                assert resume.wait(30)
+            super().__init__(*args, **kwargs)
+
+    pool = _uploads.UploadThreads(2, name="bw-upload-test")
+    pool._spawn_lock = _ArrivalLock(arrived)  # type: ignore[assignment]
+    pool.submit(busy.wait, 30)  # the one thread is busy: the next submit starts another
+
+    class Threading:  # the module's threading, starting PausedThreads
+        Thread = PausedThread
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(threading, name)
+
+    monkeypatch.setattr(_uploads, "threading", Threading())
+    submitter = real_thread(target=pool.submit, args=(lambda: None,), name="submitter")
+    submitter.start()
+    assert spawning.wait(30)  # inside _spawn, past the closed check, before the thread exists
+    arrived.clear()
+
+    def shut_down() -> None:
+        pool.shutdown(wait=False)
+        arrived.set()  # unserialised, it is done before the thread it raced exists
+
+    closer = real_thread(target=shut_down)
+    closer.start()
+    assert arrived.wait(30)  # the shutdown waits for the spawn lock, or is done already
+    resume.set()
+    submitter.join(30)
+    closer.join(30)
+    monkeypatch.undo()
+    busy.set()
+    for thread in pool.threads:
+        thread.join(30)
+    assert [t.name for t in pool.threads if t.is_alive()] == []
+    assert len(pool.threads) == 2

@@ -428,6 +428,12 @@ class Producer:
         return self._closed
 
     @property
+    def failed(self) -> bool:
+        """Whether a background failure (an upload or commit that retrying cannot cure) stopped
+        this producer: it publishes nothing more, and every call but :meth:`abort` raises it."""
+        return self._error is not None
+
+    @property
     def committed_source(self) -> str | None:
         """The source identity committed for this producer id: ``source=`` as given, or, with
         ``source=None``, the one an earlier incarnation committed (``None``: none)."""

@@ -67,7 +67,8 @@ class UploadThreads:
         """Let the threads end once the queued calls are done. ``cancel``: drop the calls not
         started (their submitter accounts for them); ``wait``: join the threads (not the
         calling one)."""
-        self._closed = True
+        with self._spawn_lock:  # a submit() starting a thread now either sees it closed or
+            self._closed = True  # is counted below, and gets its stop signal
         if cancel:
             while True:
                 try:
