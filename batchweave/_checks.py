@@ -19,6 +19,7 @@ __all__ = [
     "as_seconds",
     "as_size",
     "check_at_least",
+    "check_callable",
     "check_key_name",
     "check_namespace",
     "check_new_name",
@@ -46,6 +47,16 @@ def check_at_least(minimum: int, **values: int) -> None:
     for name, value in values.items():
         if value < minimum:
             raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def check_callable(name: str, value: object, like: str) -> None:
+    """Refuse an argument that must be a function (an injected ``clock=``, ``sleep=``, ...) and
+    is not callable, naming it and what it looks like: before any request, not as a bare
+    "'float' object is not callable" from a background thread later."""
+    if not callable(value):
+        raise TypeError(
+            f"{name} must be callable (like {like}), got the {type(value).__name__} {value!r:.100}"
+        )
 
 
 def check_key_name(name: str, value: str) -> None:

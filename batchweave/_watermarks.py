@@ -24,7 +24,7 @@ from typing import Final
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from batchweave._checks import as_count, as_int, check_namespace, check_store
+from batchweave._checks import as_count, as_int, check_callable, check_namespace, check_store
 from batchweave._errors import (
     FormatError,
     NamespaceMismatch,
@@ -134,6 +134,8 @@ class Watermarks:
         # record() failed after its PUT, leaving the old watermarks unreleased.
         check_store(store)
         check_namespace(namespace)
+        check_callable("clock", clock, "time.time")
+        check_callable("sleep", sleep, "time.sleep")
         if keep_last is not None:
             keep_last = as_count("keep_last", keep_last, 1)  # None: release only explicitly
         if scope is not None:

@@ -292,3 +292,21 @@ def test_bad_retire_arguments_are_refused_before_any_request(
     # inside with "'>' not supported between instances of 'str' and 'int'".
     refused(lambda: bw.retire_producers(store, NS, **arguments), error, match, store)
     assert contents(inner) == before
+
+
+@pytest.mark.parametrize(
+    ("make", "option"),
+    [
+        (lambda store, **kw: bw.Reclaimer(store, "ns", **kw), "clock"),
+        (lambda store, **kw: bw.Reclaimer(store, "ns", **kw), "sleep"),
+        (lambda store, **kw: bw.Watermarks(store, "ns", **kw), "clock"),
+        (lambda store, **kw: bw.Watermarks(store, "ns", **kw), "sleep"),
+    ],
+)
+def test_a_time_function_that_cannot_be_called_is_refused_naming_it(make: Any, option: str) -> None:
+    # Accepted before, it failed at the first pass or record() with a bare "'float' object is
+    # not callable" (in a start() thread, a warning every pass).
+    store = bw.MemoryStore()
+    with pytest.raises(TypeError, match=rf"^{option} must be callable \(like time\.\w+\)"):
+        make(store, **{option: 1.5})
+    assert list(store.list()) == []  # refused before any request

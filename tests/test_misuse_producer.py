@@ -270,8 +270,12 @@ def test_a_stored_failure_is_raised_with_its_own_traceback_each_time() -> None:
         ({"refresh_age": "1"}, TypeError, "refresh_age must be a number of seconds, got the str"),
         ({"active_horizon": float("nan")}, ValueError, "active_horizon must be >= 0 seconds"),
         ({"lag_log_interval": True}, TypeError, "lag_log_interval must be a number of seconds"),
-        ({"backoff": 0.1}, TypeError, "backoff must be a function, got the float 0.1"),
-        ({"sleep": None}, TypeError, "sleep must be a function"),
+        (
+            {"backoff": 0.1},
+            TypeError,
+            r"backoff must be callable \(like lambda attempt: .*\), got the float 0.1",
+        ),
+        ({"sleep": None}, TypeError, "sleep must be callable"),
     ],
 )
 def test_count_and_seconds_arguments_of_the_wrong_type_are_refused_up_front(

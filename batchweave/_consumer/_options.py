@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from batchweave._checks import as_count, as_fraction, as_int, as_seconds, as_size
+from batchweave._checks import as_count, as_fraction, as_int, as_seconds, as_size, check_callable
 from batchweave._mesh import Mesh, check_mesh
 from batchweave._projection import _parse_order, coordinates_from_env
 
@@ -90,12 +90,8 @@ def check_options(**options: Any) -> dict[str, Any]:
     if checked.get("timeout") is not None:  # infinity waits for ever, as None does
         checked["timeout"] = as_seconds("timeout", checked["timeout"])
     for name, default in _CALLABLES.items():
-        if name in checked and not callable(checked[name]):
-            value = checked[name]
-            raise TypeError(
-                f"{name} must be callable (like {default}), got the {type(value).__name__} "
-                f"{value!r}"
-            )
+        if name in checked:
+            check_callable(name, checked[name], default)
     if "prefetch_max_cpu_share" in checked:
         checked["prefetch_max_cpu_share"] = as_fraction(
             "prefetch_max_cpu_share", checked["prefetch_max_cpu_share"]

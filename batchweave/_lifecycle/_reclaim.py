@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from batchweave._checks import as_count, as_seconds, check_namespace, check_store
+from batchweave._checks import as_count, as_seconds, check_callable, check_namespace, check_store
 from batchweave._errors import (
     FormatError,
     NamespaceNotFound,
@@ -172,6 +172,8 @@ class Reclaimer:
         grace = as_seconds("grace", grace)
         max_commit_attempts = as_count("max_commit_attempts", max_commit_attempts, 1)
         delete_batch = as_count("delete_batch", delete_batch, 1)
+        check_callable("clock", clock, "time.time")
+        check_callable("sleep", sleep, "time.sleep")
         if progress is not None and not callable(progress):
             raise TypeError(
                 f"progress must be a callable taking a ReclaimProgress, or None, got the "

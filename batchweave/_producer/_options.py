@@ -6,7 +6,7 @@ argument, so a wrong one is refused before the namespace is created or the epoch
 
 from __future__ import annotations
 
-from batchweave._checks import as_int, check_int64, check_key_name, check_namespace
+from batchweave._checks import as_int, check_callable, check_int64, check_key_name, check_namespace
 from batchweave._errors import OffsetOrderError
 from batchweave._manifest._models import check_source
 from batchweave._mesh import Mesh, check_mesh
@@ -14,11 +14,11 @@ from batchweave._mesh import Mesh, check_mesh
 __all__ = ["as_offset", "check_functions", "check_identity"]
 
 _FUNCTION_EXAMPLES = {
-    "clock": "clock=time.monotonic",
-    "wall_clock": "wall_clock=time.time",
-    "sleep": "sleep=time.sleep",
-    "backoff": "backoff=lambda attempt: min(5.0, 0.1 * 2**attempt)",
-    "boundary": "boundary=lambda: 0, or None for the namespace's watermarks",
+    "clock": "time.monotonic",
+    "wall_clock": "time.time",
+    "sleep": "time.sleep",
+    "backoff": "lambda attempt: min(5.0, 0.1 * 2**attempt)",
+    "boundary": "lambda: 0; or None for the namespace's watermarks",
 }
 """What each function argument of :class:`Producer` looks like, for the error naming it."""
 
@@ -50,11 +50,8 @@ def check_functions(**functions: object) -> None:
     """Refuse a function argument (``clock=``, ...) that is not callable; ``boundary`` may be
     ``None``. The error shows what the argument looks like."""
     for name, function in functions.items():
-        if not callable(function) and not (name == "boundary" and function is None):
-            raise TypeError(
-                f"{name} must be a function, got the {type(function).__name__} "
-                f"{function!r}; e.g. {_FUNCTION_EXAMPLES[name]}"
-            )
+        if not (name == "boundary" and function is None):
+            check_callable(name, function, _FUNCTION_EXAMPLES[name])
 
 
 def as_offset(value: object) -> int:

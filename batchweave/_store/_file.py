@@ -45,6 +45,9 @@ TEMP_DIR_NAME = ".bw-tmp"
 
 _MISSING_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENXIO)
 """Errors meaning "no object here" (``ENXIO``: a socket where the object's file would be)."""
+_NO_SUCH_NAME_ERRNOS = (*_MISSING_ERRNOS, errno.ENAMETOOLONG)
+"""What a delete takes for "nothing to delete": also a name too long for the file system,
+which no object can have (a batch must not stop part-way at it)."""
 _WRITE_ACTIONS = frozenset({"write", "delete"})
 """Actions whose ``PermissionError`` means the root is read-only for this user."""
 _NOT_A_ROOT_FIX = (
@@ -751,7 +754,7 @@ class FileStore(ObjectStore):
                         try:
                             os.unlink(path)
                         except OSError as exc:
-                            if exc.errno in _MISSING_ERRNOS or (
+                            if exc.errno in _NO_SUCH_NAME_ERRNOS or (
                                 isinstance(exc, PermissionError) and os.path.isdir(path)
                             ):
                                 continue
@@ -778,14 +781,14 @@ class FileStore(ObjectStore):
         try:
             dfd = self._open_confined(key, parent, _DIR_FLAGS)
         except OSError as exc:
-            if exc.errno in _MISSING_ERRNOS:
+            if exc.errno in _NO_SUCH_NAME_ERRNOS:
                 return False
             raise
         try:
             self._refuse_escaping_link(key, path, dfd, name)
             os.unlink(name, dir_fd=dfd)
         except OSError as exc:
-            if exc.errno in _MISSING_ERRNOS or (
+            if exc.errno in _NO_SUCH_NAME_ERRNOS or (
                 isinstance(exc, PermissionError) and _is_dir_at(dfd, name)
             ):
                 return False
