@@ -13,6 +13,7 @@ from manifest_helpers import CountingStore, FaultyPutStore, descriptor, grow, la
 from batchweave import (
     AmbiguousWriteError,
     ConcurrentWriteConflict,
+    FormatError,
     InvalidKey,
     MemoryStore,
     Mesh,
@@ -465,16 +466,67 @@ def test_a_base_listed_before_a_pause_longer_than_a_short_grace_is_checked(
 
 def test_a_base_whose_prefix_was_deleted_is_not_written_after(store: ObjectStore) -> None:
     # An old base: latest() lists after it and finds nothing, because an operator deleted the
-    # namespace meanwhile. Listing after a version does not show the version itself, so the
-    # commit still HEADs it, and writes nothing into the emptied prefix.
+    # namespace meanwhile. Listing after a version does not show the version itself, so
+    # latest() reads it back (NamespaceNotFound: nothing is left), and the commit still HEADs
+    # it, and writes nothing into the emptied prefix.
     clients = _Clients(store)
     log = clients.mine
     held = _commit(log, log.create_or_open(MESH), descriptor("a", 0))
     store.delete_many([m.key for m in store.list(f"{NS}/")])
     clients.now += PROBE_TRUST_SECONDS + 1
-    assert log.latest(held) is held
+    with pytest.raises(NamespaceNotFound):
+        log.latest(held)
     assert log.commit(held, append=[descriptor("a", 1)]) == Conflict(None)
     assert list(store.list(f"{NS}/")) == []
+
+
+def test_a_client_waiting_at_the_head_notices_an_older_copy_restored_over_it(
+    store: ObjectStore,
+) -> None:
+    # Before: latest(seen) probed the missing seen.version + 1, listed nothing after it and
+    # returned ``seen`` without reading it back, so a consumer waiting at the head of a
+    # namespace restored from an older backup (versions 4 and 5 gone) waited forever.
+    clients = _Clients(store)
+    log = clients.mine
+    seen = grow(log, log.create_or_open(MESH), 5)
+    store.delete_many([log.key(manifest_key(v)) for v in (4, 5)])
+    assert log.latest(seen) is seen  # young: the probe alone is trusted, as before
+    clients.now += PROBE_TRUST_SECONDS + 1
+    with pytest.raises(FormatError, match=r"version 5, the newest this client saw .* is gone"):
+        log.latest(seen)
+    with pytest.raises(FormatError, match="newest version left is 3"):
+        log.latest(seen)  # and again at every later poll, never the older version
+    assert list(log.versions()) == [0, 1, 2, 3]
+
+
+def test_waiting_at_an_old_head_reads_it_back_once_per_trust_interval_not_per_poll(
+    store: ObjectStore,
+) -> None:
+    # The read-back costs one GET per PROBE_TRUST_SECONDS, not one per poll: a young head is
+    # one GET (the probe) per poll, an old one a GET and a LIST, as before.
+    counting = CountingStore(store)
+    clients = _Clients(store, counting)
+    log = clients.mine
+    head = grow(log, log.create_or_open(MESH), 2)
+    counting.reset()
+    for _ in range(5):
+        clients.now += 1
+        assert log.latest(head) is head
+    assert (counting.calls["get"], counting.calls["list"]) == (5, 0)
+    clients.now += PROBE_TRUST_SECONDS
+    counting.reset()
+    assert log.latest(head) is head  # probe, LIST, read-back
+    assert (counting.calls["get"], counting.calls["list"]) == (2, 1)
+    counting.reset()
+    polls = 20
+    for _ in range(polls):
+        clients.now += (PROBE_TRUST_SECONDS - 1) / polls
+        assert log.latest(head) is head
+    assert (counting.calls["get"], counting.calls["list"]) == (polls, polls)
+    clients.now += 1
+    counting.reset()
+    assert log.latest(head) is head  # a trust interval later: read back again
+    assert (counting.calls["get"], counting.calls["list"]) == (2, 1)
 
 
 def test_a_wall_clock_stepped_back_does_not_stretch_the_trust_in_a_listing(

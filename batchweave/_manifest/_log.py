@@ -425,6 +425,8 @@ class ManifestLog:
         self._listed: tuple[Manifest, float] | None = None
         """The version the last :meth:`latest` confirmed by a LIST, and ``monotonic()`` at its
         call."""
+        self._confirmed: tuple[Manifest, float] | None = None
+        """The ``known`` version :meth:`_read_back` last read back, and ``monotonic()`` then."""
 
     def __repr__(self) -> str:
         return f"ManifestLog({self.store.url!r}, {self.namespace!r})"
@@ -605,6 +607,7 @@ class ManifestLog:
                 f"namespace from a backup holding version {seen.version} or later (or put the "
                 "deleted versions back), or start a new namespace"
             ) from None
+        self._confirmed = (again, self._monotonic())  # read just now: no read-back of it
         newest, listed = self._find_latest(again)
         if newest.version < seen.version:  # only a listing that contradicts the reads
             raise FormatError(
@@ -678,14 +681,45 @@ class ManifestLog:
             newest = version if newest is None else max(newest, version)  # not trusting order
         if newest is not None:
             return self.read(newest), True
+        if found is not None and found is not known:
+            return found, True  # read a moment ago, and nothing listed after it
         if found is not None:
-            # ``found`` was read a moment ago, unless it is ``known`` itself: nothing listed
-            # after a ``known`` that is gone too (a deleted prefix) proves nothing.
-            return found, found is not known
+            # Nothing listed after a ``known`` that is gone too proves nothing: read it back.
+            return self._read_back(found)
         raise NamespaceNotFound(
             f"no BatchWeave namespace at {self._where} (no {MANIFESTS_DIR}/ versions); create "
             "it by opening a Producer with mesh=..., or check the namespace name"
         )
+
+    def _read_back(self, known: Manifest) -> tuple[Manifest, bool]:
+        """``known``, after a LIST showed no version after it, read back as :meth:`latest_from`
+        does; when it is gone (or another commit), the newest version from a lookup without it.
+
+        Nothing listed after a version that is gone proves nothing: an older copy of the
+        namespace restored over it (the newest versions a client saw gone, only older ones
+        left) or a deleted prefix. The lookup without it then finds what is left, and
+        :meth:`_not_behind_seen` refuses an older version with a :class:`FormatError` instead
+        of a consumer waiting at the head forever. Read back at most once per
+        ``PROBE_TRUST_SECONDS`` (``monotonic``) for the same ``known``: a consumer waiting at an
+        old head lists on every poll, and the read-back must not add a request to each one.
+        Returns ``(manifest, listed)`` as :meth:`_find_latest` does.
+        """
+        now = self._monotonic()
+        confirmed = self._confirmed
+        if (
+            confirmed is not None
+            and confirmed[0] is known
+            and 0 <= now - confirmed[1] < PROBE_TRUST_SECONDS
+        ):
+            return known, False
+        try:
+            again = self.read(known.version)  # another commit at the newest seen is refused
+        except ObjectNotFound:
+            return self._find_latest(None)
+        if (again.namespace_id, again.commit_id) != (known.namespace_id, known.commit_id):
+            return self._find_latest(None)
+        self._confirmed = (known, now)
+        return known, True
 
     def read(self, version: int) -> Manifest:
         """Manifest ``version``; :class:`ObjectNotFound` if it does not exist (or was reclaimed).
