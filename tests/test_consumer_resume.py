@@ -127,6 +127,33 @@ def test_state_from_another_namespace_is_refused(store: MemoryStore) -> None:
         c.load_state_dict(state)
 
 
+def test_state_of_a_copied_namespace_is_refused_by_name_unless_renamed_on_purpose() -> None:
+    """A backup copied to another prefix keeps its namespace id: before, the state of ``run``
+    loaded silently into ``run-copy`` (whose steps hold other data once the two diverge)."""
+    s = MemoryStore()
+    produce(s, "run", STORED, tgbs=3)
+    for meta in list(s.list("run/")):
+        s.put("run-copy/" + meta.key.removeprefix("run/"), s.get(meta.key))
+    with Consumer(s, "run", mesh=STORED, dp_rank=0, cp_rank=0) as c:
+        next(c)
+        state = c.state_dict()
+    with Consumer(s, "run-copy", mesh=STORED, dp_rank=0, cp_rank=0) as copy:
+        copy.open()
+        assert copy.namespace_id == state["namespace_id"]  # the ids alone agree
+        with pytest.raises(NamespaceMismatch) as info:
+            copy.load_state_dict(state)
+        message = str(info.value)
+        assert "namespace 'run'" in message
+        assert "namespace 'run-copy'" in message
+        assert "state[\"namespace\"] = 'run-copy'" in message
+        assert copy.state_dict()["step"] == 0  # a refused state changes nothing
+        copy.load_state_dict({**state, "namespace": "run-copy"})  # moved or renamed: on purpose
+        assert copy.state_dict()["step"] == 1
+        legacy = {k: v for k, v in state.items() if k != "namespace"}  # a state without a name
+        copy.load_state_dict(legacy)
+        assert copy.state_dict()["step"] == 1
+
+
 def test_state_for_a_missing_namespace_is_refused(store: MemoryStore) -> None:
     with Consumer(store, "run", mesh=STORED, dp_rank=0, cp_rank=0) as c:
         next(c)

@@ -555,3 +555,43 @@ def test_a_newest_version_written_by_a_newer_batchweave_says_upgrade_not_restore
         bw.Reclaimer(store, NS).run_once()
     assert "upgrade batchweave" in str(caught.value)
     assert "backup" not in str(caught.value)
+
+
+# -- a watermark of a history that went back (an older backup of _manifests/ restored) ------------
+
+
+def test_a_watermark_past_the_restored_history_stops_the_pass_instead_of_cutting() -> None:
+    """Before: the cut was capped at ``next_step`` (and later, once producers re-grew the history,
+    set to the stale watermark): steps nobody read were deleted."""
+    store = bw.MemoryStore()
+    publish(store, NS, 3, ONE)
+    backup = {k: v for k, v in contents(store, NS).items() if "/_manifests/" in k}
+    with bw.Producer(store, NS, producer_id="p", mesh=ONE) as producer:
+        for offset in range(producer.resume_offset, 6):
+            producer.append([b"%d" % offset], offset=offset)
+    with bw.Consumer(store, NS, mesh=ONE, dp_rank=0, cp_rank=0, timeout=0) as consumer:
+        for _ in range(5):
+            next(consumer)
+        mark = bw.checkpoint_hook(consumer, bw.Watermarks(store, NS), "ck-5")
+    assert mark is not None
+    assert mark.step == 5
+    store.delete_many([k for k in contents(store, NS) if "/_manifests/" in k])
+    for key, data in backup.items():
+        store.put(key, data)
+    before = contents(store, NS)
+    reclaimer = bw.Reclaimer(store, NS, grace=0.0)
+    with pytest.raises(FormatError) as info:
+        reclaimer.run_once()
+    message = str(info.value)
+    for said in ("'ck-5'", "step 5", "below 3", "went back", ".release('ck-5')", "restore"):
+        assert said in message
+    assert contents(store, NS) == before  # nothing committed, nothing deleted
+    bw.Watermarks(store, NS).release("ck-5")  # the advice: a checkpoint of the lost history
+    assert reclaimer.run_once().base_step_after == 0
+
+
+def test_a_watermark_at_the_head_of_the_history_still_cuts_there() -> None:
+    store = bw.MemoryStore()
+    publish(store, NS, 4, ONE)
+    bw.Watermarks(store, NS).record("ck-4", 4)
+    assert bw.Reclaimer(store, NS, grace=0.0).run_once().base_step_after == 4

@@ -494,6 +494,7 @@ class Consumer:
         self._check_process("load_state_dict()")
         parsed = parse_state(state)
         self._refuse_if_closed("load_state_dict()", "the state")
+        self._check_state_namespace_name(parsed)
         if not self._reading.acquire(blocking=False):
             raise ConsumerError(
                 f"{self!r}: load_state_dict() was called while next() is reading a step on "
@@ -588,6 +589,22 @@ class Consumer:
                 f"{parsed['namespace_id']}), but this consumer reads {self._where} (id "
                 f"{self._manifest.namespace_id}); load the state into a consumer of the "
                 "namespace it was taken from"
+            )
+
+    def _check_state_namespace_name(self, parsed: Mapping[str, Any]) -> None:
+        """Refuse a state taken in a namespace of another name, without a store request.
+
+        A backup copied to another prefix keeps its namespace id, so the id check alone lets
+        the state of ``job`` load into ``job-copy``, whose steps hold other data once the two
+        diverged. A state without a name (``""``) is not checked: only its id is.
+        """
+        name = parsed["namespace"]
+        if name and name != self.namespace:
+            raise NamespaceMismatch(
+                f"consumer state belongs to namespace {name!r}, but this consumer reads "
+                f"{self._where}; load the state into a consumer of {name!r}. To load it here on "
+                f"purpose (the namespace was moved or renamed to {self.namespace!r}), set "
+                f'state["namespace"] = {self.namespace!r} first'
             )
 
     def _resume_anchor(self, parsed: Mapping[str, Any]) -> tuple[int, int]:

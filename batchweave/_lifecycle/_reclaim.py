@@ -125,7 +125,9 @@ class Reclaimer:
 
     One :meth:`run_once` pass:
 
-    1. reads the watermarks; the boundary ``b`` is their minimum step (0 without any);
+    1. reads the watermarks; the boundary ``b`` is their minimum step (0 without any); a
+       watermark past the namespace's steps or newest version (a history that went back: an
+       older backup of ``_manifests/`` restored) stops the pass, a :class:`FormatError`;
     2. commits a manifest with ``base_step = b`` through the normal commit protocol (a lost race
        is retried on the winner), so consumers and producers see the cut;
     3. deletes the TGB objects of steps below ``base_step`` (found in the manifest version the
@@ -288,6 +290,7 @@ class Reclaimer:
             latest = self._find_latest()
         except NamespaceNotFound:
             return self._no_namespace(boundary, marks, sweep)
+        latest = self._refuse_marks_from_lost_history(marks, latest)
         before = latest.base_step
         sweep.begin("committing base_step")
         latest, cut_from, conflicts = self._commit_boundary(latest, boundary)
@@ -412,6 +415,41 @@ class Reclaimer:
                 f"({exc}); nothing is committed or deleted until it is. Run `batchweave verify "
                 f"{self.store.url} {self.namespace}` and restore that object from a backup"
             ) from exc
+
+    def _refuse_marks_from_lost_history(self, marks: list[Watermark], latest: Manifest) -> Manifest:
+        """``latest``, once no live watermark lies past it; else a :class:`FormatError`.
+
+        A reader can only have read steps a version it held listed, and versions are never
+        deleted from the top, so a watermark whose step is above ``next_step`` or whose version
+        is above the newest one stored comes from a history that is gone: an older copy of
+        ``_manifests/`` was restored over the prefix (the watermarks left in place). Capping the
+        cut at ``next_step`` would let it move ``base_step`` to that watermark once producers
+        re-grow the history, deleting steps nobody read. A version above the newest one listed
+        is read first: there, the listing lagged behind the writes, and the pass goes on from it.
+        """
+        newest_marked = max((m.version for m in marks), default=-1)
+        if newest_marked > latest.version:
+            try:
+                found = self._log.read(newest_marked)
+            except ObjectNotFound:
+                pass  # gone, or never written in this history: refused below
+            else:
+                latest = self._log.latest_from(found)
+        for mark in marks:
+            if mark.step > latest.next_step or mark.version > latest.version:
+                raise FormatError(
+                    f"{self.store.url}/{self.namespace}: watermark {mark.checkpoint_id!r} holds "
+                    f"step {mark.step} (manifest version {mark.version}), but the namespace "
+                    f"has only steps below {latest.next_step} and its newest version is "
+                    f"{latest.version}: no reader can have read past them, so the watermark "
+                    "comes from a history that is gone. The namespace's history went back "
+                    "(an older backup of _manifests/ restored over the prefix?). Nothing is "
+                    "committed or deleted. If that checkpoint belongs to the lost history, "
+                    f"release it (Watermarks(store, {self.namespace!r})"
+                    f".release({mark.checkpoint_id!r})); otherwise restore the newer manifest "
+                    "versions from the backup that holds them"
+                )
+        return latest
 
     def _no_namespace(self, boundary: int, marks: list[Watermark], sweep: Sweep) -> ReclaimReport:
         """End a pass that found no manifest version (the namespace does not exist)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from batchweave._checks import check_namespace, check_store
 from batchweave._errors import (
     AmbiguousWriteError,
+    ChecksumMismatch,
     ConcurrentWriteConflict,
     FormatError,
     NamespaceError,
@@ -716,6 +717,11 @@ class ManifestLog:
             again = self.read(known.version)  # another commit at the newest seen is refused
         except ObjectNotFound:
             return self._find_latest(None)
+        except ChecksumMismatch:
+            # Bit rot in the version this client holds intact: no sign of history going back
+            # (commits on it go on, as before the read-back; verify and reclaim name it).
+            self._confirmed = (known, now)
+            return known, True
         if (again.namespace_id, again.commit_id) != (known.namespace_id, known.commit_id):
             return self._find_latest(None)
         self._confirmed = (known, now)
