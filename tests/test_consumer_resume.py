@@ -190,3 +190,44 @@ def test_resuming_below_the_reclaimed_boundary_is_refused() -> None:
     with pytest.raises(StepReclaimed, match=r"step 0 needs TGB step 0.*start_step"):
         next(Consumer(store, "run", mesh=mesh, dp_rank=0))
     assert [s for s, _ in Consumer(store, "run", mesh=mesh, dp_rank=1, start_step=4)] == [4, 5]
+
+
+@pytest.mark.parametrize("regrown", [False, True])
+def test_a_reader_behind_the_head_meets_a_restored_older_copy_as_history_gone_back(
+    tmp_path: Any, regrown: bool
+) -> None:
+    # An older copy restored over the prefix (the newer TGB objects gone with it): the next
+    # read found its object missing and raised ObjectGone with the advice for an object
+    # deleted by hand; the history that went back is what happened.
+    import shutil
+
+    from batchweave import FileStore, FormatError, Mesh, Producer
+
+    root, backup = tmp_path / "store", tmp_path / "backup"
+    store = FileStore(root)
+    mesh = Mesh(dp=1)
+
+    def publish(end: int) -> None:
+        with Producer(store, "job", producer_id="a", mesh=mesh) as producer:
+            for offset in range(producer.resume_offset, end):
+                producer.append([f"a:{offset}".encode()], offset=offset)
+
+    publish(5)
+    shutil.copytree(root, backup)
+    publish(40)
+    consumer = Consumer(store, "job", mesh=mesh, dp_rank=0, timeout=5, prefetch=1)
+    got = [bytes(next(consumer)[1]) for _ in range(3)]
+    assert got == [b"a:0", b"a:1", b"a:2"]
+    shutil.rmtree(root / "job")
+    shutil.copytree(backup / "job", root / "job")
+    if regrown:
+        publish(40)  # producers restarted on the restored history
+
+    def read_on() -> None:
+        for _, data in consumer:
+            got.append(bytes(data))
+
+    with pytest.raises(FormatError, match=r"the newest this client saw .* is gone|was rewritten"):
+        read_on()
+    consumer.close()
+    assert len(got) < 40  # never the restored history's other TGBs as if nothing happened

@@ -45,6 +45,7 @@ from batchweave._consumer._stats import ConsumerStats, Counters
 from batchweave._errors import (
     ConsumerError,
     ConsumerTimeout,
+    FormatError,
     NamespaceMismatch,
     NamespaceNotFound,
     ObjectNotFound,
@@ -991,17 +992,26 @@ class Consumer:
             )
             raise self._reclaimed_error(step, first, manifest or self._manifest, loaded=loaded)
 
-    def _newest_manifest(self, why: str) -> Manifest | None:
+    def _newest_manifest(self, why: str, *, confirm: bool = False) -> Manifest | None:
         """The latest manifest version (one GET when the one held is the latest), adopted if
         newer than the one held: for an error's advice, which must not come from a stale
         version. ``None`` if it cannot be read (``why`` says what asked, for the debug log): the
-        error then stands on what is held."""
+        error then stands on what is held. ``confirm``: the version held is read back too (a
+        LIST and a GET, trusting no clock), and a history that went back (an older copy
+        restored over the prefix) is raised, a :class:`FormatError`: an object missing that
+        the held version lists is how a reader behind the head first meets a restore."""
         held = self._manifest
         if held is None:  # cannot happen: only an open consumer has steps to check
             return None
         try:
-            latest = self._latest(held)
-        except Exception as exc:  # the error being raised stands without it
+            if confirm:
+                self._counters.add(manifest_refreshes=1)
+                latest = self._log.latest_from(held)
+            else:
+                latest = self._latest(held)
+        except Exception as exc:  # the error being raised stands without it, but a history
+            if confirm and isinstance(exc, FormatError):  # gone back is what happened
+                raise
             _log.debug("%s: reading the latest manifest after %s failed: %s", self._where, why, exc)
             return None
         current = self._manifest
@@ -1061,7 +1071,7 @@ class Consumer:
         """The error of a read of ``step`` that found its object missing: :class:`StepReclaimed`
         if the namespace's base step has passed the step's TGB since the manifest this consumer
         holds (one GET of the latest version, which is adopted), else ``gone`` itself."""
-        latest = self._newest_manifest(str(gone))
+        latest = self._newest_manifest(str(gone), confirm=True)
         if latest is None:  # the store's answer on the object stands alone
             return gone
         if loc.tgb_step < latest.base_step:
