@@ -79,6 +79,19 @@ def test_verify_fails_with_exit_1_on_a_truncated_newest_manifest(
     assert data["latest_version"] == latest
 
 
+def test_verify_says_what_to_do_about_a_damaged_old_manifest_version(
+    root: Path, store: bw.ObjectStore
+) -> None:
+    # It said only "not a BatchWeave manifest ...; the prefix may hold other data".
+    publish(store, 6)
+    _manifest_path(root, 2).write_bytes(b"garbage")
+    result = run("verify", str(root), NS)
+    assert result.exit_code == 1, result.output
+    assert f"{2:020d}.manifest" in result.output
+    assert "an old version" in result.output
+    assert "restore it from a backup" in result.output
+
+
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
 def test_verify_fails_with_exit_1_on_a_damaged_segment(
     root: Path, store: bw.ObjectStore, damage: str

@@ -112,7 +112,14 @@ def _check_versions(log: ManifestLog, latest: Manifest, report: VerifyReport) ->
             report.unchecked.append(f"manifest version {version}: {exc}")
             continue
         except (FormatError, NamespaceMismatch) as exc:  # damaged, or another namespace's
-            report.problems.append(f"manifest version {version}: {exc}")
+            advice = (
+                "the newest version: restore it from a backup, or continue in a new namespace"
+                if version == latest.version
+                else "an old version: readers and producers no longer need it and the "
+                "reclaimer skips it; restore it from a backup to keep the full history, or "
+                "leave it to be reclaimed"
+            )
+            report.problems.append(f"manifest version {version}: {exc} ({advice})")
             continue
         if previous is not None and previous.version == version - 1:
             if manifest.parent != previous.version:
