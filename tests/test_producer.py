@@ -1881,3 +1881,33 @@ def test_a_thread_started_while_the_upload_pool_shuts_down_gets_its_stop_signal(
         thread.join(30)
     assert [t.name for t in pool.threads if t.is_alive()] == []
     assert len(pool.threads) == 2
+
+
+def test_a_starting_producer_retries_its_epoch_on_the_newest_version_not_the_winner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # After a lost race it retried on the winner (one version past its base), needing one
+    # conflict and one backoff per version committed meanwhile: behind busy producers it took
+    # minutes to start. Here it opens 8 versions behind the head (a lagging listing).
+    store = MemoryStore()
+    with bw.Producer(store, "ns", producer_id="busy", mesh=bw.Mesh(dp=1)) as busy:
+        for offset in range(10):
+            busy.append([b"x"], offset=offset)
+            busy.flush()
+    real_open, real_commit = ManifestLog.create_or_open, ManifestLog.commit
+    attempts: list[int] = []
+
+    def stale_open(self: ManifestLog, mesh: bw.Mesh | None = None) -> Manifest:
+        head = real_open(self, mesh)
+        return self.read(head.version - 8)
+
+    def counted(self: ManifestLog, base: Manifest, **changes: Any) -> Any:
+        if "late" in changes.get("producers", {}):
+            attempts.append(base.version)
+        return real_commit(self, base, **changes)
+
+    monkeypatch.setattr(ManifestLog, "create_or_open", stale_open)
+    monkeypatch.setattr(ManifestLog, "commit", counted)
+    late = bw.Producer(store, "ns", producer_id="late", mesh=bw.Mesh(dp=1), sleep=lambda _: None)
+    late.close()
+    assert len(attempts) == 2, attempts  # lost on the stale base, then won on the newest

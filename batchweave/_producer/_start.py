@@ -62,6 +62,11 @@ def start_epoch(
             if manifest is None:
                 # Raises NamespaceMismatch for another mesh or a foreign prefix.
                 manifest = _open_namespace(log, namespace, producer_id, mesh)
+            else:
+                # The winner of the race just lost is one version past the base, and others
+                # may have committed since (during the sleep too): retried on it, a starting
+                # producer fell one version further behind busy ones each time, for minutes.
+                manifest = log.latest(manifest)
             old = manifest.producers.get(producer_id)
             if old is None and listed is None:
                 # The id's first commit creates it: an id over the limits is refused.
