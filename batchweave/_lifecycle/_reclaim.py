@@ -126,8 +126,8 @@ class Reclaimer:
     One :meth:`run_once` pass:
 
     1. reads the watermarks; the boundary ``b`` is their minimum step (0 without any); a
-       watermark past the namespace's steps or newest version (a history that went back: an
-       older backup of ``_manifests/`` restored) stops the pass, a :class:`FormatError`;
+       watermark past the namespace's newest version (a history that went back: an older
+       backup of ``_manifests/`` restored) stops the pass, a :class:`FormatError`;
     2. commits a manifest with ``base_step = b`` through the normal commit protocol (a lost race
        is retried on the winner), so consumers and producers see the cut;
     3. deletes the TGB objects of steps below ``base_step`` (found in the manifest version the
@@ -419,13 +419,15 @@ class Reclaimer:
     def _refuse_marks_from_lost_history(self, marks: list[Watermark], latest: Manifest) -> Manifest:
         """``latest``, once no live watermark lies past it; else a :class:`FormatError`.
 
-        A reader can only have read steps a version it held listed, and versions are never
-        deleted from the top, so a watermark whose step is above ``next_step`` or whose version
-        is above the newest one stored comes from a history that is gone: an older copy of
-        ``_manifests/`` was restored over the prefix (the watermarks left in place). Capping the
-        cut at ``next_step`` would let it move ``base_step`` to that watermark once producers
-        re-grow the history, deleting steps nobody read. A version above the newest one listed
-        is read first: there, the listing lagged behind the writes, and the pass goes on from it.
+        A watermark records a version its reader held, and versions are never deleted from
+        the top, so one whose version is above the newest stored comes from a history that is
+        gone: an older copy of ``_manifests/`` was restored over the prefix (the watermarks left
+        in place). Capping the cut at ``next_step`` would let it move ``base_step`` to that
+        watermark once producers re-grow the history, deleting steps nobody read. A version
+        above the newest one listed is read first: there, the listing lagged behind the writes,
+        and the pass goes on from it. A *step* above ``next_step`` alone is no such sign (a
+        consumer started ahead with ``start_step`` checkpoints the step it waits for): the cut
+        is capped at the committed steps for it, as always.
         """
         newest_marked = max((m.version for m in marks), default=-1)
         if newest_marked > latest.version:
@@ -436,7 +438,7 @@ class Reclaimer:
             else:
                 latest = self._log.latest_from(found)
         for mark in marks:
-            if mark.step > latest.next_step or mark.version > latest.version:
+            if mark.version > latest.version:
                 raise FormatError(
                     f"{self.store.url}/{self.namespace}: watermark {mark.checkpoint_id!r} holds "
                     f"step {mark.step} (manifest version {mark.version}), but the namespace "
