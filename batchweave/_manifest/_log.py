@@ -643,14 +643,15 @@ class ManifestLog:
         for version, _ in self._version_keys(self.key(manifest_key(known.version))):
             if version > known.version:
                 newest = version if newest is None else max(newest, version)
-        try:
-            found = self.read(known.version if newest is None else newest)
-        except ObjectNotFound:
-            return self.latest()  # deleted since the LIST, or ``known`` gone: a prefix deleted?
         if newest is None:
-            if (found.namespace_id, found.commit_id) != (known.namespace_id, known.commit_id):
+            if not self._still_there(known):  # gone or another commit: a prefix deleted?
                 return self.latest()
             found = known
+        else:
+            try:
+                found = self.read(newest)
+            except ObjectNotFound:
+                return self.latest()  # deleted since the LIST
         found, listed = self._not_behind_seen(found, True)
         self._listed = (found, asked_at) if listed else None
         return found
@@ -714,18 +715,24 @@ class ManifestLog:
         ):
             return known, False
         try:
-            again = self.read(known.version)  # another commit at the newest seen is refused
-        except ObjectNotFound:
-            return self._find_latest(None)
+            there = self._still_there(known)
         except ChecksumMismatch:
             # Bit rot in the version this client holds intact: no sign of history going back
             # (commits on it go on, as before the read-back; verify and reclaim name it).
-            self._confirmed = (known, now)
-            return known, True
-        if (again.namespace_id, again.commit_id) != (known.namespace_id, known.commit_id):
+            there = True
+        if not there:
             return self._find_latest(None)
         self._confirmed = (known, now)
         return known, True
+
+    def _still_there(self, known: Manifest) -> bool:
+        """Whether version ``known.version``, read back, is still the commit ``known`` (gone or
+        another commit: ``False``; another commit at the newest seen is refused by ``read``)."""
+        try:
+            again = self.read(known.version)
+        except ObjectNotFound:
+            return False
+        return (again.namespace_id, again.commit_id) == (known.namespace_id, known.commit_id)
 
     def read(self, version: int) -> Manifest:
         """Manifest ``version``; :class:`ObjectNotFound` if it does not exist (or was reclaimed).
