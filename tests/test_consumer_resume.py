@@ -154,6 +154,36 @@ def test_state_of_a_copied_namespace_is_refused_by_name_unless_renamed_on_purpos
         assert copy.state_dict()["step"] == 1
 
 
+def test_resume_tgb_step_refuses_a_copied_namespace_state_as_load_state_dict_does() -> None:
+    """Before: ``resume_tgb_step`` (the step ``checkpoint_hook`` records) compared namespace ids
+    only, so it took the state of ``run`` in ``run-copy`` (same id), which ``load_state_dict``
+    refuses: the watermark would protect steps of a namespace the state never read."""
+    s = MemoryStore()
+    produce(s, "run", STORED, tgbs=3)
+    for meta in list(s.list("run/")):
+        s.put("run-copy/" + meta.key.removeprefix("run/"), s.get(meta.key))
+    with Consumer(s, "run", mesh=STORED, dp_rank=0, cp_rank=0) as c:
+        next(c)
+        state = c.state_dict()
+    for opened in (False, True):
+        with Consumer(s, "run-copy", mesh=STORED, dp_rank=0, cp_rank=0) as copy:
+            if opened:
+                copy.open()
+            with pytest.raises(NamespaceMismatch) as info:
+                copy.resume_tgb_step(state)
+            message = str(info.value)
+            assert "namespace 'run'" in message
+            assert "namespace 'run-copy'" in message
+            assert "state[\"namespace\"] = 'run-copy'" in message
+            assert copy.resume_tgb_step({**state, "namespace": "run-copy"}) == 1  # on purpose
+            legacy = {k: v for k, v in state.items() if k != "namespace"}  # no name recorded
+            assert copy.resume_tgb_step(legacy) == 1
+    with Consumer(s, "missing", mesh=STORED, dp_rank=0, cp_rank=0) as absent:
+        with pytest.raises(NamespaceMismatch, match="belongs to namespace 'run'"):
+            absent.resume_tgb_step(state)  # refused by name even where nothing exists yet
+        assert absent.resume_tgb_step({**state, "namespace": "missing"}) == 0
+
+
 def test_state_for_a_missing_namespace_is_refused(store: MemoryStore) -> None:
     with Consumer(store, "run", mesh=STORED, dp_rank=0, cp_rank=0) as c:
         next(c)

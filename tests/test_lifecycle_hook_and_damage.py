@@ -77,6 +77,14 @@ def _other_state(store: bw.ObjectStore) -> dict[str, Any]:
         return other.state_dict()
 
 
+def _copy_state(store: bw.ObjectStore) -> dict[str, Any]:
+    """The state of a consumer of a copy of ``NS`` under another prefix: the same namespace id."""
+    for meta in list(store.list(f"{NS}/")):
+        store.put(f"{NS}-copy/" + meta.key.removeprefix(f"{NS}/"), store.get(meta.key))
+    with consumer_at(store, f"{NS}-copy", 0) as copy:
+        return copy.state_dict()
+
+
 _CASES: dict[str, tuple[type[Exception], str, Callable[[bw.ObjectStore], Any]]] = {
     # name: (error, match, (store -> (watermarks scope, checkpoint id, state)))
     "id outside the scope": (
@@ -93,6 +101,13 @@ _CASES: dict[str, tuple[type[Exception], str, Callable[[bw.ObjectStore], Any]]] 
         NamespaceMismatch,
         r"state belongs to namespace 'runs/other'",
         lambda store: (None, "step-1", _other_state(store)),
+    ),
+    # Before: the ids agree, so rank 0 recorded a watermark from the copy's state in NS.
+    "state of a copy of the namespace": (
+        NamespaceMismatch,
+        rf"reads namespace '{NS}' .*state belongs to namespace '{NS}-copy'.*"
+        rf"state\[\"namespace\"\] = '{NS}'",
+        lambda store: (None, "step-1", _copy_state(store)),
     ),
 }
 
@@ -116,6 +131,20 @@ def test_the_hook_fails_on_every_rank_when_rank_0_would_fail(case: str) -> None:
             if rank:
                 assert (store.snapshot() - before).requests == 0  # no extra request off rank 0
     assert marks.live() == []
+
+
+def test_the_hook_takes_a_copy_state_renamed_on_purpose_or_one_without_a_name() -> None:
+    # What load_state_dict accepts: a state renamed to the namespace it is used in (the
+    # namespace was moved), and one from before states recorded their namespace's name.
+    store = bw.MemoryStore()
+    publish(store, NS, 4)
+    state = _copy_state(store)
+    marks = bw.Watermarks(store, NS)
+    with consumer_at(store, NS, 0) as consumer:
+        bw.checkpoint_hook(consumer, marks, "moved", state={**state, "namespace": NS}, rank=0)
+        legacy = {k: v for k, v in state.items() if k != "namespace"}
+        bw.checkpoint_hook(consumer, marks, "legacy", state=legacy, rank=0)
+    assert sorted((m.checkpoint_id, m.step) for m in marks.live()) == [("legacy", 1), ("moved", 1)]
 
 
 def test_a_matching_state_and_scoped_id_still_record_on_rank_0_only() -> None:

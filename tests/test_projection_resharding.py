@@ -326,7 +326,7 @@ def test_resume_tgb_step_refuses_a_state_of_another_namespace(run: MemoryStore) 
     c = Consumer(run, "run", mesh=Mesh(dp=2), dp_rank=0)
     with pytest.raises(NamespaceMismatch, match="belongs to namespace 'other'"):
         c.resume_tgb_step(foreign)
-    assert c.resume_tgb_step({**foreign, "namespace_id": ""}) == 1
+    assert c.resume_tgb_step({**foreign, "namespace_id": "", "namespace": ""}) == 1
     c.close()
 
 

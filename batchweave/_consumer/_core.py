@@ -40,7 +40,7 @@ from batchweave._consumer._reader import (
     closed_error,
 )
 from batchweave._consumer._registry import OPEN_CONSUMERS
-from batchweave._consumer._state import STATE_FORMAT, parse_state
+from batchweave._consumer._state import STATE_FORMAT, check_state_namespace, parse_state
 from batchweave._consumer._stats import ConsumerStats, Counters
 from batchweave._errors import (
     ConsumerError,
@@ -346,6 +346,8 @@ class Consumer:
         """
         self._check_process("resume_tgb_step()")
         parsed = None if state is None else parse_state(state)  # garbage is refused, always
+        if parsed is not None:
+            self._check_state_namespace(parsed)  # its name, also where there is no namespace
         if self._manifest is None:
             try:
                 self._ensure_open(wait=False)
@@ -355,7 +357,7 @@ class Consumer:
         if parsed is None:
             assert self._projection is not None
             return self._projection.first_tgb_step(self._next_step)
-        self._check_state_namespace(parsed)
+        self._check_state_namespace(parsed)  # its id too, now the namespace is open
         anchor_step, anchor_replica = self._resume_anchor(parsed)
         projection = Projection(
             stored=self._manifest.mesh,
@@ -495,7 +497,7 @@ class Consumer:
         self._check_process("load_state_dict()")
         parsed = parse_state(state)
         self._refuse_if_closed("load_state_dict()", "the state")
-        self._check_state_namespace_name(parsed)
+        self._check_state_namespace(parsed)  # the name; the id once the namespace is open
         if not self._reading.acquire(blocking=False):
             raise ConsumerError(
                 f"{self!r}: load_state_dict() was called while next() is reading a step on "
@@ -582,31 +584,11 @@ class Consumer:
             )
 
     def _check_state_namespace(self, parsed: Mapping[str, Any]) -> None:
-        """Refuse a state (with a namespace id) taken from another namespace than this one's."""
-        assert self._manifest is not None
-        if parsed["namespace_id"] and parsed["namespace_id"] != self._manifest.namespace_id:
-            raise NamespaceMismatch(
-                f"consumer state belongs to namespace {parsed['namespace']!r} (id "
-                f"{parsed['namespace_id']}), but this consumer reads {self._where} (id "
-                f"{self._manifest.namespace_id}); load the state into a consumer of the "
-                "namespace it was taken from"
-            )
-
-    def _check_state_namespace_name(self, parsed: Mapping[str, Any]) -> None:
-        """Refuse a state taken in a namespace of another name, without a store request.
-
-        A backup copied to another prefix keeps its namespace id, so the id check alone lets
-        the state of ``job`` load into ``job-copy``, whose steps hold other data once the two
-        diverged. A state without a name (``""``) is not checked: only its id is.
-        """
-        name = parsed["namespace"]
-        if name and name != self.namespace:
-            raise NamespaceMismatch(
-                f"consumer state belongs to namespace {name!r}, but this consumer reads "
-                f"{self._where}; load the state into a consumer of {name!r}. To load it here on "
-                f"purpose (the namespace was moved or renamed to {self.namespace!r}), set "
-                f'state["namespace"] = {self.namespace!r} first'
-            )
+        """:func:`check_state_namespace` against this consumer's namespace: its name always,
+        without a store request, and its id once the namespace is open."""
+        check_state_namespace(
+            parsed, reader=repr(self), namespace=self.namespace, namespace_id=self.namespace_id
+        )
 
     def _resume_anchor(self, parsed: Mapping[str, Any]) -> tuple[int, int]:
         """The projection anchor with which this consumer's mesh continues a parsed state."""

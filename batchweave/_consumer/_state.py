@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from batchweave._checks import as_int
-from batchweave._errors import ConsumerError
+from batchweave._errors import ConsumerError, NamespaceMismatch
 from batchweave._mesh import Mesh
 
-__all__ = ["STATE_FORMAT", "parse_state"]
+__all__ = ["STATE_FORMAT", "check_state_namespace", "parse_state"]
 
 STATE_FORMAT: Final = 1
 """Version of the dict :meth:`Consumer.state_dict` returns."""
@@ -77,3 +77,43 @@ def parse_state(state: Mapping[str, Any]) -> dict[str, Any]:
             "what Consumer.state_dict() returned, unmodified"
         )
     return parsed
+
+
+def check_state_namespace(
+    parsed: Mapping[str, Any], *, reader: str, namespace: str, namespace_id: str | None
+) -> None:
+    """Refuse a parsed consumer state taken in another namespace than ``namespace``, whose id is
+    ``namespace_id`` (``None`` while not known): :class:`NamespaceMismatch`.
+
+    The one check of :meth:`Consumer.load_state_dict`, :meth:`Consumer.resume_tgb_step` and
+    ``batchweave.checkpoint_hook`` (on every rank, from what the reader holds). Name and id must
+    both match: a backup copied to another prefix keeps its namespace id, so the id alone lets
+    the state of ``job`` into ``job-copy``, whose steps hold other data once the two diverge; a
+    namespace of the same name in another store, or re-created, has another id. What a state
+    lacks is not checked: one taken before its namespace existed has no id (``""``), one from
+    before states recorded the name has no name (``""``). ``reader`` (``repr`` of the reader)
+    starts the message.
+    """
+    name, state_id = parsed["namespace"], parsed["namespace_id"]
+    other_name = bool(name) and name != namespace
+    other_id = bool(state_id) and bool(namespace_id) and state_id != namespace_id
+    if not (other_name or other_id):
+        return
+    theirs = f"namespace {name!r}" if name else "a namespace whose name it does not record"
+    theirs += f" (id {state_id})" if state_id else ""
+    ours = f"namespace {namespace!r}" + (f" (id {namespace_id})" if namespace_id else "")
+    if other_name:
+        fix = f"use it with a consumer of {name!r}"
+        if not other_id:  # a copy, or the namespace moved: only the name tells them apart
+            fix += (
+                f". To use it here on purpose (the namespace was moved or renamed to "
+                f'{namespace!r}), set state["namespace"] = {namespace!r} first'
+            )
+    else:
+        fix = (
+            "use it with a consumer of the namespace it was taken from: this one is another "
+            "namespace (in another store or prefix, or re-created since)"
+        )
+    raise NamespaceMismatch(
+        f"{reader} reads {ours}, but the consumer state belongs to {theirs}; {fix}"
+    )

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from batchweave._checks import as_int
-from batchweave._consumer._state import parse_state
+from batchweave._consumer._state import check_state_namespace, parse_state
 from batchweave._errors import NamespaceMismatch
 from batchweave._watermarks import (
     Watermark,
@@ -70,9 +70,11 @@ def checkpoint_hook(
     step and version mean nothing there, and such a watermark would hold (or free) the wrong data.
     So is a ``checkpoint_id`` that is no safe key segment (a ``TypeError`` if it is no ``str``) or
     lies outside ``watermarks.scope``; a ``state`` that is no consumer state is a
-    ``ConsumerError``, and one taken from another namespace (its namespace id differs from the
-    consumer's, once the consumer has opened the namespace) is :class:`NamespaceMismatch`, both on
-    every rank, without a store request: no rank returns ``None`` for a call that fails on rank 0.
+    ``ConsumerError``, and one taken from another namespace (its name differs from the
+    consumer's, as for a copy of the namespace under another prefix, or its namespace id does,
+    once the consumer has opened the namespace) is :class:`NamespaceMismatch`, as in
+    ``load_state_dict``, both on every rank, without a store request: no rank returns ``None``
+    for a call that fails on rank 0.
     A consumer of a namespace of the same name in another store or prefix (staging's, while the
     watermarks are prod's) is :class:`NamespaceMismatch` on rank 0: the namespace ids (one
     manifest lookup per ``Watermarks``, cached) differ, and its steps would release prod's data.
@@ -93,7 +95,7 @@ def checkpoint_hook(
             f"{watermarks.scope!r}; name it {watermarks.scope}..., or use another "
             "Watermarks(scope=...) for it"
         )
-    # parse_state and the state's namespace id, which rank 0's resume_tgb_step checks too.
+    # parse_state and the state's namespace, which rank 0's resume_tgb_step checks too.
     parsed = _check_state(consumer, namespace, state)
     if rank is None:
         env = os.environ if environ is None else environ
@@ -148,13 +150,12 @@ def _check_state(
         return None
     parsed = parse_state(state)  # ConsumerError for anything state_dict() could not return
     known = getattr(consumer, "namespace_id", None)  # a Consumer's, once it opened the namespace
-    if isinstance(known, str) and known and parsed["namespace_id"] not in ("", known):
-        raise NamespaceMismatch(
-            f"checkpoint_hook: the state belongs to namespace {parsed['namespace']!r} (id "
-            f"{parsed['namespace_id']}), but {consumer!r} reads namespace {namespace!r} (id "
-            f"{known}); pass the state of this consumer's namespace, or the consumer that state "
-            "was taken from"
-        )
+    check_state_namespace(
+        parsed,
+        reader=f"checkpoint_hook: {consumer!r}",
+        namespace=namespace,
+        namespace_id=known if isinstance(known, str) else None,
+    )
     return parsed
 
 
