@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 
@@ -133,6 +135,11 @@ def test_a_put_over_a_hard_link_never_writes_to_the_outside_file(
         f"http://user:{PASSWORD}@127.0.0.1:9",
         f"ftp://user:{PASSWORD}@127.0.0.1:9",
         f"http://user:p@{PASSWORD}@127.0.0.1:9",  # an '@' inside the password
+        # '://' mistyped or missing: the error said "is not an http(s) URL", secret and all
+        f"http:/user:{PASSWORD}@127.0.0.1:9",
+        f"http//user:{PASSWORD}@127.0.0.1:9",
+        f"user:{PASSWORD}@127.0.0.1:9",
+        f"user:{PASSWORD}/x@127.0.0.1:9",  # a '/' inside the password
     ],
 )
 def test_an_endpoint_with_url_credentials_is_refused_without_echoing_them(
@@ -156,6 +163,37 @@ def test_an_environment_endpoint_with_url_credentials_is_refused(
     with pytest.raises(InvalidStoreURL, match=r"\*\*\*@127\.0\.0\.1") as info:
         S3Store("bucket", region="us-east-1", access_key_id="AK", secret_access_key=SECRET)
     assert PASSWORD not in "".join(traceback.format_exception(info.value))
+
+
+@pytest.mark.parametrize("cls", [S3Store, ObstoreS3Store])
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        f"http:/user:{PASSWORD}@127.0.0.1:9",
+        f"http//user:{PASSWORD}@127.0.0.1:9",
+        f"user:{PASSWORD}@127.0.0.1:9",
+    ],
+)
+def test_an_environment_endpoint_with_mistyped_slashes_does_not_echo_its_credentials(
+    aws_env: pytest.MonkeyPatch, cls: type[S3Store] | type[ObstoreS3Store], endpoint: str
+) -> None:
+    # Before: obstore's check and botocore's "Invalid endpoint: ..." (quoted, and kept in the
+    # chained cause) showed the password, masked only after '://'.
+    aws_env.setenv("AWS_ENDPOINT_URL", endpoint)
+    with pytest.raises(InvalidStoreURL, match=r"\*\*\*@127\.0\.0\.1") as info:
+        cls("bucket", region="us-east-1", access_key_id="AK", secret_access_key=SECRET)
+    assert PASSWORD not in "".join(traceback.format_exception(info.value))
+
+
+def test_the_cli_does_not_echo_credentials_of_a_mistyped_endpoint(
+    aws_env: pytest.MonkeyPatch,
+) -> None:
+    endpoint = f"http:/user:{PASSWORD}@127.0.0.1:9"
+    cmd = [sys.executable, "-m", "batchweave", "check", "s3://bucket/p", "--endpoint-url"]
+    done = subprocess.run([*cmd, endpoint], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "http:/***@127.0.0.1:9" in done.stderr
+    assert PASSWORD not in done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("cls", [S3Store, ObstoreS3Store])
@@ -185,6 +223,23 @@ def test_credentials_in_an_s3_url_are_refused_without_echoing_them(secret: str) 
     # ``s3://key:secret@bucket`` put the secret into the bucket name, hence into ``url``.
     with pytest.raises(InvalidStoreURL, match=r"s3://\*\*\*@bucket") as info:
         open_store(f"s3://AKID:{secret}@bucket/prefix")
+    assert SECRET not in "".join(traceback.format_exception(info.value))
+
+
+@pytest.mark.parametrize("separator", ["//", ";//", ":/"])
+@pytest.mark.parametrize("s3_client", ["boto3", "obstore"])
+def test_credentials_in_an_s3_url_with_mistyped_slashes_are_not_echoed(
+    separator: str, s3_client: str
+) -> None:
+    # Before: "store URL 's3//AKID:<secret>@bucket/prefix' has no scheme".
+    with pytest.raises(InvalidStoreURL, match=r"\*\*\*@bucket/prefix") as info:
+        open_store(f"s3{separator}AKID:{SECRET}@bucket/prefix", s3_client=s3_client)
+    assert SECRET not in "".join(traceback.format_exception(info.value))
+
+
+def test_credentials_in_a_store_url_without_a_scheme_are_not_echoed() -> None:
+    with pytest.raises(InvalidStoreURL, match=r"'\*\*\*@bucket/prefix' has no scheme") as info:
+        open_store(f"AKID:{SECRET}@bucket/prefix")
     assert SECRET not in "".join(traceback.format_exception(info.value))
 
 

@@ -300,7 +300,7 @@ def _missing_slashes(url: object) -> str:
         )
     if url.startswith("/"):
         return f"store URL {url!r} has no scheme; for a local directory use 'file://{url}'"
-    return f"store URL {redact_url(url, authority_at=0)!r} has no scheme; {usage}"
+    return f"store URL {redact_url(url)!r} has no scheme; {usage}"
 
 
 def _read_back_probe(store: ObjectStore, key: str, ambiguous: AmbiguousWriteError) -> None:

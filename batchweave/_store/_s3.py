@@ -122,6 +122,18 @@ def _credential_source(field: str, value: str, method: str) -> str:
     return f"the {_ARGUMENTS[field]} botocore found ({method})"
 
 
+_INVALID_ENDPOINT = "Invalid endpoint: "
+"""How botocore's ``ValueError`` for an endpoint it refuses begins; the endpoint follows."""
+
+
+def _botocore_endpoint_error(text: str) -> str:
+    """botocore's refusal of an endpoint with the endpoint shown by :func:`redact_url`:
+    credentials masked (where its ``://`` is mistyped or missing too: ``_scrub`` finds only
+    those after ``://``), query and fragment cut."""
+    head, sep, endpoint = text.partition(_INVALID_ENDPOINT)
+    return f"{head}{sep}{redact_url(endpoint)}" if sep else redact_url(text)
+
+
 _REDACTED_TREE = "botocore"
 """The loggers whose records :class:`_RedactCredentials` masks: botocore's, all of them. Its
 DEBUG records print request headers (``botocore.auth``, ``botocore.endpoint``,
@@ -498,12 +510,11 @@ class S3Store(S3Location):
             ) from self._scrubbed(exc)
         except ValueError as exc:
             # botocore's own check of the endpoint ("Invalid endpoint: ..."): a bare ValueError
-            # that names no setting. It quotes the endpoint: its query and fragment are cut as
-            # from any endpoint shown.
+            # that names no setting. It quotes the endpoint, which is shown as any endpoint is.
+            detail = _botocore_endpoint_error(self._scrub(str(exc)))
             raise InvalidStoreURL(
-                f"{self.url}: {self._unusable_endpoint(session)} (botocore: "
-                f"{redact_url(self._scrub(str(exc)))})"
-            ) from self._scrubbed(exc)
+                f"{self.url}: {self._unusable_endpoint(session)} (botocore: {detail})"
+            ) from self._scrubbed(ValueError(detail))
 
     def _unusable_endpoint(self, session: boto3.session.Session) -> str:
         """What made the endpoint botocore refused, and what to do: the ``endpoint_url``

@@ -209,16 +209,32 @@ def _userinfo_end(url: str, start: int) -> int:
     return last + 1
 
 
+_SCHEME_TYPO = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.-]*[:;]?/+")
+"""What precedes the authority of a URL whose ``://`` is mistyped (``http:/``, ``http//``,
+``s3;//``): a scheme and the slashes (with or without its ``:``)."""
+
+
+def _authority_start(url: str) -> int:
+    """Where the authority of ``url`` begins, for finding its ``user:password@``.
+
+    After ``://``; without one, after a mistyped scheme (:data:`_SCHEME_TYPO`), else at the
+    start: ``key:secret@host`` (no scheme at all) is all authority. Credentials in a URL whose
+    ``://`` is mistyped are masked as in one spelled right.
+    """
+    scheme_end = url.find("://")
+    if scheme_end >= 0:
+        return scheme_end + 3
+    typo = _SCHEME_TYPO.match(url)
+    return typo.end() if typo else 0
+
+
 def _redact_credentials(url: str, start: int | None = None) -> str:
     """``url`` with its ``user:password@`` masked (see :func:`_userinfo_end`).
 
-    ``start``: where the authority begins (the default: after ``://``; none: ``url`` as is).
+    ``start``: where the authority begins (the default: see :func:`_authority_start`).
     """
     if start is None:
-        scheme_end = url.find("://")
-        if scheme_end < 0:
-            return url
-        start = scheme_end + 3
+        start = _authority_start(url)
     end = _userinfo_end(url, start)
     return url if end < 0 else f"{url[:start]}***@{url[end:]}"
 
@@ -227,7 +243,7 @@ def redact_url(url: str, *, authority_at: int | None = None) -> str:
     """``url`` for an error message: ``user:password@`` masked, query and fragment cut off.
 
     ``authority_at``: where the authority begins, for a URL without ``://`` (``s3:key:secret@b``);
-    by default it follows ``://``.
+    by default it follows ``://`` (or a mistyped one: see :func:`_authority_start`).
     """
     shown = _redact_credentials(url, authority_at)
     cut = min((i for i in (shown.find("?"), shown.find("#")) if i >= 0), default=-1)
@@ -235,9 +251,9 @@ def redact_url(url: str, *, authority_at: int | None = None) -> str:
 
 
 def has_url_credentials(url: str) -> bool:
-    """Whether ``url`` (with ``://``) holds ``user:password@``, as :func:`redact_url` masks it."""
-    scheme_end = url.find("://")
-    return scheme_end >= 0 and _userinfo_end(url, scheme_end + 3) >= 0
+    """Whether ``url`` holds ``user:password@``, as :func:`redact_url` masks it (with ``://``
+    mistyped or missing too)."""
+    return _userinfo_end(url, _authority_start(url)) >= 0
 
 
 def refuse_url_credentials(endpoint_url: str, what: str) -> None:
