@@ -340,3 +340,103 @@ def test_an_arrow_slice_with_non_monotonic_offsets_is_a_format_error() -> None:
     raw[offsets : offsets + 16] = struct.pack("<4i", 0, 2, -100, 6)
     with pytest.raises(bw.FormatError, match="non-monotonic offset"):
         CODECS["arrow"].decode(bytes(raw))
+
+
+def _ipc_stream(batches: list[pa.RecordBatch], **options: Any) -> bytes:
+    sink = pa.BufferOutputStream()
+    opts = pa.ipc.IpcWriteOptions(**options)
+    with pa.ipc.new_stream(sink, batches[0].schema, options=opts) as writer:
+        for batch in batches:
+            writer.write_batch(batch)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    arrow_tables.filter(lambda t: t.num_rows > 0),
+    st.sampled_from(["zstd", "lz4"]),
+    st.sampled_from([pa.ipc.MetadataVersion.V4, pa.ipc.MetadataVersion.V5]),
+    st.booleans(),
+    st.booleans(),
+)
+def test_arrow_refuses_ipc_body_compression(
+    table: pa.Table, compression: str, version: Any, legacy: bool, dictionary: bool
+) -> None:
+    # Before: accepted, so a 17 KB slice could decode to a 512 MB table (a decompression bomb
+    # past every length the footer records). docs/format.md: "without IPC-level body
+    # compression".
+    if dictionary:
+        table = table.set_column(2, "s", table.column("s").dictionary_encode())
+    batches = table.to_batches()
+    plain = _ipc_stream(batches, metadata_version=version, use_legacy_format=legacy)
+    assert ARROW.decode(plain).equals(table)
+    packed = _ipc_stream(
+        batches, metadata_version=version, use_legacy_format=legacy, compression=compression
+    )
+    with pytest.raises(FormatError, match=r"uses IPC body compression.*compression='zstd'"):
+        ARROW.decode(packed)
+
+
+def test_arrow_refuses_compressed_dictionary_batches_and_the_0_17_compression_key() -> None:
+    # A compressed dictionary message is caught on its own (the record batch after it is
+    # replaced by an uncompressed one); Arrow 0.17 announced compression in message metadata.
+    dict_batch = pa.record_batch({"d": pa.array(["p", "q"] * 8).dictionary_encode()})
+    plain = _ipc_stream([dict_batch])
+    packed = _ipc_stream([dict_batch], compression="zstd")
+    plain_msgs = list(pa.ipc.MessageReader.open_stream(pa.py_buffer(plain)))
+    packed_msgs = list(pa.ipc.MessageReader.open_stream(pa.py_buffer(packed)))
+    assert [m.type for m in packed_msgs] == ["schema", "dictionary", "record batch"]
+    sink = pa.BufferOutputStream()
+    for message in (packed_msgs[0], packed_msgs[1], plain_msgs[2]):
+        message.serialize_to(sink)
+    sink.write(b"\xff\xff\xff\xff\x00\x00\x00\x00")
+    with pytest.raises(FormatError, match="uses IPC body compression"):
+        ARROW.decode(sink.getvalue().to_pybytes())
+
+    batch = pa.record_batch({"x": np.arange(10)})
+    sink = pa.BufferOutputStream()
+    v4 = pa.ipc.IpcWriteOptions(metadata_version=pa.ipc.MetadataVersion.V4)
+    with pa.ipc.new_stream(sink, batch.schema, options=v4) as writer:
+        writer.write_batch(batch, custom_metadata={"ARROW:experimental_compression": "zstd"})
+    with pytest.raises(FormatError, match="uses IPC body compression"):
+        ARROW.decode(sink.getvalue().to_pybytes())
+
+
+def test_arrow_bomb_slice_is_refused_before_allocating() -> None:
+    # 8 MiB of zeros in a ~1 KB slice: refused by reading message metadata only.
+    zeros = pa.table({"x": np.zeros(1 << 20, dtype=np.int64)})
+    packed = _ipc_stream(zeros.to_batches(), compression="zstd")
+    assert len(packed) < 4096
+    pool = pa.default_memory_pool()
+    before = pool.bytes_allocated()
+    with pytest.raises(FormatError, match="uses IPC body compression"):
+        ARROW.decode(packed)
+    assert pool.bytes_allocated() == before
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_arrow_decode_of_mutated_streams_is_a_table_or_format_error(data: st.DataObject) -> None:
+    table = pa.table({"x": [1, 2, 3], "s": pa.array(["a", "b", "a"]).dictionary_encode()})
+    raw = bytearray(_ipc_stream(table.to_batches()))
+    for _ in range(data.draw(st.integers(1, 4))):
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(raw)))
+    try:
+        out = ARROW.decode(bytes(raw[:cut]))
+    except FormatError:
+        return
+    assert isinstance(out, pa.Table)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16", "utf-32", "utf-8-sig"])
+def test_tensors_header_must_be_utf8_without_a_byte_order_mark(encoding: str) -> None:
+    # Before: json.loads(bytes) guessed UTF-16/32 (and skipped a UTF-8 BOM), so such a header
+    # decoded; docs/format.md says the header is UTF-8 JSON.
+    spec = {"tensors": [{"name": "a", "dtype": "uint8", "shape": [1], "offset": 1024}]}
+    header = json.dumps(spec).encode(encoding)
+    blob = bytearray(_tensor_blob(header, data_len=2048))
+    blob[1024] = 7
+    assert TENSORS.decode(_tensor_blob(json.dumps(spec).encode(), data_len=2048))["a"] == [0]
+    with pytest.raises(FormatError, match="invalid tensor slice: unreadable header"):
+        TENSORS.decode(bytes(blob))

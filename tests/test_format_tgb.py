@@ -676,7 +676,7 @@ def test_xxh3_in_a_format_1_object_is_rejected() -> None:
         (lambda d: d["slices"][0].update(checksum=1 << 40), "does not fit crc32c"),
         (lambda d: d["slices"][0].update(checksum=-1), "invalid TGB footer"),
         (lambda d: d.update(checksum_algo="xxhash64"), "disagrees with its trailer"),
-        (lambda d: d.update(format_version=0), "invalid format version 0"),
+        (lambda d: d.update(format_version=0), r"format_version 0 disagrees with its trailer"),
         (lambda d: d.update(extra=1), "invalid TGB footer"),
         (lambda d: d.update(mesh={"dp": 0}), "invalid TGB footer"),
         (lambda d: d.update(metadata={"a": 1}), "invalid TGB footer"),
@@ -731,6 +731,61 @@ def test_footer_values_of_the_wrong_json_type_are_refused_not_coerced(
 def test_unparsable_footers_are_rejected(raw: bytes, match: str) -> None:
     with pytest.raises(FormatError, match=match):
         parse_footer(craft(raw), key=KEY)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16", "utf-32", "utf-32-be", "utf-8-sig"])
+def test_footers_must_be_utf8_without_a_byte_order_mark(encoding: str) -> None:
+    # Before: json.loads(bytes) guessed the encoding, so UTF-16/32 footers (with or without a
+    # BOM) and a UTF-8 BOM were accepted; docs/format.md: "UTF-8 JSON object, no byte-order
+    # mark", which a conforming reader in another language enforces.
+    enc = encode_tgb([b"hello"], Mesh(dp=1))
+    raw = bytes(enc.footer_bytes).decode().encode(encoding)
+    blob = craft(raw, payload=enc.data[: enc.footer_offset])
+    with pytest.raises(FormatError, match=r"footer is not (UTF-8|valid) JSON") as info:
+        parse_footer(blob, key=KEY)
+    assert repr(KEY) in str(info.value)
+    with pytest.raises(FormatError, match=r"footer is not (UTF-8|valid) JSON"):
+        parse_footer_exact(raw, key=KEY)
+
+
+def test_a_non_ascii_utf8_footer_still_reads() -> None:
+    enc = encode_tgb([b"hello"], Mesh(dp=1), metadata={"note": "caf\u00e9 \u2603"})
+    assert parse_footer(enc.data, key=KEY) == enc.footer
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(0, FORMAT_VERSION + 3),
+    st.integers(1, FORMAT_VERSION + 3),
+)
+def test_footer_and_trailer_versions_that_disagree_mean_damage(
+    footer_version: int, trailer_version: int
+) -> None:
+    # Before: a footer saying 3 behind a trailer saying 2 raised UnsupportedFormatVersion
+    # ("upgrade batchweave"), which cannot help: the object is damaged (docs/format.md step 9).
+    # A trailer newer than this library still means "upgrade": its footer may differ.
+    if footer_version == trailer_version:
+        return
+    enc = encode_tgb([b"x"], Mesh(dp=1))
+    doc = _footer_doc(enc) | {"format_version": footer_version}
+    blob = craft(doc, payload=enc.data[: enc.footer_offset], version=trailer_version)
+    if trailer_version > FORMAT_VERSION:
+        with pytest.raises(UnsupportedFormatVersion, match="upgrade batchweave"):
+            parse_footer(blob, key=KEY)
+        return
+    expected = (
+        rf"object {KEY!r}: footer format_version {footer_version} disagrees with its trailer's "
+        rf"\({trailer_version}\); the object is damaged.*do not rewrite"
+    )
+    with pytest.raises(FormatError, match=expected) as info:
+        parse_footer(blob, key=KEY)
+    assert not isinstance(info.value, UnsupportedFormatVersion)
+
+
+def test_invalid_version_without_a_trailer_is_still_named() -> None:
+    doc = _footer_doc(encode_tgb([b"x"], Mesh(dp=1))) | {"format_version": 0}
+    with pytest.raises(FormatError, match="invalid format version 0"):
+        parse_footer_exact(json.dumps(doc).encode(), key=KEY)
 
 
 def test_absurd_footer_length_is_rejected_before_reading_it() -> None:

@@ -155,7 +155,9 @@ def _parse_with_trailer(buf: bytes | memoryview, trailer: _Trailer, key: str) ->
     _check_version(trailer.version, key)
     if trailer.reserved != TRAILER_RESERVED:
         raise FormatError(f"object {key!r}: reserved trailer bytes are not zero")
-    footer = _footer_from_json(footer_bytes, key)  # also checks version against algorithm
+    # Checks the footer's version against the trailer's before the supported range, so a
+    # disagreement reads as damage, not as a newer format.
+    footer = _footer_from_json(footer_bytes, key, trailer_version=trailer.version)
     if footer.format_version != trailer.version or footer.checksum_algo != algo:
         raise FormatError(
             f"object {key!r}: footer (format {footer.format_version}, {footer.checksum_algo}) "
@@ -177,9 +179,19 @@ def parse_footer_exact(buf: bytes | memoryview, *, key: str) -> TgbFooter:
     return _footer_from_json(bytes(buf), key)
 
 
-def _footer_from_json(footer_bytes: bytes, key: str) -> TgbFooter:
+def _footer_from_json(
+    footer_bytes: bytes, key: str, *, trailer_version: int | None = None
+) -> TgbFooter:
+    """Parse and validate footer JSON; ``trailer_version`` is the trailer's, if read with it."""
     try:
-        doc = json.loads(footer_bytes)
+        # Strictly UTF-8 (docs/format.md): json.loads(bytes) would also take UTF-16 and
+        # UTF-32, and json.loads(str) refuses a byte-order mark.
+        doc = json.loads(footer_bytes.decode())
+    except UnicodeDecodeError as exc:
+        raise FormatError(
+            f"object {key!r}: footer is not UTF-8 JSON ({exc}); the object is damaged or was "
+            "written by a non-conforming writer"
+        ) from exc
     except (ValueError, RecursionError) as exc:
         raise FormatError(f"object {key!r}: footer is not valid JSON ({exc})") from exc
     if isinstance(doc, dict) and "format_version" in doc:
@@ -189,6 +201,11 @@ def _footer_from_json(footer_bytes: bytes, key: str) -> TgbFooter:
             raise FormatError(
                 f"object {key!r}: invalid TGB footer: format_version must be a JSON integer, "
                 f"got {version!r:.50}"
+            )
+        if trailer_version is not None and version != trailer_version:
+            raise FormatError(
+                f"object {key!r}: footer format_version {version} disagrees with its "
+                f"trailer's ({trailer_version}); the object is damaged. {_DAMAGED_ADVICE}"
             )
         _check_version(version, key)
     footer = _fast_footer(doc)
