@@ -203,19 +203,22 @@ def as_size(name: str, value: object, minimum: int) -> int:
     return as_count(name, int(float(value)) if whole else value, minimum)  # type: ignore[arg-type]
 
 
-def as_seconds(name: str, value: object, *, minimum: float = 0.0, finite: bool = False) -> float:
-    """``value`` as a number of seconds of at least ``minimum``, else a clear error.
+def as_seconds(
+    name: str, value: object, *, minimum: float = 0.0, finite: bool = False, positive: bool = False
+) -> float:
+    """``value`` as a number of seconds of at least ``minimum`` (above 0 if ``positive``), else
+    a clear error.
 
     ``TypeError`` for a string or bool (``timeout="5"`` would otherwise fail at its first use
     with ``'<' not supported between instances of 'str' and 'int'``), ``ValueError`` for NaN or
-    a value below ``minimum``. Infinity is a timeout or a period that never ends, unless
+    a value below the bound. Infinity is a timeout or a period that never ends, unless
     ``finite`` (for what is slept: ``time.sleep(inf)`` raises).
     """
     seconds = _as_real(name, value, "a number of seconds", f"{name}=5.0")
-    if math.isnan(seconds) or seconds < minimum or (finite and math.isinf(seconds)):
-        bound = (
-            f"a finite number of seconds >= {minimum:g}" if finite else f">= {minimum:g} seconds"
-        )
+    too_small = seconds <= 0 if positive else seconds < minimum
+    if math.isnan(seconds) or too_small or (finite and math.isinf(seconds)):
+        least = "> 0" if positive else f">= {minimum:g}"
+        bound = f"a finite number of seconds {least}" if finite else f"{least} seconds"
         raise ValueError(f"{name} must be {bound}, got {value!r}")
     return seconds
 

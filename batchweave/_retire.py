@@ -82,10 +82,10 @@ def retire_producers(
     # Every argument is checked before the first request.
     check_store(store)
     check_namespace(namespace)
-    idle_for = as_seconds("idle_for", idle_for)  # a TypeError for "7d" or True
-    if not 0 < idle_for < math.inf:
+    idle_for = as_seconds("idle_for", idle_for, positive=True)  # a TypeError for "7d" or True
+    if idle_for == math.inf:
         raise ValueError(
-            f"idle_for must be a positive number of seconds, got {idle_for!r}; ids idle that "
+            f"idle_for must be a finite number of seconds, got {idle_for!r}; ids idle that "
             "long are retired, so use a day or more (idle_for=86400)"
         )
     attempts = as_count("attempts", attempts, 1)

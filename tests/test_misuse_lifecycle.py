@@ -242,6 +242,15 @@ def test_start_refuses_a_string_interval_before_starting_a_thread() -> None:
     assert reclaimer._thread is None
 
 
+@pytest.mark.parametrize("interval", [-5, 0, 0.0])
+def test_start_refuses_a_non_positive_interval_with_the_bound_it_checks(interval: float) -> None:
+    """Before: -5 was refused as "must be >= 0 seconds", and then 0 as "must be > 0"."""
+    reclaimer = bw.Reclaimer(bw.MemoryStore(), NS)
+    with pytest.raises(ValueError, match=rf"interval must be > 0 seconds, got {interval}$"):
+        reclaimer.start(interval)
+    assert reclaimer._thread is None
+
+
 def test_stop_refuses_a_string_timeout_and_leaves_the_thread_running() -> None:
     passes = threading.Semaphore(0)
     reclaimer = bw.Reclaimer(bw.MemoryStore(), NS, progress=lambda p: passes.release())
@@ -272,9 +281,9 @@ def later(days: float) -> float:
     [
         ({"idle_for": "7d"}, TypeError, r"idle_for must be a number of seconds, got the str '7d'"),
         ({"idle_for": True}, TypeError, r"idle_for must be a number of seconds, got the bool"),
-        ({"idle_for": -1.0}, ValueError, r"idle_for must be >= 0 seconds, got -1\.0"),
-        ({"idle_for": 0}, ValueError, r"idle_for must be a positive number of seconds"),
-        ({"idle_for": float("inf")}, ValueError, r"idle_for must be a positive number of seconds"),
+        ({"idle_for": -1.0}, ValueError, r"idle_for must be > 0 seconds, got -1\.0"),
+        ({"idle_for": 0}, ValueError, r"idle_for must be > 0 seconds, got 0"),
+        ({"idle_for": float("inf")}, ValueError, r"idle_for must be a finite number of seconds"),
         ({"attempts": 2.5}, TypeError, r"attempts must be an integer, got the float 2\.5"),
         ({"attempts": "5"}, TypeError, r"attempts must be an integer, got the str '5'"),
         ({"attempts": 0}, ValueError, r"attempts must be >= 1, got 0"),

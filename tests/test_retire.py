@@ -126,7 +126,7 @@ def test_dry_run_reports_without_committing_and_named_ids_limit_the_choice() -> 
 
 def test_bad_arguments_are_refused_before_anything_is_read() -> None:
     store = bw.MemoryStore()
-    with pytest.raises(ValueError, match="idle_for must be a positive number of seconds"):
+    with pytest.raises(ValueError, match="idle_for must be > 0 seconds"):
         bw.retire_producers(store, NS, idle_for=0)
     with pytest.raises(TypeError, match=r"write \['prep-1'\]"):
         bw.retire_producers(store, NS, idle_for=DAY, producer_ids="prep-1")

@@ -229,8 +229,8 @@ class Reclaimer:
         """
         # A string, NaN (a loop without pauses) or inf (OverflowError in the thread) is refused
         # here, not found by the thread after its first pass.
-        interval = as_seconds("interval", interval)
-        if not 0 < interval <= threading.TIMEOUT_MAX:
+        interval = as_seconds("interval", interval, positive=True)
+        if interval > threading.TIMEOUT_MAX:
             raise ValueError(
                 f"interval must be > 0 and at most {threading.TIMEOUT_MAX:.0f} seconds, "
                 f"got {interval}"

@@ -27,7 +27,12 @@ _LIST_PAGE = 1000
 
 
 class MemoryStore(ObjectStore):
-    """Objects in a dict guarded by one lock. Stores opened with the same name share contents."""
+    """Objects in a dict guarded by one lock.
+
+    ``MemoryStore(name)`` is a private store whatever its name (the name only shows in its
+    ``url``); the stores that :meth:`named` and ``open_store("memory://name")`` return share
+    their contents with every other one of the same name in the process.
+    """
 
     _registry: ClassVar[dict[str, MemoryStore]] = {}
     _registry_lock = threading.Lock()
