@@ -40,6 +40,7 @@ from batchweave import (
     PutMode,
     Suffix,
 )
+from batchweave._store import _file
 from batchweave._store._file import TEMP_DIR_NAME, _non_directory
 from batchweave._store._open import open_store
 
@@ -133,6 +134,56 @@ def test_a_temp_directory_replaced_by_a_symlink_is_refused_not_written_through(
         assert "outside the root" in str(info.value)
     assert list(outside.iterdir()) == []
     assert not (root / "k").exists()
+
+
+@KERNEL_CHECK
+@pytest.mark.parametrize("temp_dir", ["none", "in-root", "in-target"])
+def test_a_root_swapped_for_a_symlink_writes_no_byte_outside(
+    outside: Path,
+    store: FileStore,
+    root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    temp_dir: str,
+) -> None:
+    # Before: a put after the root was replaced by a symlink was refused by the publish, but
+    # only once it had created .bw-tmp in the symlink's target (makedirs by path) and written
+    # and fsynced the whole object into a temp file there (.bw-tmp opened by path).
+    if temp_dir != "none":
+        store.put("before", b"x")
+    if temp_dir == "in-target":
+        (outside / TEMP_DIR_NAME).mkdir()
+    root.rename(root.with_name("root.old"))
+    root.symlink_to(outside, target_is_directory=True)
+    written: list[object] = []
+    monkeypatch.setattr(_file, "_write_all", lambda fd, parts: written.append(parts))
+    for put in (store.put, store.put_if_absent):
+        with pytest.raises(InvalidKey, match="outside the root") as info:
+            put("ns/k", b"payload")
+        assert "'ns/k'" in str(info.value)
+    assert written == []
+    expected = [TEMP_DIR_NAME] if temp_dir == "in-target" else []
+    assert sorted(p.name for p in outside.iterdir()) == expected
+    if expected:
+        assert list((outside / TEMP_DIR_NAME).iterdir()) == []
+
+
+@KERNEL_CHECK
+def test_a_symlink_to_the_root_is_inside_the_root(store: FileStore, root: Path) -> None:
+    # Before: put, list and delete through "self -> ." raised InvalidKey "resolves to
+    # '<root>', outside the root" (only a path strictly below the root counted as inside),
+    # while get of the same key worked.
+    store.put("x", b"X")
+    (root / "self").symlink_to(".", target_is_directory=True)
+    store.put("self/y", b"Y")
+    assert store.get("y") == b"Y"
+    assert [m.key for m in store.list("self/")] == ["self/x", "self/y"]
+    store.delete_many(["self/x"])
+    with pytest.raises(ObjectNotFound):
+        store.get("x")
+    # The root itself is a directory: no object there, whichever way it is read.
+    for read in (store.get, store.head, lambda key: store.get_range(key, Suffix(1))):
+        with pytest.raises(ObjectNotFound, match="is a directory"):
+            read("self")
 
 
 @KERNEL_CHECK
@@ -753,6 +804,30 @@ def test_file_store_writes_survive_removal_of_its_temp_directory(tmp_path: Path)
     store.put_if_absent("c", b"3")
     assert [m.key for m in store.list()] == ["a", "b", "c"]
     assert store.get("b") == b"2"
+
+
+@PROC_FD_ONLY
+def test_a_temp_directory_removed_while_it_is_confined_is_made_again(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kernel names a removed directory "<path> (deleted)": not taken for one outside.
+    store = FileStore(root, fsync=False)
+    store.put("a", b"1")
+    real_readlink = os.readlink
+    removed: list[bool] = []
+
+    def remove_then_readlink(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if not removed and (root / TEMP_DIR_NAME).is_dir():
+            (root / TEMP_DIR_NAME).rmdir()
+            removed.append(True)
+        return real_readlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "readlink", remove_then_readlink)
+    store.put("b", b"2")
+    monkeypatch.undo()
+    assert removed
+    assert store.get("b") == b"2"
+    assert list((root / TEMP_DIR_NAME).iterdir()) == []
 
 
 @pytest.mark.parametrize("mode", [bw.PutMode.OVERWRITE, bw.PutMode.CREATE])

@@ -128,7 +128,12 @@ class FileStore(ObjectStore):
         return self._prefix + (key if os.sep == "/" else os.path.join(*parts))
 
     def _check_inside(self, key: str, path: str, real: str) -> None:
-        if real == path:
+        """``InvalidKey`` unless ``real`` (where ``key``'s ``path`` resolves) is in the root.
+
+        The root itself is inside (a symlink ``self -> .``): a directory, so a key expected to
+        be a file there is not found (:meth:`_require_file`), as for any directory.
+        """
+        if real == path or real == self._root:
             return
         if not real.startswith(self._root + os.sep):
             raise InvalidKey(
@@ -229,12 +234,15 @@ class FileStore(ObjectStore):
         return tmp
 
     def _create_temp(self, key: str, name: str) -> int:
-        """Create temp file ``name`` in the temp directory, never through a symlink there.
+        """Create temp file ``name`` in the temp directory, confined to the root.
 
-        A ``.bw-tmp`` replaced by a symlink would put every object's bytes outside the root
-        before they are published; it is refused instead (``O_NOFOLLOW`` on the directory).
+        A ``.bw-tmp`` replaced by a symlink, or the root (or a directory above it) replaced by
+        one after the store was opened, would put every object's bytes outside the root before
+        the publish refuses them: the temp directory is opened without following a symlink at
+        its name and confined like every directory a write uses, before a byte is written.
         """
         if os.open not in os.supports_dir_fd:
+            self._confine_temp_dir(key, None)
             return os.open(os.path.join(self._tmp, name), _TEMP_FILE_FLAGS, 0o644)
         try:
             dfd = _open_dir(self._tmp)
@@ -248,18 +256,49 @@ class FileStore(ObjectStore):
                 f"(the name {TEMP_DIR_NAME!r} is reserved for in-flight writes)"
             ) from exc
         try:
+            self._confine_temp_dir(key, dfd)
             return os.open(name, _TEMP_FILE_FLAGS, 0o644, dir_fd=dfd)
         finally:
             os.close(dfd)
 
+    def _where(self, fd: int | None, path: str) -> str:
+        """Where directory ``path`` (open as ``fd``, if not None) really is: the kernel's word
+        for the descriptor where ``/proc/self/fd`` tells it (one ``readlink``), else the path
+        resolved."""
+        if fd is not None and self._proc_fd:
+            return os.readlink(f"{_PROC_FD}/{fd}")
+        return os.path.realpath(path)
+
+    def _confine_temp_dir(self, key: str, fd: int | None) -> None:
+        """``InvalidKey`` unless the temp directory (open as ``fd``) is ``<root>/.bw-tmp``."""
+        where = self._where(fd, self._tmp)
+        if where == self._tmp:
+            return
+        if fd is not None and os.fstat(fd).st_nlink == 0:
+            # Removed since it was opened (an operator cleaning stray temp files): made again.
+            raise FileNotFoundError(errno.ENOENT, "temp directory removed", self._tmp)
+        raise self._root_moved(key, self._tmp, where)
+
+    def _root_moved(self, key: str, path: str, where: str) -> InvalidKey:
+        """The error for writing ``key`` when ``path`` (the temp directory or the root) leads
+        to ``where`` instead: the root or a directory above it became a symlink."""
+        return InvalidKey(
+            f"cannot write {key!r} to {self.url}: {path} resolves to {where!r}, outside the "
+            "root (the root or a directory above it was replaced by a symbolic link after the "
+            "store was opened); nothing was written; restore the root, or open the store at "
+            "its new location"
+        )
+
     def _make_temp_dir(self, key: str) -> None:
         """Create the temp directory (and the root, if it was removed) for writing ``key``.
 
-        Safe to race: ``makedirs(exist_ok=True)`` tolerates another thread or process creating
-        it first. A root that cannot hold it raises a store error naming the root and the fix.
+        Made relative to a confined descriptor of the root, never by a path a swapped-in
+        symlink could redirect. Safe to race: a temp directory another thread or process made
+        first is used. A root that cannot hold it raises a store error naming the root and the
+        fix.
         """
         try:
-            os.makedirs(self._tmp, exist_ok=True)
+            self._mkdir_temp(key)
         except OSError as exc:
             what = f"cannot write {key!r} to {self.url}"
             if _refused(exc):
@@ -277,6 +316,28 @@ class FileStore(ObjectStore):
                 f"{what}: creating its temp directory {self._tmp} failed ({exc.strerror}); "
                 f"{_NOT_A_ROOT_FIX}"
             ) from exc
+
+    def _mkdir_temp(self, key: str) -> None:
+        """``mkdir`` the temp directory in the root's confined descriptor (see above)."""
+        try:
+            rfd = os.open(self._root, _DIR_FLAGS)
+        except FileNotFoundError:
+            os.makedirs(self._root, exist_ok=True)  # the root was removed: made again
+            rfd = os.open(self._root, _DIR_FLAGS)
+        try:
+            where = self._where(rfd, self._root)
+            if where != self._root:
+                raise self._root_moved(key, self._root, where)
+            if os.mkdir not in os.supports_dir_fd:
+                os.makedirs(self._tmp, exist_ok=True)
+                return
+            try:
+                os.mkdir(TEMP_DIR_NAME, dir_fd=rfd)
+            except FileExistsError:
+                if not _is_dir_at(rfd, TEMP_DIR_NAME):  # a file in the way: named above
+                    raise
+        finally:
+            os.close(rfd)
 
     def _fsync_dir(self, path: str) -> None:
         if not self._fsync or not hasattr(os, "O_DIRECTORY"):
