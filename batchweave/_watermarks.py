@@ -75,8 +75,9 @@ class Watermark(BaseModel):
     """The manifest (TGB) step the checkpoint reads first when training resumes from it."""
     version: int = Field(ge=0)
     """A manifest version current when the checkpoint was taken; older versions may be deleted."""
-    recorded_at: float = 0.0
-    """Wall-clock seconds when the watermark was written (for operators; not used for safety)."""
+    recorded_at: float = Field(default=0.0, allow_inf_nan=False)
+    """Wall-clock seconds when the watermark was written (finite; for operators and the order of
+    ``keep_last``, not for safety). A stored infinity or NaN is damage, as in a manifest."""
 
 
 _SCOPE_ENDS = "-_.=+"

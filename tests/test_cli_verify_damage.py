@@ -167,6 +167,42 @@ def test_the_json_report_counts_the_steps_not_checked(root: Path) -> None:
     assert any("step 11" in p for p in report["problems"])
 
 
+def test_a_damaged_newest_manifest_leaves_the_check_incomplete(root: Path) -> None:
+    """It reported "complete": true (everything checked) with 0 steps checked: the live steps of
+    the unreadable version count as not checked, by the newest readable version's count."""
+    _, log, latest = open_log(root)
+    flip_last_bytes(root / log.key(manifest_key(latest.version)))
+    result = run("verify", "--json", str(root), NS)
+    assert result.returncode == 1, result.stderr
+    data = json.loads(result.stdout)
+    assert (data["ok"], data["complete"], data["steps"]) == (False, False, 0)
+    assert data["steps_unchecked"] == STEPS  # version latest - 1 lists every step too
+    assert "the newest manifest version cannot be read" in data["problems"][0]
+    [unchecked] = data["unchecked"]
+    assert f"manifest version {latest.version} " in unchecked
+    assert f"version, {latest.version - 1}, lists steps 0..{STEPS - 1}" in unchecked
+
+
+def test_a_damaged_only_manifest_leaves_the_check_incomplete(root: Path) -> None:
+    """No older version to count its steps by: still not complete, the count said unknown."""
+    _, log, latest = open_log(root)
+    newest = root / log.key(manifest_key(latest.version))
+    for path in newest.parent.iterdir():
+        if path != newest:
+            path.unlink()
+    flip_last_bytes(newest)
+    report = verify(root)
+    assert (report.ok, report.complete, report.steps, report.steps_unchecked) == (
+        False,
+        False,
+        0,
+        0,
+    )
+    assert len(report.problems) == 1
+    [unchecked] = report.unchecked
+    assert "unknown" in unchecked
+
+
 # -- 2: a newer BatchWeave's data is no damage -------------------------------------------------
 
 

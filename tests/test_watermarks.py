@@ -9,6 +9,8 @@ a namespace use scopes: one reader's ``keep_last`` never releases another's wate
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterator
 
 import numpy as np
@@ -514,3 +516,48 @@ def test_watermarks_pickle_after_recording(tmp_path: object) -> None:
     copy = pickle.loads(pickle.dumps(marks))  # a spawned process gets its own lookup
     assert copy.record("b", 1).version == 2
     assert copy.keep_last == 3
+
+
+# -- a non-finite recorded_at --------------------------------------------------------------------
+
+
+def _with_recorded_at(store: bw.MemoryStore, key: str, value: float) -> None:
+    """Rewrite the watermark at ``key`` with ``recorded_at = value``, its checksum valid (as
+    Python's json writes it: ``Infinity``, ``NaN``), as a hand-written tool might."""
+    from batchweave._manifest._codec import body_checksum
+
+    data = store.get(key)
+    body = json.loads(data[data.index(b"\n") + 1 :])
+    body["recorded_at"] = value
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    head = f"{_watermarks._MAGIC} crc32c={body_checksum(raw):08x} length={len(raw)}\n"
+    store.put(key, head.encode() + raw)
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_a_watermark_recorded_at_a_non_finite_time_is_damage(
+    store: bw.MemoryStore, value: float
+) -> None:
+    """It was accepted, and `batchweave inspect --json` then printed "age_seconds": -Infinity,
+    which is no JSON. Refused like any damaged watermark, naming the key and the field: the
+    boundary is unknown, so reclaim deletes nothing, and inspect lists it as unreadable."""
+    from batchweave.cli._inspect import gather_inspection
+
+    with bw.Producer(store, NS, producer_id="p", mesh=bw.Mesh(dp=1)) as producer:
+        producer.append([b"x"], offset=0)
+    marks = bw.Watermarks(store, NS)
+    marks.record("good", 0)
+    marks.record("c1", 0)
+    _with_recorded_at(store, marks.key("c1"), value)
+    with pytest.raises(bw.FormatError, match="recorded_at") as info:
+        marks.live()
+    assert marks.key("c1") in str(info.value)
+    before = {meta.key for meta in store.list(f"{NS}/")}
+    with pytest.raises(bw.FormatError, match="recorded_at"):
+        bw.Reclaimer(store, NS, grace=0).run_once()
+    assert {meta.key for meta in store.list(f"{NS}/")} == before  # nothing reclaimed
+    data = gather_inspection(store, NS)
+    json.dumps(data, allow_nan=False)  # strict JSON: no Infinity, no NaN
+    assert [m["checkpoint_id"] for m in data["watermarks"]] == ["good"]
+    assert [bad["key"] for bad in data["unreadable_watermarks"]] == [marks.key("c1")]
+    assert data["boundary"] is None

@@ -48,6 +48,16 @@ def _iso(ts: float) -> str | float | None:
         return ts
 
 
+def _age(now: float, ts: float) -> float | None:
+    """Seconds from ``ts`` to ``now``, rounded; ``None`` for no time (0 or less, or not finite:
+    ``--json`` must stay strict JSON, which has no infinity). Decoding refuses non-finite times
+    already; this keeps the output sound whatever the model allows."""
+    if not math.isfinite(ts) or ts <= 0:
+        return None
+    age = round(now - ts, 1)
+    return age if math.isfinite(age) else None
+
+
 def _shown_time(value: str | float | None, age: float | None) -> str:
     """A time from :func:`gather_inspection` as a table shows it, flagged if in the future."""
     if value is None:
@@ -138,7 +148,7 @@ def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
             "committed_offset": state.offset,
             "last_version": state.last_version,
             "last_commit_at": _iso(state.last_commit_at),
-            "idle_seconds": round(now - state.last_commit_at, 1) if state.last_commit_at else None,
+            "idle_seconds": _age(now, state.last_commit_at),
             "live_steps": None if steps_error else steps.get(pid, 0),
             "source": state.source,
             "retired": False,
@@ -197,7 +207,7 @@ def gather_inspection(store: ObjectStore, namespace: str) -> dict[str, Any]:
                 "step": m.step,
                 "version": m.version,
                 "recorded_at": _iso(m.recorded_at),
-                "age_seconds": round(now - m.recorded_at, 1) if m.recorded_at > 0 else None,
+                "age_seconds": _age(now, m.recorded_at),
             }
             for m in marks
         ],

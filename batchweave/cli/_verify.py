@@ -76,7 +76,8 @@ class VerifyReport:
     """Damage: what consumers, ``export`` or a resume would trip over."""
     unchecked: list[str] = field(default_factory=list)
     """Segments and objects written by a newer BatchWeave: no damage, but this version cannot
-    check them (upgrade batchweave)."""
+    check them (upgrade batchweave); also the live steps of an unreadable newest manifest version
+    (its damage is in ``problems``), none of which could be checked."""
     steps_reclaimed: int = 0
     """Steps a reclamation pass moved below ``base_step`` while the check ran, counted when
     one of their objects had gone missing (then not a problem)."""
@@ -443,6 +444,38 @@ def _past_skipped(step: int, skipped: deque[tuple[int, int]]) -> int:
     return step
 
 
+def _count_unreadable_latest(log: ManifestLog, stored: list[int], report: VerifyReport) -> None:
+    """Record in ``report`` that no live step was checked, the newest version (in ``stored``,
+    increasing) being unreadable: an ``unchecked`` entry (so ``complete`` is false even when no
+    version can be read) and, as ``steps_unchecked``, the live steps of the newest version that
+    can be read, the best count known (the unreadable version's own steps are unknown)."""
+    older: Manifest | None = None
+    for version in reversed(stored[:-1]):
+        try:
+            older = log.read(version)
+        except (FormatError, ObjectNotFound, NamespaceMismatch, UnsupportedFormatVersion):
+            continue  # reclaimed meanwhile, or unreadable too: try the one before
+        break
+    if older is None:
+        known = "no older version can be read, so how many steps it lists is unknown"
+    else:
+        report.steps_unchecked = max(0, older.next_step - older.base_step)
+        listed = (
+            f"steps {older.base_step}..{older.next_step - 1}"
+            if report.steps_unchecked
+            else "no live step"
+        )
+        known = (
+            f"the newest readable version, {older.version}, lists {listed} "
+            f"({report.steps_unchecked} counted as not checked; the unreadable version may list "
+            "more)"
+        )
+    report.unchecked.append(
+        f"the live steps of manifest version {report.latest_version} (the newest, unreadable: "
+        f"see problems) were not checked; {known}"
+    )
+
+
 def verify_namespace(
     store: ObjectStore,
     namespace: str,
@@ -479,6 +512,7 @@ def verify_namespace(
         stored = list(log.versions())
         report.versions = len(stored)
         report.latest_version = max(stored, default=-1)
+        _count_unreadable_latest(log, stored, report)
         return report
     report = VerifyReport(
         latest_version=latest.version, base_step=latest.base_step, next_step=latest.next_step
