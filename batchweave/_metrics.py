@@ -35,7 +35,7 @@ import socket
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from prometheus_client import (
     REGISTRY,
@@ -433,9 +433,13 @@ class _Metrics:
             self.reclaimed_bytes.labels(namespace, kind).inc(nbytes)
 
 
-_registries: dict[int, _Metrics] = {}
+_METRICS_ATTR: Final = "_batchweave_metrics"
+"""The attribute of a registry that holds its :class:`_Metrics`: they live and die with it (a
+table keyed by registry kept every registry a job or test made alive for ever)."""
 _registries_lock = threading.Lock()
-_tracked_reclaimers: weakref.WeakKeyDictionary[Reclaimer, set[int]] = weakref.WeakKeyDictionary()
+_tracked_reclaimers: weakref.WeakKeyDictionary[Reclaimer, weakref.WeakSet[CollectorRegistry]] = (
+    weakref.WeakKeyDictionary()
+)
 """Registries each reclaimer's ``run_once`` already reports to."""
 
 
@@ -443,9 +447,10 @@ def metrics(registry: CollectorRegistry | None = None) -> _Metrics:
     """The BatchWeave metric objects registered in ``registry`` (default: prometheus' global)."""
     reg = REGISTRY if registry is None else registry
     with _registries_lock:
-        found = _registries.get(id(reg))
-        if found is None or found.registry is not reg:
-            found = _registries[id(reg)] = _Metrics(reg)
+        found: _Metrics | None = getattr(reg, _METRICS_ATTR, None)
+        if found is None:
+            found = _Metrics(reg)
+            setattr(reg, _METRICS_ATTR, found)
         return found
 
 
@@ -461,10 +466,10 @@ def track_metrics(obj: _T, *, registry: CollectorRegistry | None = None) -> _T:
         m.collector.add_consumer(obj)
     elif isinstance(obj, Reclaimer):
         with _registries_lock:
-            tracked_in = _tracked_reclaimers.setdefault(obj, set())
-            if id(m.registry) in tracked_in:
+            tracked_in = _tracked_reclaimers.setdefault(obj, weakref.WeakSet())
+            if m.registry in tracked_in:
                 return obj  # tracked twice must not count every pass twice
-            tracked_in.add(id(m.registry))
+            tracked_in.add(m.registry)
             m.reclaim_errors.labels(obj.namespace)  # exported as 0 before the first failure
         original = obj.run_once
         namespace = obj.namespace

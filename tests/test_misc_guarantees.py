@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -358,20 +360,23 @@ def test_a_pass_failing_before_it_deletes_does_not_count_the_previous_pass_again
     assert get("batchweave_reclaim_passes_total", {"namespace": NS}) == 1
 
 
-def test_a_registry_at_the_address_of_a_collected_one_gets_its_own_metrics(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Mutant: ``metrics()`` found its objects by ``id(registry)`` alone. CPython reuses the
-    address of a collected registry, whose metric objects (registered there) were then
-    handed to the new one, which never showed them."""
-    old, new = CollectorRegistry(), CollectorRegistry()
-    stale = bw_metrics.metrics(old)
-    monkeypatch.setattr(bw_metrics, "_registries", {id(new): stale})  # as if ``old`` were freed
-    found = bw_metrics.metrics(new)
-    assert found is not stale
-    assert found.registry is new
-    found.passes.labels(NS).inc()
-    assert new.get_sample_value("batchweave_reclaim_passes_total", {"namespace": NS}) == 1
+def test_registries_get_their_own_metrics_and_are_freed_after_use() -> None:
+    """Before: ``metrics()`` kept every registry it was given in a table for ever (a process
+    using a registry per job or test never freed any); with ``id(registry)`` as the key, a new
+    registry at a collected one's address could also be handed its metric objects."""
+    refs = []
+    for _ in range(3):
+        registry = CollectorRegistry()
+        found = bw_metrics.metrics(registry)
+        assert found.registry is registry
+        assert bw_metrics.metrics(registry) is found
+        reclaimer = bw.track_metrics(bw.Reclaimer(bw.MemoryStore(), NS), registry=registry)
+        reclaimer.run_once()
+        assert registry.get_sample_value("batchweave_reclaim_passes_total", {"namespace": NS}) == 1
+        refs.append(weakref.ref(registry))
+        del registry, found, reclaimer
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
 
 
 # -- batchweave check ---------------------------------------------------------------------------
