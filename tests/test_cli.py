@@ -21,6 +21,7 @@ import batchweave._history as history
 import batchweave.cli._app as cli_app
 import batchweave.cli._verify as cli_verify
 from batchweave._history import SAMPLE_IDS_KEY, sample_ids_metadata
+from batchweave._manifest import ManifestLog
 from batchweave.cli._app import cli
 from batchweave.cli._common import CliFailure
 from batchweave.cli._demo import DemoConfig
@@ -776,3 +777,83 @@ def test_python_dash_m_batchweave_runs_the_cli() -> None:
     assert proc.stdout.startswith("Usage: batchweave ")
     for command in ("check", "demo", "inspect", "verify", "reclaim", "seal", "export"):
         assert command in proc.stdout
+
+
+@pytest.mark.parametrize("content", [b"my precious notes\n", b"", b"PAR1 only at the start"])
+def test_export_parquet_refuses_a_file_that_is_not_parquet(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: bytes
+) -> None:
+    """Before: "notes.txt exists; pass --overwrite", and --overwrite replaced the user's text
+    file with Parquet (the docs say --overwrite replaces only a Parquet file)."""
+    dest = tmp_path / "notes.txt"
+    dest.write_bytes(content)
+
+    def no_store(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the store was opened")
+
+    monkeypatch.setattr(cli_app, "_open", no_store)
+    for extra in ([], ["--overwrite"]):
+        result = invoke("export", str(root), NAMESPACE, str(dest), "--format", "parquet", *extra)
+        assert result.exit_code == 2, result.output
+        text = " ".join(result.output.split())
+        assert f"{dest} is a file but not a Parquet file" in text
+        assert "pass --overwrite" not in text
+        assert dest.read_bytes() == content
+
+
+def test_export_parquet_overwrite_still_replaces_a_parquet_file(root: Path, tmp_path: Path) -> None:
+    publish(root)
+    dest = tmp_path / "history.parquet"
+    run("export", str(root), NAMESPACE, str(dest))
+    refused = run("export", str(root), NAMESPACE, str(dest), check=2)
+    assert "exists; pass --overwrite to replace it" in refused.stderr
+    run("export", str(root), NAMESPACE, str(dest), "--overwrite")
+    assert pq.read_table(dest).num_rows == 48  # 12 steps of 4 slices
+
+
+@pytest.mark.parametrize("name", ["h.parquet", "h.lance"])
+def test_export_refuses_a_destination_that_is_not_utf8_naming_it(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Before: Lance failed with a TypeError traceback (exit 1), Parquet with a codec message
+    naming no path (after reading the whole history)."""
+    outdir = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"out\xff"))
+    os.mkdir(outdir)
+
+    def no_store(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the store was opened")
+
+    monkeypatch.setattr(cli_app, "_open", no_store)
+    result = invoke("export", str(root), NAMESPACE, os.path.join(outdir, name))
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert f"{tmp_path}/out\\xff/{name} is not a UTF-8 path" in text
+    assert "choose another destination" in text
+
+
+def test_names_a_stdout_cannot_encode_are_escaped_not_an_error(root: Path) -> None:
+    """With a latin-1 stdout, ``seal`` and ``retire`` committed and then exited 2 ("could not
+    run") on UnicodeEncodeError printing the name; ``verify`` and ``inspect`` exited 2 too."""
+    store = bw.open_store(root.as_uri())
+    ns = "runs/job-\u2713"
+    with bw.Producer(store, ns, producer_id="prep-\u2713", mesh=bw.Mesh(dp=1, cp=1)) as producer:
+        producer.append([b"x" * 10], offset=0)
+    env = dict(os.environ, PYTHONIOENCODING="latin-1")
+    for args in (
+        ("verify", str(root), ns),
+        ("inspect", str(root), ns),
+        ("reclaim", str(root), ns, "--grace", "0"),
+        ("seal", str(root), ns),
+        ("retire", str(root), ns, "--idle-for", "1s"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "batchweave.cli", *args],
+            capture_output=True,
+            env=env,
+            timeout=120,
+        )
+        assert proc.returncode == 0, (args, proc.stderr)
+        assert b"\\u2713" in proc.stdout, (args, proc.stdout)  # a name, escaped
+    latest = ManifestLog(store, ns).latest()
+    assert latest.sealed
+    assert list(latest.producers) == []

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 from batchweave import Consumer, Mesh, Watermarks, open_store
-from batchweave.cli._app import EXIT_TERMINATED
+from batchweave.cli._app import EXIT_TERMINATED, cli
 from batchweave.cli._common import CliFailure
 from batchweave.cli._demo import DemoConfig, _check, _RankLog, _verify_deliveries, run_demo
 from batchweave.cli._demo_work import (
@@ -302,6 +303,7 @@ def test_a_demo_that_fails_leaves_no_work_directory(
         # Before: one message for three options, naming none of them as the wrong one.
         ({"micro_batch": 0}, "--micro-batch must be >= 1, got 0"),
         ({"documents": 50}, "--documents must be >= 100, got 50"),
+        ({"documents": 1_000_001}, "--documents must be <= 1000000, got 1000001"),
     ],
 )
 def test_demo_refuses_arguments_that_cannot_work_before_starting(
@@ -309,6 +311,16 @@ def test_demo_refuses_arguments_that_cannot_work_before_starting(
 ) -> None:
     with pytest.raises(CliFailure, match=re.escape(needle)):
         _check(DemoConfig(**options))
+
+
+@pytest.mark.parametrize("documents", ["7500000", "10000000000000"])
+def test_demo_refuses_too_many_documents_naming_the_option(documents: str) -> None:
+    """Before: 7.5M documents wrapped the corpus's int32 offsets ("negative dimensions are not
+    allowed", naming no option); 10**13 ended in a MemoryError traceback, exit 1 ("FAIL")."""
+    result = CliRunner().invoke(cli, ["demo", "--no-kill", "--documents", documents])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--documents'" in result.output
+    assert "100<=x<=1000000" in result.output
 
 
 @pytest.mark.parametrize(

@@ -260,11 +260,28 @@ def test_ctrl_c_while_the_command_modules_load_is_one_line(root: Path) -> None:
 def test_a_closed_pipe_exits_141_quietly(root: Path, args: tuple[str, ...]) -> None:
     """``batchweave inspect ... | head -1`` exited 1 (rich's broken-pipe handler), the status
     of "a check failed"; ``--json`` printed a one-line OSError and exited 2."""
+    proc = _run_with_closed_stdout(args[0], str(root), NS, *args[1:])
+    assert proc.returncode == EXIT_BROKEN_PIPE == 141, proc.stderr
+    assert proc.stderr == ""
+
+
+@pytest.mark.parametrize("args", [("--help",), ("--version",), ("inspect", "--help")])
+def test_a_closed_pipe_exits_141_for_help_and_version_too(args: tuple[str, ...]) -> None:
+    """``batchweave --help`` and ``--version`` exited 1 ("a check failed"): they print while
+    the group parses its own options, before any command runs, where click's handler sat."""
+    proc = _run_with_closed_stdout(*args)
+    assert proc.returncode == EXIT_BROKEN_PIPE, proc.stderr
+    assert proc.stderr == ""
+
+
+def _run_with_closed_stdout(*args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI with ``args``, its stdout a pipe whose reader has gone before the first write
+    (every write fails)."""
     reader, writer = os.pipe()
-    os.close(reader)  # the reader has gone before the first write: every write fails
+    os.close(reader)
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "batchweave.cli", args[0], str(root), NS, *args[1:]],
+        return subprocess.run(
+            [sys.executable, "-m", "batchweave.cli", *args],
             stdout=writer,
             stderr=subprocess.PIPE,
             text=True,
@@ -272,8 +289,6 @@ def test_a_closed_pipe_exits_141_quietly(root: Path, args: tuple[str, ...]) -> N
         )
     finally:
         os.close(writer)
-    assert proc.returncode == EXIT_BROKEN_PIPE == 141, proc.stderr
-    assert proc.stderr == ""
 
 
 def test_sigterm_during_a_lance_export_cleans_up_as_ctrl_c_does(root: Path, tmp_path: Path) -> None:

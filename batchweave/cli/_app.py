@@ -9,7 +9,10 @@ stderr; 130 interrupted (Ctrl-C); 141 stdout closed by its reader (``| head``); 
 
 from __future__ import annotations
 
+import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from batchweave._retire import retire_producers
 from batchweave._store._base import ObjectStore
 from batchweave.cli._check import DEFAULT_REQUESTS, check_store, render_check
 from batchweave.cli._common import (
+    DEMO_DOCUMENTS,
     S3_OPTIONS,
     CliFailure,
     FiniteFloat,
@@ -44,6 +48,7 @@ from batchweave.cli._common import (
     progress_bar,
     sigterm_as_interrupt,
     store_options,
+    tolerate_unencodable_output,
     validate_namespace,
 )
 from batchweave.cli._inspect import (
@@ -70,13 +75,44 @@ EXIT_TERMINATED = 143
 """SIGTERM (``kill``, ``timeout``, a cancelled CI job): 128 + SIGTERM, as shells report it."""
 
 
+@contextmanager
+def _closed_pipe_exits_141() -> Iterator[None]:
+    """A write to a stdout whose reader went away (``batchweave inspect ... | head``) ends the
+    command as a shell reports SIGPIPE, quietly: it is no failure of the command."""
+    try:
+        yield
+    except BrokenPipeError:
+        if debug_enabled():
+            raise
+        discard_stdout()
+        raise click.exceptions.Exit(EXIT_BROKEN_PIPE) from None
+
+
 class _Group(click.Group):
-    """Turns expected errors into one line on stderr and exit status 2, Ctrl-C into 130 and
-    SIGTERM into 143 (both after the cleanup an interrupted command does)."""
+    """Turns expected errors into one line on stderr and exit status 2, Ctrl-C into 130,
+    SIGTERM into 143 (both after the cleanup an interrupted command does) and a closed stdout
+    into 141."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the command line; output it cannot encode is escaped, never an error."""
+        tolerate_unencodable_output()
+        return super().main(*args, **kwargs)
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        """Parse the group's own options: ``--help`` and ``--version`` print here, before any
+        command runs, so a closed stdout must exit 141 here too (click's own handler: 1)."""
+        with _closed_pipe_exits_141():
+            return super().make_context(info_name, args, parent, **extra)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            with sigterm_as_interrupt():
+            with sigterm_as_interrupt(), _closed_pipe_exits_141():
                 return super().invoke(ctx)
         except KeyboardInterrupt as exc:
             if debug_enabled():
@@ -89,13 +125,6 @@ class _Group(click.Group):
                 ctx.exit(EXIT_TERMINATED)
             click.echo("batchweave: interrupted; the command is safe to run again", err=True)
             ctx.exit(EXIT_INTERRUPTED)
-        except BrokenPipeError:
-            # The reader went away (`batchweave inspect ... | head`): not a failure of the
-            # command; exit as a shell reports SIGPIPE, quietly.
-            if debug_enabled():
-                raise
-            discard_stdout()
-            ctx.exit(EXIT_BROKEN_PIPE)
         except (BatchWeaveError, CliFailure, OSError, ValueError) as exc:
             if debug_enabled() or isinstance(exc, click.ClickException):
                 raise
@@ -455,6 +484,7 @@ def export(
     namespace = validate_namespace(namespace)
     if start is not None and stop is not None and stop <= start:
         raise CliFailure(f"--stop {stop} must be greater than --start {start}")
+    _refuse_non_utf8_path(destination)
     if fmt == "auto":
         fmt = "parquet" if destination.suffix == ".parquet" else "lance"
     # --overwrite replaces a file with a file and a dataset with a dataset: refuse the wrong
@@ -481,6 +511,12 @@ def export(
         raise CliFailure(
             f"{destination} is a file; a Lance dataset is a directory: choose another "
             "destination, remove the file, or pass --format parquet"
+        )
+    if fmt == "parquet" and destination.is_file() and not _is_parquet(destination):
+        raise CliFailure(
+            f"{destination} is a file but not a Parquet file (it does not start and end with "
+            "PAR1); --overwrite replaces only a Parquet file: choose another destination or "
+            "remove the file"
         )
     if destination.exists() and not overwrite:
         raise CliFailure(f"{destination} exists; pass --overwrite to replace it")
@@ -519,6 +555,36 @@ def export(
                 progress=step_done,
             )
     click.echo(f"exported {rows} rows ({fmt}) to {destination}")
+
+
+def _refuse_non_utf8_path(destination: Path) -> None:
+    """Refuse a ``destination`` whose name is not UTF-8 (legal on Linux): the Parquet and Lance
+    writers take UTF-8 paths only, and failed with a traceback or a codec message naming no
+    path."""
+    raw = os.fsencode(destination)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        shown = raw.decode("utf-8", errors="backslashreplace")
+        raise CliFailure(
+            f"{shown} is not a UTF-8 path; the Parquet and Lance writers accept only UTF-8 "
+            "paths: choose another destination"
+        ) from None
+
+
+_PARQUET_MAGIC = b"PAR1"
+"""What a Parquet file starts and ends with."""
+
+
+def _is_parquet(path: Path) -> bool:
+    """Whether the regular file ``path`` starts and ends with the Parquet magic."""
+    with path.open("rb") as file:
+        head = file.read(len(_PARQUET_MAGIC))
+        size = file.seek(0, os.SEEK_END)
+        if size < 2 * len(_PARQUET_MAGIC):
+            return False
+        file.seek(size - len(_PARQUET_MAGIC))
+        return head == file.read() == _PARQUET_MAGIC
 
 
 def _refuse_missing_parent(destination: Path) -> None:
@@ -616,7 +682,13 @@ _AT_LEAST_1 = click.IntRange(min=1)
     show_default=True,
     help="Sequences per DP replica.",
 )
-@click.option("--documents", default=20000, show_default=True, help="Documents in the corpus.")
+@click.option(
+    "--documents",
+    type=click.IntRange(min=DEMO_DOCUMENTS[0], max=DEMO_DOCUMENTS[1]),
+    default=20000,
+    show_default=True,
+    help="Documents in the corpus.",
+)
 @click.option(
     "--step-time",
     type=FiniteFloat(min=0),

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -38,6 +38,7 @@ from batchweave._store._s3_location import S3Location
 
 __all__ = [
     "DEBUG_ENV",
+    "DEMO_DOCUMENTS",
     "MEMORY_STORE_REFUSAL",
     "NAMESPACE_META",
     "S3_OPTIONS",
@@ -60,6 +61,7 @@ __all__ = [
     "sigterm_as_interrupt",
     "store_options",
     "store_url",
+    "tolerate_unencodable_output",
     "validate_namespace",
 ]
 
@@ -78,6 +80,11 @@ MEMORY_STORE_REFUSAL = (
     "batchweave process can never see one; use a file:// directory or s3://"
 )
 """Why the CLI refuses ``memory://`` URLs (each command is a process of its own)."""
+
+
+DEMO_DOCUMENTS = (100, 1_000_000)
+"""The fewest and most documents ``demo --documents`` accepts: a million documents (about 300
+million tokens, over a GiB in memory) is more than a demo needs."""
 
 
 class FiniteFloat(click.FloatRange):
@@ -117,6 +124,22 @@ def discard_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     finally:
         os.close(devnull)
+
+
+def tolerate_unencodable_output() -> None:
+    """Escape what stdout and stderr cannot encode (``\\u2713``) instead of failing on it.
+
+    On a stream whose encoding lacks a character of a name (``PYTHONIOENCODING=latin-1``, a
+    Windows console, a latin-1 locale), printing the name raised ``UnicodeEncodeError``: after
+    ``seal`` or ``retire`` had committed, that turned a completed write into exit status 2
+    ("could not run"). A stream that cannot be reconfigured (a replaced ``sys.stdout``, a
+    closed one) is left as it is.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            with suppress(ValueError):  # closed: its first write will say so
+                reconfigure(errors="backslashreplace")
 
 
 class _Console(Console):

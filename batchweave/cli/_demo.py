@@ -52,6 +52,7 @@ from batchweave._metrics import start_metrics_server, track_metrics
 from batchweave._store._base import ObjectStore
 from batchweave._watermarks import Watermarks
 from batchweave.cli._common import (
+    DEMO_DOCUMENTS,
     MEMORY_STORE_REFUSAL,
     CliFailure,
     err_console,
@@ -131,12 +132,14 @@ def _check(config: DemoConfig) -> None:
     for option, value, least in (
         ("--checkpoint-every", config.checkpoint_every, 1),
         ("--micro-batch", config.micro_batch, 1),
-        ("--documents", config.documents, 100),
+        ("--documents", config.documents, DEMO_DOCUMENTS[0]),
         ("--seq-len", config.seq_len, 1),
         ("--step-time", config.step_time, 0),
     ):
         if value < least:
             problems.append(f"{option} must be >= {least}, got {value}")
+    if config.documents > DEMO_DOCUMENTS[1]:
+        problems.append(f"--documents must be <= {DEMO_DOCUMENTS[1]}, got {config.documents}")
     problems.extend(_lag_problems(config))
     if config.metrics_port is not None:
         workers = config.producers + config.dp * config.cp

@@ -88,7 +88,7 @@ def make_corpus(path: Path, documents: int, seed: int, vocab: int = 50_000) -> i
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(np.log(MEAN_DOC_TOKENS) - 0.5, 1.0, documents), 16, 4096)
     lengths = lengths.astype(np.int32)
-    offsets = np.zeros(documents + 1, dtype=np.int32)
+    offsets = np.zeros(documents + 1, dtype=np.int64)  # int32 wraps past ~7M documents
     np.cumsum(lengths, out=offsets[1:])
     tokens = rng.integers(1, vocab, int(offsets[-1]), dtype=np.int32)
     table = pa.table(
