@@ -440,3 +440,42 @@ def test_tensors_header_must_be_utf8_without_a_byte_order_mark(encoding: str) ->
     assert TENSORS.decode(_tensor_blob(json.dumps(spec).encode(), data_len=2048))["a"] == [0]
     with pytest.raises(FormatError, match="invalid tensor slice: unreadable header"):
         TENSORS.decode(bytes(blob))
+
+
+def _invalid_arrow_columns() -> dict[str, pa.Array]:
+    """String columns the reader's full validation refuses, made with unchecked constructors."""
+    bad_utf8 = pa.array([b"ok", b"\xff\xfe"], pa.binary()).view(pa.string())
+    good = pa.array(["ab", "cd", "ef"])
+    _, _, data = good.buffers()
+    backwards = pa.Array.from_buffers(
+        pa.string(), 3, [None, pa.py_buffer(struct.pack("<4i", 0, 4, 2, 6)), data]
+    )
+    return {"invalid UTF-8": bad_utf8, "non-monotonic offsets": backwards}
+
+
+@pytest.mark.parametrize("column", list(_invalid_arrow_columns()))
+@pytest.mark.parametrize("as_batch", [False, True])
+def test_arrow_encode_refuses_what_the_reader_would_refuse(column: str, as_batch: bool) -> None:
+    # Before: encoded (and so committed); every consumer of the step then failed on it forever.
+    table = pa.table({"s": _invalid_arrow_columns()[column]})
+    value = table.to_batches()[0] if as_batch else table
+    with pytest.raises(ValueError, match=r"codec 'arrow': invalid (Table|RecordBatch) \(.*"):
+        CODECS["arrow"].encode(value)
+
+
+def test_tensors_header_over_the_readers_cap_is_refused_at_encode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The real cap is 2**28 bytes; lowered here so that no test allocates gigabytes.
+    import batchweave._format._codecs as codecs
+
+    value = {"n" * 300: np.zeros(1, np.uint8)}
+    blob = bytes(TENSORS.encode(value))
+    header_len = int.from_bytes(blob[:8], "little")
+    assert 256 < header_len < len(blob) - 8
+    monkeypatch.setattr(codecs, "_MAX_TENSOR_HEADER", 256)
+    # Before: encoded, and the reader refused it saying the header exceeded the (longer) slice.
+    with pytest.raises(ValueError, match=f"header would be {header_len} bytes, over the 256-byte"):
+        TENSORS.encode(value)
+    with pytest.raises(FormatError, match=f"header length {header_len} exceeds the 256-byte limit"):
+        TENSORS.decode(blob)

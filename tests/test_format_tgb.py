@@ -1000,3 +1000,38 @@ def test_tensor_shapes_numpy_cannot_hold_are_format_errors_naming_the_slice(
     with pytest.raises(bw.FormatError, match=re.escape(where)) as info:
         decode_entry(raw, footer.slices[0], layout, where=where)
     assert "numpy cannot hold" in str(info.value)
+
+
+@pytest.mark.parametrize("metadata", ["source=shard-17", 5, b"xy", [("a", "b")], ""])
+def test_metadata_that_is_no_mapping_is_refused_clearly(metadata: object) -> None:
+    # Before: dict() ran first ("dictionary update sequence element #0 has length 1", "'int'
+    # object is not iterable") or accepted a list of pairs and "".
+    for build in (
+        lambda: encode_tgb([b"a"], Mesh(dp=1, cp=1), metadata=metadata),  # type: ignore[arg-type]
+        lambda: TgbBuilder(Mesh(dp=1, cp=1), metadata=metadata),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(TypeError, match="metadata must be a mapping of str to str, got"):
+            build()
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_released_memoryview_is_an_error_naming_its_slice(compression: str | None) -> None:
+    # Before: only TypeErrors of the codec named the slice.
+    mesh = Mesh(dp=4, cp=2)
+    payloads = [memoryview(bytearray(b"x" * 10)) for _ in range(mesh.slices)]
+    payloads[5].release()
+    with pytest.raises(ValueError, match=r"^slice \(2, 1\): .*released memoryview"):
+        encode_tgb(payloads, mesh, compression=compression)
+
+
+def test_arrow_errors_at_encode_name_the_slice() -> None:
+    mesh = Mesh(dp=1, cp=2)
+    deep = pa.array([1, 2])
+    for _ in range(70):  # deeper than pyarrow writes: ArrowInvalid "Max recursion depth"
+        deep = pa.StructArray.from_arrays([deep], names=["f"])
+    bad_utf8 = pa.array([b"\xff"], pa.binary()).view(pa.string())
+    ok = pa.table({"s": ["a"]})
+    with pytest.raises(ValueError, match=r"^slice \(0, 1\): .*[Rr]ecursion depth"):
+        encode_tgb([ok, pa.table({"s": deep})], mesh, codec="arrow")
+    with pytest.raises(ValueError, match=r"^slice \(0, 1\): codec 'arrow': invalid Table"):
+        encode_tgb([ok, pa.table({"s": bad_utf8})], mesh, codec="arrow")

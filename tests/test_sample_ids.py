@@ -16,6 +16,7 @@ import uuid
 from pathlib import PurePosixPath
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 import batchweave as bw
@@ -195,3 +196,36 @@ def test_the_reader_refuses_a_stored_lone_surrogate_as_a_format_error_naming_the
     stored = footer.model_copy(update={"metadata": {SAMPLE_IDS_KEY: raw}})
     with pytest.raises(bw.FormatError, match=r"object 'k': .* entry 1 holds the id 'doc-\\udcff'"):
         history._sample_ids(stored, "k")
+
+
+_ARROW_IDS = pa.table(
+    {
+        "bytes": pa.array([b"doc-1"], pa.binary()),
+        "null": pa.array([None], pa.string()),
+        "bool": [True],
+        "list": [[1, 2]],
+    }
+)
+
+
+@pytest.mark.parametrize(
+    ("column", "needle"),
+    [
+        ("bytes", r"holds the bytes b'doc-1'.*decode bytes first"),
+        ("null", "holds the NoneType None"),
+        ("bool", "holds the bool True"),
+        ("list", r"holds the list \[1, 2\]"),
+    ],
+)
+def test_pyarrow_scalars_are_checked_by_the_value_they_hold(column: str, needle: str) -> None:
+    # Before: list(table["id"]) gives pyarrow scalars, stored as "b'doc-1'", "None", "True".
+    with pytest.raises(ValueError, match=needle):
+        sample_ids_metadata([list(_ARROW_IDS[column])])
+
+
+def test_numpy_scalars_are_checked_by_the_value_they_hold_but_keep_their_text() -> None:
+    record = np.array([(1, 2)], dtype="i4,i4")[0]  # np.void: its str() is "(1, 2)"
+    with pytest.raises(ValueError, match=r"holds the tuple \(1, 2\)"):
+        sample_ids_metadata([[record]])
+    ids = [np.float32(0.1), np.int64(3), np.str_("a"), pa.scalar("b"), pa.scalar(7, pa.int8())]
+    assert sample_ids_metadata([ids]) == '[["0.1","3","a","b","7"]]'

@@ -99,6 +99,17 @@ def _arrow_encode(value: Any) -> Buffer:
             f"codec 'arrow' stores a pyarrow.RecordBatch or pyarrow.Table, got "
             f"{type(value).__name__}"
         )
+    try:
+        # The reader's check (_arrow_decode): a table it refuses must never be committed, as
+        # every consumer of its step would fail forever. Costs what it costs the reader.
+        value.validate(full=True)
+    except pa.ArrowInvalid as exc:
+        raise ValueError(
+            f"codec 'arrow': invalid {type(value).__name__} ({exc}), which every reader would "
+            "refuse; build it with pyarrow's checked constructors (pa.array(..., pa.string()) "
+            "checks UTF-8, Array.view and Array.from_buffers do not) or call "
+            ".validate(full=True) to find the column"
+        ) from None
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, value.schema) as writer:
         getattr(writer, write)(value)
@@ -239,6 +250,7 @@ _DTYPE_NAMES: Final[dict[tuple[str, int], str]] = {
 
 _TENSOR_PREFIX: Final = 8  # u64 little-endian header length
 _MAX_TENSOR_HEADER: Final = 1 << 28
+"""Longest header a reader accepts (and so the writer writes): 256 MiB."""
 
 
 def _align(n: int) -> int:
@@ -301,6 +313,11 @@ def _tensors_encode(value: Any) -> Buffer:
         if len(header) <= header_len:
             break
         header_len = len(header)
+    if header_len > _MAX_TENSOR_HEADER:
+        raise ValueError(
+            f"codec 'tensors': the header would be {header_len} bytes, over the "
+            f"{_MAX_TENSOR_HEADER}-byte limit readers accept; use fewer tensors or shorter names"
+        )
     header = header.ljust(header_len, b" ")
 
     last = entries[-1]["offset"] + arrays[-1].nbytes if arrays else _TENSOR_PREFIX + header_len
@@ -326,8 +343,12 @@ def _tensors_decode(buf: bytes | memoryview) -> dict[str, np.ndarray[Any, Any]]:
     if size < _TENSOR_PREFIX:
         raise _bad_tensors(f"{size} bytes is shorter than the {_TENSOR_PREFIX}-byte prefix")
     header_len = int.from_bytes(buf[:_TENSOR_PREFIX], "little")
-    if header_len > min(size - _TENSOR_PREFIX, _MAX_TENSOR_HEADER):
+    if header_len > size - _TENSOR_PREFIX:
         raise _bad_tensors(f"header length {header_len} exceeds the {size}-byte slice")
+    if header_len > _MAX_TENSOR_HEADER:
+        raise _bad_tensors(
+            f"header length {header_len} exceeds the {_MAX_TENSOR_HEADER}-byte limit on headers"
+        )
     try:
         # Strictly UTF-8 (docs/format.md): json.loads(bytes) would also take UTF-16/32.
         header = json.loads(bytes(buf[_TENSOR_PREFIX : _TENSOR_PREFIX + header_len]).decode())

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 import numpy as np
+import pyarrow as pa  # already loaded with the codecs: costs nothing here
 
 __all__ = ["SAMPLE_IDS_KEY", "parse_sample_ids", "sample_ids_metadata"]
 
@@ -106,14 +107,20 @@ _NOT_AN_ID = (
 def _encoded_id(slice_: int, value: object) -> str:
     """``value`` as :func:`sample_ids_metadata` stores it: its ``str()`` (a string, a number, a
     UUID, a path, a pyarrow scalar...), except for what :data:`_NOT_AN_ID` lists, whose
-    ``str()`` is not the id, and text that is not valid Unicode: both refused."""
-    if isinstance(value, _NOT_AN_ID):
+    ``str()`` is not the id, and text that is not valid Unicode: both refused. A pyarrow or
+    NumPy scalar is checked by the Python value it holds (``list(table["id"])`` gives pyarrow
+    scalars wrapping bytes or ``None``)."""
+    if isinstance(value, pa.Scalar):
+        value = value.as_py()  # whose str() is the scalar's
+    # A NumPy scalar keeps its own str(): np.float32(0.1) is "0.1", its .item() is not.
+    plain = value.item() if isinstance(value, np.generic) else value
+    if isinstance(plain, _NOT_AN_ID):
         hint = (
-            "; decode bytes first, e.g. id.decode()" if isinstance(value, bytes | bytearray) else ""
+            "; decode bytes first, e.g. id.decode()" if isinstance(plain, bytes | bytearray) else ""
         )
         raise ValueError(
-            f"sample_ids_metadata: slice {slice_} holds the {type(value).__name__} "
-            f"{_shown(value)}, which is no sample id: a sample id is a str, a number, or an "
+            f"sample_ids_metadata: slice {slice_} holds the {type(plain).__name__} "
+            f"{_shown(plain)}, which is no sample id: a sample id is a str, a number, or an "
             f"object whose str() is the id (a UUID, a path){hint}"
         )
     text = value if isinstance(value, str) else str(value)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any, NamedTuple
 
+import pyarrow as pa
+
 from batchweave._checks import as_count, check_int64
 from batchweave._errors import FormatError
 from batchweave._format._checksum import (
@@ -70,6 +72,8 @@ class TgbBuilder:
         self._codec = get_codec(codec)
         check_compression(compression)
         checksum_bits(checksum_algo)  # validates the name
+        if not isinstance(metadata, Mapping | None):
+            _check_metadata(metadata)  # dict() would take pairs, or fail not naming metadata
         meta = dict(metadata or {})
         _check_metadata(meta)
         _check_sample_ids(meta, mesh)
@@ -121,9 +125,9 @@ class TgbBuilder:
         try:
             # Encoded first: the codec's type check must run before sample_count looks inside.
             encoded = self._codec.encode(payload)
-        except TypeError as exc:
+        except (TypeError, ValueError, pa.ArrowException) as exc:
             d, c = divmod(index, self._mesh.cp)
-            raise TypeError(f"slice ({d}, {c}): {exc}") from exc
+            raise _slice_error(exc, f"slice ({d}, {c}): {exc}") from exc
         if sample_count is None:
             sample_count = self._codec.sample_count(payload)
         else:
@@ -192,6 +196,19 @@ class TgbBuilder:
         return EncodedTgb(
             parts=parts, footer=footer, footer_offset=offset, footer_length=len(footer_bytes)
         )
+
+
+def _slice_error(exc: Exception, message: str) -> Exception:
+    """An error of ``exc``'s family (``TypeError``, ``ValueError``, or else its own pyarrow
+    type) carrying ``message``, which names the slice."""
+    if isinstance(exc, TypeError):
+        return TypeError(message)
+    if isinstance(exc, ValueError):
+        return ValueError(message)
+    try:
+        return type(exc)(message)
+    except Exception:  # an exception type that takes other arguments: keep the original
+        return exc
 
 
 def _check_metadata(metadata: object) -> None:
