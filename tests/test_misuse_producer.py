@@ -155,7 +155,6 @@ def test_a_dropped_producer_commits_what_it_holds_then_its_threads_end(
     ]
     assert len(ours) == 2
     ref = weakref.ref(p)
-    cond = p._cond
     del p
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -170,11 +169,9 @@ def test_a_dropped_producer_commits_what_it_holds_then_its_threads_end(
             warnings.simplefilter("always")
             gated.gate.set()
             assert busy.emptied.wait(10), "never committed its TGB and let go of the producer"
-            # The commit thread leaves _BUSY holding the lock, and lets go of the producer
-            # before it waits (releasing the lock): once the lock is ours, it was freed, and
-            # its __del__ warned (the warning's source keeps it now, so no weakref check).
-            with cond:
-                [message] = _resource_warnings(caught, "drop-0")
+            # The commit thread warns, then leaves _BUSY, then ends, letting go of the producer
+            # (the warning's source keeps it now, so no weakref check).
+            [message] = _resource_warnings(caught, "drop-0")
     finally:
         gc.enable()
     assert "unclosed producer 'drop-0' of namespace 'ns': call close()" in message
@@ -183,6 +180,66 @@ def test_a_dropped_producer_commits_what_it_holds_then_its_threads_end(
         assert not thread.is_alive(), thread.name
     with bw.Producer(store, NS, producer_id="drop-0", mesh=MESH) as again:
         assert again.resume_offset == 1
+
+
+POLICIES = ["dac", "naive", "fixed10", "fixed100", "incr", "aimd"]
+
+
+def _threads_of(pid: str) -> list[threading.Thread]:
+    return [
+        t
+        for t in threading.enumerate()
+        if t.name.startswith((f"bw-commit-{pid}", f"bw-upload-{pid}"))
+    ]
+
+
+def _drop_a_producer(store: MemoryStore, pid: str, policy: str, *, cycle: bool) -> threading.Thread:
+    """Append 3 TGBs to a new producer, then drop it (in a reference cycle if ``cycle``)
+    without close(); return its commit thread."""
+    p = bw.Producer(store, NS, producer_id=pid, mesh=MESH, policy=policy)
+    for offset in range(3):
+        p.append(payloads(offset), offset=offset)
+    if cycle:
+        holder: list[Any] = [p]
+        holder.append(holder)
+    return p._committer
+
+
+def _check_committed_then_freed(policy: str, *, cycle: bool) -> None:
+    store = MemoryStore()
+    pid = f"drop-{policy}-{cycle}"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        commit = _drop_a_producer(store, pid, policy, cycle=cycle)
+        gc.collect()
+        commit.join(10)
+        assert not commit.is_alive(), "the dropped producer never committed and let go"
+    [message] = _resource_warnings(caught, pid)
+    assert "not committed" not in message
+    for thread in _threads_of(pid):
+        thread.join(10)
+        assert not thread.is_alive(), thread.name
+    with bw.Producer(store, NS, producer_id=pid, mesh=MESH) as again:
+        assert again.resume_offset == 3
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_dropped_producer_commits_fewer_tgbs_than_its_policy_counts_then_is_freed(
+    policy: str,
+) -> None:
+    # A count-paced policy (fixed10, fixed100, incr, aimd) waited for more TGBs for ever: the
+    # dropped producer committed nothing and kept its threads (no ResourceWarning) until the
+    # interpreter's exit, its commit thread holding it while it waited on the policy.
+    _check_committed_then_freed(policy, cycle=False)
+
+
+@pytest.mark.parametrize("policy", ["dac", "fixed10"])
+def test_a_producer_dropped_in_a_reference_cycle_commits_what_it_holds_then_is_freed(
+    policy: str,
+) -> None:
+    # The cycle collector clears weak references (the commit thread's to its producer) before
+    # it calls __del__: the thread must wait for __del__, which keeps the producer committing.
+    _check_committed_then_freed(policy, cycle=True)
 
 
 # ---------------------------------------------------------------------------------------------

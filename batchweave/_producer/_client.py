@@ -23,6 +23,7 @@ reports (``_stats``) and the registry that closes producers left open at interpr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -111,11 +112,55 @@ def _event_wait(deadline: float | None, timed_out: Callable[[], BaseException]) 
     return min(_EVENT_WAIT, remaining)
 
 
-class _Idle:
-    """What ``_next_work`` returns when there is nothing to do (holding the producer's lock)."""
+class _Wait:
+    """What ``_next_work`` returns, holding the producer's lock, when the commit loop must wait:
+    its thread waits holding no reference to the producer (``_commit_thread``), so that one
+    dropped without ``close()`` reaches ``Producer.__del__`` whatever its policy waits for.
+    ``sleep`` given: release the lock and sleep ``seconds`` with it; else wait on the condition
+    for at most ``seconds`` (woken by an upload, ``flush()``, ``close()``, ``__del__``)."""
+
+    __slots__ = ("seconds", "sleep")
+
+    def __init__(self, seconds: float, sleep: Callable[[float], object] | None = None) -> None:
+        self.seconds = seconds
+        self.sleep = sleep
+
+    def run(self, cond: threading.Condition) -> None:
+        """Wait as said, then release ``cond``'s lock (held on entry)."""
+        if self.sleep is None:
+            try:
+                cond.wait(self.seconds)
+            finally:
+                cond.release()
+        else:
+            cond.release()
+            self.sleep(self.seconds)
 
 
-_IDLE = _Idle()
+_IDLE = _Wait(_EVENT_WAIT)
+
+
+class _Pace:
+    """The commit loop's waits toward its next attempt, kept across the turns that wait for it
+    (see ``Producer._next_work_locked``)."""
+
+    __slots__ = ("forced_left", "gap_waited", "regular_left", "slept", "slept_gap", "wait_began")
+
+    def __init__(self) -> None:
+        # Set once the whole remaining gap was slept: a clock too coarse to show it (or a fake
+        # one advancing by less than float resolution) must not keep the loop waiting forever.
+        self.gap_waited = False
+        # What is left of the first forced and regular (slot) waits computed, counting the time
+        # slept against them: a wall clock that stands still or has 1 s resolution gives the
+        # same wait at every check (the slot never opens on it), so once the wait first computed
+        # has been slept, the attempt goes ahead (out of its slot, as with random phases).
+        self.forced_left = math.inf
+        self.regular_left = math.inf
+        self.wait_began: float | None = None
+        """``time.monotonic()`` when the last turn began waiting on the condition."""
+        self.slept = 0.0
+        """Seconds the last turn slept (an injected sleep), whether that was the whole gap."""
+        self.slept_gap = False
 
 
 def _check_horizon(policy: CommitPolicy, active_horizon: float) -> None:
@@ -333,6 +378,11 @@ class Producer:
         """Whether a commit carrying the sealed flag was sent (it may land after its seal()
         gave up): a sealed manifest is then this producer's own doing."""
         self._sealed = False
+        self._pace: _Pace | None = None
+        """The commit loop's waits toward its next attempt, while it waits for it."""
+        self._dropped = False
+        """Set by ``__del__``: dropped without ``close()`` holding TGBs, this producer is kept
+        alive, and its commit attempts are forced (as by ``flush()``) until it committed them."""
         self._last_attempt_end = -math.inf
         self._waited = 0.0
         """Seconds the commit loop waited since ``_last_attempt_end`` (set with it): a lower
@@ -378,11 +428,12 @@ class Producer:
         self._resume_offset = 0 if state.offset is None else state.offset + 1
 
         self._uploads = UploadThreads(upload_threads, name=f"bw-upload-{producer_id}")
-        # The thread holds this producer only during its turns (see _commit_thread), and _lifetime
-        # while it has TGBs to commit: one dropped without close() commits them, then is freed.
+        # The thread holds this producer only during its turns (see _commit_thread): one dropped
+        # without close() holding TGBs is kept alive by __del__ until it committed them.
+        self._link = _Link(self)
         self._committer = threading.Thread(
             target=_commit_thread,
-            args=(weakref.ref(self),),
+            args=(self._link,),
             name=f"bw-commit-{producer_id}",
             daemon=True,
         )
@@ -501,7 +552,6 @@ class Producer:
                 self._check_usable_locked()
                 # Re-checked: another thread may have appended while this one encoded.
                 self._check_offset_locked(offset)
-                _lifetime.add_busy(self)
                 # Plain assignments up to the one call that ends them: an interrupt lands
                 # before this registration or after all of it, and _withdraw undoes each part.
                 previous = self._last_appended
@@ -751,25 +801,72 @@ class Producer:
         )
 
     def __del__(self) -> None:
-        # Freed without close() or abort(): only once it had nothing left to commit (_lifetime
-        # holds it until then), so this stops idle threads.
+        # Dropped without close() or abort(). Holding TGBs it can still commit, it stays alive
+        # (resurrected) and commits them, forced as by flush(); its commit thread frees it after
+        # that (_let_go). Otherwise it is freed now: its idle threads stop.
         try:
-            if not self.__dict__.get("_started") or self._closed or self._pid != current_pid():
+            if not self.__dict__.get("_started") or self._pid != current_pid():
                 return
-            self._aborted = True  # the commit thread also ends on its own: it sees no producer
-            _lifetime.discard_unclosed(self)
-            self._uploads.shutdown(wait=False, cancel=True)
-            left = f"; {self._pending_locked()} were not committed" if self._entries else ""
+            link = self._link
+            with link.lock:  # one section: the commit thread sees finalized and kept together
+                link.finalized = True
+                link.changed.notify_all()
+                if self._closed:
+                    return
+                holding = self._error is None and not self._aborted and bool(self._entries)
+                if holding and self._keep_committing():
+                    return
+            self._let_go()
+        except Exception:
+            pass  # interpreter teardown (modules half gone): never raise from __del__
+
+    def _keep_committing(self) -> bool:
+        """From ``__del__``: keep this dropped producer alive, committing what it holds, until
+        its commit thread ends; ``False`` if that thread already ended (nothing would commit).
+
+        Never blocks on the producer's lock (a finalizer runs wherever the collector does): a
+        missed wake-up only delays the next forced attempt by one wait of the loop.
+        """
+        link = self._link
+        with link.lock:
+            if link.ended:
+                return False
+            self._dropped = True
+            # The commit thread reaches it through the link even if the cycle collector cleared
+            # its weak references before calling __del__ (and _UNCLOSED's with them).
+            link.kept = self
+            # Under the link's lock: the thread's _let_go (after it set ``ended``) comes later.
+            _lifetime.add_busy(self)
+            _lifetime.add_unclosed(self)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._cond.notify_all()
+            finally:
+                self._lock.release()
+        return True
+
+    def _let_go(self) -> None:
+        """Free a producer dropped without ``close()``: stop its upload threads and say so
+        (``ResourceWarning``). From ``__del__``, or from the commit thread once a dropped
+        producer committed what it held (or failed)."""
+        if self._closed:
+            _lifetime.discard_busy(self)
+            return  # the exit hook closed it while it was committing
+        self._aborted = True  # the commit thread also ends on its own: it sees no producer
+        _lifetime.discard_unclosed(self)
+        self._uploads.shutdown(wait=False, cancel=True)
+        left = f"; {self._pending_locked()} were not committed" if self._entries else ""
+        try:
             warnings.warn(
-                f"unclosed producer {self._producer_id!r} of namespace {self._namespace!r}: call "
-                f"close(), or use `with bw.Producer(...) as p:`, to commit what it appended and "
-                f"stop its threads{left}",
+                f"unclosed producer {self._producer_id!r} of namespace {self._namespace!r}: "
+                f"call close(), or use `with bw.Producer(...) as p:`, to commit what it "
+                f"appended and stop its threads{left}",
                 ResourceWarning,
                 stacklevel=2,
                 source=self,
             )
-        except Exception:
-            pass  # interpreter teardown (modules half gone): never raise from __del__
+        finally:  # a warning filter may raise it (-W error)
+            _lifetime.discard_busy(self)  # last: once out of it, it was let go of
 
     def _check_process(self) -> None:
         """Refuse use in a fork()ed child: the threads that upload and commit are the parent's."""
@@ -1002,10 +1099,10 @@ class Producer:
     def _fail(self, exc: BaseException) -> None:
         with self._lock:
             self._store_error_locked(exc)
-            # Nothing can commit its entries now: let it be freed once dropped (its threads end,
-            # see __del__). While it is alive, the exit hook still names what it did not commit
-            # (it is in _lifetime's unclosed producers until closed, aborted or freed).
-            _lifetime.discard_busy(self)
+            # Nothing can commit its entries now: once dropped it is freed (its commit thread
+            # ends, and frees one dropped earlier: _let_go). While it is alive, the exit hook
+            # still names what it did not commit (it is in _lifetime's unclosed producers until
+            # closed, aborted or freed).
             self._cond.notify_all()
         # Formatted here: a handler that keeps records (a buffer, pytest's capture) would keep
         # the exception, its traceback's frames and so this producer alive through the args.
@@ -1017,13 +1114,14 @@ class Producer:
     # ------------------------------------------------------------------------------------------
     # commit loop (one thread)
 
-    def _commit_turn(self) -> bool | None:
+    def _commit_turn(self) -> bool | _Wait:
         """One turn of the commit loop (see ``_commit_thread``): ``False`` once it must stop,
-        ``None`` when there is nothing to do, returned holding ``self._cond``."""
+        ``True`` after an attempt, or the ``_Wait`` to run before the next turn, returned
+        holding ``self._cond``."""
         try:
             seal = self._next_work()
-            if isinstance(seal, _Idle):
-                return None
+            if isinstance(seal, _Wait):
+                return seal
             if seal is None:
                 return False
             try:
@@ -1079,11 +1177,12 @@ class Producer:
             batch.append(entry)
         return batch
 
-    def _next_work(self) -> bool | _Idle | None:
+    def _next_work(self) -> bool | _Wait | None:
         """Block until an attempt should start; return whether it seals, or None to stop.
 
-        With nothing to do, return ``_IDLE`` still holding ``self._cond``, for the caller to
-        wait on it (without a missed wake-up) after dropping its reference to this producer.
+        With nothing to do yet, return a ``_Wait`` still holding ``self._cond``, for the caller
+        to run (without a missed wake-up) after dropping its reference to this producer, then
+        call again.
         """
         self._cond.acquire()
         try:
@@ -1091,106 +1190,99 @@ class Producer:
         except BaseException:
             self._cond.release()
             raise
-        if not isinstance(work, _Idle):
+        if not isinstance(work, _Wait):
             self._cond.release()
         return work
 
-    def _next_work_locked(self) -> bool | _Idle | None:
-        # Set once the whole remaining gap was slept: a clock too coarse to show it (or a fake one
-        # advancing by less than float resolution) must not keep the loop waiting forever.
-        gap_waited = False
-        # What is left of the first forced and regular (slot) waits computed here, counting the
-        # time slept against them: a wall clock that stands still or has 1 s resolution gives the
-        # same wait at every check (the slot never opens on it), so once the wait first computed
-        # has been slept, the attempt goes ahead (out of its slot, as with random phases).
-        forced_left = regular_left = math.inf
-        while True:
-            if self._error is not None or self._aborted:
-                return None
-            n = len(self._committable_locked())
-            seal_now = self._seal_requests > 0 and not self._sealed and not self._entries
-            if n == 0 and not seal_now:
-                if self._closing and not self._entries:
-                    return None
-                if not self._entries:
-                    _lifetime.discard_busy(self)  # nothing of it left to commit: it may be freed
-                return _IDLE
-            if not self._policy_started:
-                return seal_now  # the first work: _begin() starts the policy's pacing
-            forced = seal_now or self._flush_waiters > 0 or self._closing
-            gap = checked_wait(self._policy, "gap", self._policy.gap)
-            # The time this loop waited is a lower bound: a clock that stands still (or one
-            # stepped back, as an NTP step moves clock=time.time) must not hold attempts back.
-            since = max(self._clock() - self._last_attempt_end, self._waited)
-            if gap_waited:
-                since = max(since, gap)
-            # flush()/close() end a stream: they wait only the policy's forced wait (for
-            # DAC, this producer's slot, which a regular attempt would not respect).
-            until_forced = checked_wait(
-                self._policy,
-                "forced_wait",
-                self._policy.forced_wait(since, self._wall_clock(), self._rank),
-            )
-            self._forced_attempt = forced
-            if not forced:
-                forced_left = math.inf  # a later flush() counts its own wait
-            until_regular = None
-            if not forced:
-                regular = self._policy.regular_wait(since, self._wall_clock(), self._rank)
-                if regular is not None:
-                    until_regular = checked_wait(self._policy, "regular_wait", regular)
-            if forced:
-                forced_left = min(forced_left, until_forced)
-                if forced_left <= 0:
-                    return seal_now
-                remaining = forced_left
-            elif until_regular is not None:
-                # The policy paces regular attempts itself (DAC's slots), not with ready().
-                regular_left = min(regular_left, until_regular)
-                if regular_left <= 0:
-                    return seal_now
-                remaining = regular_left
-            else:
-                # An append blocked by max_lag counts these TGBs as visible: publish them
-                # after the gap even if a count-paced policy wants more (nobody could read,
-                # checkpoint past and unblock TGBs that are never committed).
-                if n > 0 and (
-                    self._policy.ready(n, since) or (self._lag.blocked > 0 and since >= gap)
-                ):
-                    return seal_now
-                remaining = gap - since
-            if remaining > 0:
-                chunk = min(remaining, _TIME_WAIT_CHUNK)
-                open_now = not forced and until_forced <= 0 and until_regular is None
-                if open_now and self._sleep is time.sleep:
-                    # A flush()/close() may attempt at once whenever it comes (a lone producer,
-                    # or a policy without turns: no slot to catch, so nothing to poll for).
-                    # On real time, wait on the condition, which flush() and close() notify;
-                    # an injected sleep (which they cannot cut short) sleeps the chunk below.
-                    began = time.monotonic()
-                    self._cond.wait(chunk)
-                    waited = measured_duration(began, time.monotonic())
-                    self._waited += waited
-                    forced_left -= waited
-                    regular_left -= waited
-                    continue
-                if not forced and not open_now:
-                    # A flush()/close() arriving during this sleep (which it cannot cut
-                    # short) must not miss this producer's next forced slot: wake for every
-                    # one and re-check, and poll while inside one. A closer that slept
-                    # through its slot waited up to a whole regular chunk more.
-                    chunk = min(chunk, until_forced if until_forced > 0 else _FORCED_POLL)
-                self._cond.release()
-                try:
-                    self._sleep(chunk)
-                finally:
-                    self._cond.acquire()
-                self._waited += chunk
-                gap_waited = chunk == gap - since
-                forced_left -= chunk  # exactly 0 after the last chunk of a wait
-                regular_left -= chunk
-            else:
-                self._cond.wait(_EVENT_WAIT)
+    def _next_work_locked(self) -> bool | _Wait | None:
+        # What the last turn waited toward this attempt, counted first.
+        pace, self._pace = self._pace or _Pace(), None
+        if pace.wait_began is not None:
+            waited = measured_duration(pace.wait_began, time.monotonic())
+            self._waited += waited
+            pace.forced_left -= waited
+            pace.regular_left -= waited
+            pace.wait_began = None
+        elif pace.slept:
+            self._waited += pace.slept
+            pace.gap_waited = pace.slept_gap
+            pace.forced_left -= pace.slept  # exactly 0 after the last chunk of a wait
+            pace.regular_left -= pace.slept
+            pace.slept = 0.0
+        if self._error is not None or self._aborted:
+            return None
+        n = len(self._committable_locked())
+        seal_now = self._seal_requests > 0 and not self._sealed and not self._entries
+        if n == 0 and not seal_now:
+            if (self._closing or self._dropped) and not self._entries:
+                return None  # one dropped committed what it held: its thread frees it
+            return _IDLE
+        if not self._policy_started:
+            return seal_now  # the first work: _begin() starts the policy's pacing
+        # A producer dropped holding TGBs commits them as flush() would: a count-paced policy
+        # waiting for more would otherwise keep them (and it) for ever.
+        forced = seal_now or self._flush_waiters > 0 or self._closing or self._dropped
+        gap = checked_wait(self._policy, "gap", self._policy.gap)
+        # The time this loop waited is a lower bound: a clock that stands still (or one
+        # stepped back, as an NTP step moves clock=time.time) must not hold attempts back.
+        since = max(self._clock() - self._last_attempt_end, self._waited)
+        if pace.gap_waited:
+            since = max(since, gap)
+        # flush()/close() end a stream: they wait only the policy's forced wait (for
+        # DAC, this producer's slot, which a regular attempt would not respect).
+        until_forced = checked_wait(
+            self._policy,
+            "forced_wait",
+            self._policy.forced_wait(since, self._wall_clock(), self._rank),
+        )
+        self._forced_attempt = forced
+        if not forced:
+            pace.forced_left = math.inf  # a later flush() counts its own wait
+        until_regular = None
+        if not forced:
+            regular = self._policy.regular_wait(since, self._wall_clock(), self._rank)
+            if regular is not None:
+                until_regular = checked_wait(self._policy, "regular_wait", regular)
+        if forced:
+            pace.forced_left = min(pace.forced_left, until_forced)
+            if pace.forced_left <= 0:
+                return seal_now
+            remaining = pace.forced_left
+        elif until_regular is not None:
+            # The policy paces regular attempts itself (DAC's slots), not with ready().
+            pace.regular_left = min(pace.regular_left, until_regular)
+            if pace.regular_left <= 0:
+                return seal_now
+            remaining = pace.regular_left
+        else:
+            # An append blocked by max_lag counts these TGBs as visible: publish them
+            # after the gap even if a count-paced policy wants more (nobody could read,
+            # checkpoint past and unblock TGBs that are never committed).
+            if n > 0 and (self._policy.ready(n, since) or (self._lag.blocked > 0 and since >= gap)):
+                return seal_now
+            remaining = gap - since
+        # Waits are the caller's (see _Wait), which calls again after them, this pace kept.
+        self._pace = pace
+        if remaining <= 0:
+            return _IDLE
+        chunk = min(remaining, _TIME_WAIT_CHUNK)
+        open_now = not forced and until_forced <= 0 and until_regular is None
+        if open_now and self._sleep is time.sleep:
+            # A flush()/close() may attempt at once whenever it comes (a lone producer, or a
+            # policy without turns: no slot to catch, so nothing to poll for). On real time,
+            # wait on the condition, which flush() and close() notify; an injected sleep
+            # (which they cannot cut short) sleeps the chunk below.
+            pace.wait_began = time.monotonic()
+            return _Wait(chunk)
+        if not forced and not open_now:
+            # A flush()/close() arriving during this sleep (which it cannot cut short) must
+            # not miss this producer's next forced slot: wake for every one and re-check, and
+            # poll while inside one. A closer that slept through its slot waited up to a whole
+            # regular chunk more.
+            chunk = min(chunk, until_forced if until_forced > 0 else _FORCED_POLL)
+        pace.slept = chunk
+        pace.slept_gap = chunk == gap - since
+        return _Wait(chunk, self._sleep)
 
     def _begin(self) -> None:
         """Start the policy's pacing when there is first something to commit.
@@ -1493,26 +1585,69 @@ class Producer:
         self._uploads.shutdown(wait=not abort and join_timeout is None, cancel=abort)
 
 
-def _commit_thread(ref: weakref.ReferenceType[Producer]) -> None:
+class _Link:
+    """What a commit thread holds of its producer: a weak reference, and, once ``__del__``
+    kept the producer dropped holding TGBs alive, the producer itself (``kept``), until the
+    thread ends (``ended``). ``finalized``: its ``__del__`` ran. All guarded by ``lock``."""
+
+    __slots__ = ("changed", "ended", "finalized", "kept", "lock", "ref")
+
+    def __init__(self, producer: Producer) -> None:
+        self.ref = weakref.ref(producer)
+        self.kept: Producer | None = None
+        self.ended = False
+        self.finalized = False
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        """Notified when ``__del__`` ran."""
+
+    def get(self) -> Producer | None:
+        """The producer, or ``None`` once it was freed; call holding ``lock``.
+
+        The cycle collector clears weak references before it calls ``__del__``, which may yet
+        keep the producer: until then, wait for it.
+        """
+        while (producer := self.kept or self.ref()) is None and not self.finalized:
+            self.changed.wait()
+        return producer
+
+
+def _commit_thread(link: _Link) -> None:
     """The commit loop: a producer's turns, holding it only during a turn.
 
-    Between turns it waits on the producer's condition holding no reference to the producer, so
-    one dropped without ``close()`` can be freed (``Producer.__del__``) once ``_lifetime`` lets go
-    of it, when it has nothing left to commit; the loop then ends at its next wake-up.
+    Between turns it waits (``_Wait``: for an event, or for its policy's pacing) holding no
+    reference to the producer, so one dropped without ``close()`` reaches ``Producer.__del__``:
+    with nothing to commit it is freed, and the loop ends at its next wake-up; holding TGBs it
+    is kept alive (``link.kept``) and commits them, forced, and the loop then ends and frees it
+    (``Producer._let_go``).
     """
-    while True:
-        producer = ref()
-        if producer is None:
-            return
-        turn = producer._commit_turn()
-        if turn is None:  # idle: _commit_turn returned holding the condition's lock
-            cond = producer._cond
+    try:
+        while True:
+            with link.lock:
+                producer = link.get()
+                if producer is None:
+                    link.ended = True
+                    return
+            turn = producer._commit_turn()
+            if isinstance(turn, _Wait):  # returned holding the condition's lock
+                cond = producer._cond
+                del producer
+                try:
+                    turn.run(cond)
+                except BaseException as exc:  # an injected sleep failed: as in a turn
+                    with link.lock:
+                        producer = link.get()
+                    if producer is not None:
+                        producer._fail(producer._commit_failure(exc))
+                    return
+                continue
             del producer
-            try:
-                cond.wait(_EVENT_WAIT)
-            finally:
-                cond.release()
-            continue
-        del producer
-        if not turn:
-            return
+            if not turn:
+                return
+    finally:
+        with link.lock:
+            link.ended = True
+            kept, link.kept = link.kept, None
+        if kept is not None:
+            with contextlib.suppress(Exception):  # a ResourceWarning made an error: as __del__
+                kept._let_go()

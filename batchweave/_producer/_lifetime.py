@@ -1,11 +1,11 @@
 """The registry of unclosed producers, and the interpreter-exit hook that closes them.
 
 A producer that is never closed must still commit what it was given: the registry keeps one
-holding uncommitted TGBs alive, and the exit hook closes each one left open as the interpreter
-exits, within ``EXIT_CLOSE_TIMEOUT`` for all, after waiting for the live non-daemon threads
-whose ``with`` block still holds one (they close their own, and the interpreter waits for
-them). This is process-wide state, apart from any one producer, which only reports itself in
-and out of it.
+dropped holding uncommitted TGBs alive until it committed them, and the exit hook closes each
+one left open as the interpreter exits, within ``EXIT_CLOSE_TIMEOUT`` for all, after waiting
+for the live non-daemon threads whose ``with`` block still holds one (they close their own, and
+the interpreter waits for them). This is process-wide state, apart from any one producer,
+which only reports itself in and out of it.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ not committed by then is named in an ERROR line, and the producers are aborted."
 _UNCLOSED: weakref.WeakSet[Producer] = weakref.WeakSet()
 """The producers of this process not yet closed or aborted (weak: dropping one still frees it)."""
 _BUSY: set[Producer] = set()
-"""The open producers holding TGBs not known to be committed: kept alive while they do, so one
-dropped without ``close()`` commits them first (and its threads end after that). A commit turn
-removes its producer once idle, and a failure at once (nothing can commit its TGBs any more: one
-dropped is freed; one still alive at exit is in ``_UNCLOSED``, and the exit hook names what it
-could not commit)."""
+"""The producers dropped without ``close()`` while holding TGBs not known to be committed: kept
+alive (``Producer.__del__`` resurrects one here) while they commit them, forced as by ``flush()``
+whatever the policy's pacing. Its commit thread removes one, and frees it, once it has nothing
+left to commit or failed (nothing can commit its TGBs any more). A producer still referenced is
+never here: ``__del__`` is what says it was dropped."""
 
 _WITH_THREADS: weakref.WeakKeyDictionary[Producer, list[threading.Thread]] = (
     weakref.WeakKeyDictionary()
@@ -70,12 +70,12 @@ def discard_unclosed(producer: Producer) -> None:
 
 
 def add_busy(producer: Producer) -> None:
-    """Keep ``producer`` alive: it holds TGBs not known to be committed."""
+    """Keep ``producer``, dropped without ``close()``, alive: it holds TGBs to commit."""
     _BUSY.add(producer)
 
 
 def discard_busy(producer: Producer) -> None:
-    """Let ``producer`` be freed once dropped: nothing of it is left to commit."""
+    """Let ``producer`` be freed: nothing of it is left to commit, or nothing can commit it."""
     _BUSY.discard(producer)
 
 
