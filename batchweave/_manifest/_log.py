@@ -15,7 +15,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from batchweave._checks import check_namespace, check_store
@@ -49,6 +49,7 @@ from batchweave._manifest._segments import (
 )
 from batchweave._mesh import Mesh
 from batchweave._store._base import Bounded, ObjectStore
+from batchweave._store._wrappers import LIST_PAGE_SIZE
 
 __all__ = [
     "MANIFESTS_DIR",
@@ -553,12 +554,67 @@ class ManifestLog:
                     "BatchWeave did not write; choose an empty prefix for a new namespace"
                 )
 
-    def _version_keys(self, start_after: str | None = None) -> Iterator[tuple[int, str]]:
+    def _version_keys(
+        self, start_after: str | None = None
+    ) -> Generator[tuple[int, str], None, None]:
         prefix = self.key(f"{MANIFESTS_DIR}/")
         for meta in self.store.list(prefix, start_after=start_after):
             match = _VERSION_RE.fullmatch(meta.key[len(prefix) :])
             if match is not None:
                 yield int(match.group(1)), meta.key
+
+    def _listed_page(self, after: int | None) -> tuple[int | None, bool]:
+        """One LIST page of the versions after version ``after`` (``None``: from the start):
+        the newest of them (``None``: none listed), and whether the page was full, so that more
+        may follow. The listing is abandoned after a page: a probe costs one request."""
+        start_after = None if after is None else self.key(manifest_key(after))
+        newest: int | None = None
+        listing = self._version_keys(start_after)
+        for count, (version, _) in enumerate(listing, 1):
+            if after is None or version > after:
+                newest = version if newest is None else max(newest, version)  # not trusting order
+            if count == LIST_PAGE_SIZE:
+                listing.close()
+                return newest, True
+        return newest, False
+
+    def _newest_listed(self, after: int | None) -> int | None:
+        """The newest version listed after version ``after`` (``None``: from the start), or
+        ``None`` when none is; O(log(versions / page)) LIST requests, not one per page.
+
+        Version keys sort as version numbers, and the versions above the reclaimed ones are
+        dense, so a LIST page after any version tells whether the newest lies within it (a page
+        that is not full) or beyond it. Past a full first page, pages after versions ever
+        farther ahead (one page, two, four...) find one that lists nothing, and bisecting
+        between the highest version listed and it finds the last page. What a probe lists
+        never lowers the answer: a listing that lags behind the writes, or versions reclaimed
+        meanwhile, make a probe list nothing too early, and the answer is then at least the
+        newest version listed so far (:meth:`_not_behind_seen` checks it as before).
+        """
+        newest, full = self._listed_page(after)
+        if not full or newest is None:
+            return newest
+        empty: int | None = None  # a probe listed nothing after this version
+        stride = LIST_PAGE_SIZE
+        while True:
+            if empty is None:
+                probe = newest + stride
+                stride *= 2
+            elif empty - newest > LIST_PAGE_SIZE:
+                probe = (newest + empty) // 2
+            else:
+                probe = newest  # the newest lies within one page after it
+            found, full = self._listed_page(probe)
+            if found is None:
+                if probe == newest:
+                    return newest
+                empty = probe
+                continue
+            newest = max(newest, found)
+            if not full or newest == empty:  # the page ended where nothing was listed after
+                return newest
+            if empty is not None and newest > empty:  # committed since that probe
+                empty, stride = None, LIST_PAGE_SIZE
 
     def versions(self) -> Iterator[int]:
         """Committed version numbers in increasing order (one LIST; for tools and the reclaimer)."""
@@ -569,9 +625,10 @@ class ManifestLog:
         """The newest version.
 
         With ``known`` current this costs one GET (of ``known.version + 1``, absent). When behind,
-        a LIST starting after that version jumps to the newest, which is then read. Without
-        ``known`` a LIST from the start finds it (old versions are reclaimed, so it is short); so
-        does a ``known`` that a commit found reclaimed, since its successor may be gone too.
+        LISTs after that version find the newest (:meth:`_newest_listed`: a few, however far
+        behind), which is then read. Without ``known`` the search starts from the first version;
+        so does it for a ``known`` that a commit found reclaimed, since its successor may be gone
+        too.
         Never older than the newest version this client saw: a :class:`FormatError` if that
         one is gone with only older ones left (see :meth:`_not_behind_seen`).
         """
@@ -620,29 +677,26 @@ class ManifestLog:
 
     def latest_from(self, known: Manifest | None) -> Manifest:
         """The newest version, found from ``known`` (the newest version an earlier lookup
-        returned) with one LIST and one GET, trusting no clock; for callers that look up
-        seldom (a checkpoint's watermark, a reclaimer pass), when ``known`` is likely old.
+        returned) with LISTs and one GET, trusting no clock; for callers that look up seldom (a
+        checkpoint's watermark, a reclaimer pass), when ``known`` is likely old.
 
-        The LIST shows the versions after ``known``; the newest of them is read. It finds the
-        newest even when ``known`` and its successor were reclaimed meanwhile (the newest is
-        never deleted). When none is listed, ``known`` is read back and must be the same commit
-        (``namespace_id`` and ``commit_id``): nothing listed after a version that is gone proves
-        nothing. Its prefix may have been deleted, or re-created with fewer versions, and the
-        caller would otherwise go on with another namespace's manifest. A ``known`` that is gone
-        or different leads to a lookup without it, as :meth:`latest` does:
-        :class:`NamespaceNotFound` when nothing is left, :class:`NamespaceMismatch` for a
-        re-created namespace (another ``namespace_id``; reading it back already refuses it). A
-        confirmed ``known`` was the newest when listed: the reclaimer deletes versions oldest
-        first and never the newest, so had a newer version been written before the LIST, it
-        would still exist, and have been listed.
+        LISTs after ``known`` find the newest version listed (:meth:`_newest_listed`), which is
+        read. It finds the newest even when ``known`` and its successor were reclaimed meanwhile
+        (the newest is never deleted). When none is listed, ``known`` is read back and must be the
+        same commit (``namespace_id`` and ``commit_id``): nothing listed after a version that is
+        gone proves nothing. Its prefix may have been deleted, or re-created with fewer versions,
+        and the caller would otherwise go on with another namespace's manifest. A ``known`` that is
+        gone or different leads to a lookup without it, as :meth:`latest` does:
+        :class:`NamespaceNotFound` when nothing is left, :class:`NamespaceMismatch` for a re-created
+        namespace (another ``namespace_id``; reading it back already refuses it). A confirmed
+        ``known`` was the newest when listed: the reclaimer deletes versions oldest first and never
+        the newest, so had a newer version been written before the LIST, it would still exist, and
+        have been listed.
         """
         if known is None:
             return self.latest()
         asked_at = self._monotonic()
-        newest: int | None = None
-        for version, _ in self._version_keys(self.key(manifest_key(known.version))):
-            if version > known.version:
-                newest = version if newest is None else max(newest, version)
+        newest = self._newest_listed(known.version)
         if newest is None:
             if not self._still_there(known):  # gone or another commit: a prefix deleted?
                 return self.latest()
@@ -658,7 +712,7 @@ class ManifestLog:
 
     def _find_latest(self, known: Manifest | None) -> tuple[Manifest, bool]:
         """The newest version, and whether it was read and a LIST showed nothing after it."""
-        start_after: str | None = None
+        after: int | None = None
         found: Manifest | None = None
         if known is not None and known.version < self._reclaimed_below:
             known = None  # its successor may be reclaimed too: a probe would wrongly say "current"
@@ -675,12 +729,8 @@ class ManifestLog:
                 # An old ``known`` may have had its successor reclaimed, so a missing
                 # ``known.version + 1`` proves nothing: one LIST after it decides.
                 found = known
-                start_after = self.key(manifest_key(known.version))
-            else:
-                start_after = self.key(manifest_key(found.version))
-        newest: int | None = None
-        for version, _ in self._version_keys(start_after):
-            newest = version if newest is None else max(newest, version)  # not trusting order
+            after = found.version
+        newest = self._newest_listed(after)
         if newest is not None:
             return self.read(newest), True
         if found is not None and found is not known:
