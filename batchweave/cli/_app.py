@@ -518,7 +518,8 @@ def export(
             "PAR1); --overwrite replaces only a Parquet file: choose another destination or "
             "remove the file"
         )
-    if destination.exists() and not overwrite:
+    empty_dir = destination.is_dir() and not any(destination.iterdir())  # written into
+    if destination.exists() and not empty_dir and not overwrite:
         raise CliFailure(f"{destination} exists; pass --overwrite to replace it")
     if not destination.parent.is_dir():
         _refuse_missing_parent(destination)
