@@ -761,7 +761,11 @@ class _LoaderIterator:
     """One iteration over a :class:`WeaveLoader`, usable until a newer one replaces it.
 
     Not a generator itself, so that a replaced iterator can say why it delivers nothing (a
-    closed generator would just stop, and a loop over it would end as if the data had).
+    closed generator would just stop, and a loop over it would end as if the data had). For the
+    same reason a step's error (``ConsumerTimeout``, a dead worker, Ctrl-C) leaves it usable:
+    the error finished the iteration's generator (and shut its workers down), so the next
+    ``next()`` starts a fresh one (a new DataLoader, new workers) at the loader's next step and
+    retries that step, as a :class:`~batchweave.Consumer` does.
     """
 
     def __init__(self, loader: WeaveLoader, number: int) -> None:
@@ -788,6 +792,13 @@ class _LoaderIterator:
             raise
         except _Replaced:  # replaced on another thread while this one waited for the step
             raise self._replaced_error() from None
+        except BaseException:
+            # The step's error ended the generator: the next next() retries the step in a new
+            # one (created now, it runs nothing before that next()). An error that left it
+            # running (another thread's next() in progress) leaves it to that thread.
+            if inspect.getgeneratorstate(self._steps) == inspect.GEN_CLOSED:
+                self._steps = self._loader._iterate(self._number)
+            raise
 
     def _replaced_error(self) -> ConsumerError:
         """Why a replaced iterator delivers nothing (and where its replacement went on)."""

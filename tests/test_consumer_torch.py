@@ -12,6 +12,7 @@ wait that would never end fails the test instead of hanging it.
 from __future__ import annotations
 
 import collections
+import multiprocessing
 import pickle
 import socket
 from pathlib import Path
@@ -476,4 +477,46 @@ def test_a_loader_without_workers_takes_the_dataloader_timeout_as_the_consumers(
     with pytest.raises(ConsumerTimeout):
         next(iter(loader))
     assert fake.now - started == pytest.approx(5.0)
+    loader.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_next_after_a_steps_error_retries_the_step_on_the_same_iterator(
+    tmp_path: Path, fake: FakeTime, workers: int
+) -> None:
+    # Before: the error finished the iterator's generator, so the next next() raised
+    # StopIteration: a retry loop ended as if the stream had, though the producer went on.
+    mesh = Mesh(dp=1, cp=1)
+    producer = bw.Producer(FileStore(tmp_path, fsync=False), NS, producer_id="p", mesh=mesh)
+    for offset in range(3):
+        producer.append([bytes([offset])], offset=offset)
+    producer.flush()
+    dataset = WeaveDataset(
+        tmp_path.as_uri(),
+        NS,
+        mesh=mesh,
+        dp_rank=0,
+        cp_rank=0,
+        timeout=1.0,  # fake seconds: each worker forks its own copy of the fake clock
+        clock=fake.clock,
+        sleep=fake.sleep,
+    )
+    options: dict[str, Any] = {"num_workers": workers, "collate_fn": bytes}
+    if workers:
+        options["multiprocessing_context"] = "fork"
+    loader = WeaveLoader(dataset, **options)
+    steps = iter(loader)
+    assert [next(steps) for _ in range(3)] == [(0, b"\0"), (1, b"\1"), (2, b"\2")]
+    with pytest.raises(ConsumerTimeout):  # producers are behind: the head times out
+        next(steps)
+    assert multiprocessing.active_children() == []  # the failed iteration's workers are gone
+    for offset in range(3, 6):
+        producer.append([bytes([offset])], offset=offset)
+    producer.seal()
+    producer.close()
+    assert [(int(step), data) for step, data in steps] == [(3, b"\3"), (4, b"\4"), (5, b"\5")]
+    assert loader.state_dict()["step"] == 6
+    with pytest.raises(StopIteration):  # sealed and delivered: the iterator stays ended
+        next(steps)
+    assert multiprocessing.active_children() == []
     loader.close()

@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_consumer import produce
+from test_consumer import payload, produce
 from test_consumer_torch import MESH
 
 import batchweave
-from batchweave import FileStore
+from batchweave import FileStore, Producer
 from batchweave.torch import WeaveDataset, WeaveLoader
 
 pytestmark = pytest.mark.skipif(
@@ -57,14 +57,21 @@ def main() -> None:
         poll_interval=2, max_poll_interval=2,  # waiting workers spend their time asleep
     )
     loader = WeaveLoader(dataset, num_workers=2, multiprocessing_context=context)
+    steps = iter(loader)
     try:
-        for step, _ in loader:
+        for step, _ in steps:
             print("step", int(step), flush=True)
             if int(step) == last:  # both workers now wait for producers
                 pids = [p.pid for p in multiprocessing.active_children()]
                 print("workers", *pids, flush=True)
     except Exception as exc:
         print("loop ended:", type(exc).__name__, exc, flush=True)
+    if "--retry" in sys.argv:  # once the test says the producers went on, retry the step
+        print("children", len(multiprocessing.active_children()), flush=True)
+        sys.stdin.readline()
+        for step, _ in steps:
+            print("step", int(step), flush=True)
+        print("children", len(multiprocessing.active_children()), flush=True)
     print("checkpoint", loader.state_dict()["step"], flush=True)
     loader.close()
 
@@ -114,6 +121,7 @@ class Trainer:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), *sys.path])}
         self.proc = subprocess.Popen(
             [sys.executable, str(script), url, context, "1", *options],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -155,6 +163,12 @@ class Trainer:
                 assert time.monotonic() < deadline, f"worker {pid} never waited for producers"
                 time.sleep(0.01)
         return self.workers
+
+    def go_on(self) -> None:
+        """Let a ``--retry`` trainer retry its step (it waits for a line on its stdin)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.close()
 
     def finish(self) -> list[str]:
         """The rest of the output once the trainer exits (fails if it does not in time)."""
@@ -239,6 +253,31 @@ def test_sigterm_to_the_job_while_workers_wait_ends_the_loop_and_state_dict_work
     assert ended[0].startswith("loop ended: RuntimeError DataLoader worker"), output
     assert "exited unexpectedly" in ended[0]
     assert output[-1] == "checkpoint 2"
+
+
+def test_after_a_worker_died_the_same_iterator_retries_the_step_with_new_workers(
+    tmp_path: Path, unsealed: str, trainers: list[Trainer]
+) -> None:
+    # Before: the next next() on the iterator raised StopIteration, so a retry loop ended as if
+    # the stream had, although the producers went on and sealed.
+    _needs_syscall_numbers()
+    trainer = _start(trainers, tmp_path, unsealed, "fork", "--retry")
+    victim, _ = trainer.waiting_workers()
+    os.kill(victim, signal.SIGKILL)
+    ended = trainer.wait_for("loop ended:")
+    assert ended.startswith("loop ended: RuntimeError DataLoader worker"), trainer.output
+    assert trainer.wait_for("children") == "children 0"  # the dead pool was shut down
+    store = FileStore(tmp_path / "s", fsync=False)
+    with Producer(store, "run", producer_id="p0", mesh=MESH, policy="naive") as producer:
+        for offset in (2, 3):
+            slices = [payload(0, offset, d, c, 0) for d in range(MESH.dp) for c in range(MESH.cp)]
+            producer.append(slices, offset=offset)
+        producer.seal()
+    trainer.go_on()
+    output = trainer.finish()
+    assert trainer.proc.returncode == 0, output
+    retried = output[output.index("children 0") + 1 :]
+    assert retried == ["step 2", "step 3", "children 0", "checkpoint 4"], output
 
 
 @pytest.mark.parametrize("context", ["fork", "forkserver", "spawn"])
