@@ -39,10 +39,12 @@ from batchweave._manifest._models import Manifest
 from batchweave._store._base import ObjectStore
 
 __all__ = [
+    "CLOCK_SKEW_TOLERANCE",
     "WATERMARKS_DIR",
     "WATERMARK_FORMAT",
     "Watermark",
     "Watermarks",
+    "recorded_ago",
     "validate_checkpoint_id",
 ]
 
@@ -62,6 +64,9 @@ _LIST_BACKOFF: Final = 0.05
 _LIST_BACKOFF_CAP: Final = 1.0
 """... up to this many seconds (the whole budget then waits about 5.5 s)."""
 _ID_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,199}")
+CLOCK_SKEW_TOLERANCE: Final = 60.0
+"""Seconds a ``recorded_at`` may lie in the future of a reader's clock before it is flagged as
+clock skew (the recording host's clock runs ahead)."""
 
 
 class Watermark(BaseModel):
@@ -76,8 +81,9 @@ class Watermark(BaseModel):
     version: int = Field(ge=0)
     """A manifest version current when the checkpoint was taken; older versions may be deleted."""
     recorded_at: float = Field(default=0.0, allow_inf_nan=False)
-    """Wall-clock seconds when the watermark was written (finite; for operators and the order of
-    ``keep_last``, not for safety). A stored infinity or NaN is damage, as in a manifest."""
+    """Wall-clock seconds when the watermark was written, by the recording host's clock (finite;
+    for operators, not for safety; ``keep_last`` orders by the store's clock and uses it only to
+    break ties). A stored infinity or NaN is damage, as in a manifest."""
 
 
 _SCOPE_ENDS = "-_.=+"
@@ -105,17 +111,32 @@ def validate_checkpoint_id(checkpoint_id: str, name: str = "checkpoint_id") -> s
     return checkpoint_id
 
 
+def recorded_ago(mark: Watermark, now: float) -> str:
+    """How long ago ``mark`` was recorded by wall clock ``now``, for log lines:
+    ``"recorded 12 s ago"``.
+
+    ``recorded_at`` is the recording host's clock, so the age is clamped at 0, and one more than
+    :data:`CLOCK_SKEW_TOLERANCE` in the future is flagged ``"clock skew?"`` (as ``batchweave
+    inspect`` flags it) rather than shown as a negative age.
+    """
+    age = now - mark.recorded_at
+    if age >= -CLOCK_SKEW_TOLERANCE:
+        return f"recorded {max(0.0, age):.0f} s ago"
+    return f"recorded {-age:.0f} s in the future by this host's clock (clock skew?)"
+
+
 class Watermarks:
     """The watermarks of one namespace: record, release, list, and the reclamation boundary.
 
     ``keep_last``: after each :meth:`record`, keep the new watermark and the ``keep_last - 1``
-    others recorded most recently, releasing the rest (``None``: release only explicitly, when
-    the framework deletes a checkpoint). ``scope``: a checkpoint-id prefix that confines this
+    others recorded most recently (by the store's ``last_modified``, one clock every host
+    shares), releasing the rest (``None``: release only explicitly, when the framework deletes a
+    checkpoint). ``scope``: a checkpoint-id prefix that confines this
     instance to one reader's watermarks: :meth:`record` refuses ids outside it and ``keep_last``
     releases only ids inside it, so several readers of one namespace (a training job and an
     evaluation job) never release each other's (``None``: the whole namespace, for a namespace
     with one reader). ``clock`` (wall-clock seconds) is stored in each watermark for operators
-    and orders them for ``keep_last``.
+    (``keep_last`` uses it only to break ties of ``last_modified``).
     ``sleep`` paces the listings :meth:`live` retakes when a watermark vanishes under it.
 
     Safe to use from several processes: every watermark is its own object, written whole.
@@ -201,7 +222,9 @@ class Watermarks:
         consumer had read when the checkpoint was taken; ``None`` reads the namespace's latest
         version (0 if the namespace does not exist yet). Recording the same id again replaces
         its watermark. With ``keep_last``, the watermarks (of this ``scope``) recorded before the
-        ``keep_last - 1`` most recent others are then released.
+        ``keep_last - 1`` most recent others are then released: most recent by the store's
+        ``last_modified`` of each watermark object, so a trainer resuming on a host whose clock is
+        behind still keeps its newest checkpoints (ties: by ``recorded_at``, then id).
         """
         step = as_int("step", step)  # the step counter of a loop is often a NumPy integer
         if step < 0:
@@ -243,16 +266,21 @@ class Watermarks:
         )
         if self.keep_last is not None:
             others = [
-                m
-                for m in self.live()
+                (written, m)
+                for written, m in self._listed(tolerant=False)[0]
                 if m.checkpoint_id != checkpoint_id
                 and (self.scope is None or m.checkpoint_id.startswith(self.scope))
             ]
-            # Most recently recorded first, as a trainer keeps its last K checkpoints: after a
-            # rollback, the checkpoints of the abandoned run (higher steps, recorded earlier)
-            # must not take the slots of the resumed run's.
-            others.sort(key=lambda m: (m.recorded_at, m.step), reverse=True)
-            for old in others[self.keep_last - 1 :]:
+            # Most recently written first, as a trainer keeps its last K checkpoints: after a
+            # rollback, the checkpoints of the abandoned run (higher steps, written earlier)
+            # must not take the slots of the resumed run's. By the store's clock, which every
+            # recorder shares: by recorded_at, a trainer resumed on a host whose clock is behind
+            # would release its newest checkpoints and keep the oldest, stalling the boundary.
+            others.sort(
+                key=lambda pair: (pair[0], pair[1].recorded_at, pair[1].checkpoint_id),
+                reverse=True,
+            )
+            for _, old in others[self.keep_last - 1 :]:
                 self.release(old.checkpoint_id)
         return mark
 
@@ -282,7 +310,7 @@ class Watermarks:
         LIST lags its DELETEs gets time to catch up; :class:`TransientStoreError` if it still
         happens after 10 listings (about 5.5 s of pauses).
         """
-        return self._listed(tolerant=False)[0]
+        return [mark for _, mark in self._listed(tolerant=False)[0]]
 
     def _survey(self) -> tuple[list[Watermark], list[tuple[str, FormatError]]]:
         """Every watermark that can be read (lowest step first, as :meth:`live`), and the key
@@ -292,10 +320,15 @@ class Watermarks:
         live checkpoints stay visible beside every unreadable one. The boundary is unknown while
         any is unreadable; decide nothing on the readable ones alone.
         """
-        return self._listed(tolerant=True)
+        marks, unreadable = self._listed(tolerant=True)
+        return [mark for _, mark in marks], unreadable
 
-    def _listed(self, *, tolerant: bool) -> tuple[list[Watermark], list[tuple[str, FormatError]]]:
-        """:meth:`live`'s listing loop; ``tolerant``: collect decoding errors, do not raise."""
+    def _listed(
+        self, *, tolerant: bool
+    ) -> tuple[list[tuple[float, Watermark]], list[tuple[str, FormatError]]]:
+        """:meth:`live`'s listing loop, each watermark with its object's listed
+        ``last_modified`` (the store's clock); ``tolerant``: collect decoding errors, do not
+        raise."""
         waited = 0.0
         for attempt in range(_LIST_ATTEMPTS):
             if attempt:
@@ -305,7 +338,7 @@ class Watermarks:
             unreadable: list[tuple[str, FormatError]] | None = [] if tolerant else None
             marks, vanished = self._list_once(unreadable)
             if vanished is None:
-                marks.sort(key=lambda m: (m.step, m.checkpoint_id))
+                marks.sort(key=lambda pair: (pair[1].step, pair[1].checkpoint_id))
                 return marks, sorted(unreadable or [], key=lambda bad: bad[0])
             _log.debug("watermark %r vanished while listed; listing again", vanished)
         raise TransientStoreError(
@@ -320,17 +353,18 @@ class Watermarks:
 
     def _list_once(
         self, unreadable: list[tuple[str, FormatError]] | None = None
-    ) -> tuple[list[Watermark], str | None]:
-        """The watermarks of one LIST, and the key of one released before it was read (``None``
-        when none was). A watermark that cannot be decoded raises :class:`FormatError`, or with
-        ``unreadable`` (a list) is appended to it as ``(key, error)`` instead.
+    ) -> tuple[list[tuple[float, Watermark]], str | None]:
+        """The watermarks of one LIST (each with its listed ``last_modified``), and the key of
+        one released before it was read (``None`` when none was). A watermark that cannot be
+        decoded raises :class:`FormatError`, or with ``unreadable`` (a list) is appended to it
+        as ``(key, error)`` instead.
 
         A listing with such a key is stale: its checkpoint's successor is recorded before the
         old one is released (``keep_last`` does so, and so should callers), and may be missing
         from it. Without the released mark its minimum could skip the successor's lower step
         (another reader's watermark above it), so the caller lists again.
         """
-        marks: list[Watermark] = []
+        marks: list[tuple[float, Watermark]] = []
         for meta in self.store.list(self._prefix):
             name = meta.key[len(self._prefix) :]
             if "/" in name or not name.endswith(_SUFFIX):
@@ -340,7 +374,7 @@ class Watermarks:
             except ObjectNotFound:
                 return marks, meta.key  # released between LIST and GET
             try:
-                marks.append(self._decode(data, meta.key))
+                marks.append((meta.last_modified, self._decode(data, meta.key)))
             except FormatError as exc:
                 if unreadable is None:
                     raise

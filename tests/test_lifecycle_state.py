@@ -8,6 +8,9 @@ exactly the bytes that were committed for it.
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 from _reclaimer_worker import FakeClock, Writer, expected_slice
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -104,6 +107,7 @@ class Lifecycle(RuleBasedStateMachine):
     @rule()
     def reclaim(self) -> None:
         report = self.reclaimer.run_once()
+        assert report.seconds >= 0
         if self.checkpoints:
             assert report.base_step_after == min(self.checkpoints.values())
         else:
@@ -137,3 +141,37 @@ TestLifecycle.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_a_wall_clock_stepped_back_mid_pass_gives_no_negative_duration(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Before: the pass was timed with the reclaimer's wall clock: "reclaim pass done in -100.0 s"
+    # and negative ReclaimReport.seconds / ReclaimProgress.seconds after an NTP step back.
+    clock = FakeClock()
+    store = bw.MemoryStore("stepped", clock=clock)
+    writer = Writer(store, NS, MESH, clock=clock)
+    writer.publish(2)
+    bw.Watermarks(store, NS, clock=clock).record("ckpt-1", 1)
+    clock.advance(3 * GRACE)
+    readings = 0
+
+    def stepped() -> float:  # the reclaimer's wall clock: 100 s back after its first reading
+        nonlocal readings
+        readings += 1
+        return clock() - (100.0 if readings > 1 else 0.0)
+
+    progress: list[bw.ReclaimProgress] = []
+    reclaimer = bw.Reclaimer(
+        store, NS, grace=GRACE, clock=stepped, sleep=lambda _: None, progress=progress.append
+    )
+    with caplog.at_level(logging.DEBUG, logger="batchweave.lifecycle"):
+        report = reclaimer.run_once()
+    assert report.base_step_after == 1
+    assert report.seconds >= 0
+    assert progress
+    assert all(p.seconds >= 0 for p in progress)
+    assert [p.seconds for p in progress] == sorted(p.seconds for p in progress)
+    done = [r.getMessage() for r in caplog.records if "reclaim pass done in" in r.getMessage()]
+    assert done
+    assert "in -" not in done[-1]

@@ -27,8 +27,16 @@ import pytest
 from fake_time import FakeTime
 from rich.console import Console
 
-from batchweave import Consumer, ConsumerTimeout, Mesh, Producer, ProducerError, Watermarks
-from batchweave._producer._lag import LAG_WARN_AFTER, LAG_WARN_STUCK
+from batchweave import (
+    Consumer,
+    ConsumerTimeout,
+    Mesh,
+    Producer,
+    ProducerError,
+    Watermark,
+    Watermarks,
+)
+from batchweave._producer._lag import LAG_WARN_AFTER, LAG_WARN_STUCK, diagnose
 from batchweave._store._memory import MemoryStore
 from batchweave.cli._common import CliFailure
 from batchweave.cli._demo import (
@@ -197,6 +205,59 @@ def test_one_watermark_gives_no_interval_and_no_stall_claim(lag_log: Any) -> Non
     handler = lag_log(lambda r: _waited(r) >= 3 * LAG_WARN_STUCK)
     _block(store, fake, max_lag=5, marks={"step-000010": 10}, hold=None, handler=handler)
     assert not any("cannot progress" in r.getMessage() for r in handler.lines)
+
+
+def test_a_watermark_from_a_clock_ahead_shows_no_negative_age() -> None:
+    # Before: "recorded -3600 s ago" when the trainer's clock ran an hour ahead of the producer's.
+    now = 1_800_000_000.0
+    ahead = Watermark(checkpoint_id="ckpt-0", step=0, version=1, recorded_at=now + 3600)
+    holder, _ = diagnose([ahead], 10, 5, now)
+    assert "-3600" not in holder
+    assert "recorded 3600 s in the future by this host's clock (clock skew?)" in holder
+    # Ordinary skew of a few seconds is no news: clamped at 0, not flagged.
+    slightly = ahead.model_copy(update={"recorded_at": now + 2})
+    assert diagnose([slightly], 10, 5, now)[0].endswith("recorded 0 s ago")
+    older = ahead.model_copy(update={"recorded_at": now - 12})
+    assert diagnose([older], 10, 5, now)[0].endswith("recorded 12 s ago")
+
+
+def test_a_clock_stepped_back_neither_shows_a_negative_wait_nor_postpones_the_warning(
+    lag_log: Any,
+) -> None:
+    # Before: now - blocked_since, unclamped: "waiting -90 s so far" after the producer host's
+    # clock stepped back 100 s (NTP), and the no-watermark WARNING came 100 s late.
+    store, fake = MemoryStore(), FakeTime(1000.0)
+    first_line: list[float] = []
+    warned_at: list[float] = []
+
+    def until(record: logging.LogRecord) -> bool:
+        first_line[:] = first_line or [fake.clock()]
+        if record.levelno == logging.WARNING:
+            warned_at.append(fake.clock())
+            return True
+        return False
+
+    def stepped() -> float:  # the producer's clock: stepped back 100 s at 1010
+        now = fake.clock()
+        return now - 100.0 if now >= 1010.0 else now
+
+    handler = lag_log(until)
+    options: dict[str, Any] = {**fake.producer_options(), "clock": stepped}
+    with Producer(store, NS, producer_id="p", mesh=MESH, policy="naive", max_lag=2, **options) as p:
+        for offset in range(3):
+            p.append([b"x" * 8], offset=offset)
+        p.flush()
+        blocked = threading.Thread(target=p.append, args=([b"x" * 8],), kwargs={"offset": 3})
+        blocked.start()
+        assert handler.done.wait(60), [r.getMessage() for r in handler.lines[-3:]]
+        Watermarks(store, NS, clock=fake.wall).record("later", 4)
+        blocked.join(10)
+        assert not blocked.is_alive()
+    assert all(_waited(r) >= 0 for r in handler.lines), [r.getMessage() for r in handler.lines]
+    assert fake.clock() >= 1010.0  # the clock did step back during the wait
+    # The WARNING after a minute with no watermark, a minute after the wait began (give or take
+    # the round the step fell in), not 100 s later.
+    assert LAG_WARN_AFTER <= warned_at[0] - first_line[0] < LAG_WARN_AFTER + 10
 
 
 # -- the consumer's timeout -------------------------------------------------------------------

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -105,6 +107,64 @@ def test_keep_last_keeps_the_resumed_runs_checkpoints_after_a_rollback(
     marks.record("ckpt-16", 16, version=5)
     assert [m.checkpoint_id for m in marks.live()] == ["ckpt-13", "ckpt-16"]
     assert marks.boundary() == 13
+
+
+def _ticking_store() -> bw.MemoryStore:
+    """A store whose clock (``last_modified``) advances one second per write, as one S3 does."""
+    ticks = iter(range(1_800_000_000, 1_800_001_000))
+    return bw.MemoryStore("watermarks", clock=lambda: float(next(ticks)))
+
+
+def test_keep_last_orders_by_the_stores_clock_not_the_recorders() -> None:
+    # Before: ordered by recorded_at, a trainer resumed on a host 10 min behind released its
+    # newest checkpoints and kept ckpt-10 for ever: the boundary (and max_lag producers) stalled.
+    store = _ticking_store()
+    host_a = bw.Watermarks(store, NS, keep_last=2, clock=lambda: 1_800_000_000.0)
+    host_a.record("ckpt-10", 10, version=1)
+    host_a.record("ckpt-20", 20, version=2)
+    host_b = bw.Watermarks(store, NS, keep_last=2, clock=lambda: 1_800_000_000.0 - 600)
+    host_b.record("ckpt-20", 20, version=3)  # re-recorded on resume, as the docs advise
+    for step in (30, 40, 50):
+        host_b.record(f"ckpt-{step}", step, version=step)
+    assert [m.checkpoint_id for m in host_b.live()] == ["ckpt-40", "ckpt-50"]
+    assert host_b.boundary() == 40
+
+
+def test_keep_last_rollback_on_a_host_whose_clock_is_ahead() -> None:
+    # The abandoned run was recorded by a host 1 h *behind*; the resumed one re-records ckpt-10
+    # (the newest by the store's clock) and its successor: the abandoned ckpt-20 goes first.
+    store = _ticking_store()
+    old = bw.Watermarks(store, NS, keep_last=2, clock=lambda: 1_800_000_000.0)
+    old.record("ckpt-10", 10, version=1)
+    old.record("ckpt-20", 20, version=2)
+    resumed = bw.Watermarks(store, NS, keep_last=2, clock=lambda: 1_800_000_000.0 - 3600)
+    resumed.record("ckpt-10", 10, version=3)
+    resumed.record("ckpt-13", 13, version=4)
+    assert [m.checkpoint_id for m in resumed.live()] == ["ckpt-10", "ckpt-13"]
+
+
+def test_keep_last_breaks_ties_of_last_modified_by_recorded_at_then_id() -> None:
+    # A store whose clock has coarse resolution (S3's LastModified is whole seconds) stamps
+    # several watermarks alike: recorded_at decides, then the id.
+    store = bw.MemoryStore("watermarks", clock=lambda: 1_800_000_000.0)
+    ticks = iter([5.0, 7.0, 7.0, 9.0])
+    marks = bw.Watermarks(store, NS, keep_last=2, clock=lambda: next(ticks))
+    for name in ("ckpt-a", "ckpt-c", "ckpt-b", "ckpt-d"):
+        marks.record(name, 1, version=1)
+    # ckpt-d (new) is kept, and of the others ckpt-c: recorded_at 7, like ckpt-b, higher id.
+    assert sorted(m.checkpoint_id for m in marks.live()) == ["ckpt-c", "ckpt-d"]
+
+
+def test_keep_last_on_a_file_store_uses_the_files_mtime(tmp_path: Path) -> None:
+    store = bw.FileStore(tmp_path, fsync=False)
+    behind = iter([2000.0, 1000.0, 500.0])  # each recorder's clock further behind
+    marks = bw.Watermarks(store, NS, keep_last=2, clock=lambda: next(behind))
+    for step in (10, 20, 30):
+        marks.record(f"ckpt-{step}", step, version=step)
+        # Distinct mtimes however coarse the file system's: set them, as the writes would.
+        key = tmp_path / NS / "_watermarks" / f"ckpt-{step}.json"
+        os.utime(key, (1_800_000_000 + step, 1_800_000_000 + step))
+    assert [m.checkpoint_id for m in marks.live()] == ["ckpt-20", "ckpt-30"]
 
 
 def test_version_defaults_to_latest_manifest(store: bw.MemoryStore) -> None:

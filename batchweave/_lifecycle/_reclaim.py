@@ -282,7 +282,7 @@ class Reclaimer:
             return self._run_once()
 
     def _run_once(self) -> ReclaimReport:
-        sweep = Sweep(self.store, self.namespace, self._delete_batch, self._clock, self.progress)
+        sweep = Sweep(self.store, self.namespace, self._delete_batch, self.progress)
         sweep.begin("reading watermarks")
         marks = self._watermarks.live()
         boundary = marks[0].step if marks else 0

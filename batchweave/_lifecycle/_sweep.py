@@ -10,6 +10,7 @@ pass's report.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -49,20 +50,26 @@ class ReclaimProgress:
     phase_total: int | None = None
     """Objects a deleting phase will handle (``None`` while listing or reading: unknown)."""
     seconds: float = 0.0
-    """Time since the pass began, by the reclaimer's clock."""
+    """Time since the pass began, by a monotonic clock (never negative, whatever the wall
+    clock does)."""
 
 
 class Sweep:
     """The list and delete requests of one pass, their counts, and the progress reports made
-    from them."""
+    from them.
+
+    The pass is timed with ``timer``, monotonic seconds: not with the reclaimer's wall clock
+    (kept for its grace decisions), whose NTP steps made negative durations.
+    """
 
     def __init__(
         self,
         store: ObjectStore,
         namespace: str,
         delete_batch: int,
-        clock: Callable[[], float],
         callback: Callable[[ReclaimProgress], None] | None,
+        *,
+        timer: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
         self._namespace = namespace
@@ -77,12 +84,13 @@ class Sweep:
         """What the pass is doing, named as in :attr:`ReclaimProgress.phase`, set by begin()."""
         self.phase_done = 0
         self.phase_total: int | None = None
-        self._clock = clock
+        self._timer = timer
         self._callback = callback
-        self.started = clock()
+        self.started = timer()
 
     def seconds(self) -> float:
-        return self._clock() - self.started
+        """Seconds since the pass began, by ``timer`` (never negative)."""
+        return max(0.0, self._timer() - self.started)
 
     def begin(self, phase: str, total: int | None = None) -> None:
         self.phase, self.phase_done, self.phase_total = phase, 0, total

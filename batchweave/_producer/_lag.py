@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from batchweave._errors import FormatError
 from batchweave._policy._base import measured_duration
 from batchweave._producer._retry import RETRYABLE, Retries
-from batchweave._watermarks import Watermark, Watermarks
+from batchweave._watermarks import Watermark, Watermarks, recorded_ago
 
 __all__ = ["LAG_WARN_AFTER", "LAG_WARN_LONG", "LAG_WARN_STUCK", "LagGate", "diagnose"]
 
@@ -51,8 +51,7 @@ def diagnose(
     """
     oldest = marks[0]
     holder = (
-        f"the oldest is {oldest.checkpoint_id!r} at step {oldest.step}, recorded "
-        f"{now - oldest.recorded_at:.0f} s ago"
+        f"the oldest is {oldest.checkpoint_id!r} at step {oldest.step}, {recorded_ago(oldest, now)}"
     )
     steps = sorted({m.step for m in marks})
     if len(steps) < 2:
@@ -135,8 +134,14 @@ class LagGate:
         adopts it, after each read of the boundary. Store failures of those reads are retried.
         """
         refreshed = False
-        blocked_since: float | None = None
-        # The last diagnosis that this wait cannot end (the same text: the same watermarks).
+        counted = False  # whether this append is counted in ``blocked``
+        # Seconds blocked so far: clock() differences summed per round, each clamped at 0, so a
+        # clock stepped back (an NTP step under clock=time.time) costs at most one round and
+        # never shows a negative wait or postpones the WARNING by the size of the step.
+        waited = 0.0
+        last_seen = 0.0
+        # The last diagnosis that this wait cannot end (the same text: the same watermarks),
+        # and ``waited`` when it was first made.
         stalled: str | None = None
         stalled_since = -math.inf
         attempt = 0
@@ -148,8 +153,8 @@ class LagGate:
                 if refreshed:
                     now = self._clock()
                     with self._lock:
-                        if blocked_since is None:
-                            blocked_since = now
+                        if not counted:
+                            counted, last_seen = True, now
                             if self.blocked == 0:
                                 self._warned = False  # a new wait
                             self.blocked += 1
@@ -158,20 +163,21 @@ class LagGate:
                         due = not 0 <= now - self._last_log < self._log_interval
                         if due:
                             self._last_log = now
+                    waited += measured_duration(last_seen, now)
+                    last_seen = now
                     if due:
                         holder, unmarked, stall = self._holder(steps, max_lag)
                         if stall != stalled:  # a new diagnosis, or the watermarks moved
-                            stalled, stalled_since = stall, now
+                            stalled, stalled_since = stall, waited
                         # Blocking is normal back-pressure (INFO); a minute with no watermark at
                         # all, or ten with one that does not move, looks like a job that does not
                         # checkpoint, so say it once where default logging shows it; so is half
                         # a minute on watermarks that show training cannot reach its next
                         # checkpoint (max_lag below about keep_last x the checkpoint interval).
-                        waited = now - blocked_since
                         loud = (
                             waited >= LAG_WARN_LONG
                             or (unmarked and waited >= LAG_WARN_AFTER)
-                            or (stall is not None and now - stalled_since >= LAG_WARN_STUCK)
+                            or (stall is not None and waited - stalled_since >= LAG_WARN_STUCK)
                         )
                         with self._lock:
                             loud = loud and not self._warned
@@ -185,7 +191,7 @@ class LagGate:
                             steps,
                             self._boundary_value,
                             max_lag,
-                            now - blocked_since,
+                            waited,
                             holder,
                             "" if stall is None else f". {stall}",
                         )
@@ -203,7 +209,7 @@ class LagGate:
                     continue
                 refreshed = True
         finally:
-            if blocked_since is not None:
+            if counted:
                 # A count: another append may still be blocked (and need what it waits on
                 # committed) after this one goes.
                 with self._lock:

@@ -17,7 +17,7 @@ from batchweave._errors import FormatError, ObjectNotFound
 from batchweave._lifecycle._reclaim import _OWN_KEYS
 from batchweave._manifest._log import _VERSION_RE, MANIFESTS_DIR, ManifestLog
 from batchweave._store._base import ObjectStore
-from batchweave._watermarks import _ID_RE, WATERMARKS_DIR, Watermarks
+from batchweave._watermarks import _ID_RE, CLOCK_SKEW_TOLERANCE, WATERMARKS_DIR, Watermarks
 from batchweave._watermarks import _SUFFIX as _WATERMARK_SUFFIX
 
 __all__ = [
@@ -236,10 +236,6 @@ def first_rows(rows: list[_Row]) -> tuple[list[_Row], list[_Row]]:
     return rows[: MAX_TABLE_ROWS - 1], rows[MAX_TABLE_ROWS - 1 :]
 
 
-SKEW_TOLERANCE = 60.0
-"""A timestamp further in the future than this is flagged: the writer's clock runs ahead."""
-
-
 _NUMERIC_COLUMNS = frozenset({"epoch", "offset", "last version", "live steps"})
 
 SOURCE_SHOWN = 160
@@ -253,7 +249,7 @@ def _shorten(text: str) -> str:
 
 
 def _skew_note(age: float | None) -> str:
-    return " (future: clock skew?)" if age is not None and age < -SKEW_TOLERANCE else ""
+    return " (future: clock skew?)" if age is not None and age < -CLOCK_SKEW_TOLERANCE else ""
 
 
 def human_duration(seconds: float) -> str:
