@@ -78,15 +78,17 @@ NAMESPACE_DIRS = frozenset({MANIFESTS_DIR, "_segments", "_watermarks", "data"})
 
 PROBE_TRUST_SECONDS = 60.0
 """``latest(known)`` trusts a missing ``known.version + 1`` only for a ``known`` committed this
-recently; older ones are confirmed with a LIST, since the reclaimer may have deleted versions
-superseded more than its grace period (default 600 s, which must stay well above this) ago."""
+recently (its ``created_at``) and first seen by this client this recently (its monotonic clock);
+older ones are confirmed with a LIST, since the reclaimer may have deleted versions superseded
+more than its grace period (default 600 s, which must stay well above this) ago."""
 
 LISTED_TRUST_SECONDS = 1.0
 """A commit skips its parent check for a base a LIST showed as the newest this recently (see
 ``ManifestLog._listed_newest_lately``): about the time between that check and the PUT it guards."""
 
 PREPARED_MERGE_MAX_AGE = PROBE_TRUST_SECONDS
-"""Seconds after :meth:`ManifestLog.prepare_merge` during which a commit may swap its merge in.
+"""Seconds after :meth:`ManifestLog.prepare_merge` during which a commit may swap its merge in,
+on both of the log's clocks (see :class:`_Stamp`).
 
 Until swapped in, a prepared merge is a segment no version references, and the reclaimer
 deletes such segments once they are ``2 x grace`` old. A producer that commits nothing for
@@ -293,6 +295,32 @@ def _went_back(seen: Manifest, new: Manifest) -> str | None:
 
 
 @dataclass(frozen=True)
+class _Stamp:
+    """When a segment that no version references yet began to be written, on both clocks of
+    the log that wrote it (see PREPARED_MERGE_MAX_AGE).
+
+    A commit may reference such a segment only while it is young: the reclaimer deletes an
+    unreferenced segment once its ``last_modified`` (the store's clock) is ``2 x
+    metadata_grace`` (at least 240 s) old by the reclaimer's own clock. Judged by the writer's
+    wall clock alone, a clock stepped back (NTP) or standing still made a segment written hours
+    ago look fresh. The monotonic clock neither steps back nor stands still, but on Linux it
+    stops while the host is suspended, when the wall clock keeps counting: a segment counts as
+    young only while *both* say so, so it is stale-but-trusted only if both fail at once. The
+    gap between the two bounds (180 s at least) must cover the skew between the reclaimer's
+    clock and the store's plus the commit's fragile window after the check; the stamp is taken
+    before the write, so the object is never younger than it says.
+    """
+
+    monotonic: float
+    wall: float
+
+    def within(self, now: _Stamp, limit: float) -> bool:
+        """Whether at most ``limit`` seconds passed from this stamp to ``now`` on both clocks.
+        A clock that went back counts as too old: dropping a young segment only costs a rewrite."""
+        return 0 <= now.monotonic - self.monotonic <= limit and 0 <= now.wall - self.wall <= limit
+
+
+@dataclass(frozen=True)
 class _Roll:
     """A segment a commit attempt wrote for its tail, kept for the next attempt to reuse.
 
@@ -310,8 +338,8 @@ class _Roll:
     base_step: int
     after: tuple[SegmentRef, ...]
     """The references it returned: ``before`` (less what it merged) and the new segment."""
-    written_at: float
-    """The log's ``clock()`` when the roll began (see PREPARED_MERGE_MAX_AGE)."""
+    written_at: _Stamp
+    """When the roll began, on both of the log's clocks (see :class:`_Stamp`)."""
 
     def reuse(
         self,
@@ -320,14 +348,14 @@ class _Roll:
         tail: Sequence[TgbDescriptor],
         tail_start: int,
         base_step: int,
-        now: float,
+        now: _Stamp,
     ) -> tuple[SegmentRef, ...] | None:
         """The references after this roll, if a roll of ``tail`` from ``segments`` may start
         with it: same references, start and base step, ``tail`` beginning with the rolled
         descriptors, and the segment young enough that no reclaimer deleted it as an orphan."""
         if (
             not self.after
-            or not 0 <= now - self.written_at <= PREPARED_MERGE_MAX_AGE
+            or not self.written_at.within(now, PREPARED_MERGE_MAX_AGE)
             or (namespace_id, tail_start, base_step)
             != (self.namespace_id, self.tail_start, self.base_step)
             or len(tail) < len(self.tail)
@@ -356,7 +384,9 @@ class ManifestLog:
     ``merge_fanout`` segments of one level merge into one of the next (``docs/protocol.md``).
 
     ``clock`` (wall-clock seconds) stamps versions and judges their age; ``monotonic`` times
-    the short interval a commit trusts a listing for, which a wall-clock step must not stretch.
+    the intervals a wall-clock step must not stretch: the short one a commit trusts a listing
+    for, how long a missing successor of a version first seen is trusted, and (with ``clock``
+    too) the age of segments no version references yet.
 
     With ``deferred_merges`` a commit only ever writes its tail as a segment; the level merges
     that roll calls for are written by :meth:`prepare_merge`, which the caller runs *outside*
@@ -415,12 +445,14 @@ class ManifestLog:
         """The roll of the last commit attempt, until a commit lands (see :class:`_Roll`)."""
         self._prepared: tuple[tuple[SegmentRef, ...], SegmentRef] | None = None
         """A merge written outside the fragile window: (references it replaces, its reference)."""
-        self._prepared_at = 0.0
-        """``clock()`` when the prepared merge began to be written (see PREPARED_MERGE_MAX_AGE)."""
+        self._prepared_at = _Stamp(0.0, 0.0)
+        """When the prepared merge began to be written (see :class:`_Stamp`)."""
         self._namespace_id: str | None = None
         self._mesh: Mesh | None = None
         self._newest: Manifest | None = None
         """The newest version this client read, was given or committed (see ``_observe``)."""
+        self._newest_since = 0.0
+        """``monotonic()`` when this client first saw ``_newest`` (see :meth:`_trusts_probe`)."""
         self._observe_lock = threading.Lock()
         self._reclaimed_below = 0
         """Versions below this were seen reclaimed: ``latest`` must not trust them as current."""
@@ -675,6 +707,32 @@ class ManifestLog:
             )
         return newest, listed
 
+    def _trusts_probe(self, known: Manifest) -> bool:
+        """Whether a missing ``known.version + 1`` shows that ``known`` is the newest version.
+
+        Young versions cannot have lost their successor to reclamation (the reclaimer's grace is
+        longer). Two clocks must call ``known`` young: its ``created_at`` (the committer's wall
+        clock) within ``PROBE_TRUST_SECONDS`` of ours, either way, and this client's first sight
+        of it (a read, a commit, or a manifest it was given) less than ``PROBE_TRUST_SECONDS``
+        ago on our monotonic clock. The first makes a version written long ago untrusted from
+        the start; the second ends the trust ``PROBE_TRUST_SECONDS`` after we first saw the
+        version, whatever the committer's clock said (one running an hour ahead made a reader
+        that held a version for an hour trust its reclaimed successor, and stall). Only the
+        newest version seen is timed (O(1) memory): an older ``known`` is not trusted, since a
+        newer version was seen. A consumer polling at the head keeps seeing new versions as
+        they are committed, so its steady state stays one GET.
+        """
+        if abs(self._clock() - known.created_at) > PROBE_TRUST_SECONDS:
+            return False
+        with self._observe_lock:
+            newest, since = self._newest, self._newest_since
+        if newest is None or (newest.version, newest.commit_id) != (
+            known.version,
+            known.commit_id,
+        ):
+            return False
+        return 0 <= self._monotonic() - since < PROBE_TRUST_SECONDS
+
     def latest_from(self, known: Manifest | None) -> Manifest:
         """The newest version, found from ``known`` (the newest version an earlier lookup
         returned) with LISTs and one GET, trusting no clock; for callers that look up seldom (a
@@ -721,10 +779,7 @@ class ManifestLog:
             try:
                 found = self.read(known.version + 1)
             except ObjectNotFound:
-                # Young versions cannot have lost their successor to reclamation (the grace is
-                # longer). ``created_at`` is the committer's clock: one far in the future says
-                # nothing about the version's age, so it is not trusted either.
-                if abs(self._clock() - known.created_at) <= PROBE_TRUST_SECONDS:
+                if self._trusts_probe(known):
                     return known, False
                 # An old ``known`` may have had its successor reclaimed, so a missing
                 # ``known.version + 1`` proves nothing: one LIST after it decides.
@@ -856,7 +911,7 @@ class ManifestLog:
                         "restore the namespace from a backup, or start a new namespace"
                     )
             if seen is None or manifest.version > seen.version:
-                self._newest = manifest
+                self._newest, self._newest_since = manifest, self._monotonic()
                 if seen is not None and manifest.base_step > seen.base_step:
                     self._segments.drop_below(manifest.base_step)
 
@@ -1072,9 +1127,12 @@ class ManifestLog:
             )
         new_base = base.base_step if base_step is None else max(base.base_step, base_step)
         segments = cut_below(base.segments, new_base)
+        written = self._stamp()  # not ``now`` alone: see _Stamp
         with self._merge_lock:
             prepared = self._prepared
-            if prepared is not None and not 0 <= now - self._prepared_at <= PREPARED_MERGE_MAX_AGE:
+            if prepared is not None and not self._prepared_at.within(
+                written, PREPARED_MERGE_MAX_AGE
+            ):
                 # The reclaimer may have deleted it as an unreferenced segment: never list it.
                 _log.info("dropping segment merge %s: prepared too long ago", prepared[1].key)
                 prepared = self._prepared = None
@@ -1089,7 +1147,7 @@ class ManifestLog:
             tail_start = new_base
         if self._tail_full(tail):
             segments, tail, tail_start = self._roll(
-                base.namespace_id, segments, tail, tail_start, new_base, now
+                base.namespace_id, segments, tail, tail_start, new_base, written
             )
         return Manifest(
             namespace_id=base.namespace_id,
@@ -1113,7 +1171,7 @@ class ManifestLog:
         tail: tuple[TgbDescriptor, ...],
         tail_start: int,
         base_step: int,
-        now: float,
+        now: _Stamp,
     ) -> tuple[tuple[SegmentRef, ...], tuple[TgbDescriptor, ...], int]:
         """Roll the full ``tail`` into segments: ``(references, tail, tail_start)`` after it.
 
@@ -1155,6 +1213,10 @@ class ManifestLog:
             self._rolled = segments[-1].key if segments else None
         return segments, tail[done:], tail_start + done
 
+    def _stamp(self) -> _Stamp:
+        """Now, on both of the log's clocks."""
+        return _Stamp(self._monotonic(), self._clock())
+
     def _tail_full(self, tail: Sequence[TgbDescriptor]) -> bool:
         """Whether ``tail`` reaches ``tail_limit`` descriptors or ``tail_bytes_limit`` bytes."""
         if len(tail) >= self.tail_limit:
@@ -1192,7 +1254,7 @@ class ManifestLog:
             # swapped in by its next one): merging them again would only duplicate it. If it
             # never lands, the level keeps growing and the rolls after F - 1 more do merge.
             return 0
-        started = self._clock()  # before the write: the segment is at least this old
+        started = self._stamp()  # before the write: the segment is at least this old
         result = self._segments.merge_newest(
             committed.namespace_id,
             committed.segments,
@@ -1217,11 +1279,11 @@ class ManifestLog:
         with self._merge_lock:
             prepared, prepared_at = self._prepared, self._prepared_at
         namespace_id = self._namespace_id
-        started = self._clock()  # before the write: the segment is at least this old
+        started = self._stamp()  # before the write: the segment is at least this old
         if (
             prepared is None
             or namespace_id is None
-            or 0 <= started - prepared_at <= PREPARED_MERGE_MAX_AGE / 2
+            or prepared_at.within(started, PREPARED_MERGE_MAX_AGE / 2)
         ):
             return 0
         replaced, merged = prepared
