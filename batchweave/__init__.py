@@ -72,6 +72,10 @@ from batchweave._store._base import (
     Offset,
     PutMode,
     Suffix,
+    check_keys,
+    check_mode,
+    check_range,
+    checked_keys,
     validate_key,
 )
 from batchweave._store._file import FileStore
@@ -153,6 +157,10 @@ __all__ = [
     "UnsupportedFormatVersion",
     "Watermark",
     "Watermarks",
+    "check_keys",
+    "check_mode",
+    "check_range",
+    "checked_keys",
     "checkpoint_hook",
     "coordinates_for_rank",
     "coordinates_from_env",

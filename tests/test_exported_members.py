@@ -31,3 +31,12 @@ def test_implementation_modules_are_private() -> None:
     for info in pkgutil.iter_modules(batchweave.__path__):
         assert info.name.startswith("_") or info.name in allowed_public, info.name
         importlib.import_module(f"batchweave.{info.name}")
+
+
+def test_the_argument_checks_for_store_implementers_are_exported() -> None:
+    # docs/store.md's custom store and the conformance suite's expected messages use them.
+    from batchweave._store import _base
+
+    for name in ("validate_key", "check_keys", "checked_keys", "check_mode", "check_range"):
+        assert name in batchweave.__all__, name
+        assert getattr(batchweave, name) is getattr(_base, name), name

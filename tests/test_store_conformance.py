@@ -9,8 +9,10 @@ unchanged), and ``ensure_conditional_writes`` runs on any ``ObjectStore``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -21,6 +23,28 @@ from batchweave import FileStore, MemoryStore, ObjectStore, ObstoreS3Store, S3St
 from batchweave._store._base import validate_key
 from batchweave.testing import S3Endpoint, StoreTests, serialize_moto_puts
 from batchweave.testing._store_tests import INVALID_KEYS, ODD_KEYS
+
+DOCS_STORE = Path(__file__).resolve().parent.parent / "docs" / "store.md"
+
+
+def _docs_dict_store() -> type[ObjectStore]:
+    """The ``DictStore`` example of docs/store.md ("Writing your own store"), run as written."""
+    blocks = re.findall(r"^```python\n(.*?)^```", DOCS_STORE.read_text(), re.M | re.S)
+    (code,) = [block for block in blocks if "class DictStore(bw.ObjectStore)" in block]
+    namespace: dict[str, Any] = {"bw": bw, "__name__": "docs_store_example"}
+    exec(compile(code, f"{DOCS_STORE}:DictStore", "exec"), namespace)
+    store_class: type[ObjectStore] = namespace["DictStore"]
+    return store_class
+
+
+class TestDocsDictStore(StoreTests):
+    """The docs tell users to run this suite on their example store: it must pass it."""
+
+    large_object_size = 16 << 20
+
+    @pytest.fixture
+    def store(self) -> ObjectStore:
+        return _docs_dict_store()()
 
 
 class TestMemoryStore(StoreTests):
@@ -126,3 +150,52 @@ def test_custom_stores_can_run_the_conditional_write_probe() -> None:
     bw.ensure_conditional_writes(bw.MemoryStore("enforces"))  # passes, and leaves nothing
     with pytest.raises(bw.ConditionalWritesUnsupported, match="ignores conditional writes"):
         bw.ensure_conditional_writes(_IgnoresIfNoneMatch("ignores"))
+
+
+# -- the suite catches short reads --------------------------------------------------------------
+
+
+class _Capped(bw.StoreWrapper):
+    """A store whose reads come back short, as a streamed body or one socket read would."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__(MemoryStore())
+        self.read = read
+
+    def get_range(self, key: str, rng: bw.ByteRange) -> bytes:
+        data = self.inner.get_range(key, rng)
+        return data[: 1 << 20] if self.read == "get_range" else data
+
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        if self.read != "get_range_into":
+            return super().get_range_into(key, start, buffer)
+        view = memoryview(buffer).cast("B")
+        data = self.inner.get_range(key, bw.Bounded(start, start + min(view.nbytes, 65536)))
+        view[: len(data)] = data
+        return len(data)
+
+    def map_range(self, key: str, start: int, end: int) -> memoryview | None:
+        if self.read != "map_range":
+            return None
+        data = self.inner.get_range(key, bw.Bounded(start, min(end, start + 65536)))
+        return memoryview(data).toreadonly()
+
+
+@pytest.mark.parametrize("read", ["get_range", "get_range_into", "map_range"])
+def test_the_suite_fails_a_store_whose_large_reads_come_back_short(read: str) -> None:
+    # Consumer fails at run time on such a store; the suite must say so first.
+    suite = StoreTests()
+    with pytest.raises(AssertionError, match=r"read|mapped|differ"):
+        suite.test_large_object_round_trip(_Capped(read))
+    suite.test_large_object_round_trip(_Capped("none"))  # the wrapper itself is fine
+
+
+def test_the_docs_example_store_refuses_a_single_key_and_a_tuple_range() -> None:
+    store = _docs_dict_store()()
+    for key in ("a", "b", "ab"):
+        store.put(key, b"x")
+    with pytest.raises(TypeError, match=r"pass a list of keys"):
+        store.delete_many("ab")
+    with pytest.raises(TypeError, match=r"must be a Bounded, Offset or Suffix"):
+        store.get_range("ab", (0, 3))  # type: ignore[arg-type]
+    assert [m.key for m in store.list()] == ["a", "ab", "b"]

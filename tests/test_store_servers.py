@@ -10,10 +10,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import botocore.exceptions as bex
 import pytest
 
-from batchweave import S3Store
+from batchweave import AccessDenied, S3Store, StoreError
 from batchweave.testing import S3Endpoint, free_port, moto_server
 
 
@@ -44,6 +46,10 @@ def test_moto_server_serves_and_stops() -> None:
         port = int(endpoint.endpoint_url.rsplit(":", 1)[1])
         endpoint.create_bucket("lifecycle")
         endpoint.create_bucket("lifecycle")  # already owned is fine
+        started = time.monotonic()
+        with pytest.raises(StoreError, match=r"create_bucket 'b' .* 400 InvalidBucketName"):
+            endpoint.create_bucket("b", timeout=30.0)  # too short a name: never valid
+        assert time.monotonic() - started < 10.0, "a permanent error was retried"
         store = S3Store("lifecycle", **endpoint.store_options())
         store.put("k", b"v")
         assert store.get("k") == b"v"
@@ -95,3 +101,54 @@ def test_a_server_outlives_the_thread_that_started_it() -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
+
+
+class _ScriptedClient:
+    """A boto3 client stand-in whose ``create_bucket`` raises the scripted errors in order."""
+
+    def __init__(self, *errors: Exception) -> None:
+        self.errors = list(errors)
+        self.calls = 0
+
+    def create_bucket(self, **kwargs: object) -> None:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+
+
+def _client_error(status: int, code: str) -> bex.ClientError:
+    response: Any = {
+        "Error": {"Code": code, "Message": f"{code} message"},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    return bex.ClientError(response, "CreateBucket")
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "error"),
+    [
+        (400, "InvalidBucketName", StoreError),
+        (403, "InvalidAccessKeyId", AccessDenied),
+        (403, "SignatureDoesNotMatch", AccessDenied),
+    ],
+)
+def test_create_bucket_raises_a_4xx_at_once(
+    monkeypatch: pytest.MonkeyPatch, status: int, code: str, error: type[Exception]
+) -> None:
+    client = _ScriptedClient(*[_client_error(status, code)] * 1000)
+    monkeypatch.setattr(S3Endpoint, "client", lambda self: client)
+    endpoint = S3Endpoint("http://127.0.0.1:1", "key-id", "secret")
+    with pytest.raises(error, match=rf"create_bucket 'bkt' at http://127.0.0.1:1 .*{code}"):
+        endpoint.create_bucket("bkt", timeout=60.0)
+    assert client.calls == 1
+
+
+def test_create_bucket_retries_connection_errors_and_5xx(monkeypatch: pytest.MonkeyPatch) -> None:
+    client = _ScriptedClient(
+        bex.EndpointConnectionError(endpoint_url="http://127.0.0.1:1"),
+        _client_error(503, "ServiceUnavailable"),
+        _client_error(500, "InternalError"),
+    )
+    monkeypatch.setattr(S3Endpoint, "client", lambda self: client)
+    S3Endpoint("http://127.0.0.1:1", "key-id", "secret").create_bucket("bkt", timeout=60.0)
+    assert client.calls == 4

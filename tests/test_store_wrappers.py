@@ -5,6 +5,9 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,10 +16,13 @@ from batchweave import (
     Bounded,
     CountingStore,
     FaultInjectingStore,
+    FileStore,
+    InvalidKey,
     MemoryStore,
     ObjectExists,
     ObjectNotFound,
     ObjectStore,
+    PutMode,
     StoreCounts,
     StoreWrapper,
     Suffix,
@@ -227,7 +233,7 @@ def test_latency_uses_the_injected_sleep() -> None:
     assert len(slept) == 3
     assert all(0.01 <= s <= 0.02 for s in slept)
     fixed: list[float] = []
-    FaultInjectingStore(MemoryStore(), latency=0.5, sleep=fixed.append).delete_many([])
+    FaultInjectingStore(MemoryStore(), latency=0.5, sleep=fixed.append).delete_many(["k"])
     assert fixed == [0.5]
 
 
@@ -280,3 +286,125 @@ def test_delays_are_validated_when_the_store_is_made(
     with pytest.raises(ValueError, match=message):
         FaultInjectingStore(MemoryStore(), failed_put_after_delay_rate=1.0, **kwargs)  # type: ignore[arg-type]
     FaultInjectingStore(MemoryStore(), latency=(0.0, 0.0), failed_put_delay=0.0)
+
+
+# -- calls refused before any request ----------------------------------------------------------
+
+
+def _refused_calls(store: ObjectStore) -> list[Callable[[], object]]:
+    """Calls every store refuses before any request: bad keys, a bad mode, range or batch."""
+    bad: Any = "create"
+    return [
+        lambda: store.get("a//b"),
+        lambda: store.head("../x"),
+        lambda: store.put("a//b", b"xy"),
+        lambda: store.put("k", b"xy", mode=bad),
+        lambda: store.put_parts("k", [b"x", b"y"], mode=bad),
+        lambda: store.put_if_absent("/abs", b"xy"),
+        lambda: store.get_range("a//b", Suffix(1)),
+        lambda: store.get_range("k", bad),
+        lambda: store.get_range_into("a//b", 0, memoryview(bytearray(4))),
+        lambda: store.delete_many(["ok", "bad//key"]),
+        lambda: store.delete_many(bad),
+    ]
+
+
+def test_counting_store_does_not_count_calls_refused_before_any_request() -> None:
+    inner = MemoryStore()
+    inner.put("k", b"kept")
+    store = CountingStore(inner)
+    for call in _refused_calls(store):
+        with pytest.raises((InvalidKey, TypeError)):
+            call()
+    assert store.snapshot() == StoreCounts()
+    assert inner.get("k") == b"kept"
+
+
+def test_fault_injection_lets_refused_calls_fail_as_in_any_store() -> None:
+    # An invalid key is InvalidKey (not a retryable injected TransientStoreError), and a
+    # scripted fault is not spent on a call that could never reach the store.
+    store = FaultInjectingStore(MemoryStore(), seed=3, transient_error_rate=1.0)
+    for op in ("put", "get", "get_range", "head", "delete_many"):
+        store.fail_next(op)  # type: ignore[arg-type]
+    for call in _refused_calls(store):
+        with pytest.raises((InvalidKey, TypeError)):
+            call()
+    assert store.injected == {}
+    scripted = FaultInjectingStore(MemoryStore())
+    scripted.fail_next("get")
+    with pytest.raises(InvalidKey):
+        scripted.get("a//b")
+    with pytest.raises(TransientStoreError, match="injected failure: get 'k'"):
+        scripted.get("k")  # the fault is still there for the first real call
+    assert scripted.injected == {"scripted_get": 1}
+
+
+def test_delete_many_fault_matches_any_key_of_the_batch() -> None:
+    inner = MemoryStore()
+    store = FaultInjectingStore(inner)
+    inner.put("job/data/1", b"x")
+    inner.put("job/_manifests/2", b"y")
+    store.fail_next("delete_many", key_prefix="job/_manifests/")
+    store.delete_many(["job/data/1"])  # no key under the prefix: not failed
+    with pytest.raises(TransientStoreError, match=r"delete_many 2 keys \('job/data/0'"):
+        store.delete_many(["job/data/0", "job/_manifests/2"])
+    assert [m.key for m in inner.list()] == ["job/_manifests/2"]  # not landed
+    assert store.injected == {"scripted_delete_many": 1}
+
+
+def test_an_empty_delete_many_is_no_call_for_faults() -> None:
+    slept: list[float] = []
+    store = FaultInjectingStore(MemoryStore(), latency=0.5, sleep=slept.append)
+    store.fail_next("delete_many")
+    store.delete_many([])  # no request: no fault, no latency
+    assert store.injected == {}
+    assert slept == []
+    with pytest.raises(TransientStoreError):
+        store.delete_many(["k"])
+
+
+@pytest.mark.parametrize("times", [0, -1])
+def test_fail_next_refuses_times_below_one(times: int) -> None:
+    store = FaultInjectingStore(MemoryStore())
+    with pytest.raises(ValueError, match=r"times must be >= 1"):
+        store.fail_next("put", times=times)
+    with pytest.raises(TypeError, match=r"times must be an integer"):
+        store.fail_next("put", times=1.5)  # type: ignore[arg-type]
+    store.put("k", b"v")  # nothing was scripted
+    assert store.injected == {}
+
+
+# -- StoreWrapper's fallbacks (docs/store.md) -------------------------------------------------
+
+
+class _SlowPuts(StoreWrapper):
+    """docs/store.md's example wrapper (without its sleep): it intercepts ``put`` only."""
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        super().put(key, data, mode=mode)
+
+
+class _SlowPutsFastReads(_SlowPuts):
+    """docs/store.md's way of forwarding the read fast paths."""
+
+    def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        return self.inner.get_range_into(key, start, buffer)
+
+    def map_range(self, key: str, start: int, end: int) -> memoryview | None:
+        return self.inner.map_range(key, start, end)
+
+
+def test_store_wrapper_falls_back_as_documented_and_subclasses_can_forward(
+    tmp_path: Path,
+) -> None:
+    inner = FileStore(tmp_path)
+    inner.put("o", bytes(range(256)) * 64)
+    assert inner.map_range("o", 0, 100) is not None
+    assert _SlowPuts(inner).map_range("o", 0, 100) is None  # the ObjectStore default
+    view = _SlowPutsFastReads(inner).map_range("o", 0, 100)
+    assert view is not None
+    assert bytes(view) == bytes(range(100))
+    view.release()
+    buf = bytearray(10)
+    assert _SlowPutsFastReads(inner).get_range_into("o", 5, memoryview(buf)) == 10
+    assert bytes(buf) == bytes(range(5, 15))

@@ -19,15 +19,20 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, NoReturn
 
+from batchweave._checks import as_count
 from batchweave._errors import AmbiguousWriteError, ObjectExists, TransientStoreError
 from batchweave._store._base import (
+    Bounded,
     ByteRange,
     ObjectMeta,
     ObjectStore,
     PutMode,
     check_keys,
+    check_mode,
     check_range,
     check_store,
+    checked_keys,
+    validate_key,
 )
 
 __all__ = ["CountingStore", "FaultInjectingStore", "StoreCounts", "StoreWrapper"]
@@ -37,11 +42,13 @@ LIST_PAGE_SIZE = 1000
 
 
 class StoreWrapper(ObjectStore):
-    """Passes every call through to ``inner``; subclass it and override what you intercept.
+    """Passes the six core calls through to ``inner``; subclass it and override what you intercept.
 
-    ``get_range_into`` and ``map_range`` are deliberately not forwarded: the base
-    implementations call this wrapper's ``get_range`` (or decline), so a subclass that intercepts
-    ``get_range`` sees every range read.
+    ``put_parts``, ``put_if_absent``, ``get_range_into`` and ``map_range`` are deliberately not
+    forwarded: the :class:`ObjectStore` defaults call this wrapper's ``put`` and ``get_range``
+    (``map_range`` declines), so a subclass that intercepts ``put`` or ``get_range`` sees every
+    write and range read. A subclass that changes no reads can forward the fast paths itself
+    (``return self.inner.map_range(key, start, end)``) to keep, say, a file store's ``mmap``.
 
     Tests and tools wrap stores to gate, observe or break single operations; this base keeps the
     other six methods out of each wrapper.
@@ -76,6 +83,24 @@ class StoreWrapper(ObjectStore):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
+
+
+_UNSET: typing.Any = object()
+"""No such argument in this call (``None`` is an argument a check must refuse)."""
+
+
+def _check_call(key: str, *, mode: object = _UNSET, rng: object = _UNSET) -> None:
+    """Refuse what every store refuses before any request: the key, ``put``'s ``mode``, a range.
+
+    The wrappers check first, so a call that can never reach ``inner`` is neither counted as a
+    request (:class:`CountingStore`) nor failed by an injected fault (:class:`FaultInjectingStore`,
+    which would turn ``InvalidKey`` into a retryable error and spend a scripted fault on it).
+    """
+    validate_key(key)
+    if mode is not _UNSET:
+        check_mode(mode)
+    if rng is not _UNSET:
+        check_range(rng)
 
 
 @dataclass(frozen=True)
@@ -128,7 +153,9 @@ class StoreCounts:
 class CountingStore(StoreWrapper):
     """Counts every request and byte that passes through to ``inner``. Thread-safe.
 
-    ``snapshot()`` returns the totals; subtract two snapshots to measure one operation.
+    ``snapshot()`` returns the totals; subtract two snapshots to measure one operation. A call
+    refused before any request (an invalid key, a ``mode`` that is no ``PutMode``, a range that
+    is no ``ByteRange``) is not counted: no request was sent.
     """
 
     def __init__(self, inner: ObjectStore) -> None:
@@ -152,6 +179,7 @@ class CountingStore(StoreWrapper):
             self._counts.clear()
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        _check_call(key, mode=mode)
         self._count_put(memoryview(data).nbytes, mode)
         self.inner.put(key, data, mode=mode)
 
@@ -163,6 +191,7 @@ class CountingStore(StoreWrapper):
         mode: PutMode = PutMode.OVERWRITE,
     ) -> None:
         """One PUT of the parts' total size, passed on as parts (no join on the way)."""
+        _check_call(key, mode=mode)
         self._count_put(sum(memoryview(p).nbytes for p in parts), mode)
         self.inner.put_parts(key, parts, mode=mode)
 
@@ -170,19 +199,21 @@ class CountingStore(StoreWrapper):
         self._add(puts=1, conditional_puts=int(mode is PutMode.CREATE), put_bytes=nbytes)
 
     def get(self, key: str) -> bytes:
+        _check_call(key)
         self._add(gets=1)
         data = self.inner.get(key)
         self._add(get_bytes=len(data))
         return data
 
     def get_range(self, key: str, rng: ByteRange) -> bytes:
-        check_range(rng)  # a refused argument is no request
+        _check_call(key, rng=rng)  # a refused argument is no request
         self._add(range_gets=1)
         data = self.inner.get_range(key, rng)
         self._add(range_bytes=len(data))
         return data
 
     def get_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        _check_call(key, rng=Bounded(start, start))  # Bounded refuses a bad start
         self._add(range_gets=1)
         n = self.inner.get_range_into(key, start, buffer)
         self._add(range_bytes=n)
@@ -195,6 +226,7 @@ class CountingStore(StoreWrapper):
         return view
 
     def head(self, key: str) -> ObjectMeta:
+        _check_call(key)
         self._add(heads=1)
         return self.inner.head(key)
 
@@ -207,8 +239,7 @@ class CountingStore(StoreWrapper):
             yield meta
 
     def delete_many(self, keys: Iterable[str]) -> None:
-        check_keys(keys)
-        materialized = list(keys)
+        materialized = checked_keys(keys)  # a batch with an invalid key deletes nothing
         if materialized:
             pages = -(-len(materialized) // LIST_PAGE_SIZE)
             self._add(deletes=pages, deleted_keys=len(materialized))
@@ -234,6 +265,13 @@ class _ScriptedFault:
     error: ErrorFactory | None
     landed: bool
     key_prefix: str
+
+
+def _named(keys: Sequence[str]) -> str:
+    """The key of a call, or the size and first key of a batch, for an injected error."""
+    if len(keys) == 1:
+        return repr(keys[0])
+    return f"{len(keys)} keys ({keys[0]!r}, ...)"
 
 
 def _check_latency(latency: float | tuple[float, float]) -> None:
@@ -333,6 +371,9 @@ class FaultInjectingStore(StoreWrapper):
         ``put_if_absent`` and ``put_parts`` are ``put`` calls here, and ``get_range_into`` a
         ``get_range``: script those ops. Keys are the store's full keys, which for BatchWeave's
         own objects begin with the namespace (``key_prefix=f"{namespace}/_manifests/"``).
+        A ``delete_many`` batch matches if any of its keys does. ``times`` must be at least 1.
+        Calls refused before any request (an invalid key or argument) and empty ``delete_many``
+        batches are no calls here: they raise their own error and leave the faults scripted.
         """
         if op not in _OPS:
             covered = _OP_ALIASES.get(op) if isinstance(op, str) else None
@@ -340,9 +381,10 @@ class FaultInjectingStore(StoreWrapper):
             raise ValueError(
                 f"fail_next: unknown op {op!r}{hint}; expected one of {', '.join(map(repr, _OPS))}"
             )
+        count = as_count("times", times, 1)  # times=0 would script nothing, silently
         with self._lock:
             queue = self._scripted.setdefault(op, deque())
-            queue.extend(_ScriptedFault(error, landed, key_prefix) for _ in range(times))
+            queue.extend(_ScriptedFault(error, landed, key_prefix) for _ in range(count))
 
     def _count(self, kind: str) -> None:
         self.injected[kind] = self.injected.get(kind, 0) + 1
@@ -350,13 +392,16 @@ class FaultInjectingStore(StoreWrapper):
     def _roll(self, rate: float) -> bool:
         return rate > 0.0 and self._rng.random() < rate
 
-    def _before(self, op: Op, key: str) -> _ScriptedFault | None:
-        """Apply latency and pick the fault for this call, if any."""
+    def _before(self, op: Op, *keys: str) -> _ScriptedFault | None:
+        """Apply latency and pick the fault for this call on ``keys`` (a batch matches if any
+        of its keys does)."""
         with self._lock:
             fault = None
             queue = self._scripted.get(op)
             if queue:
-                fault = next((f for f in queue if key.startswith(f.key_prefix)), None)
+                fault = next(
+                    (f for f in queue if any(k.startswith(f.key_prefix) for k in keys)), None
+                )
                 if fault is not None:
                     queue.remove(fault)
                     self._count(f"scripted_{op}")
@@ -370,17 +415,20 @@ class FaultInjectingStore(StoreWrapper):
         if delay > 0:
             self._sleep(delay)
         if transient:
-            raise TransientStoreError(f"injected transient failure: {op} {key!r} in {self.url}")
+            raise TransientStoreError(
+                f"injected transient failure: {op} {_named(keys)} in {self.url}"
+            )
         return fault
 
-    def _raise(self, fault: _ScriptedFault, op: Op, key: str) -> NoReturn:
+    def _raise(self, fault: _ScriptedFault, op: Op, *keys: str) -> NoReturn:
         error = fault.error
         if error is None:
             cls = AmbiguousWriteError if op == "put" else TransientStoreError
-            error = cls(f"injected failure: {op} {key!r} in {self.url}")
+            error = cls(f"injected failure: {op} {_named(keys)} in {self.url}")
         raise error if isinstance(error, BaseException) else error()
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        _check_call(key, mode=mode)  # an invalid call fails as in any store, spending no fault
         fault = self._before("put", key)
         if fault is not None:
             if fault.landed:
@@ -416,15 +464,17 @@ class FaultInjectingStore(StoreWrapper):
             self._raise(fault, op, key)
 
     def get(self, key: str) -> bytes:
+        _check_call(key)
         self._read_op("get", key)
         return self.inner.get(key)
 
     def get_range(self, key: str, rng: ByteRange) -> bytes:
-        check_range(rng)  # before a scripted fault is spent on a call that cannot run
+        _check_call(key, rng=rng)  # before a scripted fault is spent on a call that cannot run
         self._read_op("get_range", key)
         return self.inner.get_range(key, rng)
 
     def head(self, key: str) -> ObjectMeta:
+        _check_call(key)
         self._read_op("head", key)
         return self.inner.head(key)
 
@@ -433,12 +483,12 @@ class FaultInjectingStore(StoreWrapper):
         yield from self.inner.list(prefix, start_after=start_after)
 
     def delete_many(self, keys: Iterable[str]) -> None:
-        check_keys(keys)
-        materialized = list(keys)
-        first = materialized[0] if materialized else ""
-        fault = self._before("delete_many", first)
+        materialized = checked_keys(keys)
+        if not materialized:
+            return  # no request: neither a fault nor latency
+        fault = self._before("delete_many", *materialized)
         if fault is not None:
             if fault.landed:
                 self.inner.delete_many(materialized)
-            self._raise(fault, "delete_many", first)
+            self._raise(fault, "delete_many", *materialized)
         self.inner.delete_many(materialized)

@@ -34,6 +34,8 @@ import boto3
 import botocore.exceptions as bex
 from botocore.config import Config
 
+from batchweave._errors import AccessDenied, StoreError
+
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
@@ -78,7 +80,13 @@ class S3Endpoint:
         )
 
     def create_bucket(self, bucket: str, *, timeout: float = 30.0) -> None:
-        """Create ``bucket`` (already existing is fine), retrying while the server warms up."""
+        """Create ``bucket`` (already existing is fine), retrying while the server warms up.
+
+        Only what a starting server answers is retried until ``timeout``: no connection and
+        5xx replies. A 4xx (an invalid bucket name, wrong credentials) will not change on retry
+        and raises at once: :class:`~batchweave.AccessDenied` for a 403, else
+        :class:`~batchweave.StoreError`, both quoting the server's error code and message.
+        """
         client = self.client()
         deadline = time.monotonic() + timeout
         while True:
@@ -86,9 +94,19 @@ class S3Endpoint:
                 client.create_bucket(Bucket=bucket)
                 return
             except bex.ClientError as exc:
-                code = exc.response.get("Error", {}).get("Code")
+                error = exc.response.get("Error", {})
+                code = error.get("Code")
                 if code in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                     return
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                if status < 500:
+                    cls = AccessDenied if status == 403 else StoreError
+                    raise cls(
+                        f"create_bucket {bucket!r} at {self.endpoint_url} was refused with "
+                        f"{status} {code}: {error.get('Message', '')!r}; a 4xx does not change "
+                        "on retry: check the bucket name (3-63 characters: lowercase letters, "
+                        "digits, '.' and '-') and the endpoint's credentials"
+                    ) from exc
                 if time.monotonic() > deadline:
                     raise
             except bex.BotoCoreError:
