@@ -140,6 +140,9 @@ def test_a_put_over_a_hard_link_never_writes_to_the_outside_file(
         f"http//user:{PASSWORD}@127.0.0.1:9",
         f"user:{PASSWORD}@127.0.0.1:9",
         f"user:{PASSWORD}/x@127.0.0.1:9",  # a '/' inside the password
+        # A third slash, or a later '://' (masking started there): shown in clear before.
+        f"http:///user:{PASSWORD}@127.0.0.1:9",
+        f"http:/user:{PASSWORD}@127.0.0.1:9/a://b",
     ],
 )
 def test_an_endpoint_with_url_credentials_is_refused_without_echoing_them(
@@ -226,14 +229,17 @@ def test_credentials_in_an_s3_url_are_refused_without_echoing_them(secret: str) 
     assert SECRET not in "".join(traceback.format_exception(info.value))
 
 
-@pytest.mark.parametrize("separator", ["//", ";//", ":/"])
+@pytest.mark.parametrize(
+    ("separator", "suffix"), [("//", ""), (";//", ""), (":/", ""), (":///", ""), (":/", "/a://b")]
+)
 @pytest.mark.parametrize("s3_client", ["boto3", "obstore"])
 def test_credentials_in_an_s3_url_with_mistyped_slashes_are_not_echoed(
-    separator: str, s3_client: str
+    separator: str, suffix: str, s3_client: str
 ) -> None:
-    # Before: "store URL 's3//AKID:<secret>@bucket/prefix' has no scheme".
+    # Before: "store URL 's3//AKID:<secret>@bucket/prefix' has no scheme"; with a third slash
+    # or a later '://' (where masking then started), "S3 URL ... has no bucket", secret and all.
     with pytest.raises(InvalidStoreURL, match=r"\*\*\*@bucket/prefix") as info:
-        open_store(f"s3{separator}AKID:{SECRET}@bucket/prefix", s3_client=s3_client)
+        open_store(f"s3{separator}AKID:{SECRET}@bucket/prefix{suffix}", s3_client=s3_client)
     assert SECRET not in "".join(traceback.format_exception(info.value))
 
 

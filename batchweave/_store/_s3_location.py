@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Final
 from urllib.parse import urlsplit
 
 from batchweave._errors import (
@@ -209,23 +210,21 @@ def _userinfo_end(url: str, start: int) -> int:
     return last + 1
 
 
-_SCHEME_TYPO = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.-]*[:;]?/+")
-"""What precedes the authority of a URL whose ``://`` is mistyped (``http:/``, ``http//``,
-``s3;//``): a scheme and the slashes (with or without its ``:``)."""
+_SCHEME: Final = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.-]*[:;]?/+")
+"""What precedes the authority of a URL: a scheme and its slashes, spelled right (``http://``)
+or not (``http:/``, ``http//``, ``s3;//``, ``http:///``)."""
 
 
 def _authority_start(url: str) -> int:
     """Where the authority of ``url`` begins, for finding its ``user:password@``.
 
-    After ``://``; without one, after a mistyped scheme (:data:`_SCHEME_TYPO`), else at the
-    start: ``key:secret@host`` (no scheme at all) is all authority. Credentials in a URL whose
-    ``://`` is mistyped are masked as in one spelled right.
+    After the scheme and all its slashes (:data:`_SCHEME`), however mistyped; without one, at
+    the start: ``key:secret@host`` (no scheme at all) is all authority. Anchored at the start,
+    never a later ``://`` (``http:/u:p@h/a://b``): credentials in a URL whose ``://`` is
+    mistyped are masked as in one spelled right.
     """
-    scheme_end = url.find("://")
-    if scheme_end >= 0:
-        return scheme_end + 3
-    typo = _SCHEME_TYPO.match(url)
-    return typo.end() if typo else 0
+    scheme = _SCHEME.match(url)
+    return scheme.end() if scheme else 0
 
 
 def _redact_credentials(url: str, start: int | None = None) -> str:
