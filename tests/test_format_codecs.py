@@ -402,6 +402,32 @@ def test_arrow_refuses_compressed_dictionary_batches_and_the_0_17_compression_ke
         ARROW.decode(sink.getvalue().to_pybytes())
 
 
+def test_arrow_refuses_dictionary_deltas_and_ignores_the_0_17_key_from_metadata_v5() -> None:
+    """Before: dictionary deltas passed (a reader appends each to every earlier one: a 1.2 MB
+    slice decoded to 520 MB), and a V5 batch whose custom metadata merely named the 0.17
+    compression key, which Arrow ignores from V5 on, was refused."""
+    schema = pa.schema([("d", pa.dictionary(pa.int32(), pa.string()))])
+    deltas = pa.ipc.IpcWriteOptions(emit_dictionary_deltas=True)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema, options=deltas) as writer:
+        for k in range(1, 4):
+            words = pa.array([str(i) for i in range(k)]).dictionary_encode()
+            writer.write_batch(pa.record_batch([words], schema=schema))
+    with pytest.raises(FormatError, match="uses a dictionary delta"):
+        ARROW.decode(sink.getvalue().to_pybytes())
+
+    batch = pa.record_batch({"x": np.arange(10)})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:  # metadata V5, the default
+        writer.write_batch(batch, custom_metadata={"ARROW:experimental_compression": "zstd"})
+    assert ARROW.decode(sink.getvalue().to_pybytes()).num_rows == 10
+
+    # What Producer.append writes for chunks with different dictionaries is no delta.
+    chunks = [pa.table({"d": pa.array(w).dictionary_encode()}) for w in (["a"], ["a", "b"])]
+    table = pa.concat_tables(chunks)
+    assert ARROW.decode(bytes(ARROW.encode(table))).to_pylist() == table.to_pylist()
+
+
 def test_arrow_bomb_slice_is_refused_before_allocating() -> None:
     # 8 MiB of zeros in a ~1 KB slice: refused by reading message metadata only.
     zeros = pa.table({"x": np.zeros(1 << 20, dtype=np.int64)})

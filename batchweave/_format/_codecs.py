@@ -119,6 +119,8 @@ def _arrow_encode(value: Any) -> Buffer:
 _IPC_CONTINUATION: Final = -1
 _FB_DICTIONARY_BATCH: Final = 2
 _FB_RECORD_BATCH: Final = 3
+_FB_METADATA_V4: Final = 3
+_COMPRESSED: Final = "IPC body compression"
 _EXPERIMENTAL_COMPRESSION: Final = b"ARROW:experimental_compression"
 """Message metadata key through which Arrow 0.17 streams announced compressed bodies."""
 _I32: Final = struct.Struct("<i")
@@ -140,35 +142,42 @@ def _fb_ref(meta: memoryview, table: int, offset: int) -> int:
     return table + offset + int(_U32.unpack_from(meta, table + offset)[0])
 
 
-def _read_message(meta: memoryview) -> tuple[int, bool]:
-    """The body length an IPC message's flatbuffer metadata records, and if it is compressed.
+def _read_message(meta: memoryview) -> tuple[int, str | None]:
+    """The body length an IPC message's flatbuffer metadata records, and what in it codec
+    ``arrow`` refuses (``None``: nothing).
 
-    Fields per Arrow's ``Message.fbs``: Message (1 header type, 2 header, 3 body length, 4
-    custom metadata), DictionaryBatch (1 data), RecordBatch (3 compression). Also compressed:
-    the metadata key Arrow 0.17 used instead. Only metadata Arrow accepts matters (it verifies
-    metadata before reading it), and that this reads as Arrow does.
+    Fields per Arrow's ``Message.fbs``: Message (0 metadata version, 1 header type, 2 header,
+    3 body length, 4 custom metadata), DictionaryBatch (1 data, 2 is delta), RecordBatch (3
+    compression). Refused: body compression (also announced, up to metadata V4, by the custom
+    metadata key Arrow 0.17 used), and dictionary deltas, each of which a reader appends to
+    every earlier one (a small slice of them decodes quadratically). Only metadata Arrow
+    accepts matters (it verifies metadata before reading it), and that this reads as Arrow does.
     """
     message = _U32.unpack_from(meta, 0)[0]
     fields = _fb_fields(meta, message)
     body = _I64.unpack_from(meta, message + fields[3])[0] if fields[3] else 0
     kind = meta[message + fields[1]] if fields[1] else 0
     if kind not in (_FB_RECORD_BATCH, _FB_DICTIONARY_BATCH) or not fields[2]:
-        return body, False
-    if fields[4] and _EXPERIMENTAL_COMPRESSION in meta.tobytes():
-        return body, True
+        return body, None
+    version = _U16.unpack_from(meta, message + fields[0])[0] if fields[0] else 0
+    if version <= _FB_METADATA_V4 and fields[4] and _EXPERIMENTAL_COMPRESSION in meta.tobytes():
+        return body, _COMPRESSED
     batch = _fb_ref(meta, message, fields[2])
     if kind == _FB_DICTIONARY_BATCH:
-        data = _fb_fields(meta, batch)[1]
-        if not data:
-            return body, False
-        batch = _fb_ref(meta, batch, data)
-    return body, _fb_fields(meta, batch)[3] != 0
+        dictionary = _fb_fields(meta, batch)
+        if dictionary[2] and meta[batch + dictionary[2]]:
+            return body, "a dictionary delta (a reader appends each to every earlier one)"
+        if not dictionary[1]:
+            return body, None
+        batch = _fb_ref(meta, batch, dictionary[1])
+    return body, _COMPRESSED if _fb_fields(meta, batch)[3] != 0 else None
 
 
 def _check_uncompressed(buf: bytes | memoryview) -> None:
-    """Refuse IPC body compression, with which a small slice could decode to any size.
+    """Refuse IPC body compression and dictionary deltas, with which a small slice could decode
+    to any size.
 
-    Uncompressed, every decoded buffer is a view of the slice, so decoding allocates no more
+    Without them, every decoded buffer is a view of the slice, so decoding allocates no more
     than about the slice's size. Walks the stream's message framing as Arrow reads it (continuation
     token, metadata length, flatbuffer metadata, body), reading metadata only: about 2 us per
     message, against ~1 us for Arrow's own decoding of it.
@@ -183,15 +192,20 @@ def _check_uncompressed(buf: bytes | memoryview) -> None:
                 length = _I32.unpack_from(view, pos)[0]
             if length == 0:  # end of stream
                 return
-            body, compressed = _read_message(view[pos + 4 : pos + 4 + max(length, 0)])
+            body, refused = _read_message(view[pos + 4 : pos + 4 + max(length, 0)])
             if length < 0 or body < 0:
                 raise struct.error(f"negative length {min(length, body)}")
-            if compressed:
+            if refused is not None:
+                fix = (
+                    "write the table without IpcWriteOptions(compression=...) and compress the "
+                    "TGB instead (compression='zstd')"
+                    if refused == _COMPRESSED
+                    else "write the table without IpcWriteOptions(emit_dictionary_deltas=True), "
+                    "as Producer.append does"
+                )
                 raise FormatError(
-                    "Arrow IPC stream uses IPC body compression, which codec 'arrow' does not "
-                    "allow (a small slice could decode to any size; docs/format.md): write the "
-                    "table without IpcWriteOptions(compression=...) and compress the TGB "
-                    "instead (compression='zstd')"
+                    f"Arrow IPC stream uses {refused}, which codec 'arrow' does not allow (a "
+                    f"small slice could decode to any size; docs/format.md): {fix}"
                 )
             pos += 4 + length + body
     except (struct.error, IndexError) as exc:
