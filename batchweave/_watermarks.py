@@ -36,7 +36,7 @@ from batchweave._errors import (
 from batchweave._manifest._codec import decode_object, encode_object
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest
-from batchweave._store._base import ObjectStore
+from batchweave._store._base import ObjectMeta, ObjectStore
 
 __all__ = [
     "CLOCK_SKEW_TOLERANCE",
@@ -59,6 +59,9 @@ _MAX_BYTES: Final = 64 << 10
 _SUFFIX: Final = ".json"
 _LIST_ATTEMPTS: Final = 10
 """Listings :meth:`Watermarks.live` makes while watermarks vanish under it, before giving up."""
+_CONFIRMING_LISTS: Final = 3
+"""LISTs after the first that one listing may take while each names watermarks the ones before
+did not (see :meth:`Watermarks._list_once`), before it is stale."""
 _LIST_BACKOFF: Final = 0.05
 """Pause before the first listing retaken; it doubles before each next one..."""
 _LIST_BACKOFF_CAP: Final = 1.0
@@ -224,7 +227,9 @@ class Watermarks:
         its watermark. With ``keep_last``, the watermarks (of this ``scope``) recorded before the
         ``keep_last - 1`` most recent others are then released: most recent by the store's
         ``last_modified`` of each watermark object, so a trainer resuming on a host whose clock is
-        behind still keeps its newest checkpoints (ties: by ``recorded_at``, then id).
+        behind still keeps its newest checkpoints (ties: by ``recorded_at``, then id). That
+        listing is one LIST of the ids in ``scope`` (of the namespace without one) and one GET
+        per watermark it names: other readers' watermarks are neither read nor judged here.
         """
         step = as_int("step", step)  # the step counter of a loop is often a NumPy integer
         if step < 0:
@@ -267,9 +272,8 @@ class Watermarks:
         if self.keep_last is not None:
             others = [
                 (written, m)
-                for written, m in self._listed(tolerant=False)[0]
+                for written, m in self._listed(tolerant=False, scope_only=True)[0]
                 if m.checkpoint_id != checkpoint_id
-                and (self.scope is None or m.checkpoint_id.startswith(self.scope))
             ]
             # Most recently written first, as a trainer keeps its last K checkpoints: after a
             # rollback, the checkpoints of the abandoned run (higher steps, written earlier)
@@ -305,10 +309,14 @@ class Watermarks:
         ignoring it could reclaim data its checkpoint needs. Delete or re-record it to go on
         (one written by a newer BatchWeave, :class:`UnsupportedFormatVersion`, is intact: upgrade
         the reader instead).
-        A listing in which a watermark is released before it is read is taken again (see
-        :meth:`_list_once`) after a pause that doubles from 0.05 s up to 1 s, so a store whose
-        LIST lags its DELETEs gets time to catch up; :class:`TransientStoreError` if it still
-        happens after 10 listings (about 5.5 s of pauses).
+        Costs two LISTs (the second, begun after the first ended, finds a successor recorded
+        while the first ran, whose released predecessor the first may have skipped: see
+        :meth:`_list_once`) and one GET per watermark listed; a LIST that names new watermarks
+        costs one more (at most 4). A listing in which a watermark is released before it is
+        read, or that keeps changing, is taken again after a pause that doubles from 0.05 s up
+        to 1 s, so a store whose LIST lags its DELETEs gets time to catch up;
+        :class:`TransientStoreError` if it still happens after 10 listings (about 5.5 s of
+        pauses).
         """
         return [mark for _, mark in self._listed(tolerant=False)[0]]
 
@@ -324,11 +332,14 @@ class Watermarks:
         return [mark for _, mark in marks], unreadable
 
     def _listed(
-        self, *, tolerant: bool
+        self, *, tolerant: bool, scope_only: bool = False
     ) -> tuple[list[tuple[float, Watermark]], list[tuple[str, FormatError]]]:
         """:meth:`live`'s listing loop, each watermark with its object's listed
         ``last_modified`` (the store's clock); ``tolerant``: collect decoding errors, do not
-        raise."""
+        raise. ``scope_only``: only this instance's ``scope``, from one LIST of its keys and no
+        confirming one (for ``keep_last``, which a watermark missed only keeps one more
+        round; never for a boundary)."""
+        prefix = self._prefix + (self.scope or "") if scope_only else self._prefix
         waited = 0.0
         for attempt in range(_LIST_ATTEMPTS):
             if attempt:
@@ -336,50 +347,91 @@ class Watermarks:
                 self._sleep(pause)
                 waited += pause
             unreadable: list[tuple[str, FormatError]] | None = [] if tolerant else None
-            marks, vanished = self._list_once(unreadable)
-            if vanished is None:
+            marks, stale = self._list_once(prefix, unreadable, confirm=not scope_only)
+            if stale is None:
                 marks.sort(key=lambda pair: (pair[1].step, pair[1].checkpoint_id))
                 return marks, sorted(unreadable or [], key=lambda bad: bad[0])
-            _log.debug("watermark %r vanished while listed; listing again", vanished)
+            _log.debug("watermarks changed while listed (%s); listing again", stale)
         raise TransientStoreError(
             f"{self.store.url}/{self.namespace}: the watermarks could not be listed consistently: "
-            f"{_LIST_ATTEMPTS} listings over {waited:.1f} s each named a watermark that was gone "
-            f"when read (last: {vanished!r}). Either checkpoints are released faster than they "
-            "can be listed, or the store's LIST lags its DELETEs. Nothing was decided on the "
+            f"{_LIST_ATTEMPTS} listings over {waited:.1f} s each found them changing (last: "
+            f"{stale}). Either checkpoints are recorded and released faster than they can be "
+            "listed, or the store's LIST lags its DELETEs. Nothing was decided on the "
             "stale view; retry (a reclaimer retries on its next pass), and if it persists "
             f"check what releases watermarks under {self._prefix!r} and the store's listing "
             "consistency"
         )
 
     def _list_once(
-        self, unreadable: list[tuple[str, FormatError]] | None = None
+        self,
+        prefix: str,
+        unreadable: list[tuple[str, FormatError]] | None = None,
+        *,
+        confirm: bool = True,
     ) -> tuple[list[tuple[float, Watermark]], str | None]:
-        """The watermarks of one LIST (each with its listed ``last_modified``), and the key of
-        one released before it was read (``None`` when none was). A watermark that cannot be
-        decoded raises :class:`FormatError`, or with ``unreadable`` (a list) is appended to it
-        as ``(key, error)`` instead.
+        """The watermarks under ``prefix`` (each with its listed ``last_modified``), and why
+        the listing is stale (``None`` when it is not). A watermark that cannot be decoded
+        raises :class:`FormatError`, or with ``unreadable`` (a list) is appended to it as
+        ``(key, error)`` instead.
 
-        A listing with such a key is stale: its checkpoint's successor is recorded before the
-        old one is released (``keep_last`` does so, and so should callers), and may be missing
-        from it. Without the released mark its minimum could skip the successor's lower step
-        (another reader's watermark above it), so the caller lists again.
+        A LIST is no snapshot: it may skip a key deleted while it runs (``FileStore`` does, an
+        S3 listing may across pages) and miss one created while it runs. A reader records a
+        checkpoint's successor before it releases the old one (``keep_last`` does so, and so
+        should callers), so one listing can lack both, and its minimum would jump to another
+        reader's higher step. Hence, with ``confirm``, a second LIST begun after the first
+        ended and the reads: it names the successor (it was recorded before its predecessor
+        went), which is read and added. Only a reader releasing a checkpoint during each LIST
+        can be missed by all of them, so while a LIST adds watermarks (they are changing), one
+        more is taken, up to :data:`_CONFIRMING_LISTS`; then the listing is stale. So is one
+        naming a key released before it was read (the successor may be missing from it). The
+        caller lists again.
         """
         marks: list[tuple[float, Watermark]] = []
-        for meta in self.store.list(self._prefix):
-            name = meta.key[len(self._prefix) :]
-            if "/" in name or not name.endswith(_SUFFIX):
-                continue
-            try:
-                data = self.store.get(meta.key)
-            except ObjectNotFound:
-                return marks, meta.key  # released between LIST and GET
-            try:
-                marks.append((meta.last_modified, self._decode(data, meta.key)))
-            except FormatError as exc:
-                if unreadable is None:
-                    raise
-                unreadable.append((meta.key, exc))
-        return marks, None
+        seen: set[str] = set()
+        for meta in self.store.list(prefix):
+            seen.add(meta.key)
+            if not self._read_listed(meta, marks, unreadable):
+                return marks, f"{meta.key!r} was gone when read"
+        if not confirm:
+            return marks, None
+        added: str | None = None
+        for _ in range(_CONFIRMING_LISTS):
+            added = None
+            for meta in self.store.list(prefix):
+                if meta.key in seen:
+                    continue
+                seen.add(meta.key)
+                if not self._read_listed(meta, marks, unreadable):
+                    return marks, f"{meta.key!r} was gone when read"
+                added = meta.key
+            if added is None:
+                return marks, None
+        return marks, (
+            f"{_CONFIRMING_LISTS} LISTs after the first each named new watermarks (last: {added!r})"
+        )
+
+    def _read_listed(
+        self,
+        meta: ObjectMeta,
+        marks: list[tuple[float, Watermark]],
+        unreadable: list[tuple[str, FormatError]] | None,
+    ) -> bool:
+        """Read the listed ``meta`` into ``marks`` (or ``unreadable``) if it is a watermark;
+        ``False`` if it was gone when read."""
+        name = meta.key[len(self._prefix) :]
+        if "/" in name or not name.endswith(_SUFFIX):
+            return True
+        try:
+            data = self.store.get(meta.key)
+        except ObjectNotFound:
+            return False
+        try:
+            marks.append((meta.last_modified, self._decode(data, meta.key)))
+        except FormatError as exc:
+            if unreadable is None:
+                raise
+            unreadable.append((meta.key, exc))
+        return True
 
     def boundary(self) -> int:
         """The reclamation boundary: the minimum step over live watermarks (0 when none)."""

@@ -842,6 +842,71 @@ def test_a_watermark_released_during_the_listing_never_lets_the_boundary_jump() 
     assert [m.checkpoint_id for m in Watermarks(inner, NS).live()] == ["train-200", "eval-500"]
 
 
+class _ListDuring(StoreWrapper):
+    """The first LIST of the watermarks runs ``during`` and answers as ``FileStore.list`` does:
+    the keys there when it began, less those gone when it came to them. It skips the key
+    deleted while it ran and misses the one created while it ran."""
+
+    def __init__(self, inner: ObjectStore, during: Callable[[], None]) -> None:
+        super().__init__(inner)
+        self._during: Callable[[], None] | None = during
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        began = [m.key for m in super().list(prefix, start_after=start_after)]
+        if self._during is not None and "/_watermarks/" in prefix:
+            during, self._during = self._during, None
+            during()
+        now = {m.key: m for m in super().list(prefix, start_after=start_after)}
+        return iter([now[key] for key in began if key in now])
+
+
+def test_a_listing_lacking_a_successor_and_its_released_predecessor_cuts_nothing_needed() -> None:
+    # Reader train- always holds a checkpoint of step 100: while the reclaimer LISTs, it records
+    # train-b (step 100) and then releases train-a. A listing lacking both (file:// did, under
+    # load) made the boundary eval-500's step, and the pass cut steps 100..499.
+    wall = FakeClock(1.7e9)
+    inner = MemoryStore(clock=wall)
+    log = ManifestLog(inner, NS, clock=wall)
+    head = log.create_or_open(Mesh(dp=8, cp=1))
+    assert isinstance(log.commit(head, append=[descriptor("p", i) for i in range(600)]), Committed)
+    train = Watermarks(inner, NS, scope="train-", clock=wall)
+    train.record("train-a", 100)
+    Watermarks(inner, NS, scope="eval-", clock=wall).record("eval-500", 500)
+
+    def checkpoint() -> None:
+        train.record("train-b", 100)
+        train.release("train-a")
+
+    report = Reclaimer(_ListDuring(inner, checkpoint), NS, grace=600.0, clock=wall).run_once()
+    assert (report.boundary, report.base_step_after) == (100, 100)
+
+
+def test_a_cut_the_store_failed_is_no_lost_race(store: bw.MemoryStore, clock: FakeClock) -> None:
+    # The reclaimer counted a 503 on its commit as a lost race in commit_conflicts (and, once
+    # its attempts ran out, said "after N lost races" though no other writer existed).
+    Writer(store, NS, MESH).publish(6)
+    bw.Watermarks(store, NS).record("c", 4)
+    faulty = bw.FaultInjectingStore(store)
+    key_prefix = f"{NS}/_manifests/"
+    injected = bw.TransientStoreError("injected 503")
+    faulty.fail_next("put", lambda *_: injected, times=2, key_prefix=key_prefix)
+    report = reclaimer(faulty, clock).run_once()
+    assert (report.base_step_after, report.commit_conflicts) == (4, 0)
+
+    faulty.fail_next("put", lambda *_: injected, times=100, key_prefix=key_prefix)
+    bw.Watermarks(store, NS).record("c", 5)
+    cutter = bw.Reclaimer(
+        faulty, NS, grace=GRACE, clock=clock, sleep=lambda _: None, max_commit_attempts=3
+    )
+    with pytest.raises(bw.TransientStoreError) as info:
+        cutter.run_once()
+    message = str(info.value)
+    assert "could not commit base_step 5 in 3 attempts: the store failed 3 of them" in message
+    assert "injected 503" in message
+    assert "lost race" not in message
+    assert info.value.__cause__ is injected
+
+
 # -- the background thread; the hook's namespace -----------------------------------------------
 
 

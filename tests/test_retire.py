@@ -136,6 +136,28 @@ def test_bad_arguments_are_refused_before_anything_is_read() -> None:
         bw.retire_producers(store, NS, idle_for=DAY)
 
 
+def test_a_store_failing_every_commit_is_named_not_taken_for_lost_races() -> None:
+    """Every PUT of the retiring commit fails with a 503 and no other writer exists: the error
+    says the store failed the attempts (naming its error, chained as the cause), where it said
+    "after 3 lost races"; a later success retires as usual."""
+    store = bw.MemoryStore()
+    publish(store, "old", range(2))
+    faulty = bw.FaultInjectingStore(store)
+    injected = bw.TransientStoreError("injected 503")
+    faulty.fail_next("put", lambda *_: injected, times=3, key_prefix=f"{NS}/_manifests/")
+    with pytest.raises(bw.TransientStoreError) as info:
+        bw.retire_producers(
+            faulty, NS, idle_for=DAY, wall_clock=lambda: later(2), attempts=3, sleep=lambda _: None
+        )
+    message = str(info.value)
+    assert "in 3 attempts: the store failed 3 of them" in message
+    assert "TransientStoreError: injected 503" in message
+    assert "lost race" not in message
+    assert info.value.__cause__ is injected
+    report = bw.retire_producers(faulty, NS, idle_for=DAY, wall_clock=lambda: later(2))
+    assert report.retired == ("old",)
+
+
 def test_a_commit_landing_first_keeps_its_producer() -> None:
     """The id commits between retire's read and its conditional PUT: it is active again."""
     store = bw.MemoryStore()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -369,7 +369,7 @@ def lagging(lags: int) -> tuple[LaggingList, bw.Watermarks, FakeTime]:
 def test_a_lagging_listing_is_retaken_after_growing_pauses() -> None:
     store, marks, fake = lagging(3)
     assert [m.checkpoint_id for m in marks.live()] == ["ckpt-2"]
-    assert store.lists == 4
+    assert store.lists == 5  # three stale listings, then a good one and its confirming one
     assert fake.sleeps == [0.05, 0.1, 0.2]
 
 
@@ -414,6 +414,76 @@ def test_watermarks_that_keep_vanishing_are_a_retryable_error_not_boundary_zero(
     assert len(pauses) == 9  # between the 10 listings, never a real wait in a test
 
 
+class RacingList(StoreWrapper):
+    """A LIST of the watermarks (the first only) during which ``during`` runs, answered as
+    ``FileStore.list`` answers it: the keys there when it began (its directory read), less those
+    gone when it came to them (its stat of each). It skips a key deleted while it ran and misses
+    one created while it ran, deterministically."""
+
+    def __init__(self, inner: bw.ObjectStore, during: Callable[[], None]) -> None:
+        super().__init__(inner)
+        self.during: Callable[[], None] | None = during
+        self.lists = 0
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        self.lists += 1
+        began = [m.key for m in self.inner.list(prefix, start_after=start_after)]
+        if self.during is not None and "/_watermarks/" in prefix:
+            during, self.during = self.during, None
+            during()
+        now = {m.key: m for m in self.inner.list(prefix, start_after=start_after)}
+        return iter([now[key] for key in began if key in now])
+
+
+def test_a_listing_missing_a_successor_and_its_released_predecessor_keeps_the_boundary() -> None:
+    # Reader a- always holds a checkpoint of step 5: while a LIST runs it records a-2 and then
+    # releases a-1. The listing lacks both (FileStore's did, 76 of 21,000 live() calls under
+    # load), and the boundary jumped to reader b-'s step 1500: a reclaimer cut step 5.
+    inner = MemoryStore()
+    a = Watermarks(inner, NS, scope="a-")
+    a.record("a-1", 5, version=0)
+    Watermarks(inner, NS, scope="b-").record("b-1", 1500, version=0)
+
+    def checkpoint() -> None:
+        a.record("a-2", 5, version=0)
+        a.release("a-1")
+
+    store = RacingList(inner, checkpoint)
+    marks = Watermarks(store, NS, sleep=lambda _: pytest.fail("nothing vanished"))
+    assert [(m.checkpoint_id, m.step) for m in marks.live()] == [("a-2", 5), ("b-1", 1500)]
+    # The racing listing, the one adding a-2, and one adding nothing: they settled.
+    assert store.lists == 3
+    assert marks.boundary() == 5
+    assert store.lists == 5  # a quiet namespace costs one confirming LIST
+
+
+class _NewWatermarkPerList(StoreWrapper):
+    """Every LIST of the watermarks first finds a new one recorded (a reader checkpointing
+    faster than the watermarks can be listed)."""
+
+    def __init__(self, inner: bw.ObjectStore) -> None:
+        super().__init__(inner)
+        self.lists = 0
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> Iterator[ObjectMeta]:
+        self.lists += 1
+        Watermarks(self.inner, NS).record(f"w-{self.lists}", 5, version=0)
+        return super().list(prefix, start_after=start_after)
+
+
+def test_watermarks_that_never_settle_are_a_retryable_error_naming_why() -> None:
+    store = _NewWatermarkPerList(MemoryStore())
+    pauses: list[float] = []
+    with pytest.raises(TransientStoreError) as info:
+        Watermarks(store, NS, sleep=pauses.append).live()
+    assert store.lists == 10 * 4  # each of 10 listings: its LIST and 3 more adding a watermark
+    assert len(pauses) == 9
+    message = str(info.value)
+    assert f"{store.url}/{NS}: the watermarks could not be listed consistently" in message
+    assert "3 LISTs after the first each named new watermarks (last: " in message
+    assert "w-40.json" in message
+
+
 # -- several readers sharing a namespace -------------------------------------------------------
 
 
@@ -429,6 +499,28 @@ def test_keep_last_of_one_reader_never_releases_another_readers_watermarks() -> 
     # The training job's keep_last kept its own two newest and never touched the evaluator's.
     assert live == [("eval-start", 0), ("eval-50", 50), ("train-120", 120), ("train-130", 130)]
     assert train.boundary() == 0
+
+
+def test_keep_last_reads_only_the_watermarks_of_its_scope() -> None:
+    # record(keep_last=...) read every watermark of the namespace to order its own scope's
+    # (23 GETs for 3 in scope), and another reader's damaged watermark made it raise after its
+    # PUT, leaving its old watermarks unreleased. The boundary still reads them all.
+    inner = bw.MemoryStore("scopes")
+    evaluation = bw.Watermarks(inner, NS, scope="eval-")
+    for i in range(20):
+        evaluation.record(f"eval-{i}", i, version=0)
+    inner.put(evaluation.key("eval-damaged"), b"not a watermark")
+    store = bw.CountingStore(inner)
+    train = bw.Watermarks(store, NS, keep_last=2, scope="train-")
+    train.record("train-1", 1, version=0)
+    train.record("train-2", 2, version=0)
+    before = store.snapshot()
+    train.record("train-3", 3, version=0)
+    used = store.snapshot() - before
+    assert (used.puts, used.lists, used.gets, used.deletes) == (1, 1, 3, 1), used
+    assert [train.get(f"train-{i}") is not None for i in (1, 2, 3)] == [False, True, True]
+    with pytest.raises(bw.FormatError, match="eval-damaged"):
+        train.boundary()  # the boundary still reads every reader's watermarks
 
 
 def test_a_scoped_reader_refuses_checkpoint_ids_outside_its_scope() -> None:

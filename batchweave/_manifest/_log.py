@@ -170,7 +170,11 @@ class Settled:
     parent: Manifest | None
     """The version the change was committed on; ``None`` when no commit was needed."""
     conflicts: int
-    """Races lost on the way."""
+    """Races lost on the way (another writer's version won), retried."""
+    failures: int = 0
+    """Attempts the store failed on the way (a 5xx or throttling, a write whose outcome stayed
+    unknown: a :class:`Conflict` with a ``failure``), retried. Not lost races: nothing says
+    another writer was there."""
 
 
 def commit_until(
@@ -187,26 +191,43 @@ def commit_until(
 
     ``attempt(manifest)`` makes one :meth:`ManifestLog.commit` on ``manifest``, or returns
     ``None`` when ``manifest`` needs no change (someone else made it, or it no longer applies);
-    it is called again on the winner of every lost race, after a jittered backoff (up to 20 ms,
-    doubling, at most 1 s). For operator changes (seal, reclamation boundary, retiring
-    producer ids), which have no pacing of their own. Raises :class:`TransientStoreError`
-    naming ``what`` after ``attempts`` lost races.
+    it is called again on the newest version after every lost race or store failure, after a
+    jittered backoff (up to 20 ms, doubling, at most 1 s). For operator changes (seal,
+    reclamation boundary, retiring producer ids), which have no pacing of their own. Raises
+    :class:`TransientStoreError` naming ``what`` after ``attempts`` attempts: all lost races,
+    or, when the store failed any of them, how many it failed and its last error (chained as
+    the cause), which is then what to look at, not another writer.
     """
     rng = rng or random.Random()
-    conflicts = 0
+    conflicts = failures = 0
+    failure: TransientStoreError | AmbiguousWriteError | None = None
     while True:
         result = attempt(latest)
         if result is None:
-            return Settled(latest, None, conflicts)
+            return Settled(latest, None, conflicts, failures)
         if isinstance(result, Committed):
-            return Settled(result.manifest, latest, conflicts)
-        conflicts += 1
-        if conflicts >= attempts:
+            return Settled(result.manifest, latest, conflicts, failures)
+        if result.failure is None:
+            conflicts += 1
+        else:
+            failures += 1
+            failure = result.failure
+        tried = conflicts + failures
+        if tried >= attempts:
+            where = f"{log.store.url}/{log.namespace}"
+            if failure is None:
+                raise TransientStoreError(
+                    f"{where}: could not commit {what} after {conflicts} lost races (latest "
+                    f"version {latest.version}); retry"
+                )
+            races = f", {conflicts} lost a race to another writer" if conflicts else ""
             raise TransientStoreError(
-                f"{log.store.url}/{log.namespace}: could not commit {what} after {conflicts} "
-                f"lost races (latest version {latest.version}); retry"
-            )
-        sleep(rng.uniform(0.0, min(1.0, 0.01 * 2**conflicts)))
+                f"{where}: could not commit {what} in {tried} attempts: the store failed "
+                f"{failures} of them (last: {type(failure).__name__}: {failure}){races} (latest "
+                f"version {latest.version}); check the store's health (errors, throttling) "
+                "and retry"
+            ) from failure
+        sleep(rng.uniform(0.0, min(1.0, 0.01 * 2**tried)))
         latest = log.latest(result.winner or latest)
 
 
