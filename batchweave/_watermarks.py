@@ -85,8 +85,8 @@ class Watermark(BaseModel):
     """A manifest version current when the checkpoint was taken; older versions may be deleted."""
     recorded_at: float = Field(default=0.0, allow_inf_nan=False)
     """Wall-clock seconds when the watermark was written, by the recording host's clock (finite;
-    for operators, not for safety; ``keep_last`` orders by the store's clock and uses it only to
-    break ties). A stored infinity or NaN is damage, as in a manifest."""
+    for operators, not for safety; ``keep_last`` orders by ``version`` and the store's clock and
+    uses it only to break ties). A stored infinity or NaN is damage, as in a manifest."""
 
 
 _SCOPE_ENDS = "-_.=+"
@@ -225,9 +225,10 @@ class Watermarks:
         consumer had read when the checkpoint was taken; ``None`` reads the namespace's latest
         version (0 if the namespace does not exist yet). Recording the same id again replaces
         its watermark. With ``keep_last``, the watermarks (of this ``scope``) recorded before the
-        ``keep_last - 1`` most recent others are then released: most recent by the store's
-        ``last_modified`` of each watermark object, so a trainer resuming on a host whose clock is
-        behind still keeps its newest checkpoints (ties: by ``recorded_at``, then id). That
+        ``keep_last - 1`` most recent others are then released: most recent by the manifest
+        ``version`` each was taken at, then by the store's ``last_modified`` of each watermark
+        object (then ``recorded_at``, ``step``, id), so a trainer resuming on a host whose clock
+        is behind, or watermarks restored from a copy, still keep the newest checkpoints. That
         listing is one LIST of the ids in ``scope`` (of the namespace without one) and one GET
         per watermark it names: other readers' watermarks are neither read nor judged here.
         """
@@ -275,13 +276,22 @@ class Watermarks:
                 for written, m in self._listed(tolerant=False, scope_only=True)[0]
                 if m.checkpoint_id != checkpoint_id
             ]
-            # Most recently written first, as a trainer keeps its last K checkpoints: after a
-            # rollback, the checkpoints of the abandoned run (higher steps, written earlier)
-            # must not take the slots of the resumed run's. By the store's clock, which every
-            # recorder shares: by recorded_at, a trainer resumed on a host whose clock is behind
-            # would release its newest checkpoints and keep the oldest, stalling the boundary.
+            # Most recently taken first, as a trainer keeps its last K checkpoints: after a
+            # rollback, the checkpoints of the abandoned run (higher steps, taken earlier) must
+            # not take the slots of the resumed run's. By the manifest version each was taken
+            # at (the store's history, which no host clock and no copy of the objects changes),
+            # then by the store's clock: by recorded_at, a trainer resumed on a host whose clock
+            # is behind would release its newest checkpoints and keep the oldest, stalling the
+            # boundary; by last_modified alone, a copy of the watermarks (a restore) would
+            # order them by when each was copied.
             others.sort(
-                key=lambda pair: (pair[0], pair[1].recorded_at, pair[1].checkpoint_id),
+                key=lambda pair: (
+                    pair[1].version,
+                    pair[0],
+                    pair[1].recorded_at,
+                    pair[1].step,
+                    pair[1].checkpoint_id,
+                ),
                 reverse=True,
             )
             for _, old in others[self.keep_last - 1 :]:

@@ -155,6 +155,34 @@ def test_keep_last_breaks_ties_of_last_modified_by_recorded_at_then_id() -> None
     assert sorted(m.checkpoint_id for m in marks.live()) == ["ckpt-c", "ckpt-d"]
 
 
+def test_keep_last_keeps_the_newest_of_watermarks_restored_from_a_copy() -> None:
+    """Before: ordered by last_modified first, watermarks copied back in reverse key order
+    (a restore, ``aws s3 sync``) made keep_last release ck-300, the newest earlier checkpoint."""
+    now = [1_800_000_000.0]
+    source = bw.MemoryStore(clock=lambda: now[0])
+    marks = bw.Watermarks(source, NS, keep_last=3, clock=lambda: now[0])
+    for version, step in enumerate((100, 200, 300), start=3):
+        now[0] += 60
+        marks.record(f"ck-{step}", step, version=version)
+    restored = bw.MemoryStore(clock=lambda: now[0])
+    for meta in sorted(source.list(f"{NS}/_watermarks/"), key=lambda m: m.key, reverse=True):
+        now[0] += 1
+        restored.put(meta.key, source.get(meta.key))
+    again = bw.Watermarks(restored, NS, keep_last=3, clock=lambda: now[0])
+    again.record("ck-400", 400, version=9)
+    assert [m.checkpoint_id for m in again.live()] == ["ck-200", "ck-300", "ck-400"]
+
+
+def test_keep_last_breaks_full_ties_by_step_not_by_the_ids_text() -> None:
+    """Before: with version, last_modified and recorded_at alike, "ck-900" (sorting after
+    "ck-1000" as text) was kept over ck-1000."""
+    store = bw.MemoryStore(clock=lambda: 1_800_000_000.0)
+    marks = bw.Watermarks(store, NS, keep_last=2, clock=lambda: 1_800_000_000.0)
+    for step in (900, 1000, 1100):
+        marks.record(f"ck-{step}", step, version=1)
+    assert [m.checkpoint_id for m in marks.live()] == ["ck-1000", "ck-1100"]
+
+
 def test_keep_last_on_a_file_store_uses_the_files_mtime(tmp_path: Path) -> None:
     store = bw.FileStore(tmp_path, fsync=False)
     behind = iter([2000.0, 1000.0, 500.0])  # each recorder's clock further behind
