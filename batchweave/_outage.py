@@ -20,9 +20,9 @@ import logging
 import threading
 from collections.abc import Callable
 
-from batchweave._errors import AmbiguousWriteError, StoreTimeout
+from batchweave._errors import AmbiguousWriteError, StoreTimeout, StoreUnavailable
 
-__all__ = ["OutageLog", "no_answer"]
+__all__ = ["OutageLog", "is_outage", "no_answer"]
 
 
 def no_answer(exc: BaseException) -> bool:
@@ -39,6 +39,19 @@ def no_answer(exc: BaseException) -> bool:
     if isinstance(exc, StoreTimeout):
         return True
     return isinstance(exc, AmbiguousWriteError) and exc.timed_out
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Whether the store failure ``exc`` is an outage rather than a failing request.
+
+    An unreachable store (:class:`~batchweave.StoreUnavailable`) and one that accepts
+    connections but never answers (a hung server: :func:`no_answer`, a ``StoreTimeout`` or a
+    timed-out write) are waited out with one log line per outage. A timed-out write is
+    ambiguous, and retrying it is safe all the same: an upload writes the same bytes to the same
+    key again, and a commit resolves its outcome by reading the version back
+    (``ManifestLog.commit``) before anything is retried.
+    """
+    return isinstance(exc, StoreUnavailable) or no_answer(exc)
 
 
 class OutageLog:

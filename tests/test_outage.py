@@ -20,6 +20,7 @@ import pytest
 
 import batchweave as bw
 from batchweave import (
+    AmbiguousWriteError,
     ByteRange,
     Consumer,
     ConsumerTimeout,
@@ -28,7 +29,9 @@ from batchweave import (
     ObjectMeta,
     ObjectStore,
     Producer,
+    ProducerError,
     PutMode,
+    StoreTimeout,
     StoreUnavailable,
     StoreWrapper,
     TransientStoreError,
@@ -245,6 +248,129 @@ def _produce(store: ObjectStore, tgbs: int, *, seal: bool) -> None:
             p.append(payloads(offset), offset=offset)
         if seal:
             p.seal()
+
+
+def hung(message: str) -> Exception:
+    """What a store that accepts connections but never answers raises for ``message``'s request:
+    a timed-out (ambiguous) write for a PUT, ``StoreTimeout`` for anything else."""
+    if message.startswith("injected outage: put "):
+        error = AmbiguousWriteError(f"{message}: no answer within read_timeout=3 s")
+        error.timed_out = True
+        return error
+    return StoreTimeout(f"{message}: no answer within read_timeout=3 s")
+
+
+def test_producer_waits_out_a_hung_store_like_an_unreachable_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Before: each pending upload spent its max_retries on the read timeouts, logging a warning
+    # per attempt, and the producer died ("upload ... failed 3 times") though the store came back.
+    inner = MemoryStore()
+    store = OutageStore(inner, error=hung)
+    p = Producer(
+        store, NS, producer_id="p0", mesh=MESH, policy="naive", max_retries=2, sleep=Sleeps()
+    )
+    try:
+        p.append(payloads(0), offset=0)
+        p.flush()
+        caplog.set_level(logging.INFO, logger="batchweave")
+        store.down()
+        for offset in range(1, 5):
+            p.append(payloads(offset), offset=offset)
+        store.wait_failures(60)
+        assert committed(inner, "p0") == [0]
+        store.up()
+        p.close()
+    finally:
+        store.up()
+        p.abort()
+    assert committed(inner, "p0") == [0, 1, 2, 3, 4]
+    text = caplog.text
+    assert text.count("producer 'p0': the object store is unreachable while") == 1
+    assert "reachable again" in text
+    assert "failed (attempt" not in text  # no line per retry
+
+
+def test_producer_starts_once_a_hung_store_answers_again() -> None:
+    inner = MemoryStore()
+    store = OutageStore(inner, error=hung)
+    store.down()
+    made: list[Producer] = []
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            made.append(
+                Producer(store, NS, producer_id="p0", mesh=MESH, max_retries=1, sleep=Sleeps())
+            )
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    store.wait_failures(20)
+    store.up()
+    starter.join(10)
+    assert not errors, errors
+    assert made
+    assert made[0].epoch == 1  # nothing landed while hung: one epoch commit
+    made[0].close()
+
+
+class LandsThenTimesOut(StoreWrapper):
+    """Writes the first ``n`` PUTs under ``prefix``, then raises a timed-out ambiguous write, as a
+    server that stores the object and hangs before answering."""
+
+    def __init__(self, inner: ObjectStore, prefix: str, n: int) -> None:
+        super().__init__(inner)
+        self.prefix, self.n = prefix, n
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        self.inner.put(key, data, mode=mode)
+        if self.n and key.startswith(self.prefix):
+            self.n -= 1
+            error = AmbiguousWriteError(f"put {key!r}: no answer within read_timeout=3 s")
+            error.timed_out = True
+            raise error
+
+
+@pytest.mark.parametrize(("what", "landed"), [("data", 3), ("_manifests", 2)])
+def test_a_timed_out_write_that_landed_is_published_exactly_once(what: str, landed: int) -> None:
+    # Counting a hung store as an outage must not change how an ambiguous write is resolved: an
+    # upload is simply sent again, a commit is read back.
+    inner = MemoryStore()
+    Producer(inner, NS, producer_id="p0", mesh=MESH).close()  # the namespace and epoch 1
+    store = LandsThenTimesOut(inner, f"{NS}/{what}/", landed)  # uploads; epoch + a commit
+    with Producer(
+        store, NS, producer_id="p0", mesh=MESH, policy="naive", max_retries=0, sleep=Sleeps()
+    ) as p:
+        for offset in range(3):
+            p.append(payloads(offset), offset=offset)
+    assert store.n == 0
+    assert committed(inner, "p0") == [0, 1, 2]
+
+
+def test_an_upload_that_keeps_failing_says_what_is_uncommitted_and_how_to_resume() -> None:
+    inner = MemoryStore()
+    store = OutageStore(inner, error=TransientStoreError)  # a reachable store answering 503
+    p = Producer(
+        store, NS, producer_id="p0", mesh=MESH, policy="naive", max_retries=1, sleep=Sleeps()
+    )
+    try:
+        p.append(payloads(0), offset=0)
+        p.flush()
+        store.down(only_prefix=f"{NS}/data/")
+        p.append(payloads(1), offset=1)
+        with pytest.raises(ProducerError) as caught:
+            p.flush(timeout=20)
+    finally:
+        store.up()
+        p.abort()
+    message = str(caught.value)
+    assert "(offset 1) failed 2 times (max_retries=1)" in message
+    assert "TransientStoreError: injected outage" in message
+    assert "uncommitted: offsets 1..1" in message
+    assert "producer_id 'p0': it resumes from resume_offset (1)" in message
 
 
 @pytest.mark.parametrize("where", ["slice reads", "manifest polling"])

@@ -50,14 +50,13 @@ from batchweave._errors import (
     NamespaceNotFound,
     ObjectNotFound,
     StepReclaimed,
-    StoreUnavailable,
 )
 from batchweave._fork import current_pid
 from batchweave._manifest._log import ManifestLog
 from batchweave._manifest._models import Manifest, TgbDescriptor
 from batchweave._manifest._segments import find_segment
 from batchweave._mesh import Mesh
-from batchweave._outage import OutageLog, no_answer
+from batchweave._outage import OutageLog, is_outage
 from batchweave._projection import (
     DEFAULT_RANK_ORDER,
     Projection,
@@ -432,7 +431,9 @@ class Consumer:
         May be called from another thread: a ``next()`` reading a step, or waiting for
         producers, for the namespace or for the end of an outage, then raises
         :class:`ConsumerError` once its current sleep (at most ``max_poll_interval`` or
-        ``max_retry_backoff``) or store request ends.
+        ``max_retry_backoff``) or store request ends. A request is not cut short: to a store
+        that accepts connections but does not answer, it ends after the store's
+        ``read_timeout`` x its attempts (300 s with the defaults).
         """
         # The reader first: no retry starts once this consumer says it is closed.
         self._reader.close(repr(self))
@@ -759,7 +760,7 @@ class Consumer:
                 failures = 0
                 self._outage.recovered()
             except READ_RETRYABLE as exc:
-                if isinstance(exc, StoreUnavailable) or no_answer(exc):
+                if is_outage(exc):
                     # An outage (also a store that stopped answering) is waited out, bounded
                     # only by ``timeout``, polling ever slower.
                     self._counters.add(retries=1)
@@ -921,7 +922,7 @@ class Consumer:
                     raise
             except READ_RETRYABLE as exc:
                 failed = exc
-                if isinstance(exc, StoreUnavailable) or no_answer(exc):
+                if is_outage(exc):
                     self._counters.add(retries=1)
                     self._outage.failed(f"opening {self._where}", exc)
                 else:

@@ -47,7 +47,6 @@ from batchweave._errors import (
     ProducerError,
     ProducerFenced,
     ProducerRetired,
-    StoreUnavailable,
 )
 from batchweave._fork import current_pid
 from batchweave._format._checksum import DEFAULT_CHECKSUM_ALGO, ChecksumAlgo
@@ -65,7 +64,7 @@ from batchweave._manifest._log import (
 )
 from batchweave._manifest._models import Manifest, ProducerState, TgbDescriptor
 from batchweave._mesh import Mesh
-from batchweave._outage import OutageLog
+from batchweave._outage import OutageLog, is_outage
 from batchweave._policy import (
     AttemptOutcome,
     CommitPolicy,
@@ -230,9 +229,11 @@ class Producer:
     - ``max_retries``: transient store failures tolerated per upload and while starting, with
       ``backoff(attempt)`` seconds between tries; commits retry transient failures
       indefinitely (nothing pending is ever dropped), logging each one. An unreachable store
-      (:class:`~batchweave.StoreUnavailable`, an outage) is waited out however long it lasts:
-      pending TGBs are kept, ``append`` blocks once ``max_inflight_bytes`` wait for upload, and
-      one log line says when the outage started and one when the store is back.
+      (:class:`~batchweave.StoreUnavailable`, an outage) or one that accepts connections but
+      does not answer (:class:`~batchweave.StoreTimeout` or a timed-out write, a hung server) is
+      waited out however long it lasts, spending none of ``max_retries``: pending TGBs are
+      kept, ``append`` blocks once ``max_inflight_bytes`` wait for upload, and one log line
+      says when the outage started and one when the store is back.
     - ``active_horizon``: producers whose last commit is older than this many seconds do not
       count as active for the DAC policy. It must be at least twice a DAC policy's ``max_gap``
       (``ValueError`` otherwise): a producer waiting ``max_gap`` between its commits would drop
@@ -1051,14 +1052,13 @@ class Producer:
                     break
                 except RETRYABLE as exc:
                     attempt += 1
-                    # An unreachable store is an outage: waited out however long it lasts, keeping
-                    # the TGB (append blocks on max_inflight_bytes meanwhile: memory stays bounded).
-                    failures += not isinstance(exc, StoreUnavailable)
+                    # An unreachable or hung store is an outage: waited out however long it
+                    # lasts, keeping the TGB (append blocks on max_inflight_bytes meanwhile:
+                    # memory stays bounded). A timed-out PUT is ambiguous, but an upload only
+                    # ever writes these bytes to this key: sending it again is the answer.
+                    failures += not is_outage(exc)
                     if failures > self._max_retries:
-                        raise ProducerError(
-                            f"producer {self._producer_id!r}: upload of {key!r} (offset "
-                            f"{entry.offset}) failed {failures} times; last error: {exc}"
-                        ) from exc
+                        raise self._upload_failure(key, entry, failures, exc) from exc
                     self._retries.note(f"uploading {key!r}", exc, attempt)
             if descriptor is None:
                 descriptor = self._descriptor(entry, encoded, validate=False)
@@ -1084,6 +1084,24 @@ class Producer:
             if not released:
                 with self._lock:
                     self._release_locked(entry)
+
+    def _upload_failure(
+        self, key: str, entry: Entry, failures: int, exc: BaseException
+    ) -> ProducerError:
+        """The error an upload that failed more than ``max_retries`` times stops the producer
+        with: what failed, what is left uncommitted and how to publish it."""
+        with self._lock:
+            pending = self._pending_locked()
+            committed = self._committed_offset
+        resume = 0 if committed is None else committed + 1
+        return ProducerError(
+            f"producer {self._producer_id!r}: upload of {key!r} (offset {entry.offset}) failed "
+            f"{failures} times (max_retries={self._max_retries}); last error: "
+            f"{type(exc).__name__}: {exc}. The producer stopped; uncommitted: {pending}. An "
+            "upload is only ever rewritten whole, so nothing needs reading back: remove the "
+            f"cause, then restart a producer with producer_id {self._producer_id!r}: it resumes "
+            f"from resume_offset ({resume}) and uploads them again"
+        )
 
     def _pause(self, seconds: float) -> None:
         """The commit loop's backoff: ``seconds`` slept in pieces, ended early by a failure or

@@ -3,7 +3,8 @@
 Starting, uploading, committing and the ``max_lag`` check all retry the same failures with the
 same backoff, count them in one counter (``ProducerStats.transient_errors``) and log them the
 same way (one line per outage, one per other retry); :class:`Retries` is that shared part, so
-each of them uses it without owning it for the others.
+each of them uses it without owning it for the others. ``_outage.is_outage`` says which failures are
+an outage: waited out however long they last, spending none of ``max_retries``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 from collections.abc import Callable
 
 from batchweave._errors import AmbiguousWriteError, StoreUnavailable, TransientStoreError
-from batchweave._outage import OutageLog
+from batchweave._outage import OutageLog, is_outage
 
 __all__ = ["RETRYABLE", "Retries", "default_backoff"]
 
@@ -75,7 +76,7 @@ class Retries:
         sleep = self.sleep if sleep is None else sleep
         with self._lock:
             self.count += 1
-        if isinstance(exc, StoreUnavailable):
+        if is_outage(exc):
             self._outage.failed(what, exc)  # one line per outage, not one per retry
             sleep(delay)
             return

@@ -21,11 +21,11 @@ from batchweave._errors import (
     NamespaceSealed,
     ProducerRetired,
     SourceMismatch,
-    StoreUnavailable,
 )
 from batchweave._manifest._log import Committed, Conflict, ManifestLog
 from batchweave._manifest._models import Manifest, ProducerState
 from batchweave._mesh import Mesh
+from batchweave._outage import is_outage
 from batchweave._policy import measured_duration
 from batchweave._producer._retry import RETRYABLE, Retries
 
@@ -97,7 +97,7 @@ def start_epoch(
                 result = Conflict(log.latest(manifest))
         except RETRYABLE as exc:
             attempts += 1
-            failures += not isinstance(exc, StoreUnavailable)  # an outage is waited out
+            failures += not is_outage(exc)  # an outage (also a hung store) is waited out
             if failures > max_retries:
                 raise
             retries.note("starting (epoch commit)", exc, attempts)
