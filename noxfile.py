@@ -37,8 +37,11 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """A smoke run of every benchmark at tiny sizes (``-- --full`` for the real sizes)."""
-    session.install("-e", ".[test]")
+    """A smoke run of every benchmark at tiny sizes (``-- --full`` for the real sizes).
+
+    Installs the ``bench`` extra too: ``bench/peers.py`` needs its psutil and peer systems.
+    """
+    session.install("-e", ".[test,bench]")
     full = "--full" in session.posargs
     for script in sorted(Path("bench").glob("[!_]*.py")):
         session.run("python", str(script), *([] if full else ["--smoke"]))

@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-import lance
+try:
+    import lance
+except ImportError as exc:
+    raise ImportError(
+        f"batchweave.lance needs pylance, which provides the 'lance' module ({exc}): "
+        "pip install 'batchweave[lance]'",
+        name=exc.name,
+    ) from exc
 import numpy as np
 import pyarrow as pa
 

@@ -31,8 +31,15 @@ from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, IterableDataset, default_convert, get_worker_info
+
+try:
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset, default_convert, get_worker_info
+except ImportError as exc:
+    raise ImportError(
+        f"batchweave.torch needs PyTorch ({exc}): pip install 'batchweave[torch]'",
+        name=exc.name,
+    ) from exc
 
 from batchweave._checks import as_count, as_seconds, check_namespace
 from batchweave._consumer import Consumer

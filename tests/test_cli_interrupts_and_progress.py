@@ -11,6 +11,7 @@ terminal only.
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import select
@@ -24,12 +25,14 @@ from typing import Any
 import pytest
 from cli_helpers import run_on_terminal
 from click.testing import CliRunner, Result
+from rich.console import Console
 
 import batchweave as bw
 import batchweave.lance as bw_lance
 from batchweave._history import membership_batches
 from batchweave._manifest import ManifestLog, encode_manifest, manifest_key
 from batchweave.cli import _app
+from batchweave.cli import _common as cli_common
 from batchweave.cli._app import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_TERMINATED, cli
 from batchweave.cli._verify import verify_namespace
 
@@ -374,6 +377,24 @@ def test_long_commands_show_progress_on_a_terminal_only(
     )
     assert quiet.returncode == 0, quiet.stderr
     assert quiet.stderr == ""
+
+
+@pytest.mark.parametrize(("quiet", "terminal"), [(False, False), (True, True)])
+def test_no_progress_display_exists_off_a_terminal_or_with_json(
+    monkeypatch: pytest.MonkeyPatch, quiet: bool, terminal: bool
+) -> None:
+    # Before: a disabled rich Progress was started and stopped all the same, and rich 13 and 14
+    # (which pyproject allows) then write one "\n" to stderr: docs/cli.md promises nothing.
+    def no_progress(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a rich Progress was made although nothing is to be drawn")
+
+    stderr = io.StringIO()
+    console = Console(file=stderr, force_terminal=terminal)
+    monkeypatch.setattr(cli_common, "err_console", lambda: console)
+    monkeypatch.setattr(cli_common, "Progress", no_progress)
+    with cli_common.progress_bar("verifying", quiet=quiet) as progress:
+        progress(1, 2)
+    assert stderr.getvalue() == ""
 
 
 def test_verify_lists_an_old_version_of_another_mesh_and_goes_on(tmp_path: Path) -> None:

@@ -15,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import http.client
 import http.server
+import importlib
+import importlib.util
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -24,12 +27,15 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 import batchweave as bw
 from batchweave._store import _open as store_open
@@ -1370,3 +1376,89 @@ def test_cli_refuses_an_endpoint_with_a_path_before_touching_the_store() -> None
     )
     assert code == 2
     assert "has a path ('/bucket')" in out
+
+
+# -- packaging: optional extras and declared minimum versions ----------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _pyproject() -> dict[str, Any]:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        project: dict[str, Any] = tomllib.load(f)["project"]
+    return project
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {canonicalize_name(Requirement(r).name) for r in requirements}
+
+
+@pytest.mark.parametrize(
+    ("module", "hidden", "advice"),
+    [
+        ("batchweave.lance", "lance", "pip install 'batchweave[lance]'"),
+        ("batchweave.torch", "torch", "pip install 'batchweave[torch]'"),
+    ],
+)
+def test_an_integration_without_its_extra_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, module: str, hidden: str, advice: str
+) -> None:
+    # Before: a bare "No module named 'lance'" (the module comes from pylance, not `lance`).
+    monkeypatch.setitem(sys.modules, hidden, None)  # as if not installed
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(ImportError, match=re.escape(advice)) as info:
+        importlib.import_module(module)
+    assert info.value.name == hidden
+    assert advice.split("[")[1].rstrip("]'") in _pyproject()["optional-dependencies"]
+
+
+def test_declared_minimum_versions_have_the_apis_batchweave_calls() -> None:
+    # Installing old releases is not possible here, so the bounds are checked as declared.
+    # botocore 1.35.0 and 1.35.1 reject PutObject's IfNoneMatch, so every conditional create
+    # failed; pylance before 6.0.0 has no LanceDataset.read_blobs (LanceSource's blob columns),
+    # before 7.0.0 it refuses a blob column inside a struct.
+    project = _pyproject()
+    extras = project["optional-dependencies"]
+    declared = {Requirement(r).name: Requirement(r).specifier for r in project["dependencies"]}
+    for name in ("boto3", "botocore"):  # boto3 1.35.2 is the first to require botocore 1.35.2
+        assert not declared[name].contains("1.35.1"), (name, str(declared[name]))
+        assert declared[name].contains("1.35.2"), (name, str(declared[name]))
+    for extra in ("lance", "test"):
+        (pylance,) = [Requirement(r) for r in extras[extra] if r.startswith("pylance")]
+        assert not pylance.specifier.contains("6.1.0"), (extra, str(pylance))
+        assert pylance.specifier.contains("7.0.0"), (extra, str(pylance))
+
+
+def test_nox_bench_installs_what_every_benchmark_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: `nox -s bench` installed '.[test]' and died at bench/peers.py, which imports psutil
+    # (only in the `bench` extra), so the benchmarks after it never ran.
+    pytest.importorskip("nox")
+    spec = importlib.util.spec_from_file_location("_noxfile_under_test", ROOT / "noxfile.py")
+    assert spec is not None
+    assert spec.loader is not None
+    noxfile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(noxfile)
+
+    class Session:
+        posargs: ClassVar[list[str]] = []
+        installed: ClassVar[list[str]] = []
+        scripts: ClassVar[list[str]] = []
+
+        def install(self, *args: str) -> None:
+            self.installed.extend(args)
+
+        def run(self, *args: str) -> None:
+            self.scripts.append(args[1])
+
+    monkeypatch.chdir(ROOT)
+    noxfile.bench(Session())
+    assert "bench/peers.py" in Session.scripts
+    project = _pyproject()
+    names = _names(project["dependencies"])
+    for spec_text in Session.installed:
+        if spec_text.startswith(".["):
+            for extra in spec_text[2:-1].split(","):
+                names |= _names(project["optional-dependencies"][extra])
+    assert _names(project["optional-dependencies"]["bench"]) <= names, Session.installed
+    assert "psutil" in names

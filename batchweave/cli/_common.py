@@ -168,6 +168,10 @@ def progress_bar(label: str, *, quiet: bool = False) -> Iterator[Callable[[int, 
     nothing; the bar disappears when the block ends.
     """
     console = err_console()
+    if quiet or not console.is_terminal:
+        # Not even a disabled Progress: rich 13 and 14 write a newline to stderr when it stops.
+        yield lambda done, total: None
+        return
     with Progress(
         TextColumn(label),
         BarColumn(),
@@ -175,7 +179,6 @@ def progress_bar(label: str, *, quiet: bool = False) -> Iterator[Callable[[int, 
         TimeElapsedColumn(),
         console=console,
         transient=True,
-        disable=quiet or not console.is_terminal,
     ) as progress:
         task = progress.add_task(label, total=None)
         yield lambda done, total: progress.update(task, completed=done, total=total)

