@@ -31,7 +31,7 @@ from batchweave._format._tgb_read import _ALGO_BY_ID, FORMAT_VERSION
 from batchweave._history import read_object_footer
 from batchweave._manifest import Committed, ManifestLog, encode_manifest, manifest_key
 from batchweave._manifest._codec import body_checksum, forget_decoded
-from batchweave._manifest._models import Manifest, SegmentRef, TgbDescriptor
+from batchweave._manifest._models import Manifest, SegmentRef, TgbDescriptor, TgbObjectRef
 from batchweave._manifest._segments import SegmentFiles
 from batchweave._store._memory import MemoryStore
 from batchweave.cli._verify import VerifyReport, verify_namespace
@@ -444,3 +444,73 @@ def test_verify_holds_a_bounded_number_of_descriptors_whatever_the_history() -> 
     large = descriptors_held_by_verify(4000)
     assert large <= small + 100, (small, large)
     assert large < 1000, (small, large)
+
+
+# -- a TGB stored as several objects ------------------------------------------------------------
+
+
+def _object_ref(store: bw.ObjectStore, key: str, tgb: bw.EncodedTgb, first: int) -> TgbObjectRef:
+    """Store ``tgb`` under namespace ``NS`` as ``key``; its reference holding slices from
+    ``first`` on."""
+    store.put_parts(f"{NS}/{key}", tgb.parts)
+    return TgbObjectRef(
+        key=key,
+        size=tgb.size,
+        first_slice=first,
+        slice_count=len(tgb.footer.slices),
+        footer_offset=tgb.footer_offset,
+        footer_length=tgb.footer_length,
+        footer_checksum=checksum(tgb.footer_bytes, tgb.footer.checksum_algo),
+    )
+
+
+def _one_step(mesh: bw.Mesh, parts: list[tuple[list[bytes], bw.Mesh]]) -> VerifyReport:
+    """Verify a namespace of ``mesh`` whose one step is stored as ``parts``, one object each
+    (its slices and the mesh its footer carries), in slice order."""
+    store = MemoryStore()
+    log = ManifestLog(store, NS)
+    base = log.create_or_open(mesh)
+    refs, first = [], 0
+    for i, (payloads, object_mesh) in enumerate(parts):
+        key = f"data/ext/0/{0:020d}-{i:032x}.tgb"
+        refs.append(_object_ref(store, key, bw.encode_tgb(payloads, object_mesh), first))
+        first += len(payloads)
+    desc = TgbDescriptor(
+        producer_id="ext",
+        epoch=0,
+        offset=0,
+        objects=tuple(refs),
+        bytes=sum(ref.size for ref in refs),
+        samples=first,
+    )
+    assert isinstance(log.commit(base, append=[desc]), Committed)
+    return verify_namespace(store, NS)
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [([b"s0"], bw.Mesh(dp=1)), ([b"s1"], bw.Mesh(dp=1)), ([b"s2", b"s3"], bw.Mesh(dp=1, cp=2))],
+        [([b"s0", b"s1", b"s2"], bw.Mesh(dp=3)), ([b"s3"], bw.Mesh(dp=1))],
+    ],
+)
+def test_a_tgb_stored_as_several_objects_is_sound(
+    parts: list[tuple[list[bytes], bw.Mesh]],
+) -> None:
+    # Before: every object of such a TGB was "written for mesh (dp=1 ...)": verify required the
+    # namespace's mesh of a footer that holds only the object's own slices (docs/format.md), so
+    # no TGB in several objects, which consumers read, could pass.
+    report = _one_step(bw.Mesh(dp=2, cp=2), parts)
+    assert report.ok, report.problems
+    assert report.slices == 4
+
+
+def test_an_object_holding_a_whole_tgb_must_carry_the_namespace_mesh() -> None:
+    report = _one_step(bw.Mesh(dp=2, cp=1), [([b"s0", b"s1"], bw.Mesh(dp=1, cp=2))])
+    assert len(report.problems) == 1
+    assert "written for mesh (dp=1, cp=2), the namespace's is (dp=2, cp=1)" in report.problems[0]
+
+
+def test_objects_that_do_not_tile_the_mesh_are_a_problem() -> None:
+    report = _one_step(bw.Mesh(dp=2, cp=1), [([b"s0"], bw.Mesh(dp=1))])
+    assert report.problems == ["step 0: objects hold 1 slices, the mesh has 2"]

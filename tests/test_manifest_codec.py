@@ -272,12 +272,39 @@ def test_truncated_manifest_is_a_format_error() -> None:
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"PAR1 not ours", b'{"format": 1}', b"x" * 500, b"batchweave-manifest crc32c=zz\n{}"],
+    [b"", b"PAR1 not ours", b'{"format": 1}', b"x" * 500],
 )
 def test_foreign_bytes_are_a_format_error(data: bytes) -> None:
     with pytest.raises(FormatError, match="not a BatchWeave manifest") as err:
         decode_manifest(data, key=KEY)
     assert KEY in str(err.value)
+
+
+def _header_variants() -> list[object]:
+    data = encode_manifest(_sample_manifest())
+    header, rest = data.split(b"\n", 1)
+    crc = header.split(b"crc32c=")[1][:8]
+    return [
+        pytest.param(header.replace(crc, crc.upper()) + b"\n" + rest, id="upper-case-hex"),
+        pytest.param(header.replace(b" ", b"  ", 1) + b"\n" + rest, id="double-space"),
+        pytest.param(header + b"\r\n" + rest, id="crlf"),
+        pytest.param(header.replace(b"length=", b"length=0") + b"\n" + rest, id="leading-zero"),
+        pytest.param(b"batchweave-manifest crc32c=zz\n{}", id="not-hex"),
+        pytest.param(b"batchweave-manifest " + b"x" * 200, id="no-newline"),
+    ]
+
+
+@pytest.mark.parametrize("data", _header_variants())
+def test_a_malformed_header_line_is_named_with_what_was_expected(data: bytes) -> None:
+    # Before: an upper-case checksum (correct otherwise) was "not a BatchWeave manifest (no
+    # 'batchweave-manifest crc32c=... length=...' header line)", though the line is there.
+    with pytest.raises(FormatError) as err:
+        decode_manifest(data, key=KEY)
+    message = str(err.value)
+    assert KEY in message
+    assert "malformed manifest header line b'batchweave-manifest" in message
+    assert "<8 lower-case hex digits>" in message
+    assert "no header line" not in message
 
 
 def test_segment_is_not_a_manifest() -> None:

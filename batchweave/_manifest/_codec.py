@@ -209,6 +209,14 @@ def _split_envelope(data: bytes, *, key: str, magic: str, limit: int) -> tuple[i
         )
     newline = data.find(b"\n", 0, _MAX_HEADER)
     match = _HEADER_RE.fullmatch(data[:newline]) if newline >= 0 else None
+    if match is None and data.startswith(magic.encode() + b" "):
+        line = data[:newline] if newline >= 0 else data[:_MAX_HEADER]
+        unended = "" if newline >= 0 else f" (no newline in its first {_MAX_HEADER} bytes)"
+        raise FormatError(
+            f"{key}: malformed {what} header line {line!r}{unended}: expected "
+            f"'{magic} crc32c=<8 lower-case hex digits> length=<decimal, no leading zeros>' and "
+            "a newline (single spaces); the object was damaged or written by another tool"
+        )
     if match is None:
         raise FormatError(
             f"{key}: not a BatchWeave {what} (no '{magic} crc32c=... length=...' header line); "
