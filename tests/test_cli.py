@@ -658,6 +658,20 @@ def test_export_into_an_empty_directory_writes_a_dataset(
     assert lance.dataset(str(dest)).count_rows() > 0
 
 
+def test_export_overwrite_of_a_new_path_writes_nothing_to_stderr(
+    root: Path, tmp_path: Path
+) -> None:
+    """Before: with --overwrite and no dataset yet, Lance's own logger wrote "WARN ... No
+    existing dataset ... it will be created" to stderr, which docs/cli.md keeps quiet."""
+    publish(root)
+    dest = tmp_path / "new.lance"
+    cmd = [sys.executable, "-m", "batchweave", "export", str(root), NAMESPACE, str(dest)]
+    done = subprocess.run([*cmd, "--overwrite"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert lance.dataset(str(dest)).count_rows() > 0
+
+
 @pytest.mark.parametrize("flags", [[], ["--overwrite"]])
 def test_a_failed_export_into_an_empty_directory_keeps_the_directory(
     root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str]

@@ -546,13 +546,16 @@ def export(
                 check()  # on Lance's thread: Ctrl-C stops the write from inside
                 progress(done, total)
 
+            # "create" where nothing is replaced: Lance warns on stderr when "overwrite" finds
+            # no dataset, and stderr must stay quiet (docs/cli.md).
+            replace = overwrite and (destination / "_versions").is_dir()
             rows = export_history(
                 st,
                 namespace,
                 destination,
                 start=start,
                 stop=stop,
-                mode="overwrite" if overwrite else "create",
+                mode="overwrite" if replace else "create",
                 progress=step_done,
             )
     click.echo(f"exported {rows} rows ({fmt}) to {destination}")
