@@ -1911,3 +1911,35 @@ def test_a_starting_producer_retries_its_epoch_on_the_newest_version_not_the_win
     late = bw.Producer(store, "ns", producer_id="late", mesh=bw.Mesh(dp=1), sleep=lambda _: None)
     late.close()
     assert len(attempts) == 2, attempts  # lost on the stale base, then won on the newest
+
+
+def test_appends_go_on_when_the_os_refuses_another_upload_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: with the pool's one thread busy and the OS refusing another (a container's pids
+    limit), append raised "producer ... was stopped" (it was not; an IndexError attached)."""
+    store = MemoryStore()
+    released = threading.Event()
+
+    class Gated(bw.StoreWrapper):  # the first upload holds the one thread until released
+        def put(self, key: str, data: Any, *, mode: bw.PutMode = bw.PutMode.OVERWRITE) -> None:
+            if "/data/" in key:
+                assert released.wait(30)
+            super().put(key, data, mode=mode)
+
+    real_start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        if self.name.startswith("bw-upload-a_") and not self.name.endswith("_0"):
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    gated = Gated(store)
+    with bw.Producer(gated, "ns", producer_id="a", mesh=bw.Mesh(dp=1), upload_threads=4) as p:
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        for offset in range(5):  # every one after the first finds the thread busy
+            p.append([bytes([offset])], offset=offset)
+        assert not p.failed
+        released.set()
+        assert len(p._uploads.threads) == 1  # the one thread the OS allowed did every upload
+    assert ManifestLog(store, "ns").latest().next_step == 5

@@ -60,8 +60,16 @@ class UploadThreads:
         self._queue.put((fn, args))  # one C call: queued, or not at all
         try:
             self._idle.pop()  # a waiting thread takes it
+            return
         except IndexError:
+            pass
+        try:
             self._spawn(idle=False)
+        except RuntimeError:
+            # The OS refused another thread (a container's pids limit): the running ones take
+            # the job when free, with less parallelism. Only a pool without any is stuck.
+            if not self._threads:
+                raise
 
     def shutdown(self, *, wait: bool = True, cancel: bool = False) -> None:
         """Let the threads end once the queued calls are done. ``cancel``: drop the calls not
@@ -100,7 +108,13 @@ class UploadThreads:
             # Counted first: a Ctrl-C in start() must not leave a running thread without its
             # stop signal (one that got stuck starting has an extra signal, never joined).
             self._threads.append(thread)
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError:  # "can't start new thread": it never ran, so it needs no signal
+                self._threads.remove(thread)
+                if idle:
+                    self._idle.pop()
+                raise
 
 
 def _stop(queue: SimpleQueue[_Job | None], threads: list[threading.Thread]) -> None:
