@@ -42,6 +42,7 @@ def publish(store: bw.ObjectStore, steps: int, *, producer_id: str = "p0") -> No
     ) as producer:
         for offset in range(steps):
             producer.append([f"{offset}:{s}".encode() * 4 for s in range(2)], offset=offset)
+            producer.flush()  # one per commit however the uploads overlap (a loaded machine)
 
 
 @pytest.fixture
