@@ -127,16 +127,22 @@ def test_state_from_another_namespace_is_refused(store: MemoryStore) -> None:
         c.load_state_dict(state)
 
 
-def test_state_of_a_copied_namespace_is_refused_by_name_unless_renamed_on_purpose() -> None:
-    """A backup copied to another prefix keeps its namespace id: before, the state of ``run``
-    loaded silently into ``run-copy`` (whose steps hold other data once the two diverge)."""
+def _copied_namespace_and_a_state_of_the_original() -> tuple[MemoryStore, dict[str, Any]]:
+    """A store holding ``run`` (3 TGBs) and ``run-copy``, a copy of it under another prefix
+    (same namespace id), and the state of a consumer of ``run`` after one step."""
     s = MemoryStore()
     produce(s, "run", STORED, tgbs=3)
     for meta in list(s.list("run/")):
         s.put("run-copy/" + meta.key.removeprefix("run/"), s.get(meta.key))
     with Consumer(s, "run", mesh=STORED, dp_rank=0, cp_rank=0) as c:
         next(c)
-        state = c.state_dict()
+        return s, c.state_dict()
+
+
+def test_state_of_a_copied_namespace_is_refused_by_name_unless_renamed_on_purpose() -> None:
+    """A backup copied to another prefix keeps its namespace id: before, the state of ``run``
+    loaded silently into ``run-copy`` (whose steps hold other data once the two diverge)."""
+    s, state = _copied_namespace_and_a_state_of_the_original()
     with Consumer(s, "run-copy", mesh=STORED, dp_rank=0, cp_rank=0) as copy:
         copy.open()
         assert copy.namespace_id == state["namespace_id"]  # the ids alone agree
@@ -158,13 +164,7 @@ def test_resume_tgb_step_refuses_a_copied_namespace_state_as_load_state_dict_doe
     """Before: ``resume_tgb_step`` (the step ``checkpoint_hook`` records) compared namespace ids
     only, so it took the state of ``run`` in ``run-copy`` (same id), which ``load_state_dict``
     refuses: the watermark would protect steps of a namespace the state never read."""
-    s = MemoryStore()
-    produce(s, "run", STORED, tgbs=3)
-    for meta in list(s.list("run/")):
-        s.put("run-copy/" + meta.key.removeprefix("run/"), s.get(meta.key))
-    with Consumer(s, "run", mesh=STORED, dp_rank=0, cp_rank=0) as c:
-        next(c)
-        state = c.state_dict()
+    s, state = _copied_namespace_and_a_state_of_the_original()
     for opened in (False, True):
         with Consumer(s, "run-copy", mesh=STORED, dp_rank=0, cp_rank=0) as copy:
             if opened:
