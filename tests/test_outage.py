@@ -581,3 +581,47 @@ def test_a_consumer_on_a_flapping_store_logs_a_few_lines_not_two_per_step(
     assert store.reads >= 400
     lines = [r.getMessage() for r in caplog.records if "object store" in r.getMessage()]
     assert 2 <= len(lines) <= 6, lines  # at most two an interval of 30 s
+
+
+class OneKeyTimesOut(StoreWrapper):
+    """Every PUT of data objects larger than ``limit`` bytes gets no answer (an object too large
+    for the read timeout), while every other request is answered."""
+
+    def __init__(self, inner: ObjectStore, limit: int) -> None:
+        super().__init__(inner)
+        self.limit = limit
+        self.timeouts = 0
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = PutMode.OVERWRITE) -> None:
+        if "/data/" in key and memoryview(data).nbytes > self.limit:
+            self.timeouts += 1
+            error = AmbiguousWriteError(f"put {key!r}: no answer within read_timeout=3 s")
+            error.timed_out = True
+            raise error
+        self.inner.put(key, data, mode=mode)
+
+
+def test_an_upload_that_always_times_out_while_the_store_answers_spends_max_retries(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Review of the hung-store change: a PUT timing out every time while the store answered a
+    HEAD was counted as an outage, retried thousands of times a second for ever, and logged as
+    "unreachable", then "reachable again"."""
+    inner = MemoryStore()
+    store = OneKeyTimesOut(inner, limit=4000)
+    p = Producer(
+        store, NS, producer_id="p0", mesh=MESH, policy="naive", max_retries=2, sleep=Sleeps()
+    )
+    caplog.set_level(logging.INFO, logger="batchweave")
+    try:
+        p.append(payloads(0), offset=0)
+        p.flush()
+        p.append([b"x" * 5000] * len(payloads(1)), offset=1)
+        with pytest.raises(ProducerError, match=r"\(offset 1\) failed 3 times \(max_retries=2\)"):
+            p.flush(timeout=20)
+    finally:
+        p.abort()
+    assert store.timeouts == 3
+    assert committed(inner, "p0") == [0]
+    assert "unreachable" not in caplog.text
+    assert "failed (attempt 1, AmbiguousWriteError" in caplog.text  # a line naming the key

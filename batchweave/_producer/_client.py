@@ -47,6 +47,7 @@ from batchweave._errors import (
     ProducerError,
     ProducerFenced,
     ProducerRetired,
+    StoreError,
 )
 from batchweave._fork import current_pid
 from batchweave._format._checksum import DEFAULT_CHECKSUM_ALGO, ChecksumAlgo
@@ -64,7 +65,7 @@ from batchweave._manifest._log import (
 )
 from batchweave._manifest._models import Manifest, ProducerState, TgbDescriptor
 from batchweave._mesh import Mesh
-from batchweave._outage import OutageLog, is_outage
+from batchweave._outage import OutageLog, is_outage, no_answer
 from batchweave._policy import (
     AttemptOutcome,
     CommitPolicy,
@@ -1054,12 +1055,22 @@ class Producer:
                     attempt += 1
                     # An unreachable or hung store is an outage: waited out however long it
                     # lasts, keeping the TGB (append blocks on max_inflight_bytes meanwhile:
-                    # memory stays bounded). A timed-out PUT is ambiguous, but an upload only
-                    # ever writes these bytes to this key: sending it again is the answer.
-                    failures += not is_outage(exc)
+                    # memory stays bounded). A PUT that got no answer is asked about with a
+                    # HEAD: landed after all, it is done; not there from a store that answers,
+                    # it failed on its own (an object too large for read_timeout would time out
+                    # for ever): it spends max_retries, and its lines name the key.
+                    outage = is_outage(exc)
+                    if outage and no_answer(exc):
+                        after = self._after_no_answer(key, encoded.size)
+                        if after == "landed":
+                            took = measured_duration(began, self._clock())
+                            self._outage.recovered()
+                            break
+                        outage = after == "silent"
+                    failures += not outage
                     if failures > self._max_retries:
                         raise self._upload_failure(key, entry, failures, exc) from exc
-                    self._retries.note(f"uploading {key!r}", exc, attempt)
+                    self._retries.note(f"uploading {key!r}", exc, attempt, outage=outage)
             if descriptor is None:
                 descriptor = self._descriptor(entry, encoded, validate=False)
             # One lock round and one wake-up for everything a finished upload changes.
@@ -1084,6 +1095,19 @@ class Producer:
             if not released:
                 with self._lock:
                     self._release_locked(entry)
+
+    def _after_no_answer(self, key: str, size: int) -> str:
+        """What a HEAD of ``key`` says after its PUT of ``size`` bytes got no answer (one small
+        request per such retry): ``"landed"`` (the object is there, whole: a PUT is atomic, and
+        only these bytes are ever written to this key), ``"failed"`` (the store answers: the
+        PUT failed on its own) or ``"silent"`` (no answer either: the outage it looked like)."""
+        try:
+            meta = self._store.head(key)
+        except RETRYABLE:
+            return "silent"
+        except StoreError:
+            return "failed"  # not found, access denied...: an answer
+        return "landed" if meta.size == size else "failed"
 
     def _upload_failure(
         self, key: str, entry: Entry, failures: int, exc: BaseException

@@ -70,13 +70,18 @@ class Retries:
         attempt: int,
         *,
         sleep: Callable[[float], None] | None = None,
+        outage: bool | None = None,
     ) -> None:
-        """Count and log a retried failure, then sleep the backoff (with ``sleep``, if given)."""
+        """Count and log a retried failure, then sleep the backoff (with ``sleep``, if given).
+
+        ``outage``: whether it is one (default: :func:`~batchweave._outage.is_outage`), logged
+        once per outage; any other failure gets a line of its own, naming ``what``.
+        """
         delay = self.backoff(attempt)
         sleep = self.sleep if sleep is None else sleep
         with self._lock:
             self.count += 1
-        if is_outage(exc):
+        if is_outage(exc) if outage is None else outage:
             self._outage.failed(what, exc)  # one line per outage, not one per retry
             sleep(delay)
             return
