@@ -132,14 +132,15 @@ class Watermarks:
     """The watermarks of one namespace: record, release, list, and the reclamation boundary.
 
     ``keep_last``: after each :meth:`record`, keep the new watermark and the ``keep_last - 1``
-    others recorded most recently (by the store's ``last_modified``, one clock every host
-    shares), releasing the rest (``None``: release only explicitly, when the framework deletes a
-    checkpoint). ``scope``: a checkpoint-id prefix that confines this
-    instance to one reader's watermarks: :meth:`record` refuses ids outside it and ``keep_last``
-    releases only ids inside it, so several readers of one namespace (a training job and an
-    evaluation job) never release each other's (``None``: the whole namespace, for a namespace
-    with one reader). ``clock`` (wall-clock seconds) is stored in each watermark for operators
-    (``keep_last`` uses it only to break ties of ``last_modified``).
+    others recorded most recently (by the manifest ``version`` each was taken at, then the
+    store's ``last_modified``, clocks no host can skew: see :meth:`record`), releasing the rest
+    (``None``: release only explicitly, when the framework deletes a checkpoint). ``scope``: a
+    checkpoint-id prefix that confines this instance to one reader's watermarks: :meth:`record`
+    refuses ids outside it and ``keep_last`` releases only ids inside it, so several readers of
+    one namespace (a training job and an evaluation job) never release each other's
+    (``None``: the whole namespace, for a namespace with one reader). ``clock`` (wall-clock
+    seconds) is stored in each watermark for operators (``keep_last`` uses it only to break
+    ties).
     ``sleep`` paces the listings :meth:`live` retakes when a watermark vanishes under it.
 
     Safe to use from several processes: every watermark is its own object, written whole.
@@ -398,15 +399,9 @@ class Watermarks:
         """
         marks: list[tuple[float, Watermark]] = []
         seen: set[str] = set()
-        for meta in self.store.list(prefix):
-            seen.add(meta.key)
-            if not self._read_listed(meta, marks, unreadable):
-                return marks, f"{meta.key!r} was gone when read"
-        if not confirm:
-            return marks, None
         added: str | None = None
-        for _ in range(_CONFIRMING_LISTS):
-            added = None
+        for listing in range(1 + _CONFIRMING_LISTS if confirm else 1):
+            added = None  # the last key this LIST named that none before it did
             for meta in self.store.list(prefix):
                 if meta.key in seen:
                     continue
@@ -414,7 +409,7 @@ class Watermarks:
                 if not self._read_listed(meta, marks, unreadable):
                     return marks, f"{meta.key!r} was gone when read"
                 added = meta.key
-            if added is None:
+            if not confirm or (listing and added is None):
                 return marks, None
         return marks, (
             f"{_CONFIRMING_LISTS} LISTs after the first each named new watermarks (last: {added!r})"
