@@ -823,23 +823,23 @@ class Producer:
             pass  # interpreter teardown (modules half gone): never raise from __del__
 
     def _keep_committing(self) -> bool:
-        """From ``__del__``: keep this dropped producer alive, committing what it holds, until
-        its commit thread ends; ``False`` if that thread already ended (nothing would commit).
+        """From ``__del__``, holding ``self._link.lock``: keep this dropped producer alive,
+        committing what it holds, until its commit thread ends; ``False`` if that thread already
+        ended (nothing would commit).
 
         Never blocks on the producer's lock (a finalizer runs wherever the collector does): a
         missed wake-up only delays the next forced attempt by one wait of the loop.
         """
         link = self._link
-        with link.lock:
-            if link.ended:
-                return False
-            self._dropped = True
-            # The commit thread reaches it through the link even if the cycle collector cleared
-            # its weak references before calling __del__ (and _UNCLOSED's with them).
-            link.kept = self
-            # Under the link's lock: the thread's _let_go (after it set ``ended``) comes later.
-            _lifetime.add_busy(self)
-            _lifetime.add_unclosed(self)
+        if link.ended:
+            return False
+        self._dropped = True
+        # The commit thread reaches it through the link even if the cycle collector cleared its
+        # weak references before calling __del__ (and _UNCLOSED's with them).
+        link.kept = self
+        # Under the link's lock: the thread's _let_go (after it set ``ended``) comes later.
+        _lifetime.add_busy(self)
+        _lifetime.add_unclosed(self)
         if self._lock.acquire(blocking=False):
             try:
                 self._cond.notify_all()
